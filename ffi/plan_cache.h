@@ -1,0 +1,153 @@
+// Per-device cuBLASLt handles and the process-wide cache of matmul plans.
+//
+// A plan is everything cuBLASLt needs for one problem except the data pointers: the
+// matmul descriptor, the matrix layouts and the algorithm the heuristic chose. It is
+// built once per problem (host-only work: no device allocation, no stream work) and
+// reused by every call; a call only sets its bias / aux pointers and enqueues.
+#ifndef JAX_EPILOG_FFI_PLAN_CACHE_H_
+#define JAX_EPILOG_FFI_PLAN_CACHE_H_
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "status.h"
+
+namespace jax_epilog {
+
+// Element types, numbered as support_query's `dtype` argument.
+enum class DType : uint8_t { kF16 = 0, kBF16 = 1, kF32 = 2 };
+
+// The public epilog values (cuBLASLt's cublasLtEpilogue_t as seen from the
+// row-major API). They equal cuBLASLt's own except that BGRADA and BGRADB trade
+// places: see ToCublasLt.
+enum Epilog : int32_t {
+  kDefault = 1,
+  kRelu = 2,
+  kReluAux = 130,
+  kBias = 4,
+  kReluBias = 6,
+  kReluAuxBias = 134,
+  kDRelu = 136,
+  kDReluBgrad = 152,
+  kGelu = 32,
+  kGeluAux = 160,
+  kGeluBias = 36,
+  kGeluAuxBias = 164,
+  kDGelu = 192,
+  kDGeluBgrad = 208,
+  kBgradA = 256,
+  kBgradB = 512,
+};
+
+// What an epilog reads and writes besides a, b and y.
+struct EpilogIo {
+  bool bias_in = false;       // bias (batch_bias, N)
+  bool relu_aux_in = false;   // ReLU bit mask (batch, M, 16*ceil(N/128)) uint8
+  bool gelu_aux_in = false;   // GELU input (batch, M, 8*ceil(N/8)), y's dtype
+  bool relu_aux_out = false;  // as relu_aux_in
+  bool gelu_aux_out = false;  // as gelu_aux_in
+  // Bias gradient (batch, bgrad_len): N for DRELU_BGRAD, DGELU_BGRAD, BGRADB; M for
+  // BGRADA. 0 when the epilog has none.
+  int64_t bgrad_len = 0;
+};
+
+// False for a value that is not one of the 16 epilogs.
+bool DescribeEpilog(int32_t epilog, int64_t m, int64_t n, EpilogIo* io);
+const char* EpilogName(int32_t epilog);
+
+// Row length of the aux matrices, in elements of their own type.
+inline int64_t ReluAuxBytesPerRow(int64_t n) { return 16 * ((n + 127) / 128); }
+inline int64_t GeluAuxLd(int64_t n) { return 8 * ((n + 7) / 8); }
+
+inline size_t ElementBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+
+// log2 of the alignment cuBLASLt can rely on for a pointer whose batches start
+// `batch_stride_bytes` apart, capped at 256 bytes (cuBLASLt's largest requirement
+// and its default assumption).
+uint8_t AlignmentLog2(const void* ptr, int64_t batch_stride_bytes);
+
+// Everything a plan depends on. Pointer alignments are part of it because the
+// heuristic picks algorithms for the alignment it is told.
+struct Problem {
+  int device = 0;  // CUDA device ordinal
+  int32_t epilog = kDefault;
+  DType dtype = DType::kF32;
+  bool transpose_a = false;
+  bool transpose_b = false;
+  bool allow_tf32 = false;  // normalised to false unless dtype is kF32
+  int64_t batch = 1, batch_b = 1, batch_bias = 1;
+  int64_t m = 0, n = 0, k = 0;
+  uint64_t workspace_bytes = 0;
+  uint8_t align_a = 8, align_b = 8, align_y = 8, align_bias = 8, align_aux = 8;
+
+  bool operator==(const Problem& o) const;
+  std::string ToString() const;
+};
+
+struct ProblemHash {
+  size_t operator()(const Problem& p) const;
+};
+
+struct Plan {
+  Plan() = default;
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan();
+
+  int device = 0;
+  cublasLtHandle_t handle = nullptr;
+  cublasLtMatmulDesc_t desc = nullptr;
+  // cuBLASLt's A is our b and its B our a (row-major Y = A B is column-major
+  // Y^T = B^T A^T). C and D share one layout: beta is 0 and C aliases D.
+  cublasLtMatrixLayout_t layout_a = nullptr;
+  cublasLtMatrixLayout_t layout_b = nullptr;
+  cublasLtMatrixLayout_t layout_cd = nullptr;
+  cublasLtMatmulAlgo_t algo{};
+  bool sets_bias_pointer = false;
+  bool sets_aux_pointer = false;
+  // The pointers of a call live on the shared descriptor, so setting them and
+  // enqueueing the matmul must not interleave with another call of this plan.
+  std::mutex mutex;
+};
+
+// The plan for `problem`, built and cached on first use. Errors: kUnimplemented when
+// cuBLASLt has no algorithm for the problem (message: why), kFailedPrecondition for a
+// CUDA failure (no driver, bad device), kInternal for any other cuBLASLt failure.
+ffi::Error GetPlan(const Problem& problem, Plan** plan);
+
+// The data of one call, in our (row-major) naming.
+struct CallBuffers {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* y = nullptr;
+  void* bias = nullptr;  // bias input or bias-gradient output, when the epilog has one
+  void* aux = nullptr;   // aux input or output, when the epilog has one
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// Enqueues the plan's matmul on `stream`. Never allocates and never synchronises.
+ffi::Error RunPlan(Plan& plan, const CallBuffers& buffers, cudaStream_t stream);
+
+// Makes `device` current for the scope (cuBLASLt handles are created for, and
+// kernels launched on, the current device) and restores the previous one after.
+class ScopedDevice {
+ public:
+  ScopedDevice() = default;
+  ScopedDevice(const ScopedDevice&) = delete;
+  ScopedDevice& operator=(const ScopedDevice&) = delete;
+  ~ScopedDevice();
+  ffi::Error Enter(int device);
+
+ private:
+  int previous_ = -1;
+};
+
+}  // namespace jax_epilog
+
+#endif  // JAX_EPILOG_FFI_PLAN_CACHE_H_

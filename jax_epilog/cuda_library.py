@@ -1,0 +1,122 @@
+"""Loading `libjax_epilog_ffi.so` and registering its XLA FFI handler for CUDA.
+
+The library links cuBLASLt and the CUDA runtime from NVIDIA's cu13 wheels (the copies JAX's
+CUDA plugin uses). They are preloaded from the wheels' folder so our library finds exactly
+those. Nothing here touches a GPU: cuBLASLt handles are made lazily inside the library, so
+importing jax_epilog on a machine without a driver, or without the wheels, just leaves the CUDA
+path unavailable (the reason is kept for the error or warning that needs it).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+from pathlib import Path
+from typing import Optional
+
+import jax
+
+TARGET_NAME = "jax_epilog_matmul"
+_LIBRARY_FILE = "libjax_epilog_ffi.so"
+_PRELOAD = ("libcudart.so.13", "libcublasLt.so.13")
+
+
+def _nvidia_lib_dirs() -> list[Path]:
+    spec = importlib.util.find_spec("nvidia")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    return [Path(p) / "cu13" / "lib" for p in spec.submodule_search_locations]
+
+
+def _preload_cuda_libraries() -> None:
+    for name in _PRELOAD:
+        for folder in _nvidia_lib_dirs():
+            if (folder / name).exists():
+                ctypes.CDLL(str(folder / name), mode=ctypes.RTLD_GLOBAL)
+                break
+
+
+class _Library:
+    """The loaded library, or why it could not be loaded."""
+
+    def __init__(self):
+        self.handle: Optional[ctypes.CDLL] = None
+        self.error: Optional[str] = None
+        path = Path(__file__).with_name(_LIBRARY_FILE)
+        if os.environ.get("JAX_EPILOG_DISABLE_CUDA", "") not in ("", "0"):
+            self.error = "disabled by JAX_EPILOG_DISABLE_CUDA"
+            return
+        if not path.exists():
+            self.error = f"{path} was not built (install jax-epilog with pip to build it)"
+            return
+        try:
+            _preload_cuda_libraries()
+            self.handle = ctypes.CDLL(str(path))
+        except OSError as e:  # e.g. no cuBLASLt on this machine: CUDA path unavailable
+            self.error = f"could not load {path.name}: {e}"
+            return
+        lib = self.handle
+        lib.jax_epilog_cublaslt_version.restype = ctypes.c_size_t
+        lib.jax_epilog_query_support.restype = ctypes.c_int
+        lib.jax_epilog_query_support.argtypes = [
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+            ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t,
+        ]
+
+    def register(self) -> None:
+        stages = {"execute": jax.ffi.pycapsule(self.handle.JaxEpilogMatmul)}
+        if hasattr(self.handle, "JaxEpilogMatmulInitialize"):
+            stages["initialize"] = jax.ffi.pycapsule(self.handle.JaxEpilogMatmulInitialize)
+        jax.ffi.register_ffi_target(TARGET_NAME, stages, platform="CUDA")
+
+
+@functools.cache
+def library() -> _Library:
+    lib = _Library()
+    if lib.handle is not None:
+        lib.register()
+    return lib
+
+
+def available() -> bool:
+    return library().handle is not None
+
+
+def unavailable_reason() -> Optional[str]:
+    return library().error
+
+
+def cublaslt_version() -> Optional[int]:
+    """cuBLASLt's version number (e.g. 130100), or None without the library."""
+    lib = library()
+    return int(lib.handle.jax_epilog_cublaslt_version()) if lib.handle is not None else None
+
+
+_DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
+
+
+@functools.lru_cache(maxsize=4096)
+def query_support(epilog: int, dtype: str, transpose_a: bool, transpose_b: bool, batch: int,
+                  b_batch: int, bias_batch: int, m: int, n: int, k: int, allow_tf32: bool,
+                  workspace_bytes: int, device: int = 0) -> tuple[Optional[bool], str]:
+    """Whether cuBLASLt has a kernel for this problem on `device`.
+
+    Returns (True|False, message), or (None, reason) when it cannot tell (no library, no GPU
+    on this machine: e.g. exporting for CUDA from a CPU host). Building the answer also builds
+    and caches the plan, so the first execution does no planning.
+    """
+    lib = library()
+    if lib.handle is None:
+        return None, lib.error or "library unavailable"
+    message = ctypes.create_string_buffer(512)
+    status = lib.handle.jax_epilog_query_support(
+        device, epilog, _DTYPE_CODES[dtype], int(transpose_a), int(transpose_b), batch, b_batch,
+        bias_batch, m, n, k, int(allow_tf32), workspace_bytes, message, len(message))
+    text = message.value.decode(errors="replace")
+    if status < 0:
+        return None, text
+    return bool(status), text

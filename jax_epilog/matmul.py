@@ -1,0 +1,306 @@
+"""`jax_epilog.matmul`: the public op (SPEC §1), its argument checks and its gradient.
+
+The user's arrays are checked here, once, with errors that name the argument, and reshaped
+(never copied) into the kernel's rank-3 form: a 2-D `b` shared by every leading index of `a`
+folds those indices into M, so the whole call is one GEMM; otherwise leading dims become one
+strided batch. `reference_matmul` is the same function running the reference implementation
+directly; plain JAX differentiates it, which is what the custom VJP here is tested against.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import lowering  # noqa: F401  (registers the lowerings)
+from .epilogs import Epilog, as_epilog, gelu_aux_columns, relu_mask_bytes
+from .primitive import epilog_matmul_p
+from .reference import epilog_matmul as reference_kernel
+from .reference import gelu_derivative, unpack_relu_mask
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+
+#: Pass as `jax.export.export(..., disabled_checks=EXPORT_SAFETY_CHECKS)` when exporting for
+#: CUDA: the exported module calls our custom call, which JAX does not know to be stable.
+EXPORT_SAFETY_CHECKS = (jax.export.DisabledSafetyCheck.custom_call("jax_epilog_matmul"),)
+
+
+class KernelConfig(NamedTuple):
+    """Static parameters of one kernel call (hashable: a custom_vjp non-diff argument)."""
+
+    epilog: int
+    transpose_a: bool
+    transpose_b: bool
+    allow_tf32: bool
+
+
+# --- argument checks --------------------------------------------------------------------------
+
+def _raw_dtype(x) -> np.dtype:
+    dtype = getattr(x, "dtype", None)
+    return jnp.dtype(np.asarray(x).dtype if dtype is None else dtype)
+
+
+def _dtype_of(name: str, x) -> np.dtype:
+    dtype = _raw_dtype(x)
+    if dtype not in SUPPORTED_DTYPES:
+        extra = " (float64 is not supported by cuBLASLt's epilogs; cast to float32)" \
+            if dtype == jnp.float64 else ""
+        raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {dtype}{extra}")
+    return dtype
+
+
+def _as_operand(name: str, x):
+    dtype = _dtype_of(name, x)
+    x = jnp.asarray(x, dtype=dtype)
+    if x.ndim < 2:
+        raise ValueError(f"{name}: expected an array of rank >= 2, got shape {x.shape}")
+    return x
+
+
+def allow_tf32_for(precision, dtype) -> bool:
+    """Whether a float32 GEMM may use TF32: DEFAULT and HIGH may, HIGHEST may not (SPEC §1)."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return False
+    if precision is None:
+        precision = jax.config.jax_default_matmul_precision
+    if isinstance(precision, (tuple, list)):
+        if len(precision) != 2 or precision[0] != precision[1]:
+            raise ValueError(f"precision: expected one precision for both operands, got {precision}")
+        precision = precision[0]
+    if precision is None:
+        return True
+    if isinstance(precision, str):
+        if precision.lower() in ("float32", "highest", "fastest_float32"):
+            return precision.lower() == "fastest_float32"
+        try:
+            precision = jax.lax.Precision(precision)
+        except ValueError:
+            raise ValueError(f"precision: unknown value {precision!r}; expected None, a "
+                             "jax.lax.Precision or its name") from None
+    if not isinstance(precision, jax.lax.Precision):
+        raise TypeError(f"precision: expected None or jax.lax.Precision, got {precision!r}")
+    return precision != jax.lax.Precision.HIGHEST
+
+
+def _check_epilog_inputs(epilog: Epilog, epilog_inputs) -> dict[str, Any]:
+    if epilog_inputs is None:
+        epilog_inputs = {}
+    if not isinstance(epilog_inputs, Mapping):
+        raise TypeError(f"epilog_inputs: expected a dict, got {type(epilog_inputs).__name__}")
+    given, needed = set(epilog_inputs), set(epilog.input_names)
+    if needed - given:
+        raise ValueError(f"epilog_inputs: epilog {epilog.name} needs "
+                         f"{sorted(needed)}, missing {sorted(needed - given)}")
+    if given - needed:
+        takes = sorted(needed) if needed else "no inputs"
+        raise ValueError(f"epilog_inputs: epilog {epilog.name} takes {takes}, "
+                         f"got unexpected {sorted(given - needed)}")
+    return dict(epilog_inputs)
+
+
+def _check_input(name: str, x, *, dtype, shapes: list[tuple[int, ...]], what: str):
+    label = f"epilog_inputs['{name}']"
+    got = _raw_dtype(x)
+    if got != dtype:
+        raise TypeError(f"{label}: expected dtype {jnp.dtype(dtype)} ({what}), got {got}")
+    x = jnp.asarray(x)
+    if tuple(x.shape) not in shapes:
+        expected = " or ".join(str(s) for s in dict.fromkeys(shapes))
+        raise ValueError(f"{label}: expected shape {expected} ({what}), got {tuple(x.shape)}")
+    return x
+
+
+class _Call(NamedTuple):
+    """A checked call, in the kernel's rank-3 form, and how to shape its results back."""
+
+    a: Any
+    b: Any
+    inputs: tuple
+    config: KernelConfig
+    lead: tuple[int, ...]
+    m: int
+    n: int
+    k: int
+    b_shared: bool
+
+
+def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision) -> _Call:
+    epilog = as_epilog(epilog)
+    a = _as_operand("a", a)
+    b = _as_operand("b", b)
+    if a.dtype != b.dtype:
+        raise TypeError(f"b: dtype {b.dtype} differs from a's {a.dtype}; they must be equal")
+    for name, flag in (("transpose_a", transpose_a), ("transpose_b", transpose_b)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name}: expected a bool, got {flag!r}")
+    inputs = _check_epilog_inputs(epilog, epilog_inputs)
+
+    lead = tuple(a.shape[:-2])
+    m, k = (a.shape[-1], a.shape[-2]) if transpose_a else (a.shape[-2], a.shape[-1])
+    kb, n = (b.shape[-1], b.shape[-2]) if transpose_b else (b.shape[-2], b.shape[-1])
+    if kb != k:
+        raise ValueError(f"b: contraction size K={kb} (b shape {b.shape}, transpose_b="
+                         f"{transpose_b}) does not match a's K={k} (a shape {a.shape}, "
+                         f"transpose_a={transpose_a})")
+    b_shared = b.ndim == 2
+    if not b_shared and tuple(b.shape[:-2]) != lead:
+        raise ValueError(f"b: leading dims {tuple(b.shape[:-2])} must equal a's leading dims "
+                         f"{lead} (or b must be 2-D to be shared)")
+
+    checked = {}
+    if "bias" in inputs:
+        checked["bias"] = _check_input("bias", inputs["bias"], dtype=a.dtype,
+                                       shapes=[(n,), (*lead, n)], what="the bias along N")
+    if "relu_aux" in inputs:
+        checked["relu_aux"] = _check_input(
+            "relu_aux", inputs["relu_aux"], dtype=jnp.uint8,
+            shapes=[(*lead, m, relu_mask_bytes(n))], what=f"the ReLU bit mask for N={n}")
+    if "gelu_aux" in inputs:
+        checked["gelu_aux"] = _check_input(
+            "gelu_aux", inputs["gelu_aux"], dtype=a.dtype,
+            shapes=[(*lead, m, gelu_aux_columns(n))], what=f"the GELU pre-activation for N={n}")
+
+    batch = math.prod(lead)
+    bias_per_batch = "bias" in checked and checked["bias"].ndim > 1
+    # A shared b: one GEMM over all rows, the leading dims folded into M. Otherwise (a's rows
+    # are not contiguous, or the bias differs per batch) one strided-batched GEMM.
+    folded = b_shared and not transpose_a and not bias_per_batch
+    kernel_batch, kernel_m = (1, batch * m) if folded else (batch, m)
+    a3 = a.reshape(kernel_batch, *((kernel_m, k) if folded else a.shape[-2:]))
+    b3 = b.reshape(1 if b_shared else batch, *b.shape[-2:])
+    kernel_inputs = tuple(
+        checked[name].reshape(-1, n) if name == "bias"
+        else checked[name].reshape(kernel_batch, kernel_m, -1)
+        for name in epilog.input_names)
+    config = KernelConfig(int(epilog), bool(transpose_a), bool(transpose_b),
+                          allow_tf32_for(precision, a.dtype))
+    return _Call(a3, b3, kernel_inputs, config, lead, m, n, k, b_shared)
+
+
+def _finish(call: _Call, outputs):
+    """Shape the kernel's outputs back to the user's leading dims."""
+    epilog = Epilog(call.config.epilog)
+    lead, m, n = call.lead, call.m, call.n
+    outputs = list(outputs)
+    y = outputs.pop(0).reshape(*lead, m, n)
+    aux = {}
+    if epilog.aux_output:
+        x = outputs.pop(0)
+        aux[epilog.aux_output] = x.reshape(*lead, m, x.shape[-1])
+    if epilog.reduction_output:
+        x = outputs.pop(0)
+        if epilog == Epilog.BGRADA:
+            x = x.reshape(*lead, m)
+        elif call.b_shared:  # a shared b: its bias gradient sums over every leading index
+            x = x.sum(axis=0, dtype=jnp.float32).astype(x.dtype) if x.shape[0] > 1 else x[0]
+        else:
+            x = x.reshape(*lead, n)
+        aux[epilog.reduction_output] = x
+    return (y, aux) if aux else y
+
+
+# --- the kernel call and its gradient -----------------------------------------------------
+
+def _run_kernel(config: KernelConfig, a, b, *inputs):
+    params = config._asdict()
+    if 0 in a.shape or 0 in b.shape:  # nothing for a GEMM to do: the exact answer in plain JAX
+        return reference_kernel(a, b, *inputs, **params)
+    return tuple(epilog_matmul_p.bind(a, b, *inputs, **params))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _forward(config: KernelConfig, a, b, *inputs):
+    return _run_kernel(config, a, b, *inputs)
+
+
+def _forward_fwd(config: KernelConfig, a, b, *inputs):
+    epilog = Epilog(config.epilog)
+    # Keep the backward's residual: the bit mask for ReLU, the pre-activation for GELU.
+    with_aux = config._replace(epilog=int(epilog.with_aux))
+    outputs = _run_kernel(with_aux, a, b, *inputs)
+    residual = outputs[1] if epilog.activation else None
+    visible = outputs if epilog.aux_output or not epilog.activation else outputs[:1]
+    bias = inputs[0] if epilog.has_bias else None
+    return visible, (a, b, residual, bias)
+
+
+def _forward_bwd(config: KernelConfig, saved, cotangents):
+    a, b, residual, bias = saved
+    epilog = Epilog(config.epilog)
+    dy = cotangents[0].astype(jnp.float32)
+    n = dy.shape[-1]
+    if epilog.activation == "relu":
+        dz = jnp.where(unpack_relu_mask(residual, n), dy, 0.0)
+    elif epilog.activation == "gelu":
+        pre_activation = residual[..., :n].astype(jnp.float32)
+        dz = dy * gelu_derivative(pre_activation)
+        if epilog.aux_output:  # the pre-activation was an output too: its cotangent adds on
+            dz = dz + cotangents[1][..., :n].astype(jnp.float32)
+    else:
+        dz = dy
+    # dz is (batch, M, N); op(a) is (batch, M, K), op(b) is (batch|1, K, N).
+    precision = jax.lax.Precision.DEFAULT if config.allow_tf32 else jax.lax.Precision.HIGHEST
+    a_mk = jnp.swapaxes(a, 1, 2) if config.transpose_a else a
+    b_kn = jnp.swapaxes(b, 1, 2) if config.transpose_b else b
+    da = jnp.einsum("bmn,ckn->bmk", dz, b_kn.astype(jnp.float32), precision=precision) \
+        if b.shape[0] == 1 else \
+        jnp.einsum("bmn,bkn->bmk", dz, b_kn.astype(jnp.float32), precision=precision)
+    db = jnp.einsum("bmk,bmn->bkn", a_mk.astype(jnp.float32), dz, precision=precision)
+    if b.shape[0] == 1:
+        db = db.sum(axis=0, keepdims=True)
+    da = jnp.swapaxes(da, 1, 2) if config.transpose_a else da
+    db = jnp.swapaxes(db, 1, 2) if config.transpose_b else db
+    grads = [da.astype(a.dtype), db.astype(b.dtype)]
+    if bias is not None:
+        dbias = dz.sum(axis=1)
+        if bias.shape[0] == 1:
+            dbias = dbias.sum(axis=0, keepdims=True)
+        grads.append(dbias.astype(a.dtype))
+    return tuple(grads)
+
+
+_forward.defvjp(_forward_fwd, _forward_bwd)
+
+
+def matmul(a, b, *, epilog=Epilog.DEFAULT, epilog_inputs: Optional[Mapping[str, Any]] = None,
+           transpose_a: bool = False, transpose_b: bool = False, precision=None):
+    """`a @ b` with a cuBLASLt epilog fused into the same kernel (SPEC §1).
+
+    Args:
+      a: `(..., M, K)`, or `(..., K, M)` with `transpose_a`; float16, bfloat16 or float32.
+      b: `(K, N)` shared by every leading index of `a`, or `(..., K, N)` with the same leading
+        dims (`(…, N, K)` with `transpose_b`); same dtype as `a`.
+      epilog: an `Epilog`, its value or its name (e.g. ``"relu_aux_bias"``).
+      epilog_inputs: ``{"bias": (N,) | (..., N)}`` for the bias epilogs,
+        ``{"relu_aux": mask}`` for DRELU*, ``{"gelu_aux": pre_activation}`` for DGELU*.
+      transpose_a, transpose_b: read the operand transposed (no copy is made).
+      precision: for float32, `jax.lax.Precision.HIGHEST` is full float32; DEFAULT / HIGH may
+        use TF32. Ignored for 16-bit dtypes (accumulation is always float32).
+
+    Returns:
+      `y` of shape `(..., M, N)`, or `(y, aux)` where the epilog has auxiliary outputs
+      (`relu_aux`, `gelu_aux`, `drelu_bgrad`, `dgelu_bgrad`, `bgrada`, `bgradb`).
+
+    Differentiable (reverse mode) for the forward epilogs; the backward epilogs are gradients
+    themselves and raise a `TypeError` under `jax.grad`.
+    """
+    call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision)
+    if Epilog(call.config.epilog).is_backward:
+        outputs = _run_kernel(call.config, call.a, call.b, *call.inputs)
+    else:
+        outputs = _forward(call.config, call.a, call.b, *call.inputs)
+    return _finish(call, outputs)
+
+
+def reference_matmul(a, b, *, epilog=Epilog.DEFAULT, epilog_inputs=None, transpose_a=False,
+                     transpose_b=False, precision=None):
+    """`matmul` computed by the plain-JAX reference on any device (same checks, same results)."""
+    call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision)
+    return _finish(call, reference_kernel(call.a, call.b, *call.inputs, **call.config._asdict()))

@@ -1,0 +1,33 @@
+"""Shared test setup: float64 for the CPU references, and GPU detection.
+
+GPU tests are marked `gpu` and skip themselves cleanly where JAX sees no CUDA device (CI).
+"""
+
+import jax
+import pytest
+
+jax.config.update("jax_enable_x64", True)
+
+
+def cuda_devices():
+    try:
+        return jax.devices("cuda")
+    except RuntimeError:
+        return []
+
+
+HAS_CUDA = bool(cuda_devices())
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def cpu_device():
+    return jax.devices("cpu")[0]
