@@ -1,12 +1,10 @@
-"""Shared test setup: float64 for the CPU references, and GPU detection.
+"""Shared test setup: GPU detection.
 
 GPU tests are marked `gpu` and skip themselves cleanly where JAX sees no CUDA device (CI).
 """
 
 import jax
 import pytest
-
-jax.config.update("jax_enable_x64", True)
 
 
 def cuda_devices():
