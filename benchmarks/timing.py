@@ -1,0 +1,159 @@
+"""Timing and run metadata shared by every benchmark (method: ../../shared/BENCHMARK.md).
+
+A call is timed by the device's clock as seen from the host: many back-to-back asynchronous
+calls, one synchronisation at the end, so host dispatch overlaps device work and only the
+device's throughput is measured. The median of several such rounds (after warm-up) is
+reported. Problems small enough to sit in L2 rotate through several copies of their inputs, so
+each call reads its operands from HBM as it would inside a real network.
+
+The benchmarks run as scripts (`python benchmarks/<name>.py`) and import this module as
+`timing`, their sibling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import platform
+import shutil
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+# H100/H200 have a 50 MiB L2; inputs are rotated until the working set is twice that.
+L2_BYTES = 50 * 1024 * 1024
+MAX_INPUT_COPIES = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Seconds per call: the median over rounds, and every round's value."""
+
+    seconds: float
+    rounds: tuple[float, ...]
+    calls_per_round: int
+
+    @property
+    def microseconds(self) -> float:
+        return self.seconds * 1e6
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "rounds": list(self.rounds),
+                "calls_per_round": self.calls_per_round}
+
+
+def input_copies(bytes_per_call: int, l2_bytes: int = L2_BYTES) -> int:
+    """How many copies of a call's inputs to rotate through so they cannot all stay in L2."""
+    if bytes_per_call <= 0:
+        raise ValueError(f"bytes_per_call: expected a positive byte count, got {bytes_per_call}")
+    return max(1, min(MAX_INPUT_COPIES, math.ceil(2 * l2_bytes / bytes_per_call)))
+
+
+def time_calls(call: Callable[..., Any], arg_sets: Sequence[tuple], *,
+               sync: Callable[[Any], Any] = jax.block_until_ready, rounds: int = 5,
+               round_seconds: float = 0.02, max_calls_per_round: int = 10_000,
+               warmup_calls: int = 2) -> Timing:
+    """Median seconds per `call(*args)`, cycling through `arg_sets` (one set per input copy).
+
+    `sync(result)` must wait for the device to finish the result (for JAX,
+    `jax.block_until_ready`; for torch or CuPy, a stream synchronisation). Each round issues
+    enough back-to-back calls to last about `round_seconds`, then synchronises once.
+    """
+    if not arg_sets:
+        raise ValueError("arg_sets: expected at least one tuple of arguments, got none")
+    if rounds < 1:
+        raise ValueError(f"rounds: expected >= 1, got {rounds}")
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        result = None
+        for i in range(n):
+            result = call(*arg_sets[i % len(arg_sets)])
+        sync(result)
+        return time.perf_counter() - start
+
+    # Warm-up touches every input copy (compilation, plans, allocator) before anything counts.
+    run(max(warmup_calls, len(arg_sets)))
+    estimate = run(max(1, len(arg_sets))) / max(1, len(arg_sets))
+    calls = int(min(max_calls_per_round, max(len(arg_sets), math.ceil(round_seconds / estimate))))
+    per_call = tuple(run(calls) / calls for _ in range(rounds))
+    return Timing(seconds=statistics.median(per_call), rounds=per_call, calls_per_round=calls)
+
+
+def gemm_flops(batch: int, k: int, n: int) -> int:
+    """FLOPs of one `x[batch, k] @ w[k, n]`: a multiply and an add per term."""
+    return 2 * batch * k * n
+
+
+def tflops(flops: float, seconds: float) -> float:
+    return flops / seconds / 1e12
+
+
+def memory_analysis(compiled) -> Optional[dict[str, int]]:
+    """The compiled executable's memory use, and its peak (arguments + outputs + temporaries,
+    less what is aliased), or None where the backend does not report it."""
+    try:
+        stats = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return None
+    if stats is None:
+        return None
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes",
+              "alias_size_in_bytes", "generated_code_size_in_bytes")
+    report = {name: int(getattr(stats, name, 0)) for name in fields}
+    report["peak_bytes"] = (report["argument_size_in_bytes"] + report["output_size_in_bytes"]
+                            + report["temp_size_in_bytes"] - report["alias_size_in_bytes"])
+    return report
+
+
+def uses_custom_call(jitted: Callable, *args) -> bool:
+    """Whether `jitted(*args)` lowers to jax-epilog's cuBLASLt custom call (else the reference
+    lowering runs: no CUDA, library missing, or a problem cuBLASLt has no kernel for)."""
+    from jax_epilog import cuda_library
+
+    return cuda_library.TARGET_NAME in jitted.lower(*args).as_text()
+
+
+def _nvidia_smi(field: str) -> Optional[str]:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+    lines = out.strip().splitlines()
+    return lines[0].strip() if lines else None
+
+
+def run_metadata() -> dict[str, Any]:
+    """Where and with what a benchmark ran: written next to every result."""
+    import jaxlib
+
+    from jax_epilog import cuda_library
+
+    device = jax.devices()[0]
+    active = device.platform == "gpu" and cuda_library.available()
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "platform": device.platform,
+        "device": device.device_kind,
+        "device_count": jax.device_count(),
+        "gpu_name": _nvidia_smi("name"),
+        "driver_version": _nvidia_smi("driver_version"),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "numpy": np.__version__,
+        "cublaslt_version": cuda_library.cublaslt_version(),
+        "custom_call_active": active,
+        "custom_call_unavailable_reason": None if active else (
+            cuda_library.unavailable_reason() or f"platform is {device.platform}, not CUDA"),
+    }
