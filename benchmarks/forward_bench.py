@@ -1,0 +1,353 @@
+"""Forward epilog benchmark: grid G1–G7 (../../shared/BENCHMARK.md), one process, one run.
+
+For each shape and dtype, the plain GEMM `x @ W` is timed once, then for each forward epilog:
+  - XLA on the plain-JAX expression (the inference form `act(x @ W + b)`; for the *_AUX_*
+    epilogs the training forward, which also returns the pre-activation `z = x @ W + b`),
+  - `jax_epilog.matmul` with that epilog,
+  - nvmath-python's `Matmul` with the same epilog, where nvmath-python and a CUDA torch are
+    importable (planned once per problem, like the jitted functions; only `execute` is timed).
+Every row reports time, TFLOP/s (2·B·K·N), % of the plain GEMM's rate and the ratio against
+XLA (> 1: faster than XLA). Results go to `<out>/forward.{json,md,png}`.
+
+    python benchmarks/forward_bench.py --out benchmarks/results          # the full grid
+    python benchmarks/forward_bench.py --smoke --out /tmp/smoke          # tiny shapes, any CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import plot
+import timing
+from jax_epilog import Epilog
+from jax_epilog import matmul as epilog_matmul
+
+# id: (B, K, N) for x[B, K] @ W[K, N] + b[N]
+GRID = {
+    "G1": (65536, 4096, 4096),
+    "G2": (8192, 8192, 8192),
+    "G3": (8192, 1024, 4096),
+    "G4": (16384, 4096, 16384),
+    "G5": (16384, 16384, 4096),
+    "G6": (4096, 1024, 1024),
+    "G7": (256, 784, 100),
+}
+# Odd, tiny shapes that run in seconds on a CPU (and exercise cuBLASLt's ragged edges on a GPU).
+SMOKE_GRID = {"S1": (64, 48, 40), "S2": (129, 7, 127)}
+
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
+# bf16 on every row; fp16 and fp32 (TF32: precision DEFAULT) on G1–G3 only.
+EXTRA_DTYPE_ROWS = ("G1", "G2", "G3")
+EPILOGS = (Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS, Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS,
+           Epilog.BIAS)
+IMPLEMENTATIONS = ("xla", "jax_epilog", "nvmath")
+ROUNDS = 5
+
+
+# --- what is compared ---------------------------------------------------------------------
+
+def plain_gemm(x, w):
+    return x @ w
+
+
+def xla_layer(epilog: Epilog) -> Callable:
+    """The plain-JAX expression XLA compiles for `epilog` (its training form for *_AUX_*)."""
+    activation = {"relu": jax.nn.relu, "gelu": lambda z: jax.nn.gelu(z, approximate=True),
+                  None: lambda z: z}[epilog.activation]
+
+    def layer(x, w, b):
+        z = x @ w + b
+        return (activation(z), z) if epilog.aux_output else activation(z)
+
+    return layer
+
+
+def epilog_layer(epilog: Epilog) -> Callable:
+    def layer(x, w, b):
+        return epilog_matmul(x, w, epilog=epilog, epilog_inputs={"bias": b})
+
+    return layer
+
+
+def random_inputs(shape: tuple[int, int, int], dtype, copies: int, seed: int = 0):
+    """`copies` independent (x, W, b): normal x, W scaled by 1/sqrt(K), a small normal bias."""
+    batch, k, n = shape
+    sets = []
+    for key in jax.random.split(jax.random.key(seed), copies):
+        kx, kw, kb = jax.random.split(key, 3)
+        sets.append((jax.random.normal(kx, (batch, k), dtype),
+                     (jax.random.normal(kw, (k, n), jnp.float32) / math.sqrt(k)).astype(dtype),
+                     (0.1 * jax.random.normal(kb, (n,), jnp.float32)).astype(dtype)))
+    return jax.block_until_ready(sets)
+
+
+def bytes_per_call(shape: tuple[int, int, int], dtype) -> int:
+    """Operands read once and y written once (the most any fused layer must move)."""
+    batch, k, n = shape
+    return (batch * k + k * n + n + batch * n) * jnp.dtype(dtype).itemsize
+
+
+# --- nvmath-python, where it can run ------------------------------------------------------
+
+class NvmathRunner:
+    """nvmath-python's stateful `Matmul` on torch views of the same JAX buffers.
+
+    cuBLASLt is column-major and nvmath's bias runs along the result's rows, so the layer
+    `x @ W + b` is planned as its transpose `W.T @ x.T + b`: the same GEMM cuBLASLt runs for a
+    row-major `x @ W`, no copies.
+    """
+
+    def __init__(self):
+        self.error: Optional[str] = None
+        try:
+            import nvmath  # noqa: F401
+            import torch
+            if not torch.cuda.is_available():
+                raise ImportError("torch sees no CUDA device")
+        except ImportError as e:
+            self.error = f"nvmath-python unavailable: {e}"
+            return
+        self.nvmath, self.torch = nvmath, torch
+
+    @property
+    def available(self) -> bool:
+        return self.error is None
+
+    def plan(self, epilog: Epilog, x, w, b):
+        """A planned `Matmul` for one input set; `execute()` runs it."""
+        nvmath, torch = self.nvmath, self.torch
+        x_t, w_t, b_t = (torch.from_dlpack(v) for v in (x, w, b))
+        options = None
+        if x.dtype == jnp.float32:  # match XLA's and jax_epilog's DEFAULT precision: TF32
+            options = {"compute_type": nvmath.linalg.ComputeType.COMPUTE_32F_FAST_TF32}
+        mm = nvmath.linalg.advanced.Matmul(w_t.T, x_t.T, options=options)
+        mm.plan(epilog=nvmath.linalg.advanced.MatmulEpilog(int(epilog)),
+                epilog_inputs={"bias": b_t})
+        return mm
+
+    def sync(self, _result) -> None:
+        self.torch.cuda.synchronize()
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    row: str
+    shape: tuple[int, int, int]
+    dtype: str
+
+
+def cases(grid: dict, rows: list[str], dtypes: list[str]) -> list[Case]:
+    """bf16 everywhere, the other dtypes on G1–G3 (every requested dtype in smoke mode)."""
+    return [Case(row, grid[row], dtype) for row in rows for dtype in dtypes
+            if dtype == "bf16" or row in EXTRA_DTYPE_ROWS or row in SMOKE_GRID]
+
+
+class Budget:
+    """Spreads a total time budget over the remaining measurements: each round lasts
+    (remaining time) / (remaining measurements × rounds incl. warm-up), within bounds."""
+
+    def __init__(self, seconds: float, measurements: int, *, longest_round: float = 0.05):
+        self.deadline = time.perf_counter() + seconds
+        self.left = measurements
+        self.longest_round = longest_round
+
+    def round_seconds(self) -> float:
+        remaining = max(0.0, self.deadline - time.perf_counter())
+        share = remaining / max(1, self.left) / (ROUNDS + 3)
+        self.left -= 1
+        return min(self.longest_round, share)
+
+
+def measure_jax(fn: Callable, arg_sets: list[tuple], budget: Budget) -> dict[str, Any]:
+    jitted = jax.jit(fn)
+    lowering = "custom call" if timing.uses_custom_call(jitted, *arg_sets[0]) \
+        else "reference lowering"
+    t = timing.time_calls(jitted, arg_sets, rounds=ROUNDS, round_seconds=budget.round_seconds())
+    return {**t.as_dict(), "lowering": lowering}
+
+
+def measure_nvmath(nv: NvmathRunner, epilog: Epilog, arg_sets: list[tuple],
+                   budget: Budget) -> dict[str, Any]:
+    plans = []
+    try:
+        plans = [nv.plan(epilog, *args) for args in arg_sets]
+        t = timing.time_calls(lambda mm: mm.execute(), [(mm,) for mm in plans], sync=nv.sync,
+                              rounds=ROUNDS, round_seconds=budget.round_seconds())
+        return t.as_dict()
+    except Exception as e:  # one unsupported problem must not end the run: record why
+        return {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        for mm in plans:
+            mm.free()
+
+
+def summarise(record: dict[str, Any], flops: int, gemm_seconds: float) -> None:
+    """Adds TFLOP/s, % of the plain GEMM's rate and the ratio against XLA to each result."""
+    xla = record["results"].get("xla", {}).get("seconds")
+    for result in record["results"].values():
+        if "seconds" not in result:
+            continue
+        result["tflops"] = timing.tflops(flops, result["seconds"])
+        result["pct_of_gemm"] = 100.0 * gemm_seconds / result["seconds"]
+        if xla is not None:
+            result["speedup_vs_xla"] = xla / result["seconds"]
+
+
+def run(selected: list[Case], epilogs: list[Epilog], budget_seconds: float,
+        use_nvmath: bool = True) -> dict[str, Any]:
+    nv = NvmathRunner() if use_nvmath else None
+    nv_ok = nv is not None and nv.available
+    per_case = 1 + len(epilogs) * (3 if nv_ok else 2)
+    budget = Budget(budget_seconds, per_case * len(selected))
+    records = []
+    with tqdm(total=per_case * len(selected), unit="run", desc="forward") as bar:
+        for case in selected:
+            dtype = DTYPES[case.dtype]
+            copies = timing.input_copies(bytes_per_call(case.shape, dtype))
+            arg_sets = random_inputs(case.shape, dtype, copies)
+            flops = timing.gemm_flops(*case.shape)
+            bar.set_postfix_str(f"{case.row} {case.dtype} gemm")
+            gemm = measure_jax(plain_gemm, [args[:2] for args in arg_sets], budget)
+            gemm["tflops"] = timing.tflops(flops, gemm["seconds"])
+            bar.update()
+            for epilog in epilogs:
+                record = {"row": case.row, "shape": list(case.shape), "dtype": case.dtype,
+                          "epilog": epilog.name, "input_copies": copies, "flops": flops,
+                          "gemm": gemm, "results": {}}
+                bar.set_postfix_str(f"{case.row} {case.dtype} {epilog.name}")
+                record["results"]["xla"] = measure_jax(xla_layer(epilog), arg_sets, budget)
+                bar.update()
+                record["results"]["jax_epilog"] = measure_jax(epilog_layer(epilog), arg_sets,
+                                                              budget)
+                bar.update()
+                if nv_ok:
+                    record["results"]["nvmath"] = measure_nvmath(nv, epilog, arg_sets, budget)
+                    bar.update()
+                summarise(record, flops, gemm["seconds"])
+                records.append(record)
+            del arg_sets
+    notes = []
+    if not nv_ok:
+        notes.append("nvmath-python column omitted: "
+                      + (nv.error if nv is not None else "disabled with --no-nvmath"))
+    if any(r["results"]["jax_epilog"]["lowering"] != "custom call" for r in records):
+        notes.append("jax_epilog rows marked 'reference lowering' ran the plain-JAX reference, "
+                     "not cuBLASLt (no CUDA custom call on this platform/problem).")
+    return {"benchmark": "forward", "metadata": timing.run_metadata(),
+            "method": {"rounds": ROUNDS, "budget_seconds": budget_seconds,
+                       "timing": "median over rounds of back-to-back calls, one sync per round",
+                       "speedup_vs_xla": "XLA time / this time (> 1: faster than XLA)"},
+            "notes": notes, "records": records}
+
+
+# --- report --------------------------------------------------------------------------------
+
+def _cell(result: dict[str, Any], key: str, fmt: str) -> str:
+    return format(result[key], fmt) if key in result else "–"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta = report["metadata"]
+    has_nvmath = any("nvmath" in r["results"] for r in report["records"])
+    lines = [
+        "# Forward epilog benchmark",
+        "",
+        f"{meta['date']} · {meta['gpu_name'] or meta['device']} · driver "
+        f"{meta['driver_version']} · jax {meta['jax']} / jaxlib {meta['jaxlib']} · cuBLASLt "
+        f"{meta['cublaslt_version']} · custom call active: {meta['custom_call_active']}",
+        "",
+        "Time per call (µs, median of rounds), TFLOP/s (2·B·K·N), % of the plain GEMM's rate "
+        "for the same shape and dtype, and speed-up against XLA on the plain-JAX expression "
+        "(XLA time / time; > 1 is faster).",
+        "",
+    ]
+    lines += [f"- {note}" for note in report["notes"]]
+    header = ["row", "dtype", "B×K×N", "epilog", "GEMM µs", "GEMM TFLOP/s", "XLA µs",
+              "XLA % GEMM", "jax_epilog µs", "TFLOP/s", "% GEMM", "vs XLA"]
+    if has_nvmath:
+        header += ["nvmath µs", "nvmath % GEMM", "nvmath vs XLA"]
+    lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in report["records"]:
+        res = r["results"]
+        ours = res["jax_epilog"]
+        epilog = r["epilog"] + ("" if ours["lowering"] == "custom call"
+                                else " (reference lowering)")
+        cells = [r["row"], r["dtype"], "×".join(map(str, r["shape"])), epilog,
+                 f"{r['gemm']['seconds'] * 1e6:.1f}", f"{r['gemm']['tflops']:.4g}",
+                 f"{res['xla']['seconds'] * 1e6:.1f}", _cell(res["xla"], "pct_of_gemm", ".1f"),
+                 f"{ours['seconds'] * 1e6:.1f}", _cell(ours, "tflops", ".4g"),
+                 _cell(ours, "pct_of_gemm", ".1f"), _cell(ours, "speedup_vs_xla", ".3f")]
+        if has_nvmath:
+            nvm = res.get("nvmath", {})
+            cells += ["error" if "error" in nvm else
+                      (f"{nvm['seconds'] * 1e6:.1f}" if "seconds" in nvm else "–"),
+                      _cell(nvm, "pct_of_gemm", ".1f"), _cell(nvm, "speedup_vs_xla", ".3f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    errors = [(r["row"], r["dtype"], r["epilog"], r["results"]["nvmath"]["error"])
+              for r in report["records"] if "error" in r["results"].get("nvmath", {})]
+    if errors:
+        lines += ["", "nvmath-python errors:"]
+        lines += [f"- {row} {dtype} {epilog}: {error}" for row, dtype, epilog, error in errors]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict[str, Any], out: Path, name: str,
+                 render: Callable[[dict], str], draw: Callable[[dict, Path], None]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{name}.md").write_text(render(report))
+    draw(report, out / f"{name}.png")
+    print(f"wrote {out / name}.json, .md, .png")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on a CPU)")
+    parser.add_argument("--rows", help="comma-separated grid ids (default: all)")
+    parser.add_argument("--dtypes", default="bf16,fp16,fp32",
+                        help="comma-separated from bf16, fp16, fp32 (fp16/fp32 on G1–G3 only)")
+    parser.add_argument("--epilogs", default=",".join(e.name for e in EPILOGS),
+                        help="comma-separated forward epilog names")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="total seconds for the timed rounds (default 240; smoke 10)")
+    parser.add_argument("--no-nvmath", action="store_true", help="skip nvmath-python")
+    return parser.parse_args(argv)
+
+
+def _choose(given: Optional[str], allowed, what: str) -> list[str]:
+    names = list(allowed) if not given else [s.strip() for s in given.split(",") if s.strip()]
+    unknown = [s for s in names if s not in allowed]
+    if unknown:
+        raise SystemExit(f"--{what}: expected names from {', '.join(allowed)}, got {unknown}")
+    return names
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    grid = SMOKE_GRID if args.smoke else GRID
+    rows = _choose(args.rows, grid, "rows")
+    dtypes = _choose(args.dtypes, DTYPES, "dtypes")
+    epilogs = [Epilog[name] for name in _choose(args.epilogs.upper(),
+                                                [e.name for e in EPILOGS], "epilogs")]
+    budget = args.budget if args.budget is not None else (10.0 if args.smoke else 240.0)
+    report = run(cases(grid, rows, dtypes), epilogs, budget,
+                 use_nvmath=not args.no_nvmath)
+    write_report(report, args.out, "forward", markdown, plot.plot_forward)
+
+
+if __name__ == "__main__":
+    main()
