@@ -4,8 +4,10 @@
 - CUDA: the XLA FFI custom call `jax_epilog_matmul` (see `ffi/README.md`), running on XLA's
   stream, with cuBLASLt's workspace as an extra result buffer that XLA allocates (so the
   handler never allocates and is safe inside command buffers). Problems cuBLASLt has no kernel
-  for (it says so when asked at lowering time) and machines where the library could not be
-  loaded get the reference lowering instead, with a warning in the second case.
+  for (it says so when asked at lowering time) and processes with CUDA devices where the
+  library could not be loaded get the reference lowering instead, with a warning in the
+  second case. Lowering for CUDA without a CUDA device (`jax.export` from a CPU host) emits
+  the custom call.
 
 A module exported with `jax.export` for CUDA contains the custom call, so it must be exported
 with `disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("jax_epilog_matmul")]`
@@ -56,13 +58,22 @@ def cuda_kernel_supports(avals_in, epilog: int, transpose_a: bool, transpose_b: 
     return supported is not False
 
 
+def _has_cuda_devices() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
 def _lower_cuda(ctx, *args, epilog, transpose_a, transpose_b, allow_tf32):
     params = dict(epilog=epilog, transpose_a=transpose_a, transpose_b=transpose_b,
                   allow_tf32=allow_tf32)
-    if not cuda_library.available():
+    if not cuda_library.available() and _has_cuda_devices():
+        # This process will run the module but cannot run the kernel: stay correct, say so.
         _warn_unavailable(cuda_library.unavailable_reason())
         return _lower_reference(ctx, *args, **params)
-    if not cuda_kernel_supports(ctx.avals_in, **params):
+    # Without a CUDA device here we are exporting for one: emit the kernel regardless.
+    if cuda_library.available() and not cuda_kernel_supports(ctx.avals_in, **params):
         return _lower_reference(ctx, *args, **params)
     workspace = ShapedArray((WORKSPACE_BYTES,), np.uint8)
     call = jax.ffi.ffi_lowering(cuda_library.TARGET_NAME)

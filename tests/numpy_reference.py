@@ -50,7 +50,7 @@ def matmul(a, b, *, epilog="DEFAULT", bias=None, relu_aux=None, gelu_aux=None,
     op_b = np.swapaxes(b, -1, -2) if transpose_b else b
     p = np.matmul(op_a, op_b)
     n = p.shape[-1]
-    z = p + np.asarray(bias, np.float64) if bias is not None else p
+    z = p + np.asarray(bias, np.float64)[..., None, :] if bias is not None else p
     aux = {}
     if name in ("DEFAULT", "BIAS"):
         y = z

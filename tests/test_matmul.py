@@ -1,0 +1,212 @@
+"""`jax_epilog.matmul` on the CPU (the reference lowering) against the float64 NumPy model.
+
+Covers every epilog of SPEC §1, the mask bit layout, bias along N, sums over the right axes,
+leading dims (shared and batched b, per-batch bias), transposes, jit, vmap, export and grad.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_epilog
+from jax_epilog import Epilog
+from problems import (TOLERANCE, assert_outputs_match, make_problem, numpy_expected,
+                      pre_activation)
+
+# Every size of {1, 7, 127, 128, 129, 300} appears as M, as N and as K.
+SIZES = [(1, 7, 127), (7, 127, 128), (127, 128, 129), (128, 129, 300), (129, 300, 1),
+         (300, 1, 7)]
+LAYOUTS = {  # lead dims, b batched, bias batched
+    "2d": ((), False, False),
+    "lead_shared_b": ((2, 3), False, False),
+    "batched_b": ((3,), True, False),
+    "batched_bias": ((2,), False, True),
+}
+
+
+def check(epilog, *, m, n, k, lead=(), b_batched=False, bias_batched=False, transpose_a=False,
+          transpose_b=False, seed=0, fn=None):
+    rng = np.random.default_rng(seed)
+    a, b, inputs = make_problem(rng, epilog, m=m, n=n, k=k, lead=lead, b_batched=b_batched,
+                                bias_batched=bias_batched, transpose_a=transpose_a,
+                                transpose_b=transpose_b)
+    fn = fn or jax_epilog.matmul
+    got = fn(a, b, epilog=epilog, epilog_inputs=inputs or None, transpose_a=transpose_a,
+             transpose_b=transpose_b, precision=jax.lax.Precision.HIGHEST)
+    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b)
+    want = numpy_expected(epilog, a, b, inputs, **kw)
+    z = pre_activation(epilog, a, b, inputs, **kw)
+    assert_outputs_match(epilog, got, want, z, tol=TOLERANCE["float32"], n=n)
+
+
+@pytest.mark.parametrize("epilog", list(Epilog), ids=lambda e: e.name)
+@pytest.mark.parametrize("m,n,k", SIZES)
+def test_every_epilog_every_size(epilog, m, n, k):
+    check(epilog, m=m, n=n, k=k)
+
+
+@pytest.mark.parametrize("epilog,layout", [
+    (e, layout) for e in Epilog for layout in LAYOUTS if e.has_bias or not LAYOUTS[layout][2]],
+    ids=str)
+@pytest.mark.parametrize("transpose_a,transpose_b", list(itertools.product([False, True], repeat=2)))
+def test_layouts_and_transposes(epilog, layout, transpose_a, transpose_b):
+    lead, b_batched, bias_batched = LAYOUTS[layout]
+    check(epilog, m=9, n=130, k=17, lead=lead, b_batched=b_batched, bias_batched=bias_batched,
+          transpose_a=transpose_a, transpose_b=transpose_b, seed=1)
+
+
+@pytest.mark.parametrize("epilog", [Epilog.RELU_AUX_BIAS, Epilog.DRELU_BGRAD, Epilog.GELU_AUX_BIAS,
+                                    Epilog.BGRADA, Epilog.BGRADB], ids=lambda e: e.name)
+def test_under_jit(epilog):
+    jitted = jax.jit(jax_epilog.matmul, static_argnames=("epilog", "transpose_a", "transpose_b",
+                                                         "precision"))
+    check(epilog, m=33, n=129, k=20, lead=(2,), fn=jitted, seed=2)
+
+
+def test_mask_bit_layout_by_hand():
+    """Bit j % 8 of byte j // 8, least significant first, rows padded to 128 bits."""
+    a = jnp.eye(3, dtype=jnp.float32)
+    b = jnp.zeros((3, 10), jnp.float32).at[0, 0].set(1.0).at[1, 9].set(2.0).at[2, 3].set(-1.0)
+    b = b.at[2, 8].set(5.0)
+    y, aux = jax_epilog.matmul(a, b, epilog="relu_aux")
+    mask = np.asarray(aux["relu_aux"])
+    assert mask.shape == (3, 16) and mask.dtype == np.uint8
+    assert mask[0, 0] == 0b1 and mask[0, 1] == 0
+    assert mask[1, 0] == 0 and mask[1, 1] == 0b10
+    assert mask[2, 0] == 0 and mask[2, 1] == 0b1
+    np.testing.assert_array_equal(np.asarray(y), np.maximum(np.asarray(b), 0))
+
+
+def test_bias_runs_along_n():
+    a = jnp.ones((4, 2), jnp.float32)
+    b = jnp.ones((2, 3), jnp.float32)
+    bias = jnp.array([10.0, 20.0, 30.0], jnp.float32)
+    y = jax_epilog.matmul(a, b, epilog=Epilog.BIAS, epilog_inputs={"bias": bias})
+    np.testing.assert_array_equal(np.asarray(y), np.tile([12.0, 22.0, 32.0], (4, 1)))
+
+
+def test_names_and_values_are_accepted():
+    rng = np.random.default_rng(3)
+    a, b, inputs = make_problem(rng, Epilog.RELU_BIAS, m=5, n=6, k=7)
+    by_enum = jax_epilog.matmul(a, b, epilog=Epilog.RELU_BIAS, epilog_inputs=inputs)
+    by_name = jax_epilog.matmul(a, b, epilog="relu_bias", epilog_inputs=inputs)
+    by_value = jax_epilog.matmul(a, b, epilog=6, epilog_inputs=inputs)
+    np.testing.assert_array_equal(np.asarray(by_enum), np.asarray(by_name))
+    np.testing.assert_array_equal(np.asarray(by_enum), np.asarray(by_value))
+
+
+@pytest.mark.parametrize("epilog", [Epilog.RELU_AUX_BIAS, Epilog.DRELU_BGRAD, Epilog.GELU_AUX,
+                                    Epilog.BGRADB], ids=lambda e: e.name)
+def test_vmap_matches_loop(epilog):
+    rng = np.random.default_rng(4)
+    a, b, inputs = make_problem(rng, epilog, m=7, n=129, k=11, lead=(3,), b_batched=True,
+                                bias_batched=True)
+
+    def one(a, b, inputs):
+        return jax_epilog.matmul(a, b, epilog=epilog, epilog_inputs=inputs or None)
+
+    mapped = jax.vmap(one)(a, b, inputs)
+    looped = [one(a[i], b[i], {k_: v[i] for k_, v in inputs.items()}) for i in range(3)]
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *looped)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x, np.float32),
+                                                         np.asarray(y, np.float32), rtol=1e-6,
+                                                         atol=1e-6), mapped, stacked)
+
+
+def test_vmap_over_weights_only_and_nested():
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.standard_normal((6, 5)), jnp.float32)
+    ws = jnp.asarray(rng.standard_normal((4, 5, 3)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((3,)), jnp.float32)
+    f = lambda w: jax_epilog.matmul(x, w, epilog="relu_bias", epilog_inputs={"bias": bias})
+    np.testing.assert_allclose(jax.vmap(f)(ws), jax.nn.relu(x @ ws + bias), rtol=1e-5, atol=1e-5)
+    xs = jnp.asarray(rng.standard_normal((2, 3, 6, 5)), jnp.float32)
+    g = jax.vmap(jax.vmap(lambda x: jax_epilog.matmul(x, ws[0], epilog="relu")))
+    np.testing.assert_allclose(g(xs), jax.nn.relu(xs @ ws[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_vmap_folds_into_one_kernel_call():
+    rng = np.random.default_rng(6)
+    a, b, inputs = make_problem(rng, Epilog.RELU_AUX_BIAS, m=4, n=8, k=3, lead=(5,))
+    f = jax.vmap(lambda a: jax_epilog.matmul(a, b, epilog="relu_aux_bias", epilog_inputs=inputs))
+    calls = kernel_calls(jax.make_jaxpr(f)(a).jaxpr)
+    assert len(calls) == 1 and calls[0].invars[0].aval.shape == (5, 4, 3)
+
+
+def kernel_calls(jaxpr):
+    """Every epilog_matmul equation in a jaxpr, nested jaxprs (custom_vjp, jit) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "epilog_matmul":
+            found.append(eqn)
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                found += kernel_calls(inner)
+    return found
+
+
+@pytest.mark.parametrize("epilog", [Epilog.DEFAULT, Epilog.BIAS, Epilog.RELU_BIAS,
+                                    Epilog.RELU_AUX_BIAS, Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS,
+                                    Epilog.RELU, Epilog.GELU_AUX], ids=lambda e: e.name)
+@pytest.mark.parametrize("transpose_a,transpose_b", [(False, False), (True, True)])
+def test_grad_matches_plain_jax(epilog, transpose_a, transpose_b):
+    rng = np.random.default_rng(7)
+    a, b, inputs = make_problem(rng, epilog, m=6, n=9, k=5, lead=(2,), transpose_a=transpose_a,
+                                transpose_b=transpose_b)
+    probe = jnp.asarray(rng.standard_normal((2, 6, 9)), jnp.float32)
+
+    def loss(fn):
+        def f(a, b, inputs):
+            out = fn(a, b, epilog=epilog, epilog_inputs=inputs or None, transpose_a=transpose_a,
+                     transpose_b=transpose_b, precision="highest")
+            y, aux = out if isinstance(out, tuple) else (out, {})
+            total = jnp.sum(y * probe)
+            if "gelu_aux" in aux:  # the pre-activation output is differentiable too
+                total = total + jnp.sum(aux["gelu_aux"][..., :9] ** 2)
+            return total
+        return f
+
+    got = jax.grad(loss(jax_epilog.matmul), argnums=(0, 1, 2))(a, b, inputs)
+    want = jax.grad(loss(jax_epilog.reference_matmul), argnums=(0, 1, 2))(a, b, inputs)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-4), got, want)
+
+
+def test_grad_of_backward_epilog_raises():
+    rng = np.random.default_rng(8)
+    a, b, inputs = make_problem(rng, Epilog.DRELU_BGRAD, m=4, n=8, k=3)
+    f = lambda a: jax_epilog.matmul(a, b, epilog="drelu_bgrad", epilog_inputs=inputs)[0].sum()
+    with pytest.raises(TypeError, match="DRELU_BGRAD.*cannot be differentiated"):
+        jax.grad(f)(a)
+
+
+def test_export_round_trip():
+    rng = np.random.default_rng(9)
+    a, b, inputs = make_problem(rng, Epilog.RELU_AUX_BIAS, m=12, n=130, k=9)
+
+    def f(a, b, bias):
+        return jax_epilog.matmul(a, b, epilog="relu_aux_bias", epilog_inputs={"bias": bias})
+
+    exported = jax.export.export(jax.jit(f), platforms=("cpu", "cuda"),
+                                 disabled_checks=list(jax_epilog.EXPORT_SAFETY_CHECKS))(
+        a, b, inputs["bias"])
+    restored = jax.export.deserialize(exported.serialize())
+    got = restored.call(a, b, inputs["bias"])
+    want = f(a, b, inputs["bias"])
+    jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)), got,
+                 want)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_on_cpu(dtype):
+    rng = np.random.default_rng(10)
+    for epilog in (Epilog.RELU_AUX_BIAS, Epilog.GELU_AUX_BIAS, Epilog.DRELU_BGRAD):
+        a, b, inputs = make_problem(rng, epilog, m=31, n=130, k=64, dtype=dtype)
+        got = jax_epilog.matmul(a, b, epilog=epilog, epilog_inputs=inputs)
+        assert got[0].dtype == jnp.dtype(dtype)
+        want = numpy_expected(epilog, a, b, inputs, transpose_a=False, transpose_b=False)
+        z = pre_activation(epilog, a, b, inputs, transpose_a=False, transpose_b=False)
+        assert_outputs_match(epilog, got, want, z, tol=TOLERANCE[dtype], n=130)
