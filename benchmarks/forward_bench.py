@@ -328,7 +328,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _choose(given: Optional[str], allowed, what: str) -> list[str]:
+def choose(given: Optional[str], allowed, what: str) -> list[str]:
     names = list(allowed) if not given else [s.strip() for s in given.split(",") if s.strip()]
     unknown = [s for s in names if s not in allowed]
     if unknown:
@@ -339,9 +339,9 @@ def _choose(given: Optional[str], allowed, what: str) -> list[str]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     grid = SMOKE_GRID if args.smoke else GRID
-    rows = _choose(args.rows, grid, "rows")
-    dtypes = _choose(args.dtypes, DTYPES, "dtypes")
-    epilogs = [Epilog[name] for name in _choose(args.epilogs.upper(),
+    rows = choose(args.rows, grid, "rows")
+    dtypes = choose(args.dtypes, DTYPES, "dtypes")
+    epilogs = [Epilog[name] for name in choose(args.epilogs.upper(),
                                                 [e.name for e in EPILOGS], "epilogs")]
     budget = args.budget if args.budget is not None else (10.0 if args.smoke else 240.0)
     report = run(cases(grid, rows, dtypes), epilogs, budget,

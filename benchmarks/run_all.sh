@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Every benchmark of jax-epilog, one after the other, results under one folder.
+#
+#   bash benchmarks/run_all.sh [OUT]          # OUT defaults to benchmarks/results
+#   PYTHON=/path/to/python3 bash benchmarks/run_all.sh OUT
+#   SMOKE=1 bash benchmarks/run_all.sh /tmp/smoke   # tiny shapes: checks the scripts on a CPU
+#
+# A benchmark that fails is reported and the others still run; the exit status is non-zero
+# if any failed.
+set -uo pipefail
+
+PYTHON="${PYTHON:-python3}"
+mkdir -p "${1:-benchmarks/results}"
+OUT="$(cd "${1:-benchmarks/results}" && pwd)"
+cd "$(dirname "$0")/.."
+
+SMOKE_FLAG=()
+if [[ "${SMOKE:-0}" != "0" ]]; then SMOKE_FLAG=(--smoke); fi
+
+# nvmath-python runs on torch tensors in the same process as JAX: leave torch some memory.
+export XLA_PYTHON_CLIENT_MEM_FRACTION="${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.6}"
+
+"$PYTHON" -c 'import jax; print("devices:", jax.devices())' | tee "$OUT/devices.txt"
+
+failed=()
+run() {
+    local name="$1"; shift
+    echo "=== $name: $*"
+    local start=$SECONDS
+    if "$PYTHON" "$@" "${SMOKE_FLAG[@]}" --out "$OUT"; then
+        echo "=== $name: done in $((SECONDS - start)) s"
+    else
+        echo "=== $name: FAILED (exit $?) after $((SECONDS - start)) s"
+        failed+=("$name")
+    fi
+}
+
+run forward benchmarks/forward_bench.py
+run overhead benchmarks/overhead_bench.py
+if [[ -f benchmarks/layers_bench.py ]]; then
+    run layers benchmarks/layers_bench.py
+fi
+
+echo "results in $OUT:"; ls -l "$OUT"
+if (( ${#failed[@]} )); then
+    echo "failed: ${failed[*]}"
+    exit 1
+fi
