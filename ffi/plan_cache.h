@@ -108,6 +108,7 @@ struct Plan {
   cublasLtMatrixLayout_t layout_b = nullptr;
   cublasLtMatrixLayout_t layout_cd = nullptr;
   cublasLtMatmulAlgo_t algo{};
+  std::string description;  // Problem::ToString, for error messages
   bool sets_bias_pointer = false;
   bool sets_aux_pointer = false;
   // The pointers of a call live on the shared descriptor, so setting them and
@@ -118,7 +119,7 @@ struct Plan {
 // The plan for `problem`, built and cached on first use. Errors: kUnimplemented when
 // cuBLASLt has no algorithm for the problem (message: why), kFailedPrecondition for a
 // CUDA failure (no driver, bad device), kInternal for any other cuBLASLt failure.
-ffi::Error GetPlan(const Problem& problem, Plan** plan);
+ffi::Error GetPlan(const Problem& requested, Plan** plan);
 
 // The data of one call, in our (row-major) naming.
 struct CallBuffers {

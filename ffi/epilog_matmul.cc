@@ -1,0 +1,310 @@
+// The XLA FFI handler of `jax_epilog_matmul` (see README.md for the contract): it
+// checks every buffer against the contract, maps the row-major problem onto
+// cuBLASLt's column-major one (plan_cache.cc) and runs the cached plan on XLA's
+// stream.
+//
+// Two stages are exported. JaxEpilogMatmulInitialize runs in XLA's initialize
+// stage, before execution and outside any command-buffer capture, with the same
+// buffers (their addresses are assigned; their contents must not be read): it builds
+// and caches the plan. JaxEpilogMatmul (execute) looks the plan up, building it if
+// needed, sets the call's pointers and enqueues the matmul.
+#include <cstdint>
+#include <exception>
+#include <initializer_list>
+#include <string>
+
+#include "plan_cache.h"
+#include "status.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_epilog {
+namespace {
+
+std::string DataTypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F16:
+      return "float16";
+    case ffi::DataType::BF16:
+      return "bfloat16";
+    case ffi::DataType::F32:
+      return "float32";
+    case ffi::DataType::U8:
+      return "uint8";
+    default:
+      return "XLA dtype #" + std::to_string(static_cast<int>(t));
+  }
+}
+
+std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "(";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + (dims.size() == 1 ? ",)" : ")");
+}
+
+std::string ShapeString(std::initializer_list<int64_t> dims) {
+  std::string s = "(";
+  for (auto it = dims.begin(); it != dims.end(); ++it)
+    s += (it != dims.begin() ? ", " : "") + std::to_string(*it);
+  return s + (dims.size() == 1 ? ",)" : ")");
+}
+
+ffi::Error CheckBuffer(const ffi::AnyBuffer& buffer, const char* name, ffi::DataType dtype,
+                       std::initializer_list<int64_t> dims) {
+  const auto got = buffer.dimensions();
+  bool ok = buffer.element_type() == dtype && got.size() == dims.size();
+  size_t i = 0;
+  for (auto it = dims.begin(); ok && it != dims.end(); ++it, ++i) ok = got[i] == *it;
+  if (ok) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      std::string("jax_epilog_matmul: ") + name + " must be " + DataTypeName(dtype) +
+      ShapeString(dims) + ", got " + DataTypeName(buffer.element_type()) +
+      ShapeString(got));
+}
+
+// A call decoded and checked: the problem (plan key) and its buffers.
+struct Call {
+  Problem problem;
+  CallBuffers buffers;
+};
+
+ffi::Error Decode(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                  ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t epilog,
+                  bool transpose_a, bool transpose_b, bool allow_tf32, Call* call) {
+  Problem& p = call->problem;
+  p.epilog = epilog;
+  p.transpose_a = transpose_a;
+  p.transpose_b = transpose_b;
+
+  const ffi::DataType dtype = a.element_type();
+  switch (dtype) {
+    case ffi::DataType::F16:
+      p.dtype = DType::kF16;
+      break;
+    case ffi::DataType::BF16:
+      p.dtype = DType::kBF16;
+      break;
+    case ffi::DataType::F32:
+      p.dtype = DType::kF32;
+      break;
+    default:
+      return ffi::Error::InvalidArgument(
+          "jax_epilog_matmul: a must be float16, bfloat16 or float32, got " +
+          DataTypeName(dtype));
+  }
+  p.allow_tf32 = allow_tf32 && p.dtype == DType::kF32;
+
+  const auto a_dims = a.dimensions();
+  const auto b_dims = b.dimensions();
+  if (a_dims.size() != 3 || b_dims.size() != 3)
+    return ffi::Error::InvalidArgument(
+        "jax_epilog_matmul: a and b must be rank 3 (batch, rows, cols), got a" +
+        ShapeString(a_dims) + " and b" + ShapeString(b_dims));
+  p.batch = a_dims[0];
+  p.m = transpose_a ? a_dims[2] : a_dims[1];
+  p.k = transpose_a ? a_dims[1] : a_dims[2];
+  p.batch_b = b_dims[0];
+  p.n = transpose_b ? b_dims[1] : b_dims[2];
+  const int64_t k_b = transpose_b ? b_dims[2] : b_dims[1];
+  if (b.element_type() != dtype)
+    return ffi::Error::InvalidArgument("jax_epilog_matmul: b must have a's dtype " +
+                                       DataTypeName(dtype) + ", got " +
+                                       DataTypeName(b.element_type()));
+  if (k_b != p.k || (p.batch_b != p.batch && p.batch_b != 1))
+    return ffi::Error::InvalidArgument(
+        "jax_epilog_matmul: b" + ShapeString(b_dims) + " does not match a" +
+        ShapeString(a_dims) + " (transpose_a=" + (transpose_a ? "true" : "false") +
+        ", transpose_b=" + (transpose_b ? "true" : "false") +
+        "): K must agree and b's batch must be a's or 1");
+
+  EpilogIo io;
+  if (!DescribeEpilog(epilog, p.m, p.n, &io))
+    return ffi::Error::InvalidArgument("jax_epilog_matmul: unknown epilog " +
+                                       std::to_string(epilog));
+  if (p.batch == 0 || p.m == 0 || p.n == 0 || p.k == 0)
+    return ffi::Error::InvalidArgument(
+        "jax_epilog_matmul: zero-sized problem (batch=" + std::to_string(p.batch) +
+        ", M=" + std::to_string(p.m) + ", N=" + std::to_string(p.n) + ", K=" +
+        std::to_string(p.k) + "); these are handled in Python and must not reach the "
+        "custom call");
+
+  const size_t elem = ElementBytes(p.dtype);
+  const int64_t batched = p.batch > 1;
+  const int64_t relu_row = ReluAuxBytesPerRow(p.n);
+  const int64_t gelu_row = GeluAuxLd(p.n);
+
+  // Operands after a and b: at most one, the epilog's input.
+  const size_t want_args = (io.bias_in || io.relu_aux_in || io.gelu_aux_in) ? 1 : 0;
+  if (args.size() != want_args)
+    return ffi::Error::InvalidArgument(
+        std::string("jax_epilog_matmul: epilog ") + EpilogName(epilog) + " takes " +
+        std::to_string(2 + want_args) + " operands, got " + std::to_string(2 + args.size()));
+  if (want_args) {
+    auto input = args.get<ffi::AnyBuffer>(0);
+    if (!input.has_value()) return input.error();
+    const ffi::AnyBuffer& buffer = input.value();
+    if (io.bias_in) {
+      const auto dims = buffer.dimensions();
+      // A bias is per batch when its leading dim is the batch, else shared (and then
+      // it must be (1, N), which CheckBuffer enforces).
+      p.batch_bias = dims.size() == 2 && dims[0] == p.batch ? p.batch : 1;
+      JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(buffer, "bias", dtype, {p.batch_bias, p.n}));
+      call->buffers.bias = buffer.untyped_data();
+      p.align_bias = AlignmentLog2(buffer.untyped_data(),
+                                   p.batch_bias > 1 ? p.n * static_cast<int64_t>(elem) : 0);
+    } else if (io.relu_aux_in) {
+      JAX_EPILOG_RETURN_IF_ERROR(
+          CheckBuffer(buffer, "relu_aux", ffi::DataType::U8, {p.batch, p.m, relu_row}));
+      call->buffers.aux = buffer.untyped_data();
+      p.align_aux = AlignmentLog2(buffer.untyped_data(), batched * p.m * relu_row);
+    } else {
+      JAX_EPILOG_RETURN_IF_ERROR(
+          CheckBuffer(buffer, "gelu_aux", dtype, {p.batch, p.m, gelu_row}));
+      call->buffers.aux = buffer.untyped_data();
+      p.align_aux = AlignmentLog2(buffer.untyped_data(),
+                                  batched * p.m * gelu_row * static_cast<int64_t>(elem));
+    }
+  }
+
+  // Results: y, the aux output, the bias gradient, the workspace (those that apply).
+  const bool aux_out = io.relu_aux_out || io.gelu_aux_out;
+  const size_t want_rets = 2 + (aux_out ? 1 : 0) + (io.bgrad_len > 0 ? 1 : 0);
+  if (rets.size() != want_rets)
+    return ffi::Error::InvalidArgument(
+        std::string("jax_epilog_matmul: epilog ") + EpilogName(epilog) + " has " +
+        std::to_string(want_rets) + " results (y" + (aux_out ? ", aux" : "") +
+        (io.bgrad_len > 0 ? ", bias gradient" : "") + ", workspace), got " +
+        std::to_string(rets.size()));
+  size_t next = 0;
+  auto result = [&](ffi::AnyBuffer* out) -> ffi::Error {
+    auto r = rets.get<ffi::AnyBuffer>(next++);
+    if (!r.has_value()) return r.error();
+    *out = *r.value();
+    return ffi::Error::Success();
+  };
+  ffi::AnyBuffer y = a;  // reassigned below; AnyBuffer has no empty state
+  JAX_EPILOG_RETURN_IF_ERROR(result(&y));
+  JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(y, "y", dtype, {p.batch, p.m, p.n}));
+  call->buffers.y = y.untyped_data();
+  p.align_y = AlignmentLog2(y.untyped_data(), batched * p.m * p.n * static_cast<int64_t>(elem));
+  if (aux_out) {
+    ffi::AnyBuffer aux = a;
+    JAX_EPILOG_RETURN_IF_ERROR(result(&aux));
+    if (io.relu_aux_out) {
+      JAX_EPILOG_RETURN_IF_ERROR(
+          CheckBuffer(aux, "relu_aux", ffi::DataType::U8, {p.batch, p.m, relu_row}));
+      p.align_aux = AlignmentLog2(aux.untyped_data(), batched * p.m * relu_row);
+    } else {
+      JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(aux, "gelu_aux", dtype, {p.batch, p.m, gelu_row}));
+      p.align_aux = AlignmentLog2(aux.untyped_data(),
+                                  batched * p.m * gelu_row * static_cast<int64_t>(elem));
+    }
+    call->buffers.aux = aux.untyped_data();
+  }
+  if (io.bgrad_len > 0) {
+    ffi::AnyBuffer bgrad = a;
+    JAX_EPILOG_RETURN_IF_ERROR(result(&bgrad));
+    JAX_EPILOG_RETURN_IF_ERROR(
+        CheckBuffer(bgrad, "bias gradient", dtype, {p.batch, io.bgrad_len}));
+    call->buffers.bias = bgrad.untyped_data();
+    p.align_bias = AlignmentLog2(bgrad.untyped_data(),
+                                 batched * io.bgrad_len * static_cast<int64_t>(elem));
+  }
+  ffi::AnyBuffer workspace = a;
+  JAX_EPILOG_RETURN_IF_ERROR(result(&workspace));
+  if (workspace.element_type() != ffi::DataType::U8 || workspace.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument(
+        "jax_epilog_matmul: workspace must be uint8 of shape (bytes,), got " +
+        DataTypeName(workspace.element_type()) + ShapeString(workspace.dimensions()));
+  // cuBLASLt wants a 256-byte aligned workspace; an XLA buffer may be less aligned,
+  // so the usable part starts at the next 256-byte boundary.
+  const uintptr_t start = reinterpret_cast<uintptr_t>(workspace.untyped_data());
+  const uintptr_t aligned = (start + 255) & ~uintptr_t{255};
+  const uint64_t size = static_cast<uint64_t>(workspace.dimensions()[0]);
+  const uint64_t skipped = aligned - start;
+  call->buffers.workspace = reinterpret_cast<void*>(aligned);
+  call->buffers.workspace_bytes = size > skipped ? size - skipped : 0;
+  p.workspace_bytes = call->buffers.workspace_bytes;
+
+  call->buffers.a = a.untyped_data();
+  call->buffers.b = b.untyped_data();
+  p.align_a = AlignmentLog2(a.untyped_data(), batched * p.m * p.k * static_cast<int64_t>(elem));
+  p.align_b = AlignmentLog2(
+      b.untyped_data(), (p.batch_b > 1) * p.n * p.k * static_cast<int64_t>(elem));
+
+  // The plan is keyed by the CUDA device that owns XLA's stream: XLA's device
+  // ordinal can differ from it (e.g. with jax_cuda_visible_devices).
+  JAX_EPILOG_CUDA(cudaStreamGetDevice(stream, &p.device),
+                  "finding the CUDA device of XLA device " + std::to_string(xla_device) +
+                      "'s stream");
+  return ffi::Error::Success();
+}
+
+// Exceptions (std::bad_alloc, std::system_error from a mutex) must not unwind into
+// XLA's C frames; they become errors.
+template <typename Body>
+ffi::Error NoThrow(Body body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("jax_epilog_matmul: ") + e.what());
+  }
+}
+
+ffi::Error MatmulInitialize(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a,
+                            ffi::AnyBuffer b, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                            int32_t epilog, bool transpose_a, bool transpose_b,
+                            bool allow_tf32) {
+  return NoThrow([&] {
+    Call call;
+    JAX_EPILOG_RETURN_IF_ERROR(Decode(stream, xla_device, a, b, args, rets, epilog,
+                                      transpose_a, transpose_b, allow_tf32, &call));
+    Plan* plan = nullptr;
+    return GetPlan(call.problem, &plan);
+  });
+}
+
+ffi::Error MatmulExecute(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a,
+                         ffi::AnyBuffer b, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                         int32_t epilog, bool transpose_a, bool transpose_b, bool allow_tf32) {
+  return NoThrow([&] {
+    Call call;
+    JAX_EPILOG_RETURN_IF_ERROR(Decode(stream, xla_device, a, b, args, rets, epilog,
+                                      transpose_a, transpose_b, allow_tf32, &call));
+    Plan* plan = nullptr;
+    JAX_EPILOG_RETURN_IF_ERROR(GetPlan(call.problem, &plan));
+    return RunPlan(*plan, call.buffers, stream);
+  });
+}
+
+// Both stages bind the same parameters, so either can be registered alone.
+template <ffi::ExecutionStage stage>
+auto Binding() {
+  return ffi::Ffi::Bind<stage>()
+      .template Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Ctx<ffi::DeviceOrdinal>()
+      .template Arg<ffi::AnyBuffer>()  // a
+      .template Arg<ffi::AnyBuffer>()  // b
+      .RemainingArgs()                 // bias or aux input
+      .RemainingRets()                 // y, aux output, bias gradient, workspace
+      .template Attr<int32_t>("epilog")
+      .template Attr<bool>("transpose_a")
+      .template Attr<bool>("transpose_b")
+      .template Attr<bool>("allow_tf32");
+}
+
+}  // namespace
+}  // namespace jax_epilog
+
+JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmul(XLA_FFI_CallFrame* call_frame);
+JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulInitialize(XLA_FFI_CallFrame* call_frame);
+
+// Command-buffer compatible: a call always enqueues exactly one cublasLtMatmul, with
+// no allocation and no synchronisation, so it can be captured into a CUDA graph.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpilogMatmul, jax_epilog::MatmulExecute,
+    jax_epilog::Binding<xla::ffi::ExecutionStage::kExecute>(),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpilogMatmulInitialize, jax_epilog::MatmulInitialize,
+    jax_epilog::Binding<xla::ffi::ExecutionStage::kInitialize>());

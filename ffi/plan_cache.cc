@@ -1,0 +1,447 @@
+#include "plan_cache.h"
+
+#include <climits>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <tuple>
+#include <type_traits>
+#include <unordered_map>
+
+namespace jax_epilog {
+namespace {
+
+// cuBLASLt's epilogue for a public epilog. The operands are swapped (cuBLASLt's A is
+// our b), so our BGRADB, b summed over K, is cuBLASLt's BGRADA and vice versa.
+cublasLtEpilogue_t ToCublasLt(int32_t epilog) {
+  switch (epilog) {
+    case kBgradA:
+      return CUBLASLT_EPILOGUE_BGRADB;
+    case kBgradB:
+      return CUBLASLT_EPILOGUE_BGRADA;
+    default:
+      return static_cast<cublasLtEpilogue_t>(epilog);
+  }
+}
+
+const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kF32:
+      return "float32";
+  }
+  return "?";
+}
+
+// `problem` (Problem::ToString) goes into the message only on failure.
+template <typename T>
+ffi::Error SetDesc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr,
+                   const T& value, const char* name, const std::string& problem) {
+  JAX_EPILOG_CUBLAS(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)),
+                    std::string("setting ") + name + " for " + problem);
+  return ffi::Error::Success();
+}
+
+template <typename T>
+ffi::Error SetLayout(cublasLtMatrixLayout_t layout, cublasLtMatrixLayoutAttribute_t attr,
+                     const T& value, const char* name, const std::string& problem) {
+  JAX_EPILOG_CUBLAS(cublasLtMatrixLayoutSetAttribute(layout, attr, &value, sizeof(value)),
+                    std::string("setting ") + name + " for " + problem);
+  return ffi::Error::Success();
+}
+
+// A column-major `rows x cols` layout with `batch` matrices `stride` elements apart.
+ffi::Error MakeLayout(cublasLtMatrixLayout_t* layout, cudaDataType_t type, int64_t rows,
+                      int64_t cols, int64_t ld, int64_t batch, int64_t stride,
+                      const char* name, const std::string& problem) {
+  JAX_EPILOG_CUBLAS(cublasLtMatrixLayoutCreate(layout, type, static_cast<uint64_t>(rows),
+                                               static_cast<uint64_t>(cols), ld),
+                    std::string("creating the layout of ") + name + " for " + problem);
+  const int32_t count = static_cast<int32_t>(batch);
+  JAX_EPILOG_RETURN_IF_ERROR(SetLayout(*layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, count,
+                                       "CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT", problem));
+  return SetLayout(*layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, stride,
+                   "CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET", problem);
+}
+
+struct PreferenceDeleter {
+  void operator()(cublasLtMatmulPreference_t p) const { cublasLtMatmulPreferenceDestroy(p); }
+};
+using Preference =
+    std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>, PreferenceDeleter>;
+
+ffi::Error CheckProblem(const Problem& p) {
+  EpilogIo io;
+  if (!DescribeEpilog(p.epilog, p.m, p.n, &io))
+    return ffi::Error::InvalidArgument("unknown epilog " + std::to_string(p.epilog));
+  if (p.batch <= 0 || p.m <= 0 || p.n <= 0 || p.k <= 0)
+    return ffi::Error::InvalidArgument(
+        "zero-sized problems are handled before cuBLASLt and must not reach it: " +
+        p.ToString());
+  if (p.batch > INT32_MAX)
+    return ffi::Error::InvalidArgument("batch exceeds cuBLASLt's int32 batch count: " +
+                                       p.ToString());
+  if ((p.batch_b != 1 && p.batch_b != p.batch) ||
+      (p.batch_bias != 1 && p.batch_bias != p.batch))
+    return ffi::Error::InvalidArgument("batch_b and batch_bias must be 1 or batch: " +
+                                       p.ToString());
+  if (p.device < 0)
+    return ffi::Error::InvalidArgument("negative device ordinal: " + p.ToString());
+  return ffi::Error::Success();
+}
+
+// Handles live for the whole process, like the plans holding them; destroying them
+// at exit could run after the CUDA driver has been torn down.
+ffi::Error HandleFor(int device, cublasLtHandle_t* handle) {
+  static std::mutex* mutex = new std::mutex;
+  static auto* handles = new std::unordered_map<int, cublasLtHandle_t>;
+  std::lock_guard<std::mutex> lock(*mutex);
+  if (auto it = handles->find(device); it != handles->end()) {
+    *handle = it->second;
+    return ffi::Error::Success();
+  }
+  // The handle takes its device properties from the current device.
+  ScopedDevice scoped;
+  JAX_EPILOG_RETURN_IF_ERROR(scoped.Enter(device));
+  JAX_EPILOG_CUBLAS(cublasLtCreate(handle),
+                    "creating the cuBLASLt handle for CUDA device " + std::to_string(device));
+  handles->emplace(device, *handle);
+  return ffi::Error::Success();
+}
+
+ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
+  plan->description = p.ToString();
+  const std::string& problem = plan->description;
+  const std::string where = " for " + problem;
+  EpilogIo io;
+  DescribeEpilog(p.epilog, p.m, p.n, &io);
+  plan->device = p.device;
+  plan->handle = handle;
+
+  const cudaDataType_t type = p.dtype == DType::kF16    ? CUDA_R_16F
+                              : p.dtype == DType::kBF16 ? CUDA_R_16BF
+                                                        : CUDA_R_32F;
+  const cublasComputeType_t compute = p.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                   : CUBLAS_COMPUTE_32F;
+  JAX_EPILOG_CUBLAS(cublasLtMatmulDescCreate(&plan->desc, compute, CUDA_R_32F),
+                    "creating the matmul descriptor" + where);
+
+  // Transposes are expressed only through the descriptor: nothing is ever copied.
+  const int32_t op_a = p.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int32_t op_b = p.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const uint32_t epilogue = ToCublasLt(p.epilog);
+  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a,
+                                     "CUBLASLT_MATMUL_DESC_TRANSA", problem));
+  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b,
+                                     "CUBLASLT_MATMUL_DESC_TRANSB", problem));
+  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue,
+                                     "CUBLASLT_MATMUL_DESC_EPILOGUE", problem));
+
+  // The heuristic does not dereference the bias / aux pointers but reads their
+  // alignment off their value, so it is shown a stand-in with the call's alignment;
+  // every call then sets its own pointers.
+  if (io.bias_in || io.bgrad_len > 0) {
+    plan->sets_bias_pointer = true;
+    const void* stand_in = reinterpret_cast<const void*>(uintptr_t{1} << p.align_bias);
+    // The bias runs along cuBLASLt's rows (our N); a shared bias has batch stride 0.
+    // A bias gradient is one vector per batch.
+    const int64_t stride = io.bias_in ? (p.batch_bias > 1 ? p.n : 0) : io.bgrad_len;
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                       stand_in, "CUBLASLT_MATMUL_DESC_BIAS_POINTER",
+                                       problem));
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE,
+                                       stride, "CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE",
+                                       problem));
+  }
+  const bool relu_aux = io.relu_aux_in || io.relu_aux_out;
+  if (relu_aux || io.gelu_aux_in || io.gelu_aux_out) {
+    plan->sets_aux_pointer = true;
+    const void* stand_in = reinterpret_cast<const void*>(uintptr_t{1} << p.align_aux);
+    // cuBLASLt requires the ReLU mask's leading dimension (in bits) to be a multiple
+    // of 128 and the GELU input's (in elements) a multiple of 8, both at least its
+    // row count (our N); the batch strides must be multiples of the same.
+    const int64_t ld = relu_aux ? 8 * ReluAuxBytesPerRow(p.n) : GeluAuxLd(p.n);
+    const int64_t stride = ld * p.m;
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                       stand_in, "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER",
+                                       problem));
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld,
+                                       "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD", problem));
+    JAX_EPILOG_RETURN_IF_ERROR(
+        SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, stride,
+                "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE", problem));
+  }
+
+  // Row-major (rows, cols) is column-major cols x rows with ld = cols.
+  // cuBLASLt A = our b: (K, N) row-major is N x K, op N; (N, K) is K x N, op T.
+  JAX_EPILOG_RETURN_IF_ERROR(MakeLayout(
+      &plan->layout_a, type, p.transpose_b ? p.k : p.n, p.transpose_b ? p.n : p.k,
+      p.transpose_b ? p.k : p.n, p.batch, p.batch_b > 1 ? p.n * p.k : 0, "b", problem));
+  // cuBLASLt B = our a: (M, K) row-major is K x M, op N; (K, M) is M x K, op T.
+  JAX_EPILOG_RETURN_IF_ERROR(MakeLayout(
+      &plan->layout_b, type, p.transpose_a ? p.m : p.k, p.transpose_a ? p.k : p.m,
+      p.transpose_a ? p.m : p.k, p.batch, p.m * p.k, "a", problem));
+  // cuBLASLt D = our y: (M, N) row-major is N x M.
+  JAX_EPILOG_RETURN_IF_ERROR(MakeLayout(&plan->layout_cd, type, p.n, p.m, p.n, p.batch,
+                                        p.m * p.n, "y", problem));
+
+  cublasLtMatmulPreference_t raw_preference = nullptr;
+  JAX_EPILOG_CUBLAS(cublasLtMatmulPreferenceCreate(&raw_preference),
+                    "creating the matmul preference" + where);
+  Preference preference(raw_preference);
+  const uint64_t workspace = p.workspace_bytes;
+  JAX_EPILOG_CUBLAS(
+      cublasLtMatmulPreferenceSetAttribute(preference.get(),
+                                           CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &workspace, sizeof(workspace)),
+      "setting CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES" + where);
+  const struct {
+    cublasLtMatmulPreferenceAttributes_t attr;
+    uint8_t log2;
+  } alignments[] = {{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, p.align_b},
+                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, p.align_a},
+                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, p.align_y},
+                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, p.align_y}};
+  for (const auto& alignment : alignments) {
+    const uint32_t bytes = uint32_t{1} << alignment.log2;
+    JAX_EPILOG_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference.get(), alignment.attr,
+                                                           &bytes, sizeof(bytes)),
+                      "setting a CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT attribute" + where);
+  }
+
+  cublasLtMatmulHeuristicResult_t result{};
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      handle, plan->desc, plan->layout_a, plan->layout_b, plan->layout_cd, plan->layout_cd,
+      preference.get(), 1, &result, &found);
+  // The heuristic answers NOT_SUPPORTED or INVALID_VALUE for configurations the
+  // library does not implement (e.g. BGRADA with op(A) = T, K = 1 with DRELU), so
+  // both mean "unsupported" here; the problem itself was validated above.
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      StatusName(status) + " from cublasLtMatmulAlgoGetHeuristic" + where);
+  JAX_EPILOG_CUBLAS(status, "running cublasLtMatmulAlgoGetHeuristic" + where);
+  if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "no algorithm: cuBLASLt's heuristic returned none" + where);
+  plan->algo = result.algo;
+  return ffi::Error::Success();
+}
+
+struct PlanCache {
+  std::shared_mutex mutex;
+  std::unordered_map<Problem, std::unique_ptr<Plan>, ProblemHash> plans;
+};
+
+// Never destroyed: plans are in use until the process ends (see HandleFor).
+PlanCache& Cache() {
+  static PlanCache* cache = new PlanCache;
+  return *cache;
+}
+
+}  // namespace
+
+bool DescribeEpilog(int32_t epilog, int64_t m, int64_t n, EpilogIo* io) {
+  *io = EpilogIo();
+  switch (epilog) {
+    case kDefault:
+    case kRelu:
+    case kGelu:
+      return true;
+    case kBias:
+    case kReluBias:
+    case kGeluBias:
+      io->bias_in = true;
+      return true;
+    case kReluAux:
+      io->relu_aux_out = true;
+      return true;
+    case kReluAuxBias:
+      io->bias_in = io->relu_aux_out = true;
+      return true;
+    case kGeluAux:
+      io->gelu_aux_out = true;
+      return true;
+    case kGeluAuxBias:
+      io->bias_in = io->gelu_aux_out = true;
+      return true;
+    case kDRelu:
+      io->relu_aux_in = true;
+      return true;
+    case kDReluBgrad:
+      io->relu_aux_in = true;
+      io->bgrad_len = n;
+      return true;
+    case kDGelu:
+      io->gelu_aux_in = true;
+      return true;
+    case kDGeluBgrad:
+      io->gelu_aux_in = true;
+      io->bgrad_len = n;
+      return true;
+    case kBgradA:
+      io->bgrad_len = m;
+      return true;
+    case kBgradB:
+      io->bgrad_len = n;
+      return true;
+    default:
+      return false;
+  }
+}
+
+const char* EpilogName(int32_t epilog) {
+  switch (epilog) {
+    case kDefault: return "DEFAULT";
+    case kRelu: return "RELU";
+    case kReluAux: return "RELU_AUX";
+    case kBias: return "BIAS";
+    case kReluBias: return "RELU_BIAS";
+    case kReluAuxBias: return "RELU_AUX_BIAS";
+    case kDRelu: return "DRELU";
+    case kDReluBgrad: return "DRELU_BGRAD";
+    case kGelu: return "GELU";
+    case kGeluAux: return "GELU_AUX";
+    case kGeluBias: return "GELU_BIAS";
+    case kGeluAuxBias: return "GELU_AUX_BIAS";
+    case kDGelu: return "DGELU";
+    case kDGeluBgrad: return "DGELU_BGRAD";
+    case kBgradA: return "BGRADA";
+    case kBgradB: return "BGRADB";
+    default: return "UNKNOWN";
+  }
+}
+
+uint8_t AlignmentLog2(const void* ptr, int64_t batch_stride_bytes) {
+  const uint64_t bits = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr)) |
+                        static_cast<uint64_t>(batch_stride_bytes) | uint64_t{256};
+  return static_cast<uint8_t>(__builtin_ctzll(bits));
+}
+
+bool Problem::operator==(const Problem& o) const {
+  auto fields = [](const Problem& p) {
+    return std::tie(p.device, p.epilog, p.dtype, p.transpose_a, p.transpose_b,
+                    p.allow_tf32, p.batch, p.batch_b, p.batch_bias, p.m, p.n, p.k,
+                    p.workspace_bytes, p.align_a, p.align_b, p.align_y, p.align_bias,
+                    p.align_aux);
+  };
+  return fields(*this) == fields(o);
+}
+
+std::string Problem::ToString() const {
+  auto align = [](uint8_t log2) { return std::to_string(1u << log2); };
+  return std::string("epilog ") + EpilogName(epilog) + " (" + std::to_string(epilog) +
+         "), " + DTypeName(dtype) + (allow_tf32 ? " (tf32)" : "") +
+         ", batch=" + std::to_string(batch) + " batch_b=" + std::to_string(batch_b) +
+         " batch_bias=" + std::to_string(batch_bias) + ", M=" + std::to_string(m) +
+         " N=" + std::to_string(n) + " K=" + std::to_string(k) +
+         ", transpose_a=" + (transpose_a ? "true" : "false") +
+         " transpose_b=" + (transpose_b ? "true" : "false") +
+         ", workspace=" + std::to_string(workspace_bytes) +
+         " bytes, alignment a/b/y/bias/aux=" + align(align_a) + "/" + align(align_b) + "/" +
+         align(align_y) + "/" + align(align_bias) + "/" + align(align_aux) +
+         ", CUDA device " + std::to_string(device);
+}
+
+size_t ProblemHash::operator()(const Problem& p) const {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](uint64_t v) {
+    h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+  };
+  mix(static_cast<uint64_t>(p.device));
+  mix(static_cast<uint64_t>(p.epilog));
+  mix(static_cast<uint64_t>(p.dtype) | uint64_t{p.transpose_a} << 8 |
+      uint64_t{p.transpose_b} << 9 | uint64_t{p.allow_tf32} << 10 |
+      uint64_t{p.align_a} << 16 | uint64_t{p.align_b} << 24 | uint64_t{p.align_y} << 32 |
+      uint64_t{p.align_bias} << 40 | uint64_t{p.align_aux} << 48);
+  for (int64_t v : {p.batch, p.batch_b, p.batch_bias, p.m, p.n, p.k})
+    mix(static_cast<uint64_t>(v));
+  mix(p.workspace_bytes);
+  return static_cast<size_t>(h);
+}
+
+Plan::~Plan() {
+  if (layout_cd) cublasLtMatrixLayoutDestroy(layout_cd);
+  if (layout_b) cublasLtMatrixLayoutDestroy(layout_b);
+  if (layout_a) cublasLtMatrixLayoutDestroy(layout_a);
+  if (desc) cublasLtMatmulDescDestroy(desc);
+}
+
+ScopedDevice::~ScopedDevice() {
+  if (previous_ >= 0) cudaSetDevice(previous_);
+}
+
+ffi::Error ScopedDevice::Enter(int device) {
+  int current = -1;
+  JAX_EPILOG_CUDA(cudaGetDevice(&current), "querying the current CUDA device");
+  if (current != device) {
+    JAX_EPILOG_CUDA(cudaSetDevice(device),
+                    "making CUDA device " + std::to_string(device) + " current");
+    previous_ = current;
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error GetPlan(const Problem& requested, Plan** plan) {
+  // One plan serves problems that differ only in what the plan ignores: TF32 for
+  // 16-bit types, the bias batch for epilogs without a bias input.
+  Problem problem = requested;
+  problem.allow_tf32 = requested.allow_tf32 && requested.dtype == DType::kF32;
+  EpilogIo io;
+  if (DescribeEpilog(problem.epilog, problem.m, problem.n, &io) && !io.bias_in)
+    problem.batch_bias = 1;
+  PlanCache& cache = Cache();
+  {
+    std::shared_lock<std::shared_mutex> lock(cache.mutex);
+    if (auto it = cache.plans.find(problem); it != cache.plans.end()) {
+      *plan = it->second.get();
+      return ffi::Error::Success();
+    }
+  }
+  JAX_EPILOG_RETURN_IF_ERROR(CheckProblem(problem));
+  cublasLtHandle_t handle = nullptr;
+  JAX_EPILOG_RETURN_IF_ERROR(HandleFor(problem.device, &handle));
+  // Built outside the cache lock (the heuristic takes a while); if another thread
+  // built the same plan meanwhile, its plan is kept and this one dropped.
+  auto built = std::make_unique<Plan>();
+  {
+    ScopedDevice scoped;
+    JAX_EPILOG_RETURN_IF_ERROR(scoped.Enter(problem.device));
+    JAX_EPILOG_RETURN_IF_ERROR(BuildPlan(problem, handle, built.get()));
+  }
+  std::unique_lock<std::shared_mutex> lock(cache.mutex);
+  auto inserted = cache.plans.emplace(problem, std::move(built));
+  *plan = inserted.first->second.get();
+  return ffi::Error::Success();
+}
+
+ffi::Error RunPlan(Plan& plan, const CallBuffers& buffers, cudaStream_t stream) {
+  // Kernels go to the current device; XLA's stream belongs to the plan's device.
+  ScopedDevice scoped;
+  JAX_EPILOG_RETURN_IF_ERROR(scoped.Enter(plan.device));
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  std::lock_guard<std::mutex> lock(plan.mutex);
+  if (plan.sets_bias_pointer)
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                       buffers.bias, "CUBLASLT_MATMUL_DESC_BIAS_POINTER",
+                                       plan.description));
+  if (plan.sets_aux_pointer)
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                       buffers.aux,
+                                       "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER",
+                                       plan.description));
+  // beta = 0, so C is never read; it aliases D as cuBLASLt allows.
+  JAX_EPILOG_CUBLAS(
+      cublasLtMatmul(plan.handle, plan.desc, &alpha, buffers.b, plan.layout_a, buffers.a,
+                     plan.layout_b, &beta, buffers.y, plan.layout_cd, buffers.y,
+                     plan.layout_cd, &plan.algo, buffers.workspace, buffers.workspace_bytes,
+                     stream),
+      "enqueueing cublasLtMatmul for " + plan.description);
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_epilog

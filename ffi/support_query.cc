@@ -1,0 +1,99 @@
+// C entry points for the Python side (ctypes): library versions and whether cuBLASLt
+// supports a problem on a device. The lowering asks before emitting the custom call
+// and routes what cuBLASLt cannot do (e.g. a backward epilog with K = 1) to plain XLA.
+// None of them may crash: on a machine without a GPU or driver they report an error.
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "plan_cache.h"
+#include "status.h"
+
+namespace {
+
+void CopyMessage(const std::string& text, char* message, size_t message_len) {
+  if (message == nullptr || message_len == 0) return;
+  const size_t n = text.size() < message_len - 1 ? text.size() : message_len - 1;
+  std::memcpy(message, text.data(), n);
+  message[n] = '\0';
+}
+
+int QuerySupport(int device, int epilog, int dtype, int transpose_a, int transpose_b,
+                 int64_t batch, int64_t batch_b, int64_t batch_bias, int64_t m, int64_t n,
+                 int64_t k, int allow_tf32, uint64_t workspace_bytes, std::string* message) {
+  using jax_epilog::DType;
+  if (dtype < 0 || dtype > 2) {
+    *message = "dtype must be 0 (float16), 1 (bfloat16) or 2 (float32), got " +
+               std::to_string(dtype);
+    return -1;
+  }
+  int count = 0;
+  if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) {
+    *message = jax_epilog::StatusName(e) + " while counting CUDA devices";
+    return -1;
+  }
+  if (device < 0 || device >= count) {
+    *message = "CUDA device " + std::to_string(device) + " does not exist (" +
+               std::to_string(count) + " visible)";
+    return -1;
+  }
+  jax_epilog::Problem p;
+  p.device = device;
+  p.epilog = epilog;
+  p.dtype = static_cast<DType>(dtype);
+  p.transpose_a = transpose_a != 0;
+  p.transpose_b = transpose_b != 0;
+  p.allow_tf32 = allow_tf32 != 0;
+  p.batch = batch;
+  p.batch_b = batch_b;
+  p.batch_bias = batch_bias;
+  p.m = m;
+  p.n = n;
+  p.k = k;
+  p.workspace_bytes = workspace_bytes;
+  // The pointer alignments keep Problem's default, 256 bytes, what XLA's buffers
+  // normally have; a call with less aligned buffers gets its own plan at run time.
+  jax_epilog::Plan* plan = nullptr;
+  const xla::ffi::Error error = jax_epilog::GetPlan(p, &plan);
+  if (error.success()) return 1;
+  *message = error.message();
+  return error.errc() == xla::ffi::ErrorCode::kUnimplemented ? 0 : -1;
+}
+
+}  // namespace
+
+// The cuBLASLt version number (e.g. 130100 for 13.1.0); needs no GPU.
+JAX_EPILOG_EXPORT size_t jax_epilog_cublaslt_version(void) { return cublasLtGetVersion(); }
+
+// The name of a cublasStatus_t value, e.g. "CUBLAS_STATUS_NOT_SUPPORTED".
+JAX_EPILOG_EXPORT const char* jax_epilog_status_name(int status) {
+  return cublasLtGetStatusName(static_cast<cublasStatus_t>(status));
+}
+
+// 1: cuBLASLt has an algorithm for the problem (its plan is now cached, so the first
+// call does not pay for it); 0: it has none, `message` says why; -1: the question
+// could not be answered (no driver or device, bad argument, a cuBLASLt failure),
+// `message` says why. `dtype`: 0 float16, 1 bfloat16, 2 float32. `epilog` is the
+// public value. Never throws.
+JAX_EPILOG_EXPORT int jax_epilog_query_support(int device, int epilog, int dtype,
+                                               int transpose_a, int transpose_b,
+                                               int64_t batch, int64_t batch_b,
+                                               int64_t batch_bias, int64_t m, int64_t n,
+                                               int64_t k, int allow_tf32,
+                                               uint64_t workspace_bytes, char* message,
+                                               size_t message_len) {
+  CopyMessage("", message, message_len);
+  try {
+    std::string text;
+    const int answer = QuerySupport(device, epilog, dtype, transpose_a, transpose_b, batch,
+                                    batch_b, batch_bias, m, n, k, allow_tf32,
+                                    workspace_bytes, &text);
+    CopyMessage(text, message, message_len);
+    return answer;
+  } catch (const std::exception& e) {  // e.g. std::bad_alloc; must not cross into C
+    CopyMessage(std::string("internal error: ") + e.what(), message, message_len);
+    return -1;
+  }
+}
