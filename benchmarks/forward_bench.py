@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 import plot
 import timing
-from jax_epilog import Epilog
+from jax_epilog import Epilog, gelu_aux_columns, relu_mask_bytes
 from jax_epilog import matmul as epilog_matmul
 
 # id: (B, K, N) for x[B, K] @ W[K, N] + b[N]
@@ -92,10 +92,26 @@ def random_inputs(shape: tuple[int, int, int], dtype, copies: int, seed: int = 0
     return jax.block_until_ready(sets)
 
 
-def bytes_per_call(shape: tuple[int, int, int], dtype) -> int:
-    """Operands read once and y written once (the most any fused layer must move)."""
+def bytes_moved(shape: tuple[int, int, int], dtype, epilog: Optional[Epilog] = None) -> int:
+    """The least traffic of one call: x, W (and b) read once, y (and the aux) written once."""
     batch, k, n = shape
-    return (batch * k + k * n + n + batch * n) * jnp.dtype(dtype).itemsize
+    size = jnp.dtype(dtype).itemsize
+    total = (batch * k + k * n + batch * n) * size
+    if epilog is not None and epilog.has_bias:
+        total += n * size
+    if epilog is not None and epilog.aux_output == "relu_aux":
+        total += batch * relu_mask_bytes(n)
+    elif epilog is not None and epilog.aux_output == "gelu_aux":
+        total += batch * gelu_aux_columns(n) * size
+    return total
+
+
+def measure_bandwidth(megabytes: int = 1024) -> float:
+    """Bytes per second of an elementwise pass over a large array (one read, one write):
+    the rate that bounds the epilog's extra traffic."""
+    x = jax.block_until_ready(jnp.ones((megabytes * 2**20 // 4,), jnp.float32))
+    t = timing.time_calls(jax.jit(lambda a: a * 2), [(x,)], rounds=ROUNDS)
+    return 2 * x.nbytes / t.seconds
 
 
 # --- nvmath-python, where it can run ------------------------------------------------------
@@ -171,12 +187,18 @@ class Budget:
         return min(self.longest_round, share)
 
 
-def measure_jax(fn: Callable, arg_sets: list[tuple], budget: Budget) -> dict[str, Any]:
-    jitted = jax.jit(fn)
+def measure_jax(jitted: Callable, arg_sets: list[tuple], budget: Budget) -> dict[str, Any]:
     lowering = "custom call" if timing.uses_custom_call(jitted, *arg_sets[0]) \
         else "reference lowering"
     t = timing.time_calls(jitted, arg_sets, rounds=ROUNDS, round_seconds=budget.round_seconds())
     return {**t.as_dict(), "lowering": lowering}
+
+
+def max_abs_difference(expected, received) -> float:
+    """Largest |difference| of y (the first output): a timed variant must compute the layer."""
+    y_expected, y_received = jax.tree.leaves(expected)[0], jax.tree.leaves(received)[0]
+    return float(jnp.max(jnp.abs(y_expected.astype(jnp.float32)
+                                 - y_received.astype(jnp.float32))))
 
 
 def measure_nvmath(nv: NvmathRunner, epilog: Epilog, arg_sets: list[tuple],
@@ -211,27 +233,33 @@ def run(selected: list[Case], epilogs: list[Epilog], budget_seconds: float,
     nv = NvmathRunner() if use_nvmath else None
     nv_ok = nv is not None and nv.available
     per_case = 1 + len(epilogs) * (3 if nv_ok else 2)
+    started = time.perf_counter()
+    bandwidth = measure_bandwidth(megabytes=1024 if selected[0].row in GRID else 16)
     budget = Budget(budget_seconds, per_case * len(selected))
     records = []
     with tqdm(total=per_case * len(selected), unit="run", desc="forward") as bar:
         for case in selected:
             dtype = DTYPES[case.dtype]
-            copies = timing.input_copies(bytes_per_call(case.shape, dtype))
+            copies = timing.input_copies(bytes_moved(case.shape, dtype, Epilog.BIAS))
             arg_sets = random_inputs(case.shape, dtype, copies)
             flops = timing.gemm_flops(*case.shape)
             bar.set_postfix_str(f"{case.row} {case.dtype} gemm")
-            gemm = measure_jax(plain_gemm, [args[:2] for args in arg_sets], budget)
+            gemm = measure_jax(jax.jit(plain_gemm), [args[:2] for args in arg_sets], budget)
             gemm["tflops"] = timing.tflops(flops, gemm["seconds"])
             bar.update()
             for epilog in epilogs:
+                moved = bytes_moved(case.shape, dtype, epilog)
                 record = {"row": case.row, "shape": list(case.shape), "dtype": case.dtype,
                           "epilog": epilog.name, "input_copies": copies, "flops": flops,
+                          "bytes": moved, "bytes_floor_seconds": moved / bandwidth,
                           "gemm": gemm, "results": {}}
                 bar.set_postfix_str(f"{case.row} {case.dtype} {epilog.name}")
-                record["results"]["xla"] = measure_jax(xla_layer(epilog), arg_sets, budget)
+                xla, ours = jax.jit(xla_layer(epilog)), jax.jit(epilog_layer(epilog))
+                record["results"]["xla"] = measure_jax(xla, arg_sets, budget)
                 bar.update()
-                record["results"]["jax_epilog"] = measure_jax(epilog_layer(epilog), arg_sets,
-                                                              budget)
+                record["results"]["jax_epilog"] = measure_jax(ours, arg_sets, budget)
+                record["results"]["jax_epilog"]["max_abs_diff_vs_xla"] = max_abs_difference(
+                    xla(*arg_sets[0]), ours(*arg_sets[0]))
                 bar.update()
                 if nv_ok:
                     record["results"]["nvmath"] = measure_nvmath(nv, epilog, arg_sets, budget)
@@ -250,6 +278,8 @@ def run(selected: list[Case], epilogs: list[Epilog], budget_seconds: float,
             "method": {"rounds": ROUNDS, "budget_seconds": budget_seconds,
                        "timing": "median over rounds of back-to-back calls, one sync per round",
                        "speedup_vs_xla": "XLA time / this time (> 1: faster than XLA)"},
+            "bandwidth_bytes_per_second": bandwidth,
+            "elapsed_seconds": time.perf_counter() - started,
             "notes": notes, "records": records}
 
 
@@ -271,12 +301,15 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "Time per call (µs, median of rounds), TFLOP/s (2·B·K·N), % of the plain GEMM's rate "
         "for the same shape and dtype, and speed-up against XLA on the plain-JAX expression "
-        "(XLA time / time; > 1 is faster).",
+        "(XLA time / time; > 1 is faster). Floors: FLOPs at the measured GEMM rate is the GEMM's "
+        "own time; 'bytes floor' is the least traffic of the call (x, W, b read once; y and the "
+        "aux written once) at the measured elementwise bandwidth, "
+        f"{report['bandwidth_bytes_per_second'] / 1e9:.0f} GB/s (read + write).",
         "",
     ]
     lines += [f"- {note}" for note in report["notes"]]
-    header = ["row", "dtype", "B×K×N", "epilog", "GEMM µs", "GEMM TFLOP/s", "XLA µs",
-              "XLA % GEMM", "jax_epilog µs", "TFLOP/s", "% GEMM", "vs XLA"]
+    header = ["row", "dtype", "B×K×N", "epilog", "bytes floor µs", "GEMM µs", "GEMM TFLOP/s", "XLA µs",
+              "XLA % GEMM", "jax_epilog µs", "TFLOP/s", "% GEMM", "vs XLA", "max |Δy| vs XLA"]
     if has_nvmath:
         header += ["nvmath µs", "nvmath % GEMM", "nvmath vs XLA"]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -286,10 +319,12 @@ def markdown(report: dict[str, Any]) -> str:
         epilog = r["epilog"] + ("" if ours["lowering"] == "custom call"
                                 else " (reference lowering)")
         cells = [r["row"], r["dtype"], "×".join(map(str, r["shape"])), epilog,
+                 f"{r['bytes_floor_seconds'] * 1e6:.1f}",
                  f"{r['gemm']['seconds'] * 1e6:.1f}", f"{r['gemm']['tflops']:.4g}",
                  f"{res['xla']['seconds'] * 1e6:.1f}", _cell(res["xla"], "pct_of_gemm", ".1f"),
                  f"{ours['seconds'] * 1e6:.1f}", _cell(ours, "tflops", ".4g"),
-                 _cell(ours, "pct_of_gemm", ".1f"), _cell(ours, "speedup_vs_xla", ".3f")]
+                 _cell(ours, "pct_of_gemm", ".1f"), _cell(ours, "speedup_vs_xla", ".3f"),
+                 _cell(ours, "max_abs_diff_vs_xla", ".3g")]
         if has_nvmath:
             nvm = res.get("nvmath", {})
             cells += ["error" if "error" in nvm else

@@ -1,0 +1,75 @@
+"""The benchmark scripts run end to end on tiny shapes and write complete reports.
+
+Timings are never asserted (BENCHMARK.md); what is checked is that every variant ran, computed
+the layer (jax_epilog's y equals XLA's) and was reported.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import forward_bench  # noqa: E402
+import overhead_bench  # noqa: E402
+import timing  # noqa: E402
+
+
+def test_input_copies_fill_twice_the_l2():
+    assert timing.input_copies(10 * timing.L2_BYTES) == 1
+    assert timing.input_copies(timing.L2_BYTES // 4) == 8
+    assert timing.input_copies(1) == timing.MAX_INPUT_COPIES
+    with pytest.raises(ValueError, match="bytes_per_call"):
+        timing.input_copies(0)
+
+
+def test_time_calls_counts_every_call():
+    calls = []
+    t = timing.time_calls(lambda i: calls.append(i), [(0,), (1,), (2,)], sync=lambda _: None,
+                          rounds=5, round_seconds=0.0)
+    assert len(t.rounds) == 5 and t.seconds > 0 and t.calls_per_round >= 3
+    assert set(calls) == {0, 1, 2}
+
+
+def test_forward_smoke_report(tmp_path):
+    forward_bench.main(["--smoke", "--rows", "S2", "--dtypes", "bf16",
+                        "--epilogs", "relu_bias,gelu_aux_bias", "--budget", "0.5",
+                        "--no-nvmath", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "forward.json").read_text())
+    assert report["metadata"]["jax"] and "cublaslt_version" in report["metadata"]
+    assert [r["epilog"] for r in report["records"]] == ["RELU_BIAS", "GELU_AUX_BIAS"]
+    for record in report["records"]:
+        assert record["shape"] == [129, 7, 127]
+        ours = record["results"]["jax_epilog"]
+        assert ours["seconds"] > 0 and ours["tflops"] > 0 and ours["speedup_vs_xla"] > 0
+        assert ours["max_abs_diff_vs_xla"] < 0.05
+        assert ours["lowering"] in ("custom call", "reference lowering")
+    assert any("nvmath-python column omitted" in note for note in report["notes"])
+    table = (tmp_path / "forward.md").read_text()
+    assert "| S2 | bf16 | 129×7×127 | RELU_BIAS" in table
+    assert (tmp_path / "forward.png").stat().st_size > 0
+
+
+def test_overhead_smoke_report(tmp_path):
+    overhead_bench.main(["--smoke", "--rows", "S1", "--layers", "3", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "overhead.json").read_text())
+    assert len(report["records"]) == len(overhead_bench.UNROLLS)
+    for record in report["records"]:
+        assert set(record["results"]) == {"gemm", "xla", "jax_epilog"}
+        assert all(r["us_per_layer"] > 0 for r in record["results"].values())
+    assert (tmp_path / "overhead.png").stat().st_size > 0
+
+
+def test_layer_loop_matches_unrolled_layers():
+    import jax
+    import numpy as np
+
+    x, w, b = forward_bench.random_inputs((16, 24, 10), np.float32, copies=1)[0]
+    layer = forward_bench.xla_layer(forward_bench.Epilog.RELU_BIAS)
+    expected = x
+    for _ in range(3):
+        expected = expected.at[:, :10].set(layer(expected, w, b))
+    received = jax.jit(overhead_bench.layer_loop(layer, 3, unroll=1))(x, w, b)
+    np.testing.assert_allclose(received, expected, rtol=1e-5, atol=1e-5)
