@@ -1,0 +1,96 @@
+"""Flax Linen modules: `Dense` and `MLP`, drop-in for `linen.Dense` followed by an activation.
+
+The parameters are the stock ones (`kernel` `(inputs.shape[-1], features)`, `bias`
+`(features,)`) with the same default initialisers, so `init` with the same key gives exactly
+the parameters `linen.Dense` would, and either's checkpoint loads into the other. `MLP` names
+its layers `layers_0`, `layers_1`, ... (what `self.layers = [nn.Dense(f) for f in features]`
+in `setup` gives) and runs the whole stack as one `jax_epilog.mlp` call.
+
+Flax is an optional dependency: `pip install jax-epilog[flax]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+try:
+    from flax import linen
+    from flax.linen.dtypes import promote_dtype
+except ImportError as error:
+    raise ImportError("jax_epilog.linen needs Flax: pip install jax-epilog[flax]") from error
+
+from .layers import dense, mlp
+
+
+class Dense(linen.Module):
+    """`activation(inputs @ kernel + bias)` in one fused kernel; attributes as `linen.Dense`'s.
+
+    Attributes:
+      features: the number of output features.
+      activation: None, "relu" or "gelu" (tanh approximation, `jax.nn.gelu`'s default).
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as for `linen.Dense`;
+        `kernel_init=linen.with_partitioning(init, names)` annotates the kernel for sharding.
+    """
+
+    features: int
+    activation: Optional[str] = None
+    use_bias: bool = True
+    dtype: Optional[Any] = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    kernel_init: Any = linen.initializers.lecun_normal()
+    bias_init: Any = linen.initializers.zeros_init()
+
+    @linen.compact
+    def kernel_and_bias(self, in_features: int) -> tuple[Any, Optional[Any]]:
+        """This layer's parameters for inputs of `in_features` (created on first use)."""
+        kernel = self.param("kernel", self.kernel_init, (in_features, self.features),
+                            self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) \
+            if self.use_bias else None
+        return kernel, bias
+
+    def __call__(self, inputs):
+        kernel, bias = self.kernel_and_bias(jnp.shape(inputs)[-1])
+        inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        return dense(inputs, kernel, bias, activation=self.activation, precision=self.precision)
+
+
+class MLP(linen.Module):
+    """A stack of `Dense` layers (`features[i]` outputs each) run as one `jax_epilog.mlp` call.
+
+    `activation` follows every layer but the last, `final_activation` the last. The other
+    attributes are `linen.Dense`'s and apply to every layer.
+    """
+
+    features: Sequence[int]
+    activation: Optional[str] = "relu"
+    final_activation: Optional[str] = None
+    use_bias: bool = True
+    dtype: Optional[Any] = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    kernel_init: Any = linen.initializers.lecun_normal()
+    bias_init: Any = linen.initializers.zeros_init()
+
+    @linen.compact
+    def __call__(self, inputs):
+        features = list(self.features)
+        if not features:
+            raise ValueError("features: expected at least one layer size, got []")
+        sizes = [jnp.shape(inputs)[-1], *features]
+        params = []
+        for i, size in enumerate(features):
+            layer = Dense(size, activation=self.activation if i < len(features) - 1
+                          else self.final_activation,
+                          use_bias=self.use_bias, dtype=self.dtype,
+                          param_dtype=self.param_dtype, precision=self.precision,
+                          kernel_init=self.kernel_init, bias_init=self.bias_init,
+                          name=f"layers_{i}")
+            params.extend(layer.kernel_and_bias(sizes[i]))
+        inputs, *params = promote_dtype(inputs, *params, dtype=self.dtype)
+        return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=self.activation,
+                   final_activation=self.final_activation, precision=self.precision)

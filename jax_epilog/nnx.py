@@ -1,0 +1,110 @@
+"""Flax NNX modules: `Dense` and `MLP`, drop-in for `nnx.Linear` followed by an activation.
+
+The parameters are the stock ones: `kernel` `(in_features, out_features)` and `bias`
+`(out_features,)`, made by the same initialisers from the same RNG stream in the same order, so
+`Dense(..., rngs=nnx.Rngs(0))` starts from exactly the weights `nnx.Linear(..., rngs=nnx.Rngs(0))`
+would, and the state of either loads into the other. `MLP` keeps its layers in `layers`, the
+state tree of a list of `nnx.Linear` (`layers/0/kernel`, ...), and runs the whole stack as one
+`jax_epilog.mlp` call so the backward can fuse across layers.
+
+Flax is an optional dependency: `pip install jax-epilog[flax]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+try:
+    from flax import nnx
+    from flax.linen.dtypes import promote_dtype
+except ImportError as error:
+    raise ImportError("jax_epilog.nnx needs Flax: pip install jax-epilog[flax]") from error
+
+from .layers import dense, mlp
+
+# Flax >= 0.12 wants lists of modules wrapped so it can see their state; older Flax takes lists.
+_ModuleList = getattr(nnx, "List", list)
+
+
+class Dense(nnx.Module):
+    """`activation(inputs @ kernel + bias)` in one fused kernel; arguments as `nnx.Linear`'s.
+
+    Args:
+      in_features, out_features: the kernel is `(in_features, out_features)`.
+      activation: None, "relu" or "gelu" (tanh approximation, `jax.nn.gelu`'s default).
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init, rngs, kernel_metadata,
+        bias_metadata: as for `nnx.Linear`. Sharding annotations such as
+        `kernel_init=nnx.with_partitioning(init, ("data", "model"))` carry over to the params.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *,
+                 activation: Optional[str] = None, use_bias: bool = True,
+                 dtype: Optional[Any] = None, param_dtype: Any = jnp.float32,
+                 precision: Any = None,
+                 kernel_init: Any = nnx.initializers.lecun_normal(),
+                 bias_init: Any = nnx.initializers.zeros_init(),
+                 rngs: nnx.Rngs,
+                 kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
+                 bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+        # Same draws, same order as nnx.Linear: identical weights from identical Rngs.
+        self.kernel = nnx.Param(
+            kernel_init(rngs.params(), (in_features, out_features), param_dtype),
+            **kernel_metadata)
+        self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype),
+                              **bias_metadata) if use_bias else None
+        self.in_features = in_features
+        self.out_features = out_features
+        self.activation = activation
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+
+    def kernel_and_bias(self) -> tuple[Any, Optional[Any]]:
+        return self.kernel[...], (self.bias[...] if self.bias is not None else None)
+
+    def __call__(self, inputs):
+        inputs, kernel, bias = promote_dtype(inputs, *self.kernel_and_bias(), dtype=self.dtype)
+        return dense(inputs, kernel, bias, activation=self.activation, precision=self.precision)
+
+
+class MLP(nnx.Module):
+    """A stack of `Dense` layers run as one `jax_epilog.mlp` call.
+
+    `MLP(64, [128, 128, 10], rngs=nnx.Rngs(0))` has the parameters (and initial values) of
+    `nnx.List([nnx.Linear(64, 128), nnx.Linear(128, 128), nnx.Linear(128, 10)])` stored as
+    `layers`; `activation` follows every layer but the last, `final_activation` the last.
+    The other arguments are `nnx.Linear`'s and apply to every layer.
+    """
+
+    def __init__(self, in_features: int, features: Sequence[int], *,
+                 activation: Optional[str] = "relu", final_activation: Optional[str] = None,
+                 use_bias: bool = True, dtype: Optional[Any] = None,
+                 param_dtype: Any = jnp.float32, precision: Any = None,
+                 kernel_init: Any = nnx.initializers.lecun_normal(),
+                 bias_init: Any = nnx.initializers.zeros_init(),
+                 rngs: nnx.Rngs):
+        features = list(features)
+        if not features:
+            raise ValueError("features: expected at least one layer size, got []")
+        sizes = [in_features, *features]
+        self.layers = _ModuleList([
+            Dense(sizes[i], sizes[i + 1],
+                  activation=activation if i < len(features) - 1 else final_activation,
+                  use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                  precision=precision, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+            for i in range(len(features))])
+        self.activation = activation
+        self.final_activation = final_activation
+        self.dtype = dtype
+        self.precision = precision
+
+    def __call__(self, inputs):
+        params = [p for layer in self.layers for p in layer.kernel_and_bias()]
+        inputs, *params = promote_dtype(inputs, *params, dtype=self.dtype)
+        return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=self.activation,
+                   final_activation=self.final_activation, precision=self.precision)
