@@ -51,7 +51,6 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "fp32": jnp.float32}
 EXTRA_DTYPE_ROWS = ("G1", "G2", "G3")
 EPILOGS = (Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS, Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS,
            Epilog.BIAS)
-IMPLEMENTATIONS = ("xla", "jax_epilog", "nvmath")
 ROUNDS = 5
 
 
@@ -126,15 +125,20 @@ class NvmathRunner:
 
     def __init__(self):
         self.error: Optional[str] = None
+        self.version: Optional[str] = None
+        # An optional dependency that fails to import, for whatever reason (a missing wheel, a
+        # mismatched cuda-bindings), only costs its column.
         try:
-            import nvmath  # noqa: F401
+            import nvmath
+            import nvmath.linalg.advanced  # noqa: F401
             import torch
             if not torch.cuda.is_available():
                 raise ImportError("torch sees no CUDA device")
-        except ImportError as e:
-            self.error = f"nvmath-python unavailable: {e}"
+        except Exception as e:  # noqa: BLE001
+            self.error = f"nvmath-python unavailable: {type(e).__name__}: {e}"
             return
         self.nvmath, self.torch = nvmath, torch
+        self.version = f"nvmath-python {nvmath.__version__}, torch {torch.__version__}"
 
     @property
     def available(self) -> bool:
@@ -274,7 +278,8 @@ def run(selected: list[Case], epilogs: list[Epilog], budget_seconds: float,
     if any(r["results"]["jax_epilog"]["lowering"] != "custom call" for r in records):
         notes.append("jax_epilog rows marked 'reference lowering' ran the plain-JAX reference, "
                      "not cuBLASLt (no CUDA custom call on this platform/problem).")
-    return {"benchmark": "forward", "metadata": timing.run_metadata(),
+    metadata = {**timing.run_metadata(), "nvmath": nv.version if nv_ok else None}
+    return {"benchmark": "forward", "metadata": metadata,
             "method": {"rounds": ROUNDS, "budget_seconds": budget_seconds,
                        "timing": "median over rounds of back-to-back calls, one sync per round",
                        "speedup_vs_xla": "XLA time / this time (> 1: faster than XLA)"},
@@ -297,7 +302,8 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"{meta['date']} · {meta['gpu_name'] or meta['device']} · driver "
         f"{meta['driver_version']} · jax {meta['jax']} / jaxlib {meta['jaxlib']} · cuBLASLt "
-        f"{meta['cublaslt_version']} · custom call active: {meta['custom_call_active']}",
+        f"{meta['cublaslt_version']} · custom call active: {meta['custom_call_active']}"
+        + (f" · {meta['nvmath']}" if meta.get("nvmath") else ""),
         "",
         "Time per call (µs, median of rounds), TFLOP/s (2·B·K·N), % of the plain GEMM's rate "
         "for the same shape and dtype, and speed-up against XLA on the plain-JAX expression "
