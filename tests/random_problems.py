@@ -55,7 +55,7 @@ class Problem:
         a = normal(*self.lead, *((self.k, self.m) if self.transpose_a else (self.m, self.k)))
         b_lead = self.lead if self.b_batched else ()
         b = normal(*b_lead, *((self.n, self.k) if self.transpose_b else (self.k, self.n)),
-                   scale=self.k ** -0.5)
+                   scale=max(self.k, 1) ** -0.5)
         inputs = {}
         if self.epilog.has_bias:
             inputs["bias"] = normal(*(self.lead if self.bias_batched else ()), self.n)
