@@ -7,6 +7,7 @@ else. `dense` and `mlp` are differentiable layers built on it; `jax_epilog.nnx` 
 """
 
 from .epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
+from .layers import dense, mlp
 from .matmul import EXPORT_SAFETY_CHECKS, matmul, reference_matmul
 
 __version__ = "0.1.0"
@@ -14,8 +15,10 @@ __version__ = "0.1.0"
 __all__ = [
     "EXPORT_SAFETY_CHECKS",
     "Epilog",
+    "dense",
     "gelu_aux_columns",
     "matmul",
+    "mlp",
     "reference_matmul",
     "relu_mask_bytes",
 ]

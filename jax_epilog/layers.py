@@ -1,0 +1,282 @@
+"""`dense` and `mlp`: differentiable layers on cuBLASLt's epilogs (SPEC §2).
+
+`mlp` is ONE `jax.custom_vjp` over the whole stack (`dense` is the same function for a stack of
+one layer), so the backward can use the epilogs that cross a layer boundary:
+
+- Forward, training: each layer is one RELU_AUX_BIAS (GELU_AUX_BIAS, BIAS, DEFAULT, ...) GEMM.
+  The residuals are each layer's input (for its weight gradient), the kernels, and per
+  activation the packed 1-bit ReLU mask (the pre-activation for GELU). A full-width ReLU
+  pre-activation is never kept. Forward without differentiation uses the epilog without aux.
+- Backward, walking the layers in reverse with dZ_i the gradient at layer i's pre-activation:
+  dW_i = h_iᵀ dZ_i is a GEMM, with the bias gradient fused (BGRADB) where no other kernel gives
+  it (the last layer, or a layer whose successor is not activated); for i > 0 the
+  data-gradient GEMM dZ_i W_iᵀ also applies layer i-1's activation derivative and reduces its
+  bias gradient (DRELU_BGRAD / DGELU_BGRAD, DRELU / DGELU without a bias). Each of these fused
+  steps has an unfused equivalent (plain GEMM, elementwise derivative, reduction); which runs is
+  chosen per problem from measurements, see `backward_strategy`.
+
+Dtypes, as Flax's `Dense` does it: everything is cast to one computation dtype before the
+matmul: `dtype` if given, else `jnp.result_type` of `x` and the parameters (what the plain
+expression `x @ kernel + bias` computes in). So float32 parameters with `dtype=jnp.bfloat16`
+compute in bf16, and their gradients come back float32 (the gradient of the cast). cuBLASLt
+accumulates in float32 whatever the dtype.
+
+Transforms: `jax.jit`, `jax.grad`/`jax.vjp`, `jax.vmap`, `jax.checkpoint` and `jax.lax.scan`
+work. The residuals carry `jax.ad_checkpoint.checkpoint_name`s (`RELU_MASK_NAME`,
+`GELU_PRE_ACTIVATION_NAME`, `LAYER_INPUT_NAME`), so a remat policy such as
+`jax.checkpoint_policies.save_only_these_names(RELU_MASK_NAME)` keeps the 1-bit masks and
+recomputes the rest. Forward-mode (`jax.jvp`, `jax.jacfwd`) is not supported: JAX cannot
+differentiate a `custom_vjp` in forward mode, and a `custom_jvp` would give up the fused backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from . import backward_strategy
+from .epilogs import Epilog
+from .matmul import SUPPORTED_DTYPES, matmul
+from .reference import gelu_derivative, unpack_relu_mask
+
+ACTIVATIONS = (None, "relu", "gelu")
+
+#: `checkpoint_name`s of the residuals, for `jax.checkpoint_policies.save_only_these_names`.
+RELU_MASK_NAME = "jax_epilog_relu_mask"
+GELU_PRE_ACTIVATION_NAME = "jax_epilog_gelu_pre_activation"
+LAYER_INPUT_NAME = "jax_epilog_layer_input"
+
+_FORWARD_EPILOG = {  # (activation, has_bias) -> the epilog computing act(x @ kernel + bias)
+    (None, False): Epilog.DEFAULT,
+    (None, True): Epilog.BIAS,
+    ("relu", False): Epilog.RELU,
+    ("relu", True): Epilog.RELU_BIAS,
+    ("gelu", False): Epilog.GELU,
+    ("gelu", True): Epilog.GELU_BIAS,
+}
+_DERIVATIVE_EPILOG = {  # (activation, has_bias) -> dZ = (dY @ Wᵀ) * act'(Z) [+ bias gradient]
+    ("relu", False): Epilog.DRELU,
+    ("relu", True): Epilog.DRELU_BGRAD,
+    ("gelu", False): Epilog.DGELU,
+    ("gelu", True): Epilog.DGELU_BGRAD,
+}
+
+
+class Layer(NamedTuple):
+    """What the custom VJP needs to know, statically, about one layer."""
+
+    activation: Optional[str]
+    has_bias: bool
+
+
+class Stack(NamedTuple):
+    """Static description of a stack (hashable: the custom_vjp's non-differentiable argument)."""
+
+    layers: tuple[Layer, ...]
+    precision: Any
+    backward: str
+
+
+# --- the custom VJP over a stack ----------------------------------------------------------
+
+def _layer_forward(layer: Layer, h, kernel, bias, precision, keep_residual: bool):
+    """(act(h @ kernel + bias), residual or None), in one epilog GEMM."""
+    epilog = _FORWARD_EPILOG[layer]
+    if keep_residual:
+        epilog = epilog.with_aux
+    out = matmul(h, kernel, epilog=epilog, precision=precision,
+                 epilog_inputs={"bias": bias} if layer.has_bias else None)
+    if not epilog.aux_output:
+        return out, None
+    y, aux = out
+    name = RELU_MASK_NAME if layer.activation == "relu" else GELU_PRE_ACTIVATION_NAME
+    return y, checkpoint_name(aux[epilog.aux_output], name)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _stack(stack: Stack, x, params):
+    h = x
+    for layer, (kernel, bias) in zip(stack.layers, params):
+        h, _ = _layer_forward(layer, h, kernel, bias, stack.precision, keep_residual=False)
+    return h
+
+
+def _stack_fwd(stack: Stack, x, params):
+    h, inputs, residuals = x, [], []
+    for layer, (kernel, bias) in zip(stack.layers, params):
+        inputs.append(checkpoint_name(h, LAYER_INPUT_NAME))
+        h, residual = _layer_forward(layer, h, kernel, bias, stack.precision, keep_residual=True)
+        residuals.append(residual)
+    kernels = tuple(kernel for kernel, _ in params)
+    return h, (tuple(inputs), kernels, tuple(residuals))
+
+
+def _activation_grad(dy, residual, activation: Optional[str]):
+    """dZ from dY = d act(Z): the mask for ReLU, gelu'(Z) for GELU (elementwise, unfused)."""
+    n = dy.shape[-1]
+    if activation == "relu":
+        return jnp.where(unpack_relu_mask(residual, n), dy, jnp.zeros_like(dy))
+    if activation == "gelu":
+        derivative = gelu_derivative(residual[..., :n].astype(jnp.float32))
+        return (dy.astype(jnp.float32) * derivative).astype(dy.dtype)
+    return dy
+
+
+def _bias_grad(dz):
+    return jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype)
+
+
+def _weight_grad(h, dz, with_bias_grad: bool, stack: Stack):
+    """(dW = hᵀ dZ, its layer's bias gradient or None)."""
+    if not with_bias_grad:
+        return matmul(h, dz, transpose_a=True, precision=stack.precision), None
+    (k, n), rows = (h.shape[1], dz.shape[1]), h.shape[0]
+    if backward_strategy.choose(Epilog.BGRADB, dz.dtype, k, n, rows, stack.backward) == "fused":
+        dkernel, aux = matmul(h, dz, transpose_a=True, epilog=Epilog.BGRADB,
+                              precision=stack.precision)
+        return dkernel, aux["bgradb"]
+    return matmul(h, dz, transpose_a=True, precision=stack.precision), _bias_grad(dz)
+
+
+def _data_grad(dz, kernel, previous: Optional[Layer], residual, stack: Stack):
+    """(dZ of the previous layer (dX for the first), its bias gradient or None).
+
+    The bias gradient is None where the previous layer has no bias or no activation (its
+    weight-gradient GEMM then gives it through BGRADB).
+    """
+    if previous is None or previous.activation is None:
+        return matmul(dz, kernel, transpose_b=True, precision=stack.precision), None
+    epilog = _DERIVATIVE_EPILOG[previous]
+    rows, (k_prev, n) = dz.shape[0], kernel.shape
+    if backward_strategy.choose(epilog, dz.dtype, rows, k_prev, n, stack.backward) == "fused":
+        out = matmul(dz, kernel, transpose_b=True, epilog=epilog, precision=stack.precision,
+                     epilog_inputs={epilog.aux_input: residual})
+        if not epilog.reduction_output:
+            return out, None
+        dz_prev, aux = out
+        return dz_prev, aux[epilog.reduction_output]
+    dh = matmul(dz, kernel, transpose_b=True, precision=stack.precision)
+    dz_prev = _activation_grad(dh, residual, previous.activation)
+    return dz_prev, _bias_grad(dz_prev) if previous.has_bias else None
+
+
+def _stack_bwd(stack: Stack, saved, dy):
+    inputs, kernels, residuals = saved
+    layers = stack.layers
+    dz = _activation_grad(dy, residuals[-1], layers[-1].activation)
+    dbias = None  # the current layer's bias gradient, when the step above has given it
+    grads = []
+    for i in reversed(range(len(layers))):
+        need_bias_grad = layers[i].has_bias and dbias is None
+        dkernel, fused_dbias = _weight_grad(inputs[i], dz, need_bias_grad, stack)
+        grads.append((dkernel, fused_dbias if need_bias_grad else dbias))
+        previous = layers[i - 1] if i > 0 else None
+        dz, dbias = _data_grad(dz, kernels[i], previous, residuals[i - 1] if i else None, stack)
+    return dz, tuple(reversed(grads))
+
+
+_stack.defvjp(_stack_fwd, _stack_bwd)
+
+
+# --- the public layers: argument checks, dtypes, leading dims ------------------------------
+
+def _check_activation(name: str, activation) -> Optional[str]:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{name}: expected None, 'relu' or 'gelu', got {activation!r}")
+    return activation
+
+
+def _compute_dtype(dtype, arrays):
+    compute = jnp.result_type(*arrays) if dtype is None else jnp.dtype(dtype)
+    if compute not in SUPPORTED_DTYPES:
+        source = "promoted from x and the parameters" if dtype is None else "given as dtype"
+        raise TypeError(f"dtype: expected a computation dtype float16, bfloat16 or float32, got "
+                        f"{compute} ({source}); pass dtype= or cast the inputs")
+    return compute
+
+
+def _check_params(x, layers):
+    if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
+        raise TypeError(f"layers: expected a non-empty sequence of (kernel, bias) pairs, got "
+                        f"{type(layers).__name__}")
+    width = jnp.shape(x)[-1] if jnp.ndim(x) else None
+    if width is None:
+        raise ValueError(f"x: expected an array of shape (..., K), got shape {jnp.shape(x)}")
+    params = []
+    for i, pair in enumerate(layers):
+        if not isinstance(pair, Sequence) or len(pair) != 2:
+            raise TypeError(f"layers[{i}]: expected a (kernel, bias) pair, got {pair!r}")
+        kernel, bias = pair
+        if jnp.ndim(kernel) != 2 or jnp.shape(kernel)[0] != width:
+            raise ValueError(f"layers[{i}] kernel: expected shape ({width}, N), got "
+                             f"{jnp.shape(kernel)}")
+        width = jnp.shape(kernel)[1]
+        if bias is not None and jnp.shape(bias) != (width,):
+            raise ValueError(f"layers[{i}] bias: expected shape ({width},) or None, got "
+                             f"{jnp.shape(bias)}")
+        params.append((kernel, bias))
+    return params
+
+
+def _run(x, params, activations, *, precision, backward, dtype):
+    backward_strategy.check_strategy(backward)
+    params = _check_params(x, params)
+    arrays = [x] + [p for pair in params for p in pair if p is not None]
+    dtype = _compute_dtype(dtype, arrays)
+    cast = functools.partial(jnp.asarray, dtype=dtype)
+    params = tuple((cast(kernel), None if bias is None else cast(bias)) for kernel, bias in params)
+    layers = tuple(Layer(act, bias is not None) for act, (_, bias) in zip(activations, params))
+    x = cast(x)
+    lead, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(math.prod(lead), k)  # one GEMM per layer over every leading index
+    y = _stack(Stack(layers, precision, backward), rows, params)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def dense(x, kernel, bias=None, *, activation=None, precision=None, backward="auto", dtype=None):
+    """`act(x @ kernel + bias)` in one cuBLASLt epilog GEMM, with a fused backward.
+
+    Args:
+      x: `(..., K)`; the leading dims are flattened into the GEMM's rows.
+      kernel: `(K, N)`.
+      bias: `(N,)` or None.
+      activation: None, "relu" or "gelu" (tanh approximation).
+      precision: as for `jax_epilog.matmul` (float32 only: HIGHEST is full float32).
+      backward: "auto" (per problem, from measurements; see `backward_strategy`), "fused" or
+        "unfused".
+      dtype: the computation dtype; None: `jnp.result_type(x, kernel, bias)`, like Flax.
+
+    Returns:
+      `(..., N)` in the computation dtype. Differentiable in reverse mode w.r.t. all three.
+    """
+    _check_activation("activation", activation)
+    return _run(x, [(kernel, bias)], [activation], precision=precision, backward=backward,
+                dtype=dtype)
+
+
+def mlp(x, layers, *, activation="relu", final_activation=None, precision=None,
+        backward="auto", dtype=None):
+    """A stack of `dense` layers as ONE custom VJP, its backward fused across layer boundaries.
+
+    Args:
+      x: `(..., K)`.
+      layers: a sequence of `(kernel, bias)` pairs, kernel `(K_i, K_{i+1})`, bias
+        `(K_{i+1},)` or None.
+      activation: None, "relu" or "gelu" after every layer but the last.
+      final_activation: None, "relu" or "gelu" after the last layer.
+      precision, backward, dtype: as for `dense`.
+
+    Returns:
+      `(..., K_last)` in the computation dtype.
+    """
+    _check_activation("activation", activation)
+    _check_activation("final_activation", final_activation)
+    n_layers = len(layers) if isinstance(layers, Sequence) else 0
+    activations = [activation] * (n_layers - 1) + [final_activation]
+    return _run(x, layers, activations, precision=precision, backward=backward, dtype=dtype)
