@@ -26,7 +26,6 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 import plot
 import timing
@@ -246,13 +245,13 @@ def run(selected: list[Case], epilogs: list[Epilog], budget_seconds: float,
     bandwidth = measure_bandwidth(megabytes=1024 if selected[0].row in GRID else 16)
     budget = Budget(budget_seconds, per_case * len(selected))
     records = []
-    with tqdm(total=per_case * len(selected), unit="run", desc="forward") as bar:
+    with timing.progress_bar(per_case * len(selected), "forward") as bar:
         for case in selected:
             dtype = DTYPES[case.dtype]
             copies = timing.input_copies(bytes_moved(case.shape, dtype, Epilog.BIAS))
             arg_sets = random_inputs(case.shape, dtype, copies)
             flops = timing.gemm_flops(*case.shape)
-            bar.set_postfix_str(f"{case.row} {case.dtype} gemm")
+            bar.set_postfix_str(f"{case.row} {case.dtype} gemm", refresh=False)
             gemm = measure_jax(jax.jit(plain_gemm), [args[:2] for args in arg_sets], budget)
             gemm["tflops"] = timing.tflops(flops, gemm["seconds"])
             bar.update()
@@ -262,7 +261,7 @@ def run(selected: list[Case], epilogs: list[Epilog], budget_seconds: float,
                           "epilog": epilog.name, "input_copies": copies, "flops": flops,
                           "bytes": moved, "bytes_floor_seconds": moved / bandwidth,
                           "gemm": gemm, "results": {}}
-                bar.set_postfix_str(f"{case.row} {case.dtype} {epilog.name}")
+                bar.set_postfix_str(f"{case.row} {case.dtype} {epilog.name}", refresh=False)
                 xla, ours = jax.jit(xla_layer(epilog)), jax.jit(epilog_layer(epilog))
                 record["results"]["xla"] = measure_jax(xla, arg_sets, budget)
                 bar.update()

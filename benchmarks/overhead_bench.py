@@ -21,7 +21,6 @@ from typing import Any, Callable
 
 import jax
 from jax import lax
-from tqdm import tqdm
 
 import forward_bench
 import plot
@@ -63,8 +62,8 @@ def layer_loop(layer: Callable, layers: int, unroll: int) -> Callable:
 def run(grid: dict, rows: list[str], dtypes: list[str], layers: int) -> dict[str, Any]:
     selected = [(row, dtype) for row in rows for dtype in dtypes]
     records = []
-    with tqdm(total=len(selected) * len(UNROLLS) * len(LAYER_FUNCTIONS), unit="run",
-              desc="overhead") as bar:
+    runs = len(selected) * len(UNROLLS) * len(LAYER_FUNCTIONS)
+    with timing.progress_bar(runs, "overhead") as bar:
         for row, dtype in selected:
             shape = grid[row]
             args = forward_bench.random_inputs(shape, forward_bench.DTYPES[dtype], copies=1)[0]
@@ -72,7 +71,7 @@ def run(grid: dict, rows: list[str], dtypes: list[str], layers: int) -> dict[str
                 record = {"row": row, "shape": list(shape), "dtype": dtype,
                           "loop": f"scan unroll {unroll}", "results": {}}
                 for name, layer in LAYER_FUNCTIONS.items():
-                    bar.set_postfix_str(f"{row} {dtype} unroll {unroll} {name}")
+                    bar.set_postfix_str(f"{row} {dtype} unroll {unroll} {name}", refresh=False)
                     jitted = jax.jit(layer_loop(layer, layers, unroll))
                     t = timing.time_calls(jitted, [args], rounds=ROUNDS, round_seconds=0.05)
                     record["results"][name] = {**t.as_dict(), "us_per_layer": t.microseconds / layers}

@@ -19,12 +19,14 @@ import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 # H100/H200 have a 50 MiB L2; inputs are rotated until the working set is twice that.
 L2_BYTES = 50 * 1024 * 1024
@@ -84,6 +86,11 @@ def time_calls(call: Callable[..., Any], arg_sets: Sequence[tuple], *,
     calls = int(min(max_calls_per_round, max(len(arg_sets), math.ceil(round_seconds / estimate))))
     per_call = tuple(run(calls) / calls for _ in range(rounds))
     return Timing(seconds=statistics.median(per_call), rounds=per_call, calls_per_round=calls)
+
+
+def progress_bar(total: int, desc: str) -> tqdm:
+    """A progress bar; redrawn rarely when the output is a log, not a terminal."""
+    return tqdm(total=total, desc=desc, unit="run", mininterval=0.1 if sys.stderr.isatty() else 10)
 
 
 def gemm_flops(batch: int, k: int, n: int) -> int:
