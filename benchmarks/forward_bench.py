@@ -175,19 +175,23 @@ def cases(grid: dict, rows: list[str], dtypes: list[str]) -> list[Case]:
 
 
 class Budget:
-    """Spreads a total time budget over the remaining measurements: each round lasts
-    (remaining time) / (remaining measurements × rounds incl. warm-up), within bounds."""
+    """Spreads a total time budget (compilation included) over the remaining measurements:
+    each round lasts (remaining time) / (remaining measurements × rounds incl. warm-up), kept
+    between `shortest_round` (long enough that launch latency does not count) and
+    `longest_round`. A run whose compilation eats the budget still gets the shortest rounds,
+    so it may overrun."""
 
-    def __init__(self, seconds: float, measurements: int, *, longest_round: float = 0.05):
+    def __init__(self, seconds: float, measurements: int, *, shortest_round: float = 0.01,
+                 longest_round: float = 0.05):
         self.deadline = time.perf_counter() + seconds
         self.left = measurements
-        self.longest_round = longest_round
+        self.shortest_round, self.longest_round = shortest_round, longest_round
 
     def round_seconds(self) -> float:
         remaining = max(0.0, self.deadline - time.perf_counter())
         share = remaining / max(1, self.left) / (ROUNDS + 3)
         self.left -= 1
-        return min(self.longest_round, share)
+        return min(self.longest_round, max(self.shortest_round, share))
 
 
 def measure_jax(jitted: Callable, arg_sets: list[tuple], budget: Budget) -> dict[str, Any]:
@@ -368,7 +372,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--epilogs", default=",".join(e.name for e in EPILOGS),
                         help="comma-separated forward epilog names")
     parser.add_argument("--budget", type=float, default=None,
-                        help="total seconds for the timed rounds (default 240; smoke 10)")
+                        help="total seconds for the run, compilation included (default 240; "
+                             "smoke 10): sets how long each timed round lasts (10–50 ms)")
     parser.add_argument("--no-nvmath", action="store_true", help="skip nvmath-python")
     return parser.parse_args(argv)
 
