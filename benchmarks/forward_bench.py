@@ -151,7 +151,7 @@ class NvmathRunner:
         if x.dtype == jnp.float32:  # match XLA's and jax_epilog's DEFAULT precision: TF32
             options = {"compute_type": nvmath.linalg.ComputeType.COMPUTE_32F_FAST_TF32}
         mm = nvmath.linalg.advanced.Matmul(w_t.T, x_t.T, options=options)
-        mm.plan(epilog=nvmath.linalg.advanced.MatmulEpilog(int(epilog)),
+        mm.plan(epilog=nvmath.linalg.advanced.MatmulEpilog[epilog.name],
                 epilog_inputs={"bias": b_t})
         return mm
 
