@@ -20,9 +20,9 @@ import numpy as np
 
 from . import lowering  # noqa: F401  (registers the lowerings)
 from .epilogs import Epilog, as_epilog, gelu_aux_columns, relu_mask_bytes
-from .primitive import epilog_matmul_p
 from .reference import epilog_matmul as reference_kernel
 from .reference import gelu_derivative, unpack_relu_mask
+from .sharding import partitioned_kernel
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
@@ -175,9 +175,10 @@ def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision) -
     kernel_batch, kernel_m = (1, batch * m) if folded else (batch, m)
     a3 = a.reshape(kernel_batch, *((kernel_m, k) if folded else a.shape[-2:]))
     b3 = b.reshape(1 if b_shared else batch, *b.shape[-2:])
+    # Explicit sizes, not -1: any of them may be 0 (an empty problem is valid).
     kernel_inputs = tuple(
-        checked[name].reshape(-1, n) if name == "bias"
-        else checked[name].reshape(kernel_batch, kernel_m, -1)
+        checked[name].reshape(batch if bias_per_batch else 1, n) if name == "bias"
+        else checked[name].reshape(kernel_batch, kernel_m, checked[name].shape[-1])
         for name in epilog.input_names)
     config = KernelConfig(int(epilog), bool(transpose_a), bool(transpose_b),
                           allow_tf32_for(precision, a.dtype))
@@ -198,8 +199,10 @@ def _finish(call: _Call, outputs):
         x = outputs.pop(0)
         if epilog == Epilog.BGRADA:
             x = x.reshape(*lead, m)
+        elif call.b_shared and epilog == Epilog.BGRADB:  # every batch summed the same b
+            x = x[0]
         elif call.b_shared:  # a shared b: its bias gradient sums over every leading index
-            x = x.sum(axis=0, dtype=jnp.float32).astype(x.dtype) if x.shape[0] > 1 else x[0]
+            x = x.sum(axis=0, dtype=jnp.float32).astype(x.dtype) if x.shape[0] != 1 else x[0]
         else:
             x = x.reshape(*lead, n)
         aux[epilog.reduction_output] = x
@@ -212,7 +215,7 @@ def _run_kernel(config: KernelConfig, a, b, *inputs):
     params = config._asdict()
     if 0 in a.shape or 0 in b.shape:  # nothing for a GEMM to do: the exact answer in plain JAX
         return reference_kernel(a, b, *inputs, **params)
-    return tuple(epilog_matmul_p.bind(a, b, *inputs, **params))
+    return partitioned_kernel(config, a, b, *inputs)  # the primitive, partitioned under SPMD
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

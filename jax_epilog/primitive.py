@@ -60,8 +60,8 @@ def output_avals(epilog: Epilog, p: Problem, dtype, b_batch: int) -> list[Shaped
         avals.append(ShapedArray((p.batch, p.n), dtype))
     elif epilog == Epilog.BGRADA:
         avals.append(ShapedArray((p.batch, p.m), dtype))
-    elif epilog == Epilog.BGRADB:
-        avals.append(ShapedArray((b_batch, p.n), dtype))
+    elif epilog == Epilog.BGRADB:  # one row per batch, also for a shared b (rows then equal)
+        avals.append(ShapedArray((p.batch, p.n), dtype))
     return avals
 
 

@@ -118,5 +118,6 @@ def epilog_matmul(a, b, *inputs, epilog: int, transpose_a: bool, transpose_b: bo
     elif epilog == Epilog.BGRADA:
         outputs.append(jnp.sum(a.astype(jnp.float32), axis=1 if transpose_a else 2).astype(dtype))
     elif epilog == Epilog.BGRADB:
-        outputs.append(jnp.sum(b.astype(jnp.float32), axis=2 if transpose_b else 1).astype(dtype))
+        b_sum = jnp.sum(b.astype(jnp.float32), axis=2 if transpose_b else 1).astype(dtype)
+        outputs.append(jnp.broadcast_to(b_sum, (a.shape[0], b_sum.shape[1])))
     return tuple(outputs)
