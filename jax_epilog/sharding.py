@@ -179,8 +179,8 @@ def _partition(call: _Call, mesh, arg_shapes, result_shape):
         result_specs.append(_spec(lay.batch, lay.n))
     elif epilog == Epilog.BGRADA:
         result_specs.append(_spec(lay.batch, lay.m))
-    elif epilog == Epilog.BGRADB:
-        result_specs.append(_spec(lay.b_batch, lay.n))
+    elif epilog == Epilog.BGRADB:  # one row per batch, also for a shared b
+        result_specs.append(_spec(lay.batch, lay.n))
 
     def local(*operands):
         return _local_kernel(call, lay, *operands)
@@ -278,7 +278,7 @@ def _sharding_rule(call: _Call, mesh, operand_types, result_types):
     elif epilog == Epilog.BGRADA:
         results.append("batch m")
     elif epilog == Epilog.BGRADB:
-        results.append(f"{b_batch} {n}")
+        results.append(f"batch {n}")
     rule = f"{', '.join(operands)} -> {', '.join(results)}"
     return rule, dict(reduction_factors=("k",), need_replication_factors=need_replication,
                       **factor_sizes)

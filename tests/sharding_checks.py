@@ -1,0 +1,371 @@
+"""Sharded jax-epilog against the unsharded call: values, gradients and no gathered operands.
+
+Needs several devices, so `tests/test_sharding.py` runs this file in its own pytest process:
+on the CPU with `XLA_FLAGS=--xla_force_host_platform_device_count=8` (set before jax is
+imported), on a GPU machine with every visible GPU (at least 2). Not collected by a plain
+`pytest tests/` (the name does not start with `test_`).
+
+Layouts (x @ W + b with x (M, K), W (K, N)):
+  data       M over "data"                      each device its own rows
+  column     N over "model" (W, b, masks)       Megatron's first layer
+  row        K over "model" (x's K, W's K)      Megatron's second layer: psum, then the epilog
+  data_model M over "data", N over "model"      2-D mesh
+  data_row   M over "data", K over "model"      2-D mesh, reduction on one axis
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_epilog
+from jax_epilog import Epilog
+
+DEVICES = jax.devices()
+if len(DEVICES) < 2:
+    pytest.skip(f"needs at least 2 devices, sees {len(DEVICES)}", allow_module_level=True)
+
+MODEL = 4 if len(DEVICES) >= 8 else 2  # the "model" axis of the 2-D mesh
+MESHES = {
+    "data": jax.sharding.Mesh(np.array(DEVICES), ("data",)),
+    "model": jax.sharding.Mesh(np.array(DEVICES), ("model",)),
+    "data_model": jax.sharding.Mesh(
+        np.array(DEVICES[:len(DEVICES) // MODEL * MODEL]).reshape(-1, MODEL), ("data", "model")),
+}
+# (mesh, x spec, W spec, bias spec)
+LAYOUTS = {
+    "data": ("data", P("data", None), P(), P()),
+    "column": ("model", P(), P(None, "model"), P("model")),
+    "row": ("model", P(None, "model"), P("model", None), P()),
+    "data_model": ("data_model", P("data", None), P(None, "model"), P("model")),
+    "data_row": ("data_model", P("data", "model"), P("model", None), P()),
+}
+# Every sharded dimension splits evenly, and N into whole 128-column mask blocks per shard.
+M, K, N = 64, 96, 1024
+HIGHEST = jax.lax.Precision.HIGHEST
+TOL = dict(rtol=2e-5, atol=2e-4)
+
+
+def _shardings(layout):
+    mesh, *specs = LAYOUTS[layout]
+    return tuple(NamedSharding(MESHES[mesh], spec) for spec in specs)
+
+
+def _normal(rng, *shape):
+    return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+
+def _compiled_text(f, shardings, *args):
+    return jax.jit(f, in_shardings=shardings).lower(*args).compile().as_text()
+
+
+def _assert_no_gather(f, shardings, *args):
+    text = _compiled_text(f, shardings, *args)
+    assert "all-gather" not in text, [l for l in text.splitlines() if "all-gather" in l][:3]
+
+
+def _assert_close(got, want):
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(np.asarray(g, np.float64),
+                                                         np.asarray(w, np.float64), **TOL),
+                 got, want)
+
+
+# --- matmul with a forward epilog: values and gradients ------------------------------------
+
+def _forward_loss(matmul, epilog, x, w, bias, weights):
+    out = matmul(x, w, epilog=epilog, epilog_inputs={"bias": bias}, precision=HIGHEST)
+    y = out[0] if isinstance(out, tuple) else out
+    return jnp.sum(y * weights)
+
+
+@pytest.mark.parametrize("epilog", ["relu_aux_bias", "gelu_bias"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matmul_value_and_grad(layout, epilog):
+    rng = np.random.default_rng(0)
+    x, w, bias, weights = _normal(rng, M, K), _normal(rng, K, N), _normal(rng, N), \
+        _normal(rng, M, N)
+    shardings = (*_shardings(layout), NamedSharding(_shardings(layout)[0].mesh, P()))
+    f = jax.value_and_grad(functools.partial(_forward_loss, jax_epilog.matmul, epilog),
+                           argnums=(0, 1, 2))
+    want = jax.value_and_grad(functools.partial(_forward_loss, jax_epilog.reference_matmul,
+                                                epilog), argnums=(0, 1, 2))(x, w, bias, weights)
+    _assert_close(jax.jit(f, in_shardings=shardings)(x, w, bias, weights), want)
+    _assert_no_gather(f, shardings, x, w, bias, weights)
+
+
+@pytest.mark.parametrize("layout", ["data", "column", "row"])
+def test_matmul_outputs_keep_the_layout(layout):
+    """The kernel's outputs come back sharded as the layout says, masks included."""
+    rng = np.random.default_rng(1)
+    x, w, bias = _normal(rng, M, K), _normal(rng, K, N), _normal(rng, N)
+    f = functools.partial(jax_epilog.matmul, epilog="relu_aux_bias", precision=HIGHEST)
+    y, aux = jax.jit(lambda x, w, b: f(x, w, epilog_inputs={"bias": b}),
+                     in_shardings=_shardings(layout))(x, w, bias)
+    want_spec = {"data": P("data"), "column": P(None, "model"), "row": P()}[layout]
+    for out in (y, aux["relu_aux"]):
+        assert out.sharding.is_equivalent_to(NamedSharding(MESHES[LAYOUTS[layout][0]],
+                                                           want_spec), 2)
+    want = jax_epilog.reference_matmul(x, w, epilog="relu_aux_bias", precision=HIGHEST,
+                                       epilog_inputs={"bias": bias})
+    _assert_close(y, want[0])
+    np.testing.assert_array_equal(aux["relu_aux"], want[1]["relu_aux"])
+
+
+# --- the backward epilogs, as the layers' backward calls them -------------------------------
+
+def _backward_call(epilog, dz, w, residual):
+    """dz (M, C) against W (O, C) read transposed: the data gradient of the previous layer."""
+    inputs = {Epilog[epilog.upper()].aux_input: residual}
+    return jax_epilog.matmul(dz, w, transpose_b=True, epilog=epilog, epilog_inputs=inputs,
+                             precision=HIGHEST)
+
+
+# (mesh, dz spec, W spec, residual spec) for dz (M, C) @ W (O, C)^T -> (M, O).
+_BACKWARD_LAYOUTS = {
+    "data": ("data", P("data", None), P(), P("data", None)),
+    # The backward of a row-parallel layer: W's rows (the output) split, masks alike.
+    "output_split": ("model", P(), P("model", None), P(None, "model")),
+    # The backward of a column-parallel layer: the contraction split, psum before the epilog.
+    "contraction_split": ("model", P(None, "model"), P(None, "model"), P()),
+    "data_contraction": ("data_model", P("data", "model"), P(None, "model"), P("data", None)),
+}
+
+
+@pytest.mark.parametrize("epilog", ["drelu_bgrad", "dgelu_bgrad", "drelu"])
+@pytest.mark.parametrize("layout", list(_BACKWARD_LAYOUTS))
+def test_backward_epilog(layout, epilog):
+    rng = np.random.default_rng(2)
+    c, o = 256, 1024
+    dz, w = _normal(rng, M, c), _normal(rng, o, c)
+    if "drelu" in epilog:
+        residual = jnp.asarray(rng.integers(0, 256, size=(M, jax_epilog.relu_mask_bytes(o))),
+                               jnp.uint8)
+    else:
+        residual = _normal(rng, M, jax_epilog.gelu_aux_columns(o))
+    mesh, *specs = _BACKWARD_LAYOUTS[layout]
+    shardings = tuple(NamedSharding(MESHES[mesh], spec) for spec in specs)
+    f = functools.partial(_backward_call, epilog)
+    want = jax_epilog.reference_matmul(dz, w, transpose_b=True, epilog=epilog, precision=HIGHEST,
+                                       epilog_inputs={Epilog[epilog.upper()].aux_input: residual})
+    _assert_close(jax.jit(f, in_shardings=shardings)(dz, w, residual), want)
+    _assert_no_gather(f, shardings, dz, w, residual)
+
+
+@pytest.mark.parametrize("layout", ["data", "data_model"])
+def test_weight_gradient_with_bias_gradient(layout):
+    """BGRADB on x^T dz: the contraction runs over the data-sharded rows (a psum of dW, db)."""
+    rng = np.random.default_rng(3)
+    x, dz = _normal(rng, M, K), _normal(rng, M, N)
+    x_sh, w_sh, _ = _shardings(layout)
+    shardings = (x_sh, NamedSharding(x_sh.mesh, P("data", w_sh.spec[1] if w_sh.spec else None)))
+    f = functools.partial(jax_epilog.matmul, transpose_a=True, epilog="bgradb", precision=HIGHEST)
+    want = jax_epilog.reference_matmul(x, dz, transpose_a=True, epilog="bgradb",
+                                       precision=HIGHEST)
+    _assert_close(jax.jit(f, in_shardings=shardings)(x, dz), want)
+    _assert_no_gather(f, shardings, x, dz)
+
+
+def test_batched_weight_gradient_of_a_shared_b():
+    """BGRADB with a batch-sharded a and a shared b: one bias-gradient row per batch."""
+    rng = np.random.default_rng(10)
+    x, w = _normal(rng, 8, 16, K), _normal(rng, K, N)
+    f = functools.partial(jax_epilog.matmul, epilog="bgradb", precision=HIGHEST)
+    shardings = (NamedSharding(MESHES["data"], P("data")), NamedSharding(MESHES["data"], P()))
+    want = jax_epilog.reference_matmul(x, w, epilog="bgradb", precision=HIGHEST)
+    _assert_close(jax.jit(f, in_shardings=shardings)(x, w), want)
+    _assert_no_gather(f, shardings, x, w)
+
+
+def test_mask_blocks_that_do_not_split_fall_back_to_replication():
+    """N=1032 splits 8 ways into 129 columns, not whole 128-column mask blocks: N is then
+    replicated (a gather is allowed here); odd per-shard M and K (7, 17) split as they are."""
+    rng = np.random.default_rng(4)
+    m, k, n = 7 * 8, 17 * 8, 129 * 8
+    x, w, bias = _normal(rng, m, k), _normal(rng, k, n), _normal(rng, n)
+    want = jax_epilog.reference_matmul(x, w, epilog="relu_aux_bias", precision=HIGHEST,
+                                       epilog_inputs={"bias": bias})
+    for layout in ("data", "column", "row"):
+        f = lambda x, w, b: jax_epilog.matmul(x, w, epilog="relu_aux_bias", precision=HIGHEST,
+                                              epilog_inputs={"bias": b})
+        got = jax.jit(f, in_shardings=_shardings(layout))(x, w, bias)
+        _assert_close(got[0], want[0])
+        bits = jax_epilog.reference.unpack_relu_mask
+        np.testing.assert_array_equal(bits(got[1]["relu_aux"], n), bits(want[1]["relu_aux"], n))
+
+
+def test_vmap_under_sharding():
+    """vmap folds into the kernel's batch axis, which then shards like any batch."""
+    rng = np.random.default_rng(5)
+    x, w = _normal(rng, 8, M // 8, K), _normal(rng, 8, K, N)
+    f = jax.vmap(lambda x, w: jax_epilog.matmul(x, w, epilog="relu", precision=HIGHEST))
+    sh = NamedSharding(MESHES["data"], P("data"))
+    want = jax_epilog.reference_matmul(x, w, epilog="relu", precision=HIGHEST)
+    _assert_close(jax.jit(f, in_shardings=(sh, sh))(x, w), want)
+    _assert_no_gather(f, (sh, sh), x, w)
+
+
+# --- the layers: dense and mlp --------------------------------------------------------------
+
+def _mlp_params(rng, sizes):
+    return [(_normal(rng, k, n) / np.sqrt(k), _normal(rng, n)) for k, n in zip(sizes, sizes[1:])]
+
+
+def _plain_mlp(x, layers):
+    for i, (w, b) in enumerate(layers):
+        x = jnp.dot(x, w, precision=HIGHEST) + b
+        x = jax.nn.relu(x) if i < len(layers) - 1 else x
+    return x
+
+
+def _mlp_loss(mlp, x, layers, target):
+    return jnp.mean((mlp(x, layers) - target) ** 2)
+
+
+_MLP_LAYOUTS = {  # mesh, x spec, one spec per layer's (kernel, bias)
+    "data": ("data", P("data", None), [(P(), P())] * 4),
+    "megatron": ("model", P(), [(P(None, "model"), P("model")), (P("model", None), P())] * 2),
+    "data_megatron": ("data_model", P("data", None),
+                      [(P(None, "model"), P("model")), (P("model", None), P())] * 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(_MLP_LAYOUTS))
+def test_mlp_value_and_grad(layout):
+    mesh_name, x_spec, layer_specs = _MLP_LAYOUTS[layout]
+    mesh = MESHES[mesh_name]
+    rng = np.random.default_rng(6)
+    sizes = [K, N, 512, N, 256]
+    x, layers, target = _normal(rng, M, K), _mlp_params(rng, sizes), _normal(rng, M, 256)
+    named = lambda spec: NamedSharding(mesh, spec)
+    shardings = (named(x_spec), [tuple(map(named, s)) for s in layer_specs],
+                 named(P(x_spec[0] if x_spec else None, None)))
+    mlp = functools.partial(jax_epilog.mlp, precision=HIGHEST, backward="fused")
+    f = jax.value_and_grad(functools.partial(_mlp_loss, mlp), argnums=(0, 1))
+    want = jax.value_and_grad(functools.partial(_mlp_loss, _plain_mlp), argnums=(0, 1))(
+        x, layers, target)
+    _assert_close(jax.jit(f, in_shardings=shardings)(x, layers, target), want)
+    _assert_no_gather(f, shardings, x, layers, target)
+
+
+@pytest.mark.parametrize("layout", ["data", "column", "row"])
+def test_dense_value_and_grad(layout):
+    rng = np.random.default_rng(7)
+    x, w, bias, target = _normal(rng, M, K), _normal(rng, K, N), _normal(rng, N), \
+        _normal(rng, M, N)
+    dense = lambda x, layers: jax_epilog.dense(x, *layers[0], activation="gelu",
+                                               precision=HIGHEST, backward="fused")
+    plain = lambda x, layers: jax.nn.gelu(jnp.dot(x, layers[0][0], precision=HIGHEST)
+                                          + layers[0][1], approximate=True)
+    x_sh, w_sh, b_sh = _shardings(layout)
+    shardings = (x_sh, [(w_sh, b_sh)], NamedSharding(x_sh.mesh, P()))
+    f = jax.value_and_grad(functools.partial(_mlp_loss, dense), argnums=(0, 1))
+    want = jax.value_and_grad(functools.partial(_mlp_loss, plain), argnums=(0, 1))(
+        x, [(w, bias)], target)
+    _assert_close(jax.jit(f, in_shardings=shardings)(x, [(w, bias)], target), want)
+    _assert_no_gather(f, shardings, x, [(w, bias)], target)
+
+
+# --- shard_map: the calls inside a mapped function ------------------------------------------
+
+def _shard_map(f, mesh, in_specs, out_specs, **kwargs):
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)
+
+
+def test_shard_map_matmul_and_dense():
+    """Data parallel by hand: each call runs on the local rows, gradients psum'd by the user.
+
+    check_vma=False: the primitive's abstract evaluation does not yet mark its outputs as
+    varying over the manual axes, which the custom_vjp type checks of gradients need."""
+    mesh = MESHES["data"]
+    rng = np.random.default_rng(8)
+    x, w, bias = _normal(rng, M, K), _normal(rng, K, N), _normal(rng, N)
+
+    def local(x, w, bias):
+        y = jax_epilog.matmul(x, w, epilog="gelu_bias", epilog_inputs={"bias": bias},
+                              precision=HIGHEST)
+        d = jax_epilog.dense(x, w, bias, activation="relu", precision=HIGHEST)
+        loss = lambda w, bias: jnp.sum(jax_epilog.matmul(
+            x, w, epilog="relu_bias", epilog_inputs={"bias": bias}, precision=HIGHEST) ** 2)
+        grads = jax.grad(loss, argnums=(0, 1))(w, bias)
+        return y, d, jax.lax.psum(grads, "data")
+
+    f = jax.jit(_shard_map(local, mesh, (P("data"), P(), P()), (P("data"), P("data"), P()),
+                           check_vma=False))
+    y, d, grads = f(x, w, bias)
+    z = jnp.dot(x, w, precision=HIGHEST) + bias
+    _assert_close(y, jax.nn.gelu(z, approximate=True))
+    _assert_close(d, jax.nn.relu(z))
+    plain = lambda w, bias: jnp.sum(jax.nn.relu(jnp.dot(x, w, precision=HIGHEST) + bias) ** 2)
+    _assert_close(grads, jax.grad(plain, argnums=(0, 1))(w, bias))
+
+
+def test_shard_map_mlp_value_and_grad():
+    # check_vma=False: as in test_shard_map_matmul_and_dense.
+    mesh = MESHES["data"]
+    rng = np.random.default_rng(9)
+    x, target = _normal(rng, M, K), _normal(rng, M, 256)
+    layers = _mlp_params(rng, [K, 512, 256])
+
+    def local(x, layers, target):
+        loss = lambda layers: jnp.sum((jax_epilog.mlp(x, layers, precision=HIGHEST,
+                                                      backward="fused") - target) ** 2)
+        value, grads = jax.value_and_grad(loss)(layers)
+        return jax.lax.psum(value, "data"), jax.lax.psum(grads, "data")
+
+    f = jax.jit(_shard_map(local, mesh, (P("data"), P(), P("data")), (P(), P()),
+                           check_vma=False))
+    want = jax.value_and_grad(lambda l: jnp.sum((_plain_mlp(x, l) - target) ** 2))(layers)
+    _assert_close(f(x, layers, target), want)
+
+
+# --- Flax NNX: a Megatron block with partitioning annotations trains one step -----------------
+
+def test_nnx_megatron_block_trains_one_step_sharded():
+    from flax import nnx
+
+    import jax_epilog.nnx as en
+
+    mesh = MESHES["data_model"]
+    init = nnx.initializers.lecun_normal()
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            part = nnx.with_partitioning
+            self.up = en.Dense(K, N, activation="relu", precision=HIGHEST, rngs=rngs,
+                               kernel_init=part(init, (None, "model")),
+                               bias_init=part(nnx.initializers.normal(), ("model",)))
+            self.down = en.Dense(N, K, precision=HIGHEST, rngs=rngs,
+                                 kernel_init=part(init, ("model", None)),
+                                 bias_init=part(nnx.initializers.normal(), (None,)))
+
+        def __call__(self, x):
+            return self.down(self.up(x))
+
+    with jax.set_mesh(mesh):  # Flax places annotated parameters when they are created
+        graphdef, state = nnx.split(Block(nnx.Rngs(0)))
+    specs = nnx.get_partition_spec(state)
+    state_sh = jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                            is_leaf=lambda s: isinstance(s, P))
+    rng = np.random.default_rng(9)
+    x, target = _normal(rng, M, K), _normal(rng, M, K)
+    data_sh = NamedSharding(mesh, P("data", None))
+
+    def step(state, x, target):
+        loss = lambda state: jnp.mean((nnx.merge(graphdef, state)(x) - target) ** 2)
+        value, grads = jax.value_and_grad(loss)(state)
+        return value, jax.tree.map(lambda p, g: p - 0.1 * g, state, grads)
+
+    sharded = jax.jit(step, in_shardings=(state_sh, data_sh, data_sh),
+                      out_shardings=(NamedSharding(mesh, P()), state_sh))
+    value, new_state = sharded(jax.device_put(state, state_sh), x, target)
+    want_value, want_state = jax.jit(step)(state, x, target)
+    _assert_close((value, new_state), (want_value, want_state))
+    kernel = nnx.merge(graphdef, new_state).up.kernel[...]
+    assert kernel.sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
+    assert not np.allclose(np.asarray(kernel), np.asarray(nnx.merge(graphdef, state).up.kernel[...]))
+    text = sharded.lower(state, x, target).compile().as_text()
+    assert "all-gather" not in text
