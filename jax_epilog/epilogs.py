@@ -9,7 +9,10 @@ is derived here from the value, in one place.
 from __future__ import annotations
 
 import enum
+import operator
 from typing import Optional
+
+import numpy as np
 
 
 class Epilog(enum.IntEnum):
@@ -127,11 +130,15 @@ def as_epilog(epilog) -> Epilog:
         except KeyError:
             names = ", ".join(e.name.lower() for e in Epilog)
             raise ValueError(f"epilog: unknown name {epilog!r}; expected one of {names}") from None
-    if isinstance(epilog, bool) or not isinstance(epilog, int):
+    try:  # any integer, NumPy's included, but not bool
+        value = operator.index(epilog) if not isinstance(epilog, (bool, np.bool_)) else None
+    except TypeError:
+        value = None
+    if value is None:
         raise TypeError(f"epilog: expected an Epilog, its name or its int value, "
                         f"got {type(epilog).__name__} {epilog!r}")
     try:
-        return Epilog(int(epilog))
+        return Epilog(value)
     except ValueError:
         values = ", ".join(f"{e.name}={e.value}" for e in Epilog)
         raise ValueError(f"epilog: unknown value {epilog}; expected one of {values}") from None

@@ -200,13 +200,18 @@ def _finish(call: _Call, outputs):
         if epilog == Epilog.BGRADA:
             x = x.reshape(*lead, m)
         elif call.b_shared and epilog == Epilog.BGRADB:  # every batch summed the same b
-            x = x[0]
+            x = x[0] if x.shape[0] else _sum_over_k(call.b[0], call.config.transpose_b)
         elif call.b_shared:  # a shared b: its bias gradient sums over every leading index
             x = x.sum(axis=0, dtype=jnp.float32).astype(x.dtype) if x.shape[0] != 1 else x[0]
         else:
             x = x.reshape(*lead, n)
         aux[epilog.reduction_output] = x
     return (y, aux) if aux else y
+
+
+def _sum_over_k(b2, transpose_b: bool):
+    """b summed over K, for BGRADB of an empty batch (no kernel row to read it from)."""
+    return jnp.sum(b2.astype(jnp.float32), axis=1 if transpose_b else 0).astype(b2.dtype)
 
 
 # --- the kernel call and its gradient -----------------------------------------------------
