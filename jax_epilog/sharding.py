@@ -253,7 +253,7 @@ def _sharding_rule(call: _Call, mesh, operand_types, result_types):
     factor_sizes: dict[str, int] = {}
     need_replication: tuple[str, ...] = ()
     block = _n_block(epilog)
-    if block == _RELU_BLOCK and p.n % block == 0:
+    if block == _RELU_BLOCK and p.n % block == 0 and p.n > block:  # (a factor of 1 is invalid)
         factor_sizes = dict(nblocks=p.n // block, ncols=block, nbytes=block // 8)
         n, aux = "(nblocks ncols)", "(nblocks nbytes)"
     elif block == 1 or p.n % block == 0:  # no aux array, or the GELU buffer is N wide

@@ -180,11 +180,13 @@ def test_batched_weight_gradient_of_a_shared_b():
     _assert_no_gather(f, shardings, x, w)
 
 
-def test_mask_blocks_that_do_not_split_fall_back_to_replication():
-    """N=1032 splits 8 ways into 129 columns, not whole 128-column mask blocks: N is then
-    replicated (a gather is allowed here); odd per-shard M and K (7, 17) split as they are."""
+@pytest.mark.parametrize("n", [129 * 8, 128])
+def test_mask_blocks_that_do_not_split_fall_back_to_replication(n):
+    """N=1032 splits 8 ways into 129 columns, N=128 is one mask block: not whole 128-column
+    blocks per shard, so N is replicated (a gather is allowed here); odd per-shard M and K
+    (7, 17) split as they are."""
     rng = np.random.default_rng(4)
-    m, k, n = 7 * 8, 17 * 8, 129 * 8
+    m, k = 7 * 8, 17 * 8
     x, w, bias = _normal(rng, m, k), _normal(rng, k, n), _normal(rng, n)
     want = jax_epilog.reference_matmul(x, w, epilog="relu_aux_bias", precision=HIGHEST,
                                        epilog_inputs={"bias": bias})
