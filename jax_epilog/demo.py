@@ -22,8 +22,14 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
+
+try:
+    import optax
+    from flax import nnx
+    from sklearn.datasets import load_digits as sklearn_digits
+    from tqdm.auto import tqdm
+except ImportError as error:
+    raise ImportError(f"the demo needs {error.name}: pip install jax-epilog[demo]") from error
 
 from . import cuda_library
 from . import nnx as fused_nnx
@@ -39,8 +45,6 @@ class Digits(NamedTuple):
 
 
 def load_digits(test_fraction: float = 0.25, seed: int = 0) -> Digits:
-    from sklearn.datasets import load_digits as sklearn_digits
-
     data = sklearn_digits()
     x = (data.data / 16.0).astype(np.float32)
     y = data.target.astype(np.int32)
@@ -107,8 +111,6 @@ def train(model: nnx.Module, data: Digits, *, epochs: int = 20, batch_size: int 
     An epoch is one compiled `lax.scan` over its shuffled batches (the last partial batch is
     dropped), so the host dispatches once per epoch.
     """
-    from tqdm.auto import tqdm
-
     optimizer = optax.adam(learning_rate)
     step = make_train_step(model, optimizer)
     params = nnx.state(model)
@@ -193,7 +195,9 @@ def backend_description() -> str:
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m jax_epilog", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m jax_epilog", description=(
+        "Train jax-epilog's fused MLP on scikit-learn's digits, then compare one training "
+        "step with the same network in plain JAX."))
     parser.add_argument("--epochs", type=int, default=25, help="training epochs (default 25)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, nargs="+", default=[128, 128],
