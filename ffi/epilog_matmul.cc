@@ -5,14 +5,16 @@
 //
 // Two stages are exported. JaxEpilogMatmulInitialize runs in XLA's initialize
 // stage, before execution and outside any command-buffer capture, with the same
-// buffers (their addresses are assigned; their contents must not be read): it builds
-// and caches the plan. JaxEpilogMatmul (execute) looks the plan up, building it if
-// needed, sets the call's pointers and enqueues the matmul.
+// buffers (their addresses are assigned; their contents must not be relied on): it
+// builds and caches the plan and, with autotuning on, tunes it (autotune.h).
+// JaxEpilogMatmul (execute) looks the plan up, building it if needed, sets the call's
+// pointers and enqueues the matmul; it never tunes.
 #include <cstdint>
 #include <exception>
 #include <initializer_list>
 #include <string>
 
+#include "autotune.h"
 #include "plan_cache.h"
 #include "status.h"
 #include "xla/ffi/api/ffi.h"
@@ -259,7 +261,9 @@ ffi::Error MatmulInitialize(cudaStream_t stream, int32_t xla_device, ffi::AnyBuf
     JAX_EPILOG_RETURN_IF_ERROR(Decode(stream, xla_device, a, b, args, rets, epilog,
                                       transpose_a, transpose_b, allow_tf32, &call));
     Plan* plan = nullptr;
-    return GetPlan(call.problem, &plan);
+    JAX_EPILOG_RETURN_IF_ERROR(GetPlan(call.problem, &plan));
+    if (!AutotuneEnabled()) return ffi::Error::Success();
+    return TunePlan(*plan, call.buffers, stream);
   });
 }
 

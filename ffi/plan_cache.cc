@@ -7,6 +7,10 @@
 #include <tuple>
 #include <type_traits>
 #include <unordered_map>
+#include <vector>
+
+#include "autotune.h"
+#include "fault_injection.h"
 
 namespace jax_epilog {
 namespace {
@@ -113,6 +117,7 @@ ffi::Error HandleFor(int device, cublasLtHandle_t* handle) {
 }
 
 ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
+  plan->problem = p;
   plan->description = p.ToString();
   const std::string& problem = plan->description;
   const std::string where = " for " + problem;
@@ -140,18 +145,11 @@ ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
   JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue,
                                      "CUBLASLT_MATMUL_DESC_EPILOGUE", problem));
 
-  // The heuristic does not dereference the bias / aux pointers but reads their
-  // alignment off their value, so it is shown a stand-in with the call's alignment;
-  // every call then sets its own pointers.
   if (io.bias_in || io.bgrad_len > 0) {
     plan->sets_bias_pointer = true;
-    const void* stand_in = reinterpret_cast<const void*>(uintptr_t{1} << p.align_bias);
     // The bias runs along cuBLASLt's rows (our N); a shared bias has batch stride 0.
     // A bias gradient is one vector per batch.
     const int64_t stride = io.bias_in ? (p.batch_bias > 1 ? p.n : 0) : io.bgrad_len;
-    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                       stand_in, "CUBLASLT_MATMUL_DESC_BIAS_POINTER",
-                                       problem));
     JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE,
                                        stride, "CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE",
                                        problem));
@@ -159,15 +157,11 @@ ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
   const bool relu_aux = io.relu_aux_in || io.relu_aux_out;
   if (relu_aux || io.gelu_aux_in || io.gelu_aux_out) {
     plan->sets_aux_pointer = true;
-    const void* stand_in = reinterpret_cast<const void*>(uintptr_t{1} << p.align_aux);
     // cuBLASLt requires the ReLU mask's leading dimension (in bits) to be a multiple
     // of 128 and the GELU input's (in elements) a multiple of 8, both at least its
     // row count (our N); the batch strides must be multiples of the same.
     const int64_t ld = relu_aux ? 8 * ReluAuxBytesPerRow(p.n) : GeluAuxLd(p.n);
     const int64_t stride = ld * p.m;
-    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                                       stand_in, "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER",
-                                       problem));
     JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld,
                                        "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD", problem));
     JAX_EPILOG_RETURN_IF_ERROR(
@@ -188,52 +182,18 @@ ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
   JAX_EPILOG_RETURN_IF_ERROR(MakeLayout(&plan->layout_cd, type, p.n, p.m, p.n, p.batch,
                                         p.m * p.n, "y", problem));
 
-  cublasLtMatmulPreference_t raw_preference = nullptr;
-  JAX_EPILOG_CUBLAS(cublasLtMatmulPreferenceCreate(&raw_preference),
-                    "creating the matmul preference" + where);
-  Preference preference(raw_preference);
-  const uint64_t workspace = p.workspace_bytes;
-  JAX_EPILOG_CUBLAS(
-      cublasLtMatmulPreferenceSetAttribute(preference.get(),
-                                           CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                           &workspace, sizeof(workspace)),
-      "setting CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES" + where);
-  const struct {
-    cublasLtMatmulPreferenceAttributes_t attr;
-    uint8_t log2;
-  } alignments[] = {{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, p.align_b},
-                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, p.align_a},
-                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, p.align_y},
-                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, p.align_y}};
-  for (const auto& alignment : alignments) {
-    const uint32_t bytes = uint32_t{1} << alignment.log2;
-    JAX_EPILOG_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference.get(), alignment.attr,
-                                                           &bytes, sizeof(bytes)),
-                      "setting a CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT attribute" + where);
-  }
-
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      handle, plan->desc, plan->layout_a, plan->layout_b, plan->layout_cd, plan->layout_cd,
-      preference.get(), 1, &result, &found);
-  // The heuristic answers NOT_SUPPORTED or INVALID_VALUE for configurations the
-  // library does not implement (e.g. BGRADA with op(A) = T, K = 1 with DRELU), so
-  // both mean "unsupported" here; the problem itself was validated above.
-  if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      StatusName(status) + " from cublasLtMatmulAlgoGetHeuristic" + where);
-  JAX_EPILOG_CUBLAS(status, "running cublasLtMatmulAlgoGetHeuristic" + where);
-  if (found == 0 || result.state != CUBLAS_STATUS_SUCCESS)
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      "no algorithm: cuBLASLt's heuristic returned none" + where);
-  plan->algo = result.algo;
+  std::vector<cublasLtMatmulHeuristicResult_t> results;
+  JAX_EPILOG_RETURN_IF_ERROR(HeuristicCandidates(*plan, 1, &results));
+  plan->algo = results[0].algo;
   return ffi::Error::Success();
 }
 
 struct PlanCache {
   std::shared_mutex mutex;
   std::unordered_map<Problem, std::unique_ptr<Plan>, ProblemHash> plans;
+  // Plans dropped by ClearPlans: a call on another thread may still hold one, so they
+  // are kept (a few hundred bytes each; clearing is for tests and benchmarks).
+  std::vector<std::unique_ptr<Plan>> retired;
 };
 
 // Never destroyed: plans are in use until the process ends (see HandleFor).
@@ -385,6 +345,98 @@ ffi::Error ScopedDevice::Enter(int device) {
   return ffi::Error::Success();
 }
 
+// The heuristic does not dereference the bias / aux pointers but reads their
+// alignment off their value, so it is shown stand-ins with the plan's alignments.
+ffi::Error SetStandInPointers(Plan& plan) {
+  CallBuffers stand_ins;
+  stand_ins.bias = reinterpret_cast<void*>(uintptr_t{1} << plan.problem.align_bias);
+  stand_ins.aux = reinterpret_cast<void*>(uintptr_t{1} << plan.problem.align_aux);
+  return SetCallPointers(plan, stand_ins);
+}
+
+ffi::Error HeuristicCandidates(Plan& plan, int max_count,
+                               std::vector<cublasLtMatmulHeuristicResult_t>* candidates) {
+  const Problem& p = plan.problem;
+  const std::string where = " for " + plan.description;
+  JAX_EPILOG_RETURN_IF_ERROR(SetStandInPointers(plan));
+  cublasLtMatmulPreference_t raw_preference = nullptr;
+  JAX_EPILOG_CUBLAS(cublasLtMatmulPreferenceCreate(&raw_preference),
+                    "creating the matmul preference" + where);
+  Preference preference(raw_preference);
+  const uint64_t workspace = p.workspace_bytes;
+  JAX_EPILOG_CUBLAS(
+      cublasLtMatmulPreferenceSetAttribute(preference.get(),
+                                           CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &workspace, sizeof(workspace)),
+      "setting CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES" + where);
+  const struct {
+    cublasLtMatmulPreferenceAttributes_t attr;
+    uint8_t log2;
+  } alignments[] = {{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, p.align_b},
+                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, p.align_a},
+                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, p.align_y},
+                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, p.align_y}};
+  for (const auto& alignment : alignments) {
+    const uint32_t bytes = uint32_t{1} << alignment.log2;
+    JAX_EPILOG_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference.get(), alignment.attr,
+                                                           &bytes, sizeof(bytes)),
+                      "setting a CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT attribute" + where);
+  }
+
+  std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(max_count));
+  int found = 0;
+  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
+      plan.handle, plan.desc, plan.layout_a, plan.layout_b, plan.layout_cd, plan.layout_cd,
+      preference.get(), max_count, results.data(), &found);
+  // The heuristic answers NOT_SUPPORTED or INVALID_VALUE for configurations the
+  // library does not implement (e.g. BGRADA with op(A) = T, K = 1 with DRELU), so
+  // both mean "unsupported" here; the problem itself was validated above.
+  if (status == CUBLAS_STATUS_NOT_SUPPORTED || status == CUBLAS_STATUS_INVALID_VALUE)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      StatusName(status) + " from cublasLtMatmulAlgoGetHeuristic" + where);
+  JAX_EPILOG_CUBLAS(status, "running cublasLtMatmulAlgoGetHeuristic" + where);
+  candidates->clear();
+  for (int i = 0; i < found; ++i)
+    if (results[i].state == CUBLAS_STATUS_SUCCESS) candidates->push_back(results[i]);
+  if (candidates->empty())
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "no algorithm: cuBLASLt's heuristic returned none" + where);
+  return ffi::Error::Success();
+}
+
+bool AlgoFits(Plan& plan, const cublasLtMatmulAlgo_t& algo) {
+  if (!SetStandInPointers(plan).success()) return false;
+  cublasLtMatmulHeuristicResult_t result{};
+  return cublasLtMatmulAlgoCheck(plan.handle, plan.desc, plan.layout_a, plan.layout_b,
+                                 plan.layout_cd, plan.layout_cd, &algo,
+                                 &result) == CUBLAS_STATUS_SUCCESS &&
+         result.workspaceSize <= plan.problem.workspace_bytes;
+}
+
+ffi::Error SetCallPointers(Plan& plan, const CallBuffers& buffers) {
+  if (plan.sets_bias_pointer)
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                       buffers.bias, "CUBLASLT_MATMUL_DESC_BIAS_POINTER",
+                                       plan.description));
+  if (plan.sets_aux_pointer)
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+                                       buffers.aux,
+                                       "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER",
+                                       plan.description));
+  return ffi::Error::Success();
+}
+
+cublasStatus_t Enqueue(Plan& plan, const CallBuffers& buffers, const cublasLtMatmulAlgo_t& algo,
+                       cudaStream_t stream) {
+  const float alpha = 1.0f;
+  const float beta = 0.0f;
+  // beta = 0, so C is never read; it aliases D as cuBLASLt allows.
+  return cublasLtMatmul(plan.handle, plan.desc, &alpha, buffers.b, plan.layout_a, buffers.a,
+                        plan.layout_b, &beta, buffers.y, plan.layout_cd, buffers.y,
+                        plan.layout_cd, &algo, buffers.workspace, buffers.workspace_bytes,
+                        stream);
+}
+
 ffi::Error GetPlan(const Problem& requested, Plan** plan) {
   // One plan serves problems that differ only in what the plan ignores: TF32 for
   // 16-bit types, the bias batch for epilogs without a bias input.
@@ -411,6 +463,8 @@ ffi::Error GetPlan(const Problem& requested, Plan** plan) {
     ScopedDevice scoped;
     JAX_EPILOG_RETURN_IF_ERROR(scoped.Enter(problem.device));
     JAX_EPILOG_RETURN_IF_ERROR(BuildPlan(problem, handle, built.get()));
+    // With autotuning on, an algorithm tuned earlier (on disk) replaces the heuristic's.
+    if (AutotuneEnabled()) ApplyStoredAlgo(*built);
   }
   std::unique_lock<std::shared_mutex> lock(cache.mutex);
   auto inserted = cache.plans.emplace(problem, std::move(built));
@@ -422,26 +476,25 @@ ffi::Error RunPlan(Plan& plan, const CallBuffers& buffers, cudaStream_t stream) 
   // Kernels go to the current device; XLA's stream belongs to the plan's device.
   ScopedDevice scoped;
   JAX_EPILOG_RETURN_IF_ERROR(scoped.Enter(plan.device));
-  const float alpha = 1.0f;
-  const float beta = 0.0f;
   std::lock_guard<std::mutex> lock(plan.mutex);
-  if (plan.sets_bias_pointer)
-    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                       buffers.bias, "CUBLASLT_MATMUL_DESC_BIAS_POINTER",
-                                       plan.description));
-  if (plan.sets_aux_pointer)
-    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                                       buffers.aux,
-                                       "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER",
-                                       plan.description));
-  // beta = 0, so C is never read; it aliases D as cuBLASLt allows.
-  JAX_EPILOG_CUBLAS(
-      cublasLtMatmul(plan.handle, plan.desc, &alpha, buffers.b, plan.layout_a, buffers.a,
-                     plan.layout_b, &beta, buffers.y, plan.layout_cd, buffers.y,
-                     plan.layout_cd, &plan.algo, buffers.workspace, buffers.workspace_bytes,
-                     stream),
-      "enqueueing cublasLtMatmul for " + plan.description);
+  JAX_EPILOG_RETURN_IF_ERROR(SetCallPointers(plan, buffers));
+  const cublasStatus_t status = TakeInjectedFailure() ? CUBLAS_STATUS_EXECUTION_FAILED
+                                                      : Enqueue(plan, buffers, plan.algo, stream);
+  JAX_EPILOG_CUBLAS(status, "enqueueing cublasLtMatmul for " + plan.description);
   return ffi::Error::Success();
+}
+
+int PlanCount() {
+  PlanCache& cache = Cache();
+  std::shared_lock<std::shared_mutex> lock(cache.mutex);
+  return static_cast<int>(cache.plans.size());
+}
+
+void ClearPlans() {
+  PlanCache& cache = Cache();
+  std::unique_lock<std::shared_mutex> lock(cache.mutex);
+  for (auto& entry : cache.plans) cache.retired.push_back(std::move(entry.second));
+  cache.plans.clear();
 }
 
 }  // namespace jax_epilog

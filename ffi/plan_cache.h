@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "status.h"
 
@@ -107,12 +108,16 @@ struct Plan {
   cublasLtMatrixLayout_t layout_a = nullptr;
   cublasLtMatrixLayout_t layout_b = nullptr;
   cublasLtMatrixLayout_t layout_cd = nullptr;
-  cublasLtMatmulAlgo_t algo{};
+  cublasLtMatmulAlgo_t algo{};  // the heuristic's first, until autotuned
+  // True once `algo` was chosen by timing candidates or taken from the on-disk cache
+  // (autotune.h), so it is not tuned again. Guarded by `mutex`.
+  bool tuned = false;
+  Problem problem;          // the key the plan was built for
   std::string description;  // Problem::ToString, for error messages
   bool sets_bias_pointer = false;
   bool sets_aux_pointer = false;
   // The pointers of a call live on the shared descriptor, so setting them and
-  // enqueueing the matmul must not interleave with another call of this plan.
+  // enqueueing the matmul (or tuning) must not interleave with another call of this plan.
   std::mutex mutex;
 };
 
@@ -133,7 +138,33 @@ struct CallBuffers {
 };
 
 // Enqueues the plan's matmul on `stream`. Never allocates and never synchronises.
+// Fails instead, with CUBLAS_STATUS_EXECUTION_FAILED, while failures are injected
+// (fault_injection.h).
 ffi::Error RunPlan(Plan& plan, const CallBuffers& buffers, cudaStream_t stream);
+
+// The helpers below change the plan's descriptor: the caller holds plan.mutex and has
+// made plan.device current.
+
+// Up to `max_count` algorithms for the plan's problem, cuBLASLt's heuristic's best
+// first. Errors as GetPlan's; never empty on success.
+ffi::Error HeuristicCandidates(Plan& plan, int max_count,
+                               std::vector<cublasLtMatmulHeuristicResult_t>* candidates);
+
+// Whether `algo` can run the plan's problem within its workspace (e.g. one read back
+// from disk, possibly written by another cuBLASLt version).
+bool AlgoFits(Plan& plan, const cublasLtMatmulAlgo_t& algo);
+
+// Sets the bias / aux pointers of a call on the plan's descriptor.
+ffi::Error SetCallPointers(Plan& plan, const CallBuffers& buffers);
+
+// Enqueues one cublasLtMatmul with `algo` (after SetCallPointers).
+cublasStatus_t Enqueue(Plan& plan, const CallBuffers& buffers, const cublasLtMatmulAlgo_t& algo,
+                       cudaStream_t stream);
+
+// The number of cached plans, and dropping them all (tests and benchmarks: the next
+// call of each problem plans, and with autotuning on tunes, again).
+int PlanCount();
+void ClearPlans();
 
 // Makes `device` current for the scope (cuBLASLt handles are created for, and
 // kernels launched on, the current device) and restores the previous one after.

@@ -38,6 +38,16 @@ def _preload_cuda_libraries() -> None:
                 break
 
 
+# Run-time controls (ffi/controls.cc): name, result type, argument types.
+_CONTROLS = (
+    ("jax_epilog_set_autotune", None, [ctypes.c_int]),
+    ("jax_epilog_autotune_enabled", ctypes.c_int, []),
+    ("jax_epilog_plan_cache_size", ctypes.c_int, []),
+    ("jax_epilog_clear_plan_cache", None, []),
+    ("jax_epilog_inject_failures", None, [ctypes.c_int]),
+)
+
+
 class _Library:
     """The loaded library, or why it could not be loaded."""
 
@@ -66,6 +76,9 @@ class _Library:
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t,
         ]
+        for name, restype, argtypes in _CONTROLS:
+            getattr(lib, name).restype = restype
+            getattr(lib, name).argtypes = argtypes
 
     def register(self) -> None:
         stages = {"execute": jax.ffi.pycapsule(self.handle.JaxEpilogMatmul)}
@@ -120,3 +133,44 @@ def query_support(epilog: int, dtype: str, transpose_a: bool, transpose_b: bool,
     if status < 0:
         return None, text
     return bool(status), text
+
+
+def set_autotune(enabled: bool) -> None:
+    """Autotuning on or off in the loaded library; nothing without it. Use `jax_epilog.config`."""
+    lib = library()
+    if lib.handle is not None:
+        lib.handle.jax_epilog_set_autotune(int(enabled))
+
+
+def autotune_enabled() -> Optional[bool]:
+    """Whether the loaded library autotunes new plans, or None without the library."""
+    lib = library()
+    return bool(lib.handle.jax_epilog_autotune_enabled()) if lib.handle is not None else None
+
+
+def plan_cache_size() -> Optional[int]:
+    """How many problems have a cached cuBLASLt plan in this process, or None without the
+    library."""
+    lib = library()
+    return int(lib.handle.jax_epilog_plan_cache_size()) if lib.handle is not None else None
+
+
+def clear_plan_cache() -> None:
+    """For tests and benchmarks: forget every plan (and the support answers that built them) and
+    re-read the autotune file, so each problem is planned, and with autotuning on tuned, anew."""
+    query_support.cache_clear()
+    lib = library()
+    if lib.handle is not None:
+        lib.handle.jax_epilog_clear_plan_cache()
+
+
+def inject_failures(count: int) -> None:
+    """Test only: the next `count` executions of the custom call fail as if cublasLtMatmul had
+    returned CUBLAS_STATUS_EXECUTION_FAILED (the exception names it); 0 cancels."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"count: expected a non-negative int, got {count!r}")
+    lib = library()
+    if lib.handle is None:
+        raise RuntimeError(f"jax_epilog: cannot inject failures, the CUDA library is "
+                           f"unavailable ({lib.error})")
+    lib.handle.jax_epilog_inject_failures(count)

@@ -10,8 +10,9 @@ from jax_epilog import demo
 SMALL = ["--epochs", "3", "--compare-batch", "96", "--compare-width", "33", "--steps", "2"]
 
 
-def test_python_dash_m_trains_and_compares():
-    out = subprocess.run([sys.executable, "-m", "jax_epilog", *SMALL],
+def test_python_dash_m_trains_and_compares(tmp_path):
+    # From an empty folder: the installed package is what `python -m` finds, not the sources.
+    out = subprocess.run([sys.executable, "-m", "jax_epilog", *SMALL], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     for text in ("device:", "backend:", "test accuracy", "step time", "temp memory",

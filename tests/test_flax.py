@@ -25,7 +25,15 @@ from jax_epilog.demo import PlainMLP, accuracy, load_digits, train
 
 ACTIVATION_FNS = {None: lambda x: x, "relu": jax.nn.relu,
                   "gelu": lambda x: jax.nn.gelu(x, approximate=True)}
-TOLERANCE = {jnp.float32: dict(rtol=2e-5, atol=2e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+TOLERANCE = {jnp.float32: dict(rtol=1e-4, atol=1e-4), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.fixture(autouse=True)
+def full_float32_matmuls():
+    """Exact float32 GEMMs on every device (a GPU would otherwise use TF32 in both models, with
+    different rounding), so float32 results agree to float32 accuracy."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def random(shape, seed, dtype=jnp.float32):
@@ -190,7 +198,7 @@ def test_nnx_jit_value_and_grad_step():
     ours = fused_nnx.MLP(20, [33, 10], rngs=nnx.Rngs(1))
     stock = PlainMLP(20, [33, 10], rngs=nnx.Rngs(1))
     losses = [(sgd_step(ours, x, labels), sgd_step(stock, x, labels)) for _ in range(5)]
-    np.testing.assert_allclose(*zip(*losses), rtol=1e-5)
+    np.testing.assert_allclose(*zip(*losses), rtol=1e-4)
     assert losses[-1][0] < losses[0][0]
     assert_trees_close(nnx.state(ours), nnx.state(stock), rtol=1e-4, atol=1e-5)
 

@@ -1,0 +1,289 @@
+#include "autotune.h"
+
+#include <atomic>
+#include <cctype>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "algo_store.h"
+
+namespace jax_epilog {
+namespace {
+
+// Off until measured to pay on the H200 (benchmarks/autotune_bench.py).
+constexpr bool kAutotuneByDefault = false;
+constexpr int kMaxCandidates = 8;
+// Candidates are timed in turn, twice over, so drift of the GPU's clock hits all alike;
+// each time is a few back-to-back launches between one pair of events.
+constexpr int kRounds = 2;
+constexpr int kLaunchesPerRound = 3;
+// Another candidate replaces the heuristic's first only when clearly faster than
+// timing noise (about 1% between rounds).
+constexpr float kMinGain = 0.02f;
+
+std::atomic<int> autotune_setting{-1};  // -1: not decided yet
+
+int SettingFromEnvironment() {
+  const char* value = std::getenv("JAX_EPILOG_AUTOTUNE");
+  if (value != nullptr && std::strcmp(value, "1") == 0) return 1;
+  if (value != nullptr && std::strcmp(value, "0") == 0) return 0;
+  return kAutotuneByDefault ? 1 : 0;
+}
+
+// E.g. "NVIDIA_H200 sm_90": GPUs of one model share tuning results.
+ffi::Error GpuIdentity(int device, std::string* identity) {
+  static std::mutex* mutex = new std::mutex;
+  static auto* identities = new std::map<int, std::string>;
+  std::lock_guard<std::mutex> lock(*mutex);
+  if (auto it = identities->find(device); it != identities->end()) {
+    *identity = it->second;
+    return ffi::Error::Success();
+  }
+  cudaDeviceProp properties{};
+  JAX_EPILOG_CUDA(cudaGetDeviceProperties(&properties, device),
+                  "reading the properties of CUDA device " + std::to_string(device));
+  std::string name = properties.name;
+  for (char& c : name)
+    if (!std::isalnum(static_cast<unsigned char>(c)) && c != '.' && c != '-') c = '_';
+  *identity = name + " sm_" + std::to_string(properties.major) +
+              std::to_string(properties.minor);
+  identities->emplace(device, *identity);
+  return ffi::Error::Success();
+}
+
+// Everything a tuned algorithm depends on: the GPU model, cuBLASLt's version and the
+// whole problem except the device ordinal. dtype is support_query's number.
+ffi::Error StoreKey(const Problem& p, std::string* key) {
+  std::string gpu;
+  JAX_EPILOG_RETURN_IF_ERROR(GpuIdentity(p.device, &gpu));
+  auto number = [](int64_t v) { return std::to_string(v); };
+  auto align = [](uint8_t log2) { return std::to_string(1u << log2); };
+  *key = "v1 " + gpu + " cublasLt=" + number(static_cast<int64_t>(cublasLtGetVersion())) +
+         " epilog=" + number(p.epilog) + " dtype=" + number(static_cast<int>(p.dtype)) +
+         " tf32=" + number(p.allow_tf32) + " transpose_a=" + number(p.transpose_a) +
+         " transpose_b=" + number(p.transpose_b) + " batch=" + number(p.batch) +
+         " batch_b=" + number(p.batch_b) + " batch_bias=" + number(p.batch_bias) +
+         " m=" + number(p.m) + " n=" + number(p.n) + " k=" + number(p.k) +
+         " workspace=" + number(static_cast<int64_t>(p.workspace_bytes)) +
+         " align=" + align(p.align_a) + "," + align(p.align_b) + "," + align(p.align_y) +
+         "," + align(p.align_bias) + "," + align(p.align_aux);
+  return ffi::Error::Success();
+}
+
+// The call's buffers with every output (y, aux, bias gradient) and the workspace moved
+// into scratch memory starting at `base`, each part 256-byte aligned; `bytes` gets
+// the total. Inputs stay the call's.
+CallBuffers Redirect(const Problem& p, const CallBuffers& call, uintptr_t base, size_t* bytes) {
+  EpilogIo io;
+  DescribeEpilog(p.epilog, p.m, p.n, &io);
+  const int64_t elem = static_cast<int64_t>(ElementBytes(p.dtype));
+  size_t used = 0;
+  auto take = [&](int64_t size) {
+    void* at = reinterpret_cast<void*>(base + used);
+    used += (static_cast<size_t>(size) + 255) & ~size_t{255};
+    return at;
+  };
+  CallBuffers scratch = call;
+  scratch.y = take(p.batch * p.m * p.n * elem);
+  if (io.relu_aux_out) scratch.aux = take(p.batch * p.m * ReluAuxBytesPerRow(p.n));
+  if (io.gelu_aux_out) scratch.aux = take(p.batch * p.m * GeluAuxLd(p.n) * elem);
+  if (io.bgrad_len > 0) scratch.bias = take(p.batch * io.bgrad_len * elem);
+  scratch.workspace = take(static_cast<int64_t>(p.workspace_bytes));
+  scratch.workspace_bytes = p.workspace_bytes;
+  *bytes = used;
+  return scratch;
+}
+
+// Stream-ordered scratch memory, freed on the stream (at the latest when it goes out
+// of scope).
+class Scratch {
+ public:
+  explicit Scratch(cudaStream_t stream) : stream_(stream) {}
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  ~Scratch() { Release(); }
+  // False when the memory is not there (the failure is cleared: it is no error).
+  bool Allocate(size_t bytes) {
+    if (cudaMallocAsync(&base_, bytes, stream_) == cudaSuccess) return true;
+    base_ = nullptr;
+    cudaGetLastError();
+    return false;
+  }
+  void Release() {
+    if (base_ != nullptr) cudaFreeAsync(base_, stream_);
+    base_ = nullptr;
+  }
+  uintptr_t base() const { return reinterpret_cast<uintptr_t>(base_); }
+
+ private:
+  cudaStream_t stream_;
+  void* base_ = nullptr;
+};
+
+class Events {
+ public:
+  Events() = default;
+  Events(const Events&) = delete;
+  Events& operator=(const Events&) = delete;
+  ~Events() {
+    for (cudaEvent_t event : events_) cudaEventDestroy(event);
+  }
+  ffi::Error Create(size_t count) {
+    for (size_t i = 0; i < count; ++i) {
+      cudaEvent_t event = nullptr;
+      JAX_EPILOG_CUDA(cudaEventCreate(&event), "creating a CUDA event for autotuning");
+      events_.push_back(event);
+    }
+    return ffi::Error::Success();
+  }
+  cudaEvent_t operator[](size_t i) const { return events_[i]; }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+};
+
+// Lets this thread synchronise and allocate even while another thread captures a
+// CUDA graph in global mode (which would otherwise forbid it).
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&previous_); }
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+  ~RelaxedCaptureMode() { cudaThreadExchangeStreamCaptureMode(&previous_); }
+
+ private:
+  cudaStreamCaptureMode previous_ = cudaStreamCaptureModeRelaxed;
+};
+
+// The index of the fastest candidate, given each one's best round in milliseconds
+// (infinite for one cuBLASLt rejected): the first, the heuristic's choice, unless
+// another is clearly faster; -1 when every candidate failed.
+int Fastest(const std::vector<float>& ms) {
+  int best = -1;
+  for (size_t i = 0; i < ms.size(); ++i)
+    if (ms[i] < std::numeric_limits<float>::infinity() && (best < 0 || ms[i] < ms[best]))
+      best = static_cast<int>(i);
+  if (best > 0 && ms[best] > ms[0] * (1.0f - kMinGain)) return 0;
+  return best;
+}
+
+// With JAX_EPILOG_AUTOTUNE_LOG=1, one line per tuned problem on stderr: each
+// candidate's milliseconds per launch (heuristic order; "-" for rejected) and the choice.
+void LogTuning(const std::string& problem, const std::vector<float>& ms, int winner) {
+  const char* log = std::getenv("JAX_EPILOG_AUTOTUNE_LOG");
+  if (log == nullptr || std::strcmp(log, "1") != 0) return;
+  std::string times;
+  for (size_t i = 0; i < ms.size(); ++i) {
+    char text[32] = "-";
+    if (ms[i] < std::numeric_limits<float>::infinity())
+      std::snprintf(text, sizeof(text), "%.4f", ms[i] / kLaunchesPerRound);
+    times += (i ? " " : "") + std::string(text);
+  }
+  std::fprintf(stderr, "jax_epilog autotune: %s: ms per launch [%s] -> candidate %d\n",
+               problem.c_str(), times.c_str(), winner);
+}
+
+}  // namespace
+
+bool AutotuneEnabled() {
+  int setting = autotune_setting.load(std::memory_order_acquire);
+  if (setting < 0) {
+    autotune_setting.compare_exchange_strong(setting, SettingFromEnvironment());
+    setting = autotune_setting.load(std::memory_order_acquire);
+  }
+  return setting == 1;
+}
+
+void SetAutotune(bool enabled) {
+  autotune_setting.store(enabled ? 1 : 0, std::memory_order_release);
+}
+
+bool ApplyStoredAlgo(Plan& plan) {
+  std::string key;
+  cublasLtMatmulAlgo_t algo{};
+  if (!StoreKey(plan.problem, &key).success() || !LookUpStoredAlgo(key, &algo) ||
+      !AlgoFits(plan, algo))
+    return false;
+  plan.algo = algo;
+  plan.tuned = true;
+  return true;
+}
+
+ffi::Error TunePlan(Plan& plan, const CallBuffers& call, cudaStream_t stream) {
+  std::lock_guard<std::mutex> lock(plan.mutex);
+  if (plan.tuned) return ffi::Error::Success();
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  JAX_EPILOG_CUDA(cudaStreamIsCapturing(stream, &capture),
+                  "asking whether XLA's stream is capturing, to autotune " + plan.description);
+  // Timing needs synchronisation, which capture forbids: a later call tunes.
+  if (capture != cudaStreamCaptureStatusNone) return ffi::Error::Success();
+  ScopedDevice scoped;
+  JAX_EPILOG_RETURN_IF_ERROR(scoped.Enter(plan.device));
+  RelaxedCaptureMode relaxed;
+  if (ApplyStoredAlgo(plan)) return ffi::Error::Success();
+  plan.tuned = true;  // tuned once, whatever happens below
+
+  std::vector<cublasLtMatmulHeuristicResult_t> results;
+  if (!HeuristicCandidates(plan, kMaxCandidates, &results).success())
+    return ffi::Error::Success();
+  std::vector<cublasLtMatmulAlgo_t> candidates = {plan.algo};
+  for (const auto& result : results)
+    if (std::memcmp(&result.algo, &plan.algo, sizeof(plan.algo)) != 0)
+      candidates.push_back(result.algo);
+
+  size_t bytes = 0;
+  Redirect(plan.problem, call, 0, &bytes);
+  Scratch scratch(stream);
+  if (candidates.size() < 2 || !scratch.Allocate(bytes)) return ffi::Error::Success();
+  const CallBuffers buffers = Redirect(plan.problem, call, scratch.base(), &bytes);
+  JAX_EPILOG_RETURN_IF_ERROR(SetCallPointers(plan, buffers));
+
+  const size_t count = candidates.size();
+  std::vector<bool> ok(count);
+  for (size_t i = 0; i < count; ++i)  // warm-up, and out go those cuBLASLt rejects
+    ok[i] = Enqueue(plan, buffers, candidates[i], stream) == CUBLAS_STATUS_SUCCESS;
+  Events events;
+  JAX_EPILOG_RETURN_IF_ERROR(events.Create(2 * kRounds * count));
+  const std::string what = "timing candidates to autotune " + plan.description;
+  for (int round = 0; round < kRounds; ++round) {
+    for (size_t i = 0; i < count; ++i) {
+      if (!ok[i]) continue;
+      const size_t start = 2 * (round * count + i);
+      JAX_EPILOG_CUDA(cudaEventRecord(events[start], stream), what);
+      for (int launch = 0; launch < kLaunchesPerRound && ok[i]; ++launch)
+        ok[i] = Enqueue(plan, buffers, candidates[i], stream) == CUBLAS_STATUS_SUCCESS;
+      JAX_EPILOG_CUDA(cudaEventRecord(events[start + 1], stream), what);
+    }
+  }
+  scratch.Release();
+  JAX_EPILOG_CUDA(cudaStreamSynchronize(stream), what);
+
+  std::vector<float> ms(count, std::numeric_limits<float>::infinity());
+  for (int round = 0; round < kRounds; ++round) {
+    for (size_t i = 0; i < count; ++i) {
+      if (!ok[i]) continue;
+      const size_t start = 2 * (round * count + i);
+      float elapsed = 0.0f;
+      JAX_EPILOG_CUDA(cudaEventElapsedTime(&elapsed, events[start], events[start + 1]), what);
+      if (elapsed < ms[i]) ms[i] = elapsed;
+    }
+  }
+  for (size_t i = 0; i < count; ++i)
+    if (!ok[i]) ms[i] = std::numeric_limits<float>::infinity();
+  const int winner = Fastest(ms);
+  LogTuning(plan.description, ms, winner);
+  if (winner < 0) return ffi::Error::Success();
+  plan.algo = candidates[winner];
+  std::string key;
+  if (StoreKey(plan.problem, &key).success()) StoreAlgo(key, plan.algo);
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_epilog

@@ -1,0 +1,37 @@
+// Autotuning: choosing a plan's cuBLASLt algorithm by timing the heuristic's top
+// candidates once, on the call's real input buffers, and remembering the winner in
+// the plan and on disk (algo_store.h). See README.md, "Autotuning".
+#ifndef JAX_EPILOG_FFI_AUTOTUNE_H_
+#define JAX_EPILOG_FFI_AUTOTUNE_H_
+
+#include <cuda_runtime_api.h>
+
+#include "plan_cache.h"
+#include "status.h"
+
+namespace jax_epilog {
+
+// The switch: set by SetAutotune, else read once from JAX_EPILOG_AUTOTUNE ("1" on,
+// "0" off, anything else or unset: the default, off). It decides for plans not yet
+// tuned; a tuned plan keeps its algorithm.
+bool AutotuneEnabled();
+void SetAutotune(bool enabled);
+
+// Takes the algorithm stored on disk for the plan's problem on this GPU model and
+// cuBLASLt version, if there is one and cuBLASLt accepts it, and marks the plan
+// tuned. Host-only. The caller holds plan.mutex (or has not shared the plan yet) and
+// has made plan.device current.
+bool ApplyStoredAlgo(Plan& plan);
+
+// For the FFI initialize stage only (it may allocate and synchronise): unless the plan
+// is tuned or `stream` is capturing a CUDA graph, times up to 8 heuristic candidates
+// on `stream` and keeps the fastest. The candidates read the call's inputs but write
+// only to scratch memory of their own, never to the call's outputs (which XLA may
+// have placed over a donated input still to be read). Candidates cuBLASLt rejects and
+// a failed scratch allocation leave the heuristic's choice in place; only CUDA
+// failures (a broken context) are errors.
+ffi::Error TunePlan(Plan& plan, const CallBuffers& call, cudaStream_t stream);
+
+}  // namespace jax_epilog
+
+#endif  // JAX_EPILOG_FFI_AUTOTUNE_H_
