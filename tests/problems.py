@@ -15,7 +15,9 @@ from jax_epilog import Epilog, gelu_aux_columns, relu_mask_bytes
 import numpy_reference
 
 # Relative error allowed against a float64 result, per operand dtype (max|diff| / max|ref|).
-TOLERANCE = {"float32": 2e-5, "float32_tf32": 5e-3, "bfloat16": 2e-2, "float16": 5e-3}
+# On the GPU, full float32 also meets cuBLASLt's own tanh and exp in the GELU epilogs.
+TOLERANCE = {"float32": 2e-5, "float32_gpu": 1e-4, "float32_tf32": 5e-3, "bfloat16": 2e-2,
+             "float16": 5e-3}
 
 
 def make_problem(rng, epilog: Epilog, *, m, n, k, lead=(), b_batched=False, bias_batched=False,

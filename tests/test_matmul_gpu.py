@@ -26,7 +26,7 @@ DTYPES = {  # name -> (dtype, precision, tolerance key)
     "float16": ("float16", None, "float16"),
     "bfloat16": ("bfloat16", None, "bfloat16"),
     "float32_tf32": ("float32", "default", "float32_tf32"),
-    "float32": ("float32", "highest", "float32"),
+    "float32": ("float32", "highest", "float32_gpu"),
 }
 SHAPES = [  # m, n, k, lead, b batched, bias batched
     (127, 129, 300, (), False, False),

@@ -150,9 +150,10 @@ def test_dgelu_nan_pre_activation_gives_nan(epilog):
     assert y[3] == pytest.approx(0.5 * p[3], rel=1e-5)  # gelu'(-0.0) = 0.5
 
 
-def test_dgelu_large_finite_pre_activation_is_finite():
+def test_dgelu_huge_pre_activation_is_nan_as_on_the_gpu():
+    """cuBLASLt's gelu' overflows for |z| ~ 1e20 and gives NaN (measured on the H200)."""
     out, _ = _cpu(Epilog.DGELU)
-    assert np.isfinite(out["y"][FINITE_ROW, 4:6]).all()
+    assert np.isnan(out["y"][FINITE_ROW, 4:6]).all()
 
 
 @pytest.mark.parametrize("epilog", [Epilog.BGRADA, Epilog.BGRADB], ids=lambda e: e.name)
