@@ -5,8 +5,11 @@ The CPU tests check `jax_epilog.config` with or without the CUDA library. The GP
 float64 model: tuning may change the algorithm, never the numbers beyond rounding.
 """
 
+import json
 import os
+import sys
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,9 @@ import jax_epilog
 from jax_epilog import Epilog, config, cuda_library
 from problems import TOLERANCE, assert_outputs_match, make_problem, numpy_expected, pre_activation
 import test_matmul_gpu
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import autotune_bench  # noqa: E402
 
 ALGO_WORDS = 8  # cublasLtMatmulAlgo_t is 8 uint64 words, one hex field each in the file
 
@@ -89,6 +95,20 @@ def test_controls_without_library(monkeypatch):
     cuda_library.clear_plan_cache()
     with pytest.raises(RuntimeError, match="unavailable \\(not built here\\)"):
         cuda_library.inject_failures(1)
+
+
+def test_autotune_bench_smoke_report(tmp_path):
+    autotune_bench.main(["--smoke", "--rows", "S1", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "autotune.json").read_text())
+    keys = [("S1", name) for name in autotune_bench.PROBLEMS]
+    for mode in autotune_bench.FIRST_CALL_MODES:
+        records = report["first_call"][mode]
+        assert [(r["row"], r["problem"]) for r in records] == keys
+        assert all(r["compile_s"] > 0 and r["first_execution_s"] > 0 for r in records)
+    assert [(r["row"], r["problem"]) for r in report["steady"]] == keys
+    assert all(r["heuristic_us"] > 0 and r["tuned_us"] > 0 for r in report["steady"])
+    table = (tmp_path / "autotune.md").read_text()
+    assert "| S1 | backward DRELU_BGRAD |" in table and "cuBLASLt" in table
 
 
 # ---- GPU: tuned plans, the autotune file ---------------------------------------------------
