@@ -36,7 +36,7 @@ def test_injected_failures_raise_then_calls_recover(failures, no_pending_failure
 
     cuda_library.inject_failures(failures)
     for _ in range(failures):
-        with pytest.raises(RuntimeError, match=STATUS) as raised:
+        with pytest.raises(Exception, match=STATUS) as raised:
             jax.block_until_ready(f(*args))
         assert type(raised.value).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
     for _ in range(2):
