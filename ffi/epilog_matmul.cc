@@ -69,9 +69,9 @@ struct Call {
   CallBuffers buffers;
 };
 
-ffi::Error Decode(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                  ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t epilog,
-                  bool transpose_a, bool transpose_b, bool allow_tf32, Call* call) {
+ffi::Error Decode(int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs args,
+                  ffi::RemainingRets rets, int32_t epilog, bool transpose_a, bool transpose_b,
+                  bool allow_tf32, Call* call) {
   Problem& p = call->problem;
   p.epilog = epilog;
   p.transpose_a = transpose_a;
@@ -233,11 +233,12 @@ ffi::Error Decode(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a, ffi
   p.align_b = AlignmentLog2(
       b.untyped_data(), (p.batch_b > 1) * p.n * p.k * static_cast<int64_t>(elem));
 
-  // The plan is keyed by the CUDA device that owns XLA's stream: XLA's device
-  // ordinal can differ from it (e.g. with jax_cuda_visible_devices).
-  JAX_EPILOG_CUDA(cudaStreamGetDevice(stream, &p.device),
-                  "finding the CUDA device of XLA device " + std::to_string(xla_device) +
-                      "'s stream");
+  // The plan is keyed by the CUDA device XLA made current for this call: XLA's device
+  // ordinal can differ from it (e.g. with jax_cuda_visible_devices). cudaGetDevice only
+  // reads thread state, so it is legal while XLA captures a command buffer (asking the
+  // stream for its device, cudaStreamGetDevice, is not).
+  JAX_EPILOG_CUDA(cudaGetDevice(&p.device),
+                  "finding the current CUDA device of XLA device " + std::to_string(xla_device));
   return ffi::Error::Success();
 }
 
@@ -258,7 +259,7 @@ ffi::Error MatmulInitialize(cudaStream_t stream, int32_t xla_device, ffi::AnyBuf
                             bool allow_tf32) {
   return NoThrow([&] {
     Call call;
-    JAX_EPILOG_RETURN_IF_ERROR(Decode(stream, xla_device, a, b, args, rets, epilog,
+    JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, a, b, args, rets, epilog,
                                       transpose_a, transpose_b, allow_tf32, &call));
     Plan* plan = nullptr;
     JAX_EPILOG_RETURN_IF_ERROR(GetPlan(call.problem, &plan));
@@ -272,7 +273,7 @@ ffi::Error MatmulExecute(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer
                          int32_t epilog, bool transpose_a, bool transpose_b, bool allow_tf32) {
   return NoThrow([&] {
     Call call;
-    JAX_EPILOG_RETURN_IF_ERROR(Decode(stream, xla_device, a, b, args, rets, epilog,
+    JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, a, b, args, rets, epilog,
                                       transpose_a, transpose_b, allow_tf32, &call));
     Plan* plan = nullptr;
     JAX_EPILOG_RETURN_IF_ERROR(GetPlan(call.problem, &plan));

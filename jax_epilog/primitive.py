@@ -113,7 +113,7 @@ epilog_matmul_p.def_impl(_impl)
 _SHAREABLE = ("b", "bias")
 
 
-def _fold(x, bdim, name: str, size: int, batch: int):
+def fold_batch_axis(x, bdim, name: str, size: int, batch: int):
     if bdim is None:
         if name in _SHAREABLE and x.shape[0] == 1:
             return x
@@ -132,7 +132,7 @@ def _batch_rule(args, dims, *, epilog, transpose_a, transpose_b, allow_tf32):
     a_dim = dims[0]
     batch = args[0].shape[1 if a_dim == 0 else 0] if a_dim is not None \
         else args[0].shape[0]
-    folded = [_fold(x, d, name, size, batch) for x, d, name in zip(args, dims, names)]
+    folded = [fold_batch_axis(x, d, name, size, batch) for x, d, name in zip(args, dims, names)]
     outs = epilog_matmul_p.bind(*folded, epilog=epilog, transpose_a=transpose_a,
                                 transpose_b=transpose_b, allow_tf32=allow_tf32)
     outs = [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs]

@@ -7,8 +7,9 @@ see `ffi/README.md`) and returns the kernel's outputs in the kernel's order, bit
 byte for byte as cuBLASLt packs them.
 
 Numerics follow cuBLASLt: the product is accumulated in float32, the epilog runs in float32 on
-the accumulator, and only the stored results are rounded to the operand dtype. ReLU is
-`z if z > 0 else 0`, so NaN maps to 0 and its mask bit is 0, as on the GPU.
+the accumulator, and only the stored results are rounded to the operand dtype. Special values behave as cuBLASLt's
+epilogs were measured to on the H200 (`scripts/probe_special_values.py`): ReLU keeps NaN, its
+mask bit is set for +0, -0 and NaN, and GELU's derivative overflows to NaN for huge |z|.
 """
 
 from __future__ import annotations
@@ -43,8 +44,14 @@ def gelu_derivative(z):
 
 
 def relu(z):
-    """max(z, 0) with NaN mapped to 0, as cuBLASLt's ReLU epilogs do."""
-    return jnp.where(z > 0, z, jnp.zeros_like(z))
+    """ReLU as cuBLASLt computes it (measured on the H200): NaN stays NaN, -0 becomes +0."""
+    return jnp.where((z > 0) | jnp.isnan(z), z, jnp.zeros_like(z))
+
+
+def relu_mask(z):
+    """The mask bit cuBLASLt writes (measured on the H200): set unless z < 0, so +0, -0 and
+    NaN are set. The gradient passes where the bit is set."""
+    return ~(z < 0)
 
 
 def pack_relu_mask(positive):
@@ -82,21 +89,17 @@ def _product(a, b, transpose_a: bool, transpose_b: bool, allow_tf32: bool):
                                preferred_element_type=jnp.float32)
 
 
-def epilog_matmul(a, b, *inputs, epilog: int, transpose_a: bool, transpose_b: bool,
-                  allow_tf32: bool = False):
-    """The kernel's outputs (y[, aux][, bias_grad]) for normalised rank-3 operands.
+def apply_epilog(p, *inputs, epilog: int, dtype) -> list:
+    """The epilog's outputs (y[, aux][, DRELU/DGELU bias gradient]) given the float32 product.
 
-    `inputs` are the epilog's inputs in `Epilog.input_names` order: bias `(batch|1, N)`,
-    then `relu_aux` / `gelu_aux` `(batch, M, ·)`.
+    `p` is `(batch, M, N)` float32; BGRADA/BGRADB's sums (of the operands, not of `p`) are the
+    caller's. Shared with the sharded path, which finishes a product summed across devices.
     """
     epilog = Epilog(epilog)
-    dtype = a.dtype
-    p = _product(a, b, transpose_a, transpose_b, allow_tf32)
     n = p.shape[-1]
     named = dict(zip(epilog.input_names, inputs))
     z = p + named["bias"].astype(jnp.float32)[:, None, :] if epilog.has_bias else p
 
-    outputs = []
     if epilog.activation == "relu":
         y = relu(z)
     elif epilog.activation == "gelu":
@@ -108,18 +111,31 @@ def epilog_matmul(a, b, *inputs, epilog: int, transpose_a: bool, transpose_b: bo
         y = p * gelu_derivative(pre_activation)
     else:
         y = z
-    outputs.append(y.astype(dtype))
+    outputs = [y.astype(dtype)]
 
     if epilog.aux_output == "relu_aux":
-        outputs.append(pack_relu_mask(z > 0))
+        outputs.append(pack_relu_mask(relu_mask(z)))
     elif epilog.aux_output == "gelu_aux":
-        cols = gelu_aux_columns(n)
-        pad = [(0, 0), (0, 0), (0, cols - n)]
+        pad = [(0, 0), (0, 0), (0, gelu_aux_columns(n) - n)]
         outputs.append(jnp.pad(z.astype(dtype), pad))
 
     if epilog in (Epilog.DRELU_BGRAD, Epilog.DGELU_BGRAD):
         outputs.append(jnp.sum(y, axis=1).astype(dtype))
-    elif epilog == Epilog.BGRADA:
+    return outputs
+
+
+def epilog_matmul(a, b, *inputs, epilog: int, transpose_a: bool, transpose_b: bool,
+                  allow_tf32: bool = False):
+    """The kernel's outputs (y[, aux][, bias_grad]) for normalised rank-3 operands.
+
+    `inputs` are the epilog's inputs in `Epilog.input_names` order: bias `(batch|1, N)`,
+    then `relu_aux` / `gelu_aux` `(batch, M, ·)`.
+    """
+    epilog = Epilog(epilog)
+    dtype = a.dtype
+    p = _product(a, b, transpose_a, transpose_b, allow_tf32)
+    outputs = apply_epilog(p, *inputs, epilog=epilog, dtype=dtype)
+    if epilog == Epilog.BGRADA:
         outputs.append(jnp.sum(a.astype(jnp.float32), axis=1 if transpose_a else 2).astype(dtype))
     elif epilog == Epilog.BGRADB:
         b_sum = jnp.sum(b.astype(jnp.float32), axis=2 if transpose_b else 1).astype(dtype)

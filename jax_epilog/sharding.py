@@ -37,8 +37,8 @@ from jax.interpreters import ad
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import reference
-from .epilogs import Epilog, gelu_aux_columns
-from .primitive import _fold, epilog_matmul_p, problem_of
+from .epilogs import Epilog
+from .primitive import epilog_matmul_p, fold_batch_axis, problem_of
 
 # The epilogs whose every output is a sum over K of local terms: a psum of local results is exact.
 _LINEAR_IN_K = (Epilog.DEFAULT, Epilog.BGRADA, Epilog.BGRADB)
@@ -84,7 +84,7 @@ def _op(call: _Call):
     def _vmap_rule(axis_size, in_batched, *operands):
         names = ("a", "b", *call.epilog.input_names)
         batch = operands[0].shape[1] if in_batched[0] else operands[0].shape[0]
-        folded = [_fold(x, 0 if mapped else None, name, axis_size, batch)
+        folded = [fold_batch_axis(x, 0 if mapped else None, name, axis_size, batch)
                   for x, mapped, name in zip(operands, in_batched, names)]
         outs = partitioned_kernel(call.params, *folded)
         outs = tuple(o.reshape(axis_size, o.shape[0] // axis_size, *o.shape[1:]) for o in outs)
@@ -202,38 +202,13 @@ def _local_kernel(call: _Call, lay: _Layout, a, b, *inputs):
     if lay.k and epilog not in _LINEAR_IN_K:
         product = epilog_matmul_p.bind(a, b, **{**kw, "epilog": int(Epilog.DEFAULT)})[0]
         summed = jax.lax.psum(product.astype(jnp.float32), lay.k)
-        outputs = _epilog_of_sum(epilog, summed, a.dtype, *inputs)
+        outputs = reference.apply_epilog(summed, *inputs, epilog=epilog, dtype=a.dtype)
     else:
         outputs = [_psum_float32(o, lay.k) if lay.k else o
                    for o in epilog_matmul_p.bind(a, b, *inputs, **kw)]
     if lay.m and epilog in _SUM_OVER_M:
         outputs[-1] = _psum_float32(outputs[-1], lay.m)
     return tuple(outputs)
-
-
-def _epilog_of_sum(epilog: Epilog, p, dtype, *inputs) -> list:
-    """The kernel's outputs for epilog `epilog` given the finished float32 product `p`."""
-    named = dict(zip(epilog.input_names, inputs))
-    n = p.shape[-1]
-    z = p + named["bias"].astype(jnp.float32)[:, None, :] if epilog.has_bias else p
-    if epilog.activation == "relu":
-        y = reference.relu(z)
-    elif epilog.activation == "gelu":
-        y = reference.gelu(z)
-    elif epilog.aux_input == "relu_aux":
-        y = jnp.where(reference.unpack_relu_mask(named["relu_aux"], n), p, 0.0)
-    elif epilog.aux_input == "gelu_aux":
-        y = p * reference.gelu_derivative(named["gelu_aux"][..., :n].astype(jnp.float32))
-    else:
-        y = z
-    outputs = [y.astype(dtype)]
-    if epilog.aux_output == "relu_aux":
-        outputs.append(reference.pack_relu_mask(z > 0))
-    elif epilog.aux_output == "gelu_aux":
-        outputs.append(jnp.pad(z.astype(dtype), [(0, 0), (0, 0), (0, gelu_aux_columns(n) - n)]))
-    if epilog in _SUM_OVER_M:
-        outputs.append(jnp.sum(y, axis=1).astype(dtype))
-    return outputs
 
 
 # --- the Shardy rule: how shardings propagate through the call ---------------------------------

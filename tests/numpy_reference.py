@@ -55,9 +55,10 @@ def matmul(a, b, *, epilog="DEFAULT", bias=None, relu_aux=None, gelu_aux=None,
     if name in ("DEFAULT", "BIAS"):
         y = z
     elif name in ("RELU", "RELU_BIAS", "RELU_AUX", "RELU_AUX_BIAS"):
-        y = np.where(z > 0, z, 0.0)
+        # As cuBLASLt does it (measured): NaN passes through, the bit means "not negative".
+        y = np.where((z > 0) | np.isnan(z), z, 0.0)
         if "AUX" in name:
-            aux["relu_aux"] = pack_bits(z > 0)
+            aux["relu_aux"] = pack_bits(~(z < 0))
     elif name in ("GELU", "GELU_BIAS", "GELU_AUX", "GELU_AUX_BIAS"):
         y = gelu(z)
         if "AUX" in name:

@@ -274,7 +274,7 @@ def test_k0_product_is_exactly_zero(epilog):
             np.testing.assert_array_equal(aux[name], 0)
     if "relu_aux" in aux:
         bits = np.unpackbits(np.asarray(aux["relu_aux"]), axis=-1, bitorder="little")[:, :9]
-        np.testing.assert_array_equal(bits, z > 0)
+        np.testing.assert_array_equal(bits, ~(z < 0))  # set unless negative
 
 
 # --- K = 1 for the backward epilogs ---------------------------------------------------------

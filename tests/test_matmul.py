@@ -70,7 +70,7 @@ def test_under_jit(epilog):
 def test_mask_bit_layout_by_hand():
     """Bit j % 8 of byte j // 8, least significant first, rows padded to 128 bits."""
     a = jnp.eye(3, dtype=jnp.float32)
-    b = jnp.zeros((3, 10), jnp.float32).at[0, 0].set(1.0).at[1, 9].set(2.0).at[2, 3].set(-1.0)
+    b = jnp.full((3, 10), -1.0, jnp.float32).at[0, 0].set(1.0).at[1, 9].set(2.0)
     b = b.at[2, 8].set(5.0)
     y, aux = jax_epilog.matmul(a, b, epilog="relu_aux")
     mask = np.asarray(aux["relu_aux"])
@@ -80,6 +80,8 @@ def test_mask_bit_layout_by_hand():
     assert mask[1, 0] == 0 and mask[1, 1] & low == 0b10
     assert mask[2, 0] == 0 and mask[2, 1] & low == 0b1
     np.testing.assert_array_equal(np.asarray(y), np.maximum(np.asarray(b), 0))
+    zero = jax_epilog.matmul(a, jnp.zeros((3, 10), jnp.float32), epilog="relu_aux")[1]
+    assert (np.asarray(zero["relu_aux"])[:, 0] == 0xFF).all()  # the bit means "z is not < 0"
 
 
 def test_bias_runs_along_n():
