@@ -42,7 +42,7 @@ def make_problem(rng, epilog: Epilog, *, m, n, k, lead=(), b_batched=False, bias
     return jnp.asarray(a, dtype), jnp.asarray(b, dtype), cast
 
 
-def numpy_expected(epilog: Epilog, a, b, inputs, *, transpose_a, transpose_b):
+def numpy_expected(epilog: Epilog, a, b, inputs, *, transpose_a=False, transpose_b=False):
     """The float64 model's outputs for (possibly low-precision) operands."""
     as64 = {name: np.asarray(jnp.asarray(x, jnp.float32)) if x.dtype != np.uint8 else np.asarray(x)
             for name, x in inputs.items()}
@@ -60,7 +60,7 @@ def relative_error(got, want) -> float:
     return float(np.max(np.abs(got - want)) / max(1.0, float(np.max(np.abs(want)))))
 
 
-def pre_activation(epilog: Epilog, a, b, inputs, *, transpose_a, transpose_b):
+def pre_activation(epilog: Epilog, a, b, inputs, *, transpose_a=False, transpose_b=False):
     """Z in float64, to tell which mask bits are decided beyond rounding."""
     no_act = Epilog.BIAS if epilog.has_bias else Epilog.DEFAULT
     z, _ = numpy_expected(no_act, a, b, {k: v for k, v in inputs.items() if k == "bias"},
