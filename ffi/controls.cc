@@ -37,3 +37,8 @@ JAX_EPILOG_EXPORT void jax_epilog_clear_plan_cache(void) {
 JAX_EPILOG_EXPORT void jax_epilog_inject_failures(int count) {
   jax_epilog::injected_failures.store(count > 0 ? count : 0);
 }
+
+// How many executions so far were recorded into a CUDA graph (an XLA command buffer).
+JAX_EPILOG_EXPORT int64_t jax_epilog_captured_executions(void) {
+  return jax_epilog::captured_executions.load(std::memory_order_relaxed);
+}

@@ -5,7 +5,10 @@
 #ifndef JAX_EPILOG_FFI_FAULT_INJECTION_H_
 #define JAX_EPILOG_FFI_FAULT_INJECTION_H_
 
+#include <cuda_runtime_api.h>
+
 #include <atomic>
+#include <cstdint>
 
 namespace jax_epilog {
 
@@ -20,6 +23,18 @@ inline bool TakeInjectedFailure() {
                                                 std::memory_order_relaxed))
       return true;
   return false;
+}
+
+// How many executions were recorded into a CUDA graph (an XLA command buffer) rather than
+// run eagerly: lets a test prove the handler really runs inside command buffers.
+inline std::atomic<int64_t> captured_executions{0};
+
+// cudaStreamIsCapturing is the one stream query that is legal during capture.
+inline void CountIfCaptured(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+      status == cudaStreamCaptureStatusActive)
+    captured_executions.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace jax_epilog

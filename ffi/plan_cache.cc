@@ -478,6 +478,7 @@ ffi::Error RunPlan(Plan& plan, const CallBuffers& buffers, cudaStream_t stream) 
   JAX_EPILOG_RETURN_IF_ERROR(scoped.Enter(plan.device));
   std::lock_guard<std::mutex> lock(plan.mutex);
   JAX_EPILOG_RETURN_IF_ERROR(SetCallPointers(plan, buffers));
+  CountIfCaptured(stream);
   const cublasStatus_t status = TakeInjectedFailure() ? CUBLAS_STATUS_EXECUTION_FAILED
                                                       : Enqueue(plan, buffers, plan.algo, stream);
   JAX_EPILOG_CUBLAS(status, "enqueueing cublasLtMatmul for " + plan.description);

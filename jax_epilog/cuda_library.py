@@ -45,6 +45,7 @@ _CONTROLS = (
     ("jax_epilog_plan_cache_size", ctypes.c_int, []),
     ("jax_epilog_clear_plan_cache", None, []),
     ("jax_epilog_inject_failures", None, [ctypes.c_int]),
+    ("jax_epilog_captured_executions", ctypes.c_int64, []),
 )
 
 
@@ -162,6 +163,13 @@ def clear_plan_cache() -> None:
     lib = library()
     if lib.handle is not None:
         lib.handle.jax_epilog_clear_plan_cache()
+
+
+def captured_executions() -> Optional[int]:
+    """How many kernel executions were recorded into CUDA graphs (XLA command buffers) in this
+    process, or None without the library."""
+    lib = library()
+    return int(lib.handle.jax_epilog_captured_executions()) if lib.handle is not None else None
 
 
 def inject_failures(count: int) -> None:
