@@ -397,7 +397,9 @@ def test_matmul_gradient_of_forward_epilogs(epilog):
 
     grads = jax.jit(jax.grad(loss(jax_epilog.matmul), (0, 1, 2)))(a, b, inputs)
     expected = jax.grad(loss(jax_epilog.reference_matmul), (0, 1, 2))(a, b, inputs)
-    assert_trees_close(grads, expected, rtol=1e-5, atol=1e-5)
+    # cuBLASLt's GELU epilogs evaluate tanh their own way: ~1e-5 apart in float32 (H200).
+    tol = 1e-4 if epilog.activation == "gelu" else 1e-5
+    assert_trees_close(grads, expected, rtol=tol, atol=tol)
 
 
 def test_matmul_gradient_with_transposes_and_batched_b():
