@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The whole GPU round, on a machine with a CUDA GPU and no network (the project's H200):
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
-# Usage: scripts/gpu_round.sh [STAGE...]   stages: build tests suite fuzz bench (default: all)
-# Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last.
+# Usage: scripts/gpu_round.sh [STAGE...]
+#   stages: build tests suite fuzz demo bench autotune probe (default: build tests fuzz demo bench)
+# Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
+# everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files).
+# Carry .whl (nvmath-python and its needs) so the nvmath comparisons run too.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$ROOT/benchmarks/results/gpu_round}"
 PY="${PYTHON:-python3}"
-STAGES="${*:-build tests fuzz bench}"
+STAGES="${*:-build tests fuzz demo bench}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
@@ -50,11 +53,23 @@ print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c
         (cd /tmp && "$PY" "$ROOT/tests/gpu_fuzz.py" 2>&1) > "$OUT/gpu_fuzz.log"
         note "gpu fuzz: rc=$? ($((SECONDS - start)) s): $(tail -n 3 "$OUT/gpu_fuzz.log" | tr '\n' ' ')"
       fi ;;
+    demo)
+      (cd /tmp && "$PY" -m jax_epilog 2>&1) > "$OUT/demo.log"
+      note "demo: rc=$? ($((SECONDS - start)) s)"
+      tail -n 12 "$OUT/demo.log" ;;
     bench)
       (cd "$ROOT" && PYTHON="$PY" bash benchmarks/run_all.sh "$OUT/bench" 2>&1) > "$OUT/bench.log"
       note "benchmarks: rc=$? ($((SECONDS - start)) s)"
       tail -n 40 "$OUT/bench.log" ;;
+    autotune)
+      (cd "$ROOT" && "$PY" benchmarks/autotune_bench.py --out "$OUT/bench" 2>&1) > "$OUT/autotune.log"
+      note "autotune benchmark: rc=$? ($((SECONDS - start)) s)"
+      tail -n 20 "$OUT/autotune.log" ;;
+    probe)
+      (cd /tmp && "$PY" "$ROOT/scripts/probe_special_values.py" 2>&1) | tee "$OUT/probe.log"
+      note "special-value probe: see probe.log" ;;
     *) note "unknown stage $stage" ;;
   esac
 done
+tar -C "$(dirname "$OUT")" -czf "/tmp/gpu_round.tgz" "$(basename "$OUT")" && mv /tmp/gpu_round.tgz "$OUT/"
 echo "==== summary"; cat "$SUMMARY"
