@@ -42,7 +42,7 @@ print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c
       (cd /tmp && "$PY" -m pytest "$ROOT/tests" -q -ra -m gpu -p no:cacheprovider \
         --junitxml="$OUT/gpu_tests.xml" 2>&1) > "$OUT/gpu_tests.log"
       note "gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/gpu_tests.log")"
-      grep -E "fallback:|FAILED|Error" "$OUT/gpu_tests.log" | head -40 ;;
+      grep -E "has no kernel|FAILED|Error" "$OUT/gpu_tests.log" | head -40 ;;
     suite)
       # The whole suite with the GPU as default device: the CPU tests then run the kernel too.
       (cd /tmp && "$PY" -m pytest "$ROOT/tests" -q -ra -p no:cacheprovider 2>&1) > "$OUT/suite.log"

@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_epilog import Epilog, gelu_aux_columns, relu_mask_bytes
-import numpy_reference
-from problems import TOLERANCE
+from problems import TOLERANCE, model_mismatches
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -74,40 +73,11 @@ class Problem:
                   precision=precision)
 
     def mismatches(self, got, a, b, inputs) -> list[str]:
-        """How `got` = y or (y, aux) differs from the float64 NumPy model (empty: it matches).
-
-        Values: max|diff| / max(1, max|ref|) within the tolerance, per output (columns of
-        gelu_aux past N are unspecified). Mask bits, the N meaningful ones: equal wherever the
-        pre-activation is not within rounding of 0.
-        """
-        as64 = {k: v if k == "relu_aux" else np.asarray(v, np.float64) for k, v in inputs.items()}
-        kw = dict(transpose_a=self.transpose_a, transpose_b=self.transpose_b)
-        a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        want_y, want_aux = numpy_reference.matmul(a64, b64, epilog=self.epilog.name, **as64, **kw)
-        got_y, got_aux = got if isinstance(got, tuple) else (got, {})
-        if set(got_aux) != set(want_aux):
-            return [f"aux keys {sorted(got_aux)}, expected {sorted(want_aux)}"]
-        found = []
-        for name, g, w in [("y", got_y, want_y), *((k, got_aux[k], want_aux[k]) for k in want_aux)]:
-            g = np.asarray(g)
-            if g.shape != w.shape:
-                found.append(f"{name}: shape {g.shape}, expected {w.shape}")
-            elif name == "relu_aux":
-                z, _ = numpy_reference.matmul(a64, b64, epilog="BIAS", bias=as64.get("bias", np.zeros(self.n)),
-                                              **kw)
-                decided = np.abs(z) > self.tolerance * max(1.0, np.abs(z).max(initial=0))
-                wrong = (numpy_reference.unpack_bits(g, self.n)
-                         != numpy_reference.unpack_bits(w, self.n)) & decided
-                if wrong.any():
-                    found.append(f"relu_aux: {int(wrong.sum())} mask bits differ away from z = 0")
-            else:
-                if name == "gelu_aux":
-                    g, w = g[..., :self.n], w[..., :self.n]
-                err = np.abs(g.astype(np.float64) - w).max(initial=0) / max(1.0, np.abs(w).max(
-                    initial=0))
-                if not err <= self.tolerance:  # `not <=`: NaN fails too
-                    found.append(f"{name}: relative error {err:.3g} > {self.tolerance:g}")
-        return found
+        """How `got` = y or (y, aux) differs from the float64 NumPy model (empty: it matches),
+        within this problem's tolerance, the bias-gradient sums and the mask margin included."""
+        return model_mismatches(self.epilog, got, a, b, inputs, tol=self.tolerance, n=self.n,
+                                transpose_a=self.transpose_a, transpose_b=self.transpose_b,
+                                mask_margin=self.tolerance)
 
 
 def draw_problem(rng: np.random.Generator, max_size: int = 40) -> Problem:

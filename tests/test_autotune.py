@@ -18,7 +18,7 @@ import pytest
 
 import jax_epilog
 from jax_epilog import Epilog, config, cuda_library
-from problems import TOLERANCE, assert_outputs_match, make_problem, numpy_expected, pre_activation
+from problems import TOLERANCE, assert_matches_model, make_problem
 import test_matmul_gpu
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -136,9 +136,8 @@ def _gpu_problem(case, seed):
     assert cuda_library.TARGET_NAME in f.lower(*args).as_text(), f"{epilog.name} fell back"
 
     def check(got):
-        want = numpy_expected(epilog, a, b, inputs, **kw)
-        z = pre_activation(epilog, a, b, inputs, **kw)
-        assert_outputs_match(epilog, jax.device_get(got), want, z, tol=TOLERANCE[tol_key], n=n)
+        assert_matches_model(epilog, jax.device_get(got), a, b, inputs, tol=TOLERANCE[tol_key],
+                             n=n, **kw)
 
     return f, args, check
 

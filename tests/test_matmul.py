@@ -14,8 +14,7 @@ import pytest
 import jax_epilog
 from jax_epilog import Epilog
 from numpy_reference import unpack_bits
-from problems import (TOLERANCE, assert_outputs_match, make_problem, numpy_expected,
-                      pre_activation)
+from problems import TOLERANCE, assert_matches_model, make_problem
 
 # Every size of {1, 7, 127, 128, 129, 300} appears as M, as N and as K.
 SIZES = [(1, 7, 127), (7, 127, 128), (127, 128, 129), (128, 129, 300), (129, 300, 1),
@@ -37,10 +36,8 @@ def check(epilog, *, m, n, k, lead=(), b_batched=False, bias_batched=False, tran
     fn = fn or jax_epilog.matmul
     got = fn(a, b, epilog=epilog, epilog_inputs=inputs or None, transpose_a=transpose_a,
              transpose_b=transpose_b, precision=jax.lax.Precision.HIGHEST)
-    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b)
-    want = numpy_expected(epilog, a, b, inputs, **kw)
-    z = pre_activation(epilog, a, b, inputs, **kw)
-    assert_outputs_match(epilog, got, want, z, tol=TOLERANCE["float32"], n=n)
+    assert_matches_model(epilog, got, a, b, inputs, tol=TOLERANCE["float32"], n=n,
+                         transpose_a=transpose_a, transpose_b=transpose_b)
 
 
 @pytest.mark.parametrize("epilog", list(Epilog), ids=lambda e: e.name)
@@ -229,6 +226,4 @@ def test_low_precision_on_cpu(dtype):
         a, b, inputs = make_problem(rng, epilog, m=31, n=130, k=64, dtype=dtype)
         got = jax_epilog.matmul(a, b, epilog=epilog, epilog_inputs=inputs)
         assert got[0].dtype == jnp.dtype(dtype)
-        want = numpy_expected(epilog, a, b, inputs, transpose_a=False, transpose_b=False)
-        z = pre_activation(epilog, a, b, inputs, transpose_a=False, transpose_b=False)
-        assert_outputs_match(epilog, got, want, z, tol=TOLERANCE[dtype], n=130)
+        assert_matches_model(epilog, got, a, b, inputs, tol=TOLERANCE[dtype], n=130)

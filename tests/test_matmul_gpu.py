@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +18,7 @@ import pytest
 import jax_epilog
 import numpy_reference
 from jax_epilog import Epilog, cuda_library
-from problems import (TOLERANCE, assert_outputs_match, make_problem, numpy_expected,
-                      pre_activation)
+from problems import TOLERANCE, assert_matches_model, make_problem, pre_activation
 
 pytestmark = pytest.mark.gpu
 
@@ -49,9 +49,6 @@ def _run_on_gpu(epilog, a, b, inputs, **kw):
     return f(*args), "jax_epilog_matmul" in hlo
 
 
-FALLBACKS = []
-
-
 # Every epilog x dtype x transpose pair on the first shape; the other shapes with one
 # transpose pair each (so every shape meets every transpose flag once).
 TRANSPOSES = list(itertools.product([False, True], repeat=2))
@@ -71,18 +68,12 @@ def test_kernel_matches_float64_model(epilog, dtype_name, transpose_a, transpose
                                 transpose_a=transpose_a, transpose_b=transpose_b, dtype=dtype)
     kw = dict(transpose_a=transpose_a, transpose_b=transpose_b)
     got, used_kernel = _run_on_gpu(epilog, a, b, inputs, precision=precision, **kw)
-    if not used_kernel:
-        FALLBACKS.append((epilog.name, dtype_name, transpose_a, transpose_b, shape))
-    want = numpy_expected(epilog, a, b, inputs, **kw)
-    z = pre_activation(epilog, a, b, inputs, **kw)
-    assert_outputs_match(epilog, jax.device_get(got), want, z, tol=TOLERANCE[tol_key], n=n)
-
-
-def test_report_fallbacks():
-    """Lists (does not fail on) the combinations cuBLASLt had no kernel for."""
-    print(f"\n{len(FALLBACKS)} combinations ran the reference fallback:")
-    for case in FALLBACKS:
-        print("  fallback:", case)
+    if not used_kernel:  # correct either way (checked below); listed in pytest's warnings
+        warnings.warn(f"cuBLASLt has no kernel for {epilog.name} {dtype_name} "
+                      f"transpose_a={transpose_a} transpose_b={transpose_b} {shape[:3]}: "
+                      "the reference ran", RuntimeWarning)
+    assert_matches_model(epilog, jax.device_get(got), a, b, inputs, tol=TOLERANCE[tol_key], n=n,
+                         **kw)
 
 
 @pytest.mark.parametrize("epilog,kw", [

@@ -10,7 +10,6 @@ value; the gpu test checks the GPU gives the same on the same inputs, for every 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
