@@ -59,7 +59,15 @@ def layer_loop(layer: Callable, layers: int, unroll: int) -> Callable:
     return loop
 
 
-def run(grid: dict, rows: list[str], dtypes: list[str], layers: int) -> dict[str, Any]:
+def command_buffer_summary(compiled_text: str) -> dict[str, int]:
+    """How XLA scheduled the loop: command-buffer computations and where the GEMMs sit."""
+    return {"command_buffers": compiled_text.count("command_buffer"),
+            "while_loops": compiled_text.count(" while("),
+            "custom_calls": compiled_text.count("custom_call_target")}
+
+
+def run(grid: dict, rows: list[str], dtypes: list[str], layers: int,
+        dump_hlo: Path | None = None) -> dict[str, Any]:
     selected = [(row, dtype) for row in rows for dtype in dtypes]
     records = []
     runs = len(selected) * len(UNROLLS) * len(LAYER_FUNCTIONS)
@@ -75,6 +83,11 @@ def run(grid: dict, rows: list[str], dtypes: list[str], layers: int) -> dict[str
                     jitted = jax.jit(layer_loop(layer, layers, unroll))
                     t = timing.time_calls(jitted, [args], rounds=ROUNDS, round_seconds=0.05)
                     record["results"][name] = {**t.as_dict(), "us_per_layer": t.microseconds / layers}
+                    if dump_hlo is not None:  # the optimized HLO: is the loop a command buffer?
+                        text = jitted.lower(*args).compile().as_text()
+                        dump_hlo.mkdir(parents=True, exist_ok=True)
+                        (dump_hlo / f"{row}_{dtype}_unroll{unroll}_{name}.txt").write_text(text)
+                        record["results"][name]["hlo"] = command_buffer_summary(text)
                     if name == "jax_epilog":
                         record["results"][name]["lowering"] = (
                             "custom call" if timing.uses_custom_call(jitted, *args)
@@ -130,12 +143,14 @@ def main(argv=None) -> None:
     parser.add_argument("--dtypes", default="bf16", help="comma-separated from bf16, fp16, fp32")
     parser.add_argument("--layers", type=int, default=None,
                         help=f"layers per loop (default {LAYERS}; smoke {SMOKE_LAYERS})")
+    parser.add_argument("--dump-hlo", type=Path, default=None,
+                        help="write each loop's optimized HLO to this folder")
     args = parser.parse_args(argv)
     grid = SMOKE_GRID if args.smoke else {row: forward_bench.GRID[row] for row in ROWS}
     rows = forward_bench.choose(args.rows, grid, "rows")
     dtypes = forward_bench.choose(args.dtypes, forward_bench.DTYPES, "dtypes")
     layers = args.layers or (SMOKE_LAYERS if args.smoke else LAYERS)
-    report = run(grid, rows, dtypes, layers)
+    report = run(grid, rows, dtypes, layers, args.dump_hlo)
     forward_bench.write_report(report, args.out, "overhead", markdown, plot.plot_overhead)
 
 

@@ -143,7 +143,7 @@ def run_metadata() -> dict[str, Any]:
     """Where and with what a benchmark ran: written next to every result."""
     import jaxlib
 
-    from jax_epilog import cuda_library
+    from jax_epilog import config, cuda_library
 
     device = jax.devices()[0]
     active = device.platform == "gpu" and cuda_library.available()
@@ -161,6 +161,7 @@ def run_metadata() -> dict[str, Any]:
         "numpy": np.__version__,
         "cublaslt_version": cuda_library.cublaslt_version(),
         "custom_call_active": active,
+        "autotune": config.autotune_enabled(),
         "custom_call_unavailable_reason": None if active else (
             cuda_library.unavailable_reason() or f"platform is {device.platform}, not CUDA"),
     }

@@ -253,16 +253,25 @@ ffi::Error NoThrow(Body body) {
   }
 }
 
+// Both stages start alike: decode and check the call, then find (or build) its plan.
+ffi::Error PlanCall(int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                    ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t epilog,
+                    bool transpose_a, bool transpose_b, bool allow_tf32, Call* call,
+                    Plan** plan) {
+  JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, a, b, args, rets, epilog, transpose_a,
+                                    transpose_b, allow_tf32, call));
+  return GetPlan(call->problem, plan);
+}
+
 ffi::Error MatmulInitialize(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a,
                             ffi::AnyBuffer b, ffi::RemainingArgs args, ffi::RemainingRets rets,
                             int32_t epilog, bool transpose_a, bool transpose_b,
                             bool allow_tf32) {
   return NoThrow([&] {
     Call call;
-    JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, a, b, args, rets, epilog,
-                                      transpose_a, transpose_b, allow_tf32, &call));
     Plan* plan = nullptr;
-    JAX_EPILOG_RETURN_IF_ERROR(GetPlan(call.problem, &plan));
+    JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, a, b, args, rets, epilog, transpose_a,
+                                        transpose_b, allow_tf32, &call, &plan));
     if (!AutotuneEnabled()) return ffi::Error::Success();
     return TunePlan(*plan, call.buffers, stream);
   });
@@ -273,10 +282,9 @@ ffi::Error MatmulExecute(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer
                          int32_t epilog, bool transpose_a, bool transpose_b, bool allow_tf32) {
   return NoThrow([&] {
     Call call;
-    JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, a, b, args, rets, epilog,
-                                      transpose_a, transpose_b, allow_tf32, &call));
     Plan* plan = nullptr;
-    JAX_EPILOG_RETURN_IF_ERROR(GetPlan(call.problem, &plan));
+    JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, a, b, args, rets, epilog, transpose_a,
+                                        transpose_b, allow_tf32, &call, &plan));
     return RunPlan(*plan, call.buffers, stream);
   });
 }

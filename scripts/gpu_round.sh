@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The whole GPU round, on a machine with a CUDA GPU and no network (the project's H200):
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
-# Usage: scripts/gpu_round.sh [STAGE...]
-#   stages: build tests suite fuzz demo bench autotune probe (default: build tests fuzz demo bench)
+# Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
+#   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu probe
+#   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files).
+# DEADLINE: stop every stage that would run past this many seconds from the start (20 s are
+# kept to pack the results), so a command with a time limit still returns its tarball.
 # Carry .whl (nvmath-python and its needs) so the nvmath comparisons run too.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -16,6 +19,18 @@ mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
+DEADLINE="${DEADLINE:-0}"
+# Run a command within what is left of DEADLINE (SIGINT first, so pytest and
+# compute-sanitizer still print their summaries).
+# `runs --cap N cmd...` also stops it after N seconds.
+runs() {
+  local cap=0
+  if [ "$1" = "--cap" ]; then cap="$2"; shift 2; fi
+  local left=$((DEADLINE > 0 ? DEADLINE - SECONDS - 20 : 86400))
+  if [ "$cap" -gt 0 ] && [ "$cap" -lt "$left" ]; then left="$cap"; fi
+  if [ "$left" -lt 10 ]; then echo "not run: DEADLINE reached"; return 124; fi
+  timeout -s INT -k 15 "$left" "$@"
+}
 
 # Wheels carried to a machine without network (nvmath-python and what it needs), if any.
 if compgen -G "$ROOT/.whl/*.whl" >/dev/null; then
@@ -39,34 +54,77 @@ print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c
       note "build: rc=$rc ($((SECONDS - start)) s); $(tail -n 1 "$OUT/build.log")" ;;
     tests)
       # From /tmp so the installed package (with its library) is imported, not the sources.
-      (cd /tmp && "$PY" -m pytest "$ROOT/tests" -q -ra -m gpu -p no:cacheprovider \
+      # PYTEST_WORKERS=N: N pytest-xdist processes share the GPU(s), each with a slice of memory.
+      workers=(); if [ "${PYTEST_WORKERS:-0}" -gt 0 ]; then workers=(-n "$PYTEST_WORKERS"); fi
+      (cd /tmp && XLA_PYTHON_CLIENT_MEM_FRACTION="${PYTEST_MEM_FRACTION:-0.75}" \
+        runs "$PY" -m pytest "$ROOT/tests" -q -ra -m gpu -p no:cacheprovider "${workers[@]}" \
         --junitxml="$OUT/gpu_tests.xml" 2>&1) > "$OUT/gpu_tests.log"
       note "gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/gpu_tests.log")"
       grep -E "has no kernel|FAILED|Error" "$OUT/gpu_tests.log" | head -40 ;;
     suite)
       # The whole suite with the GPU as default device: the CPU tests then run the kernel too.
-      (cd /tmp && "$PY" -m pytest "$ROOT/tests" -q -ra -p no:cacheprovider 2>&1) > "$OUT/suite.log"
+      (cd /tmp && runs "$PY" -m pytest "$ROOT/tests" -q -ra -p no:cacheprovider 2>&1) > "$OUT/suite.log"
       note "whole suite on GPU: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/suite.log")"
       grep -E "FAILED" "$OUT/suite.log" | head -40 ;;
     fuzz)
       if [ -f "$ROOT/tests/gpu_fuzz.py" ]; then
-        (cd /tmp && "$PY" "$ROOT/tests/gpu_fuzz.py" 2>&1) > "$OUT/gpu_fuzz.log"
+        (cd /tmp && runs "$PY" "$ROOT/tests/gpu_fuzz.py" 2>&1) > "$OUT/gpu_fuzz.log"
         note "gpu fuzz: rc=$? ($((SECONDS - start)) s): $(tail -n 3 "$OUT/gpu_fuzz.log" | tr '\n' ' ')"
       fi ;;
     demo)
-      (cd /tmp && "$PY" -m jax_epilog 2>&1) > "$OUT/demo.log"
+      (cd /tmp && runs "$PY" -m jax_epilog 2>&1) > "$OUT/demo.log"
       note "demo: rc=$? ($((SECONDS - start)) s)"
       tail -n 12 "$OUT/demo.log" ;;
     bench)
-      (cd "$ROOT" && PYTHON="$PY" bash benchmarks/run_all.sh "$OUT/bench" 2>&1) > "$OUT/bench.log"
+      (cd "$ROOT" && PYTHON="$PY" runs bash benchmarks/run_all.sh "$OUT/bench" 2>&1) > "$OUT/bench.log"
       note "benchmarks: rc=$? ($((SECONDS - start)) s)"
       tail -n 40 "$OUT/bench.log" ;;
     autotune)
-      (cd "$ROOT" && "$PY" benchmarks/autotune_bench.py --out "$OUT/bench" 2>&1) > "$OUT/autotune.log"
+      (cd "$ROOT" && runs "$PY" benchmarks/autotune_bench.py --out "$OUT/bench" 2>&1) > "$OUT/autotune.log"
       note "autotune benchmark: rc=$? ($((SECONDS - start)) s)"
       tail -n 20 "$OUT/autotune.log" ;;
+    sanitize)
+      # compute-sanitizer over the kernel-vs-model tests: every epilog, bf16, odd shapes,
+      # transposes and batches. The platform allocator gives each buffer its own cudaMalloc,
+      # so an access past a buffer is seen (inside XLA's pooled arena it would not be).
+      for spec in "memcheck:bfloat16" "racecheck:bfloat16 and False-False and 127" \
+                  "synccheck:bfloat16 and False-False and 127" "initcheck:bfloat16 and False-False and 127"; do
+        tool="${spec%%:*}"; select="${spec#*:}"; start=$SECONDS
+        (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+          XLA_FLAGS="--xla_gpu_autotune_level=0" runs --cap "${SANITIZE_CAP:-240}" compute-sanitizer --tool "$tool" \
+          --print-limit 30 "$PY" -m pytest "$ROOT/tests/test_matmul_gpu.py" -q -p no:cacheprovider \
+          -k "test_kernel_matches_float64_model and $select" 2>&1) > "$OUT/sanitize_$tool.log"
+        note "compute-sanitizer $tool [$select]: rc=$? ($((SECONDS - start)) s): $(grep -E "passed|failed" "$OUT/sanitize_$tool.log" | tail -n 1); $(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/sanitize_$tool.log" | tail -n 1)"
+      done ;;
+    forward)
+      # From benchmarks/ (not the root) so the installed package, with its library, is imported.
+      # The forward grid (FORWARD_ARGS, e.g. "--rows G1,G2,G3 --dtypes fp16,fp32"; default all);
+      # JAX_EPILOG_AUTOTUNE comes from the caller's environment.
+      (cd "$ROOT/benchmarks" && XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 \
+        runs "$PY" forward_bench.py --budget "${FORWARD_BUDGET:-300}" ${FORWARD_ARGS:-} \
+        --out "$OUT/forward" 2>&1) > "$OUT/forward.log"
+      note "forward benchmark: rc=$? ($((SECONDS - start)) s), autotune=${JAX_EPILOG_AUTOTUNE:-default}"
+      grep -A40 "^| row" "$OUT/forward/forward.md" | head -60 ;;
+    overhead)
+      # G6/G7 per-layer cost with XLA's defaults (optimized HLO kept: are the loops command
+      # buffers?) and with command buffers off, for every variant alike.
+      (cd "$ROOT/benchmarks" && runs "$PY" overhead_bench.py \
+        --out "$OUT/bench" --dump-hlo "$OUT/overhead_hlo" 2>&1) > "$OUT/overhead.log"
+      note "overhead (defaults): rc=$? ($((SECONDS - start)) s)"
+      (cd "$ROOT/benchmarks" && \
+        XLA_FLAGS="--xla_gpu_enable_command_buffer=" runs "$PY" overhead_bench.py \
+        --out "$OUT/overhead_no_command_buffers" 2>&1) >> "$OUT/overhead.log"
+      note "overhead (command buffers off): rc=$? ($((SECONDS - start)) s)"
+      cat "$OUT/bench/overhead.md" "$OUT/overhead_no_command_buffers/overhead.md" 2>/dev/null
+      for f in "$OUT"/overhead_hlo/*.txt; do
+        echo "$(basename "$f"): command_buffer $(grep -c command_buffer "$f"), custom calls $(grep -c custom_call_target "$f")"; done ;;
+    multigpu)
+      (cd "$ROOT/benchmarks" && runs "$PY" multi_gpu_bench.py \
+        --out "$OUT/bench" 2>&1) > "$OUT/multigpu.log"
+      note "multi-GPU benchmark: rc=$? ($((SECONDS - start)) s)"
+      tail -n 25 "$OUT/multigpu.log" ;;
     probe)
-      (cd /tmp && "$PY" "$ROOT/scripts/probe_special_values.py" 2>&1) | tee "$OUT/probe.log"
+      (cd /tmp && runs "$PY" "$ROOT/scripts/probe_special_values.py" 2>&1) | tee "$OUT/probe.log"
       note "special-value probe: see probe.log" ;;
     *) note "unknown stage $stage" ;;
   esac
