@@ -14,6 +14,7 @@ Layouts (x @ W + b with x (M, K), W (K, N)):
 """
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_epilog
-from jax_epilog import Epilog
+from jax_epilog import Epilog, cuda_library
 
 DEVICES = jax.devices()
 if len(DEVICES) < 2:
@@ -63,9 +64,16 @@ def _compiled_text(f, shardings, *args):
     return jax.jit(f, in_shardings=shardings).lower(*args).compile().as_text()
 
 
+# test_sharding.py sets this on GPUs: the sharded program must run the kernel there, so a
+# library that failed to load (the reference would run instead) fails the checks.
+EXPECT_KERNEL = os.environ.get("JAX_EPILOG_EXPECT_KERNEL") == "1"
+
+
 def _assert_no_gather(f, shardings, *args):
     text = _compiled_text(f, shardings, *args)
     assert "all-gather" not in text, [l for l in text.splitlines() if "all-gather" in l][:3]
+    if EXPECT_KERNEL:
+        assert cuda_library.TARGET_NAME in text, cuda_library.unavailable_reason()
 
 
 def _assert_close(got, want):

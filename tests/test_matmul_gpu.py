@@ -177,14 +177,16 @@ def test_relu_aux_bias_matches_nvmath(dtype, m, n, k):
                            epilog_inputs={"bias": to_cupy(inputs["bias"])})
     np.testing.assert_allclose(cupy.asnumpy(yt).T.astype(np.float32),
                                np.asarray(y, np.float32), rtol=1e-2, atol=1e-2)
+    # nvmath's mask of yᵀ (n x m) has the logical shape (bytes per column, m): column j holds
+    # row j of our y. cupy.asnumpy returns it C-ordered, so go by its shape, not its strides.
+    nb = jax_epilog.relu_mask_bytes(n)
     nv_mask = cupy.asnumpy(nv_aux["relu_aux"])
-    raw = np.ascontiguousarray(nv_mask.T if nv_mask.flags.f_contiguous and nv_mask.ndim == 2
-                               else nv_mask).reshape(-1)
-    ours = np.asarray(aux["relu_aux"]).reshape(-1)
-    assert raw.size == ours.size, (nv_mask.shape, np.asarray(aux["relu_aux"]).shape)
+    assert nv_mask.shape == (nb, m), nv_mask.shape
+    ours = np.asarray(aux["relu_aux"])
+    assert ours.shape == (m, nb), ours.shape
     z = pre_activation(Epilog.RELU_AUX_BIAS, a, b, inputs, transpose_a=False, transpose_b=False)
     decided = np.abs(z) > 1e-2
-    nb = jax_epilog.relu_mask_bytes(n)
-    theirs_bits = numpy_reference.unpack_bits(raw.reshape(m, nb), n)
-    ours_bits = numpy_reference.unpack_bits(ours.reshape(m, nb), n)
+    theirs_bits = numpy_reference.unpack_bits(np.ascontiguousarray(nv_mask.T), n)
+    ours_bits = numpy_reference.unpack_bits(ours, n)
+    assert np.count_nonzero(ours_bits != (z >= 0) & decided) == 0
     assert np.count_nonzero((theirs_bits != ours_bits) & decided) == 0
