@@ -1,7 +1,9 @@
 #include "autotune.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -10,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "algo_store.h"
@@ -28,6 +31,15 @@ constexpr int kLaunchesPerRound = 3;
 // Another candidate replaces the heuristic's first only when clearly faster than
 // timing noise (about 1% between rounds).
 constexpr float kMinGain = 0.02f;
+
+// A candidate must compute what the heuristic's choice computes: its outputs (the whole
+// bias gradient, the first kCheckBytes of y and of a GELU pre-activation) are read back and
+// compared with the heuristic's, and one that differs by more than rounding is dropped.
+// Seen on the H200: a candidate whose BGRADA bias gradient was wrong (fp16, M=300 N=1
+// K=129). The ReLU mask is not compared: its bits may rightly differ where the
+// pre-activation is within rounding of 0.
+constexpr size_t kCheckBytes = size_t{1} << 20;
+constexpr float kCheckTolerance = 0.05f;  // of the largest magnitude in the heuristic's sample
 
 std::atomic<int> autotune_setting{-1};  // -1: not decided yet
 
@@ -100,6 +112,75 @@ CallBuffers Redirect(const Problem& p, const CallBuffers& call, uintptr_t base, 
   scratch.workspace_bytes = p.workspace_bytes;
   *bytes = used;
   return scratch;
+}
+
+float ToFloat(DType dtype, const uint8_t* at) {
+  if (dtype == DType::kF32) {
+    float value;
+    std::memcpy(&value, at, sizeof(value));
+    return value;
+  }
+  uint16_t half;
+  std::memcpy(&half, at, sizeof(half));
+  if (dtype == DType::kBF16) {
+    const uint32_t bits = uint32_t{half} << 16;
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  }
+  const int exponent = (half >> 10) & 0x1f;
+  const uint32_t mantissa = half & 0x3ff;
+  float value;
+  if (exponent == 0)
+    value = std::ldexp(static_cast<float>(mantissa), -24);
+  else if (exponent == 31)
+    value = mantissa ? std::numeric_limits<float>::quiet_NaN()
+                     : std::numeric_limits<float>::infinity();
+  else
+    value = std::ldexp(static_cast<float>(mantissa | 0x400), exponent - 25);
+  return (half & 0x8000) ? -value : value;
+}
+
+// One candidate's checked outputs, as floats, one vector per output.
+using Sample = std::vector<std::vector<float>>;
+
+ffi::Error SampleOutputs(const Problem& p, const CallBuffers& buffers, cudaStream_t stream,
+                         Sample* sample) {
+  EpilogIo io;
+  DescribeEpilog(p.epilog, p.m, p.n, &io);
+  const size_t elem = ElementBytes(p.dtype);
+  auto capped = [&](int64_t elements) {
+    return std::min(static_cast<size_t>(elements) * elem, kCheckBytes);
+  };
+  std::vector<std::pair<const void*, size_t>> parts = {{buffers.y, capped(p.batch * p.m * p.n)}};
+  if (io.gelu_aux_out) parts.emplace_back(buffers.aux, capped(p.batch * p.m * GeluAuxLd(p.n)));
+  if (io.bgrad_len > 0)
+    parts.emplace_back(buffers.bias, static_cast<size_t>(p.batch * io.bgrad_len) * elem);
+  std::vector<std::vector<uint8_t>> host(parts.size());
+  const std::string what = "reading a candidate's outputs back, to autotune";
+  for (size_t i = 0; i < parts.size(); ++i) {
+    host[i].resize(parts[i].second);
+    JAX_EPILOG_CUDA(cudaMemcpyAsync(host[i].data(), parts[i].first, parts[i].second,
+                                    cudaMemcpyDeviceToHost, stream), what);
+  }
+  JAX_EPILOG_CUDA(cudaStreamSynchronize(stream), what);
+  sample->assign(parts.size(), {});
+  for (size_t i = 0; i < parts.size(); ++i)
+    for (size_t at = 0; at + elem <= host[i].size(); at += elem)
+      (*sample)[i].push_back(ToFloat(p.dtype, host[i].data() + at));
+  return ffi::Error::Success();
+}
+
+// Whether every value of `got` is within kCheckTolerance of `reference` (NaN never is).
+bool Agrees(const Sample& reference, const Sample& got) {
+  for (size_t part = 0; part < reference.size(); ++part) {
+    float scale = 0.0f;
+    for (float value : reference[part]) scale = std::max(scale, std::fabs(value));
+    const float allowed = kCheckTolerance * scale;
+    for (size_t i = 0; i < reference[part].size(); ++i)
+      if (!(std::fabs(got[part][i] - reference[part][i]) <= allowed)) return false;
+  }
+  return true;
 }
 
 // Stream-ordered scratch memory, freed on the stream (at the latest when it goes out
@@ -248,8 +329,18 @@ ffi::Error TunePlan(Plan& plan, const CallBuffers& call, cudaStream_t stream) {
 
   const size_t count = candidates.size();
   std::vector<bool> ok(count);
-  for (size_t i = 0; i < count; ++i)  // warm-up, and out go those cuBLASLt rejects
+  Sample reference;  // the heuristic's outputs
+  for (size_t i = 0; i < count; ++i) {  // warm-up; out go those rejected or computing otherwise
     ok[i] = Enqueue(plan, buffers, candidates[i], stream) == CUBLAS_STATUS_SUCCESS;
+    if (!ok[i]) continue;
+    Sample sample;
+    JAX_EPILOG_RETURN_IF_ERROR(SampleOutputs(plan.problem, buffers, stream, &sample));
+    if (i == 0)
+      reference = std::move(sample);
+    else
+      ok[i] = Agrees(reference, sample);
+  }
+  if (!ok[0]) return ffi::Error::Success();  // nothing to check the others against
   Events events;
   JAX_EPILOG_RETURN_IF_ERROR(events.Create(2 * kRounds * count));
   const std::string what = "timing candidates to autotune " + plan.description;

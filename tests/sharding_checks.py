@@ -49,6 +49,9 @@ LAYOUTS = {
 M, K, N = 64, 96, 1024
 HIGHEST = jax.lax.Precision.HIGHEST
 TOL = dict(rtol=2e-5, atol=2e-4)
+# cuBLASLt's gelu' (its own tanh) differs from XLA's by up to ~4e-5 absolute (H200), times a
+# product of magnitude up to ~30 here.
+GELU_GRAD_TOL = dict(rtol=2e-5, atol=2e-3) if DEVICES[0].platform == "gpu" else TOL
 
 
 def _shardings(layout):
@@ -76,9 +79,9 @@ def _assert_no_gather(f, shardings, *args):
         assert cuda_library.TARGET_NAME in text, cuda_library.unavailable_reason()
 
 
-def _assert_close(got, want):
+def _assert_close(got, want, tol=TOL):
     jax.tree.map(lambda g, w: np.testing.assert_allclose(np.asarray(g, np.float64),
-                                                         np.asarray(w, np.float64), **TOL),
+                                                         np.asarray(w, np.float64), **tol),
                  got, want)
 
 
@@ -159,7 +162,8 @@ def test_backward_epilog(layout, epilog):
     f = functools.partial(_backward_call, epilog)
     want = jax_epilog.reference_matmul(dz, w, transpose_b=True, epilog=epilog, precision=HIGHEST,
                                        epilog_inputs={Epilog[epilog.upper()].aux_input: residual})
-    _assert_close(jax.jit(f, in_shardings=shardings)(dz, w, residual), want)
+    _assert_close(jax.jit(f, in_shardings=shardings)(dz, w, residual), want,
+                  GELU_GRAD_TOL if "dgelu" in epilog else TOL)
     _assert_no_gather(f, shardings, dz, w, residual)
 
 

@@ -188,5 +188,5 @@ def test_relu_aux_bias_matches_nvmath(dtype, m, n, k):
     decided = np.abs(z) > 1e-2
     theirs_bits = numpy_reference.unpack_bits(np.ascontiguousarray(nv_mask.T), n)
     ours_bits = numpy_reference.unpack_bits(ours, n)
-    assert np.count_nonzero(ours_bits != (z >= 0) & decided) == 0
+    assert np.count_nonzero((ours_bits != (z >= 0)) & decided) == 0
     assert np.count_nonzero((theirs_bits != ours_bits) & decided) == 0
