@@ -7,7 +7,7 @@
   for (it says so when asked at lowering time) and processes with CUDA devices where the
   library could not be loaded get the reference lowering instead, with a warning in the
   second case. Lowering for CUDA without a CUDA device (`jax.export` from a CPU host) emits
-  the custom call.
+  the custom call. An unaligned K or N is zero-padded first (`padding.py`).
 
 A module exported with `jax.export` for CUDA contains the custom call, so it must be exported
 with `disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("jax_epilog_matmul")]`
@@ -25,7 +25,7 @@ import numpy as np
 from jax.core import ShapedArray
 from jax.interpreters import mlir
 
-from . import cuda_library, reference
+from . import cuda_library, padding, reference
 from .epilogs import Epilog
 from .primitive import epilog_matmul_p, problem_of
 
@@ -72,6 +72,11 @@ def _lower_cuda(ctx, *args, epilog, transpose_a, transpose_b, allow_tf32):
         # This process will run the module but cannot run the kernel: stay correct, say so.
         _warn_unavailable(cuda_library.unavailable_reason())
         return _lower_reference(ctx, *args, **params)
+    if padding.needed(ctx.avals_in, transpose_a, transpose_b):
+        # Lowered again with aligned K and N: the inner call takes the path below.
+        bind = functools.partial(epilog_matmul_p.bind, **params)
+        fn = padding.padded(bind, epilog, transpose_a, transpose_b)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
     # Without a CUDA device here we are exporting for one: emit the kernel regardless.
     if cuda_library.available() and not cuda_kernel_supports(ctx.avals_in, **params):
         return _lower_reference(ctx, *args, **params)
