@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from . import backward_strategy
+from . import backward_strategy, manual_axes
 from .epilogs import Epilog
 from .matmul import SUPPORTED_DTYPES, matmul
 from .reference import gelu_derivative, unpack_relu_mask
@@ -235,6 +235,10 @@ def _run(x, params, activations, *, precision, backward, dtype):
     x = cast(x)
     lead, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(math.prod(lead), k)  # one GEMM per layer over every leading index
+    axes = manual_axes.varying_axes([rows, *(p for pair in params for p in pair)])
+    rows = manual_axes.vary(rows, axes)  # inside shard_map (see manual_axes)
+    params = tuple((manual_axes.vary(kernel, axes), manual_axes.vary(bias, axes))
+                   for kernel, bias in params)
     y = _stack(Stack(layers, precision, backward), rows, params)
     return y.reshape(*lead, y.shape[-1])
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import lowering  # noqa: F401  (registers the lowerings)
+from . import manual_axes
 from .epilogs import Epilog, as_epilog, gelu_aux_columns, relu_mask_bytes
 from .reference import epilog_matmul as reference_kernel
 from .reference import gelu_derivative, unpack_relu_mask
@@ -220,7 +221,9 @@ def _run_kernel(config: KernelConfig, a, b, *inputs):
     params = config._asdict()
     if 0 in a.shape or 0 in b.shape:  # nothing for a GEMM to do: the exact answer in plain JAX
         return reference_kernel(a, b, *inputs, **params)
-    return partitioned_kernel(config, a, b, *inputs)  # the primitive, partitioned under SPMD
+    outputs = partitioned_kernel(config, a, b, *inputs)  # the primitive, partitioned under SPMD
+    axes = manual_axes.varying_axes((a, b, *inputs))  # which the primitive's type leaves out
+    return tuple(manual_axes.vary(o, axes) for o in outputs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -300,10 +303,12 @@ def matmul(a, b, *, epilog=Epilog.DEFAULT, epilog_inputs: Optional[Mapping[str, 
     themselves and raise a `TypeError` under `jax.grad`.
     """
     call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision)
+    axes = manual_axes.varying_axes((call.a, call.b, *call.inputs))  # inside shard_map
+    operands = [manual_axes.vary(x, axes) for x in (call.a, call.b, *call.inputs)]
     if Epilog(call.config.epilog).is_backward:
-        outputs = _run_kernel(call.config, call.a, call.b, *call.inputs)
+        outputs = _run_kernel(call.config, *operands)
     else:
-        outputs = _forward(call.config, call.a, call.b, *call.inputs)
+        outputs = _forward(call.config, *operands)
     return _finish(call, outputs)
 
 

@@ -289,36 +289,51 @@ def _shard_map(f, mesh, in_specs, out_specs, **kwargs):
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)
 
 
-def test_shard_map_matmul_and_dense():
-    """Data parallel by hand: each call runs on the local rows, gradients psum'd by the user.
+# Inside shard_map each call is compared with the same computation in plain JAX under the same
+# shard_map: with check_vma=True (the default) JAX itself sums the gradient of a replicated
+# input over the devices; with check_vma=False the user does (a psum here).
 
-    check_vma=False: the primitive's abstract evaluation does not yet mark its outputs as
-    varying over the manual axes, which the custom_vjp type checks of gradients need."""
+def _matmul_and_dense(matmul, dense, reduce_grads):
+    def local(x, w, bias):
+        y = matmul(x, w, bias, "gelu")
+        d = dense(x, w, bias)
+        loss = lambda w, bias: jnp.sum(matmul(x, w, bias, "relu") ** 2)
+        grads = jax.grad(loss, argnums=(0, 1))(w, bias)
+        grad_x = jax.grad(lambda x: jnp.sum(dense(x, w, bias) ** 2))(x)
+        return y, d, reduce_grads(grads), grad_x
+    return local
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_shard_map_matmul_and_dense(check_vma):
+    """Data parallel by hand: each call runs on the local rows."""
     mesh = MESHES["data"]
     rng = np.random.default_rng(8)
     x, w, bias = _normal(rng, M, K), _normal(rng, K, N), _normal(rng, N)
-
-    def local(x, w, bias):
-        y = jax_epilog.matmul(x, w, epilog="gelu_bias", epilog_inputs={"bias": bias},
-                              precision=HIGHEST)
-        d = jax_epilog.dense(x, w, bias, activation="relu", precision=HIGHEST)
-        loss = lambda w, bias: jnp.sum(jax_epilog.matmul(
-            x, w, epilog="relu_bias", epilog_inputs={"bias": bias}, precision=HIGHEST) ** 2)
-        grads = jax.grad(loss, argnums=(0, 1))(w, bias)
-        return y, d, jax.lax.psum(grads, "data")
-
-    f = jax.jit(_shard_map(local, mesh, (P("data"), P(), P()), (P("data"), P("data"), P()),
-                           check_vma=False))
-    y, d, grads = f(x, w, bias)
+    reduce_grads = (lambda g: g) if check_vma else (lambda g: jax.lax.psum(g, "data"))
+    ours = _matmul_and_dense(
+        lambda x, w, b, act: jax_epilog.matmul(x, w, epilog=f"{act}_bias",
+                                               epilog_inputs={"bias": b}, precision=HIGHEST),
+        lambda x, w, b: jax_epilog.dense(x, w, b, activation="relu", precision=HIGHEST),
+        reduce_grads)
+    acts = {"gelu": functools.partial(jax.nn.gelu, approximate=True), "relu": jax.nn.relu}
+    plain = _matmul_and_dense(
+        lambda x, w, b, act: acts[act](jnp.dot(x, w, precision=HIGHEST) + b),
+        lambda x, w, b: jax.nn.relu(jnp.dot(x, w, precision=HIGHEST) + b),
+        reduce_grads)
+    specs = dict(mesh=mesh, in_specs=(P("data"), P(), P()),
+                 out_specs=(P("data"), P("data"), P(), P("data")), check_vma=check_vma)
+    got = jax.jit(_shard_map(ours, **specs))(x, w, bias)
+    _assert_close(got, jax.jit(_shard_map(plain, **specs))(x, w, bias))
+    # ... and both are the unsharded computation.
     z = jnp.dot(x, w, precision=HIGHEST) + bias
-    _assert_close(y, jax.nn.gelu(z, approximate=True))
-    _assert_close(d, jax.nn.relu(z))
-    plain = lambda w, bias: jnp.sum(jax.nn.relu(jnp.dot(x, w, precision=HIGHEST) + bias) ** 2)
-    _assert_close(grads, jax.grad(plain, argnums=(0, 1))(w, bias))
+    _assert_close(got[:2], (jax.nn.gelu(z, approximate=True), jax.nn.relu(z)))
+    whole = lambda w, bias: jnp.sum(jax.nn.relu(jnp.dot(x, w, precision=HIGHEST) + bias) ** 2)
+    _assert_close(got[2], jax.grad(whole, argnums=(0, 1))(w, bias))
 
 
-def test_shard_map_mlp_value_and_grad():
-    # check_vma=False: as in test_shard_map_matmul_and_dense.
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_shard_map_mlp_value_and_grad(check_vma):
     mesh = MESHES["data"]
     rng = np.random.default_rng(9)
     x, target = _normal(rng, M, K), _normal(rng, M, 256)
@@ -328,10 +343,11 @@ def test_shard_map_mlp_value_and_grad():
         loss = lambda layers: jnp.sum((jax_epilog.mlp(x, layers, precision=HIGHEST,
                                                       backward="fused") - target) ** 2)
         value, grads = jax.value_and_grad(loss)(layers)
-        return jax.lax.psum(value, "data"), jax.lax.psum(grads, "data")
+        # With check_vma, the gradients of the replicated layers arrive summed already.
+        return jax.lax.psum(value, "data"), grads if check_vma else jax.lax.psum(grads, "data")
 
     f = jax.jit(_shard_map(local, mesh, (P("data"), P(), P("data")), (P(), P()),
-                           check_vma=False))
+                           check_vma=check_vma))
     want = jax.value_and_grad(lambda l: jnp.sum((_plain_mlp(x, l) - target) ** 2))(layers)
     _assert_close(f(x, layers, target), want)
 
