@@ -20,7 +20,7 @@ from numpy_reference import unpack_bits
 from problems import make_problem
 
 
-def _normalised(a, b, inputs, epilog, transpose_a, transpose_b):
+def _normalised(a, b, inputs, epilog):
     """The primitive's rank-3 operands for a 2-D problem (batch 1, shared b and bias)."""
     bias = [jnp.asarray(inputs["bias"])[None]] if epilog.has_bias else []
     aux = [jnp.asarray(inputs[epilog.aux_input])[None]] if epilog.aux_input else []
@@ -35,10 +35,10 @@ def test_padded_call_gives_the_unpadded_results(epilog, transpose_a, transpose_b
     rng = np.random.default_rng(hash((epilog, transpose_a, transpose_b, dtype)) % 2**32)
     a, b, inputs = make_problem(rng, epilog, m=m, n=n, k=k, transpose_a=transpose_a,
                                 transpose_b=transpose_b, dtype=dtype)
-    args = _normalised(a, b, inputs, epilog, transpose_a, transpose_b)
+    args = _normalised(a, b, inputs, epilog)
     bind = functools.partial(epilog_matmul_p.bind, epilog=int(epilog), transpose_a=transpose_a,
                              transpose_b=transpose_b, allow_tf32=False)
-    assert padding.needed([x for x in args[:2]], transpose_a, transpose_b)
+    assert padding.needed(args[:2], transpose_a, transpose_b)
     want = jax.jit(bind)(*args)
     got = jax.jit(padding.padded(bind, epilog, transpose_a, transpose_b))(*args)
     assert [g.shape for g in got] == [w.shape for w in want]
