@@ -59,13 +59,6 @@ def layer_loop(layer: Callable, layers: int, unroll: int) -> Callable:
     return loop
 
 
-def command_buffer_summary(compiled_text: str) -> dict[str, int]:
-    """How XLA scheduled the loop: command-buffer computations and where the GEMMs sit."""
-    return {"command_buffers": compiled_text.count("command_buffer"),
-            "while_loops": compiled_text.count(" while("),
-            "custom_calls": compiled_text.count("custom_call_target")}
-
-
 def run(grid: dict, rows: list[str], dtypes: list[str], layers: int,
         dump_hlo: Path | None = None) -> dict[str, Any]:
     selected = [(row, dtype) for row in rows for dtype in dtypes]
@@ -83,11 +76,10 @@ def run(grid: dict, rows: list[str], dtypes: list[str], layers: int,
                     jitted = jax.jit(layer_loop(layer, layers, unroll))
                     t = timing.time_calls(jitted, [args], rounds=ROUNDS, round_seconds=0.05)
                     record["results"][name] = {**t.as_dict(), "us_per_layer": t.microseconds / layers}
-                    if dump_hlo is not None:  # the optimized HLO: is the loop a command buffer?
+                    if dump_hlo is not None:  # the optimized HLO, to read what XLA made of it
                         text = jitted.lower(*args).compile().as_text()
                         dump_hlo.mkdir(parents=True, exist_ok=True)
                         (dump_hlo / f"{row}_{dtype}_unroll{unroll}_{name}.txt").write_text(text)
-                        record["results"][name]["hlo"] = command_buffer_summary(text)
                     if name == "jax_epilog":
                         record["results"][name]["lowering"] = (
                             "custom call" if timing.uses_custom_call(jitted, *args)
