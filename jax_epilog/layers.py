@@ -186,9 +186,52 @@ _stack.defvjp(_stack_fwd, _stack_bwd)
 
 # --- the public layers: argument checks, dtypes, leading dims ------------------------------
 
+def _describe_callable(fn) -> str:
+    """`jax.nn.silu`, not `<function silu at 0x...>`, for error messages."""
+    if isinstance(fn, functools.partial):
+        arguments = [repr(a) for a in fn.args] + [f"{k}={v!r}" for k, v in fn.keywords.items()]
+        return f"functools.partial({_describe_callable(fn.func)}, {', '.join(arguments)})"
+    module = getattr(fn, "__module__", None) or ""
+    if module.startswith("jax._src.nn"):
+        module = "jax.nn"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return f"{module}.{name}" if module and name else repr(fn)
+
+
+def activation_name(activation, name: str = "activation") -> Optional[str]:
+    """The activation as the layers name it: None, "relu" or "gelu".
+
+    `jax.nn.relu` and `jax.nn.gelu` (whose default, `approximate=True`, is the tanh
+    approximation cuBLASLt's GELU epilogs compute) stand for "relu" and "gelu"; anything else
+    raises an error naming `name`, what is accepted and what came.
+    """
+    if activation is None or (isinstance(activation, str) and activation in ACTIVATIONS):
+        return activation
+    accepted = "None, 'relu' or 'gelu' (or jax.nn.relu / jax.nn.gelu)"
+    if isinstance(activation, str):
+        raise ValueError(f"{name}: expected {accepted}, got {activation!r}")
+    if activation is jax.nn.relu:
+        return "relu"
+    partial = isinstance(activation, functools.partial)
+    keywords = activation.keywords if partial else {}
+    if (activation.func if partial else activation) is jax.nn.gelu and not (
+            partial and activation.args) and set(keywords) <= {"approximate"}:
+        if keywords.get("approximate", True):
+            return "gelu"
+        raise ValueError(f"{name}: the exact GELU (jax.nn.gelu with approximate=False) is "
+                         "not what cuBLASLt's GELU epilogs compute; they use the tanh "
+                         "approximation: pass 'gelu' or jax.nn.gelu")
+    raise TypeError(f"{name}: expected {accepted}, got {_describe_callable(activation)}; "
+                    "cuBLASLt's epilogs fuse only ReLU and GELU (tanh approximation), so apply "
+                    "any other activation to the layer's output")
+
+
 def _check_activation(name: str, activation) -> Optional[str]:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{name}: expected None, 'relu' or 'gelu', got {activation!r}")
+    canonical = activation_name(activation, name)
+    if canonical != activation:  # jax.nn.relu / jax.nn.gelu: dense and mlp take the name
+        raise TypeError(f"{name}: pass the name {canonical!r} instead of "
+                        f"{_describe_callable(activation)} (jax_epilog.dense and jax_epilog.mlp "
+                        "take activations by name; the Flax modules accept either)")
     return activation
 
 
@@ -214,8 +257,9 @@ def _check_params(x, layers):
             raise TypeError(f"layers[{i}]: expected a (kernel, bias) pair, got {pair!r}")
         kernel, bias = pair
         if jnp.ndim(kernel) != 2 or jnp.shape(kernel)[0] != width:
-            raise ValueError(f"layers[{i}] kernel: expected shape ({width}, N), got "
-                             f"{jnp.shape(kernel)}")
+            source = "x has" if i == 0 else f"layers[{i - 1}] gives"
+            raise ValueError(f"layers[{i}] kernel: expected shape ({width}, N) ({source} "
+                             f"{width} features), got {jnp.shape(kernel)}")
         width = jnp.shape(kernel)[1]
         if bias is not None and jnp.shape(bias) != (width,):
             raise ValueError(f"layers[{i}] bias: expected shape ({width},) or None, got "
