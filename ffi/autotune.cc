@@ -94,8 +94,7 @@ ffi::Error StoreKey(const Problem& p, std::string* key) {
 // into scratch memory starting at `base`, each part 256-byte aligned; `bytes` gets
 // the total. Inputs stay the call's.
 CallBuffers Redirect(const Problem& p, const CallBuffers& call, uintptr_t base, size_t* bytes) {
-  EpilogIo io;
-  DescribeEpilog(p.epilog, p.m, p.n, &io);
+  const EpilogInfo& epilog = *FindEpilog(p.epilog);
   const int64_t elem = static_cast<int64_t>(ElementBytes(p.dtype));
   size_t used = 0;
   auto take = [&](int64_t size) {
@@ -105,9 +104,11 @@ CallBuffers Redirect(const Problem& p, const CallBuffers& call, uintptr_t base, 
   };
   CallBuffers scratch = call;
   scratch.y = take(p.batch * p.m * p.n * elem);
-  if (io.relu_aux_out) scratch.aux = take(p.batch * p.m * ReluAuxBytesPerRow(p.n));
-  if (io.gelu_aux_out) scratch.aux = take(p.batch * p.m * GeluAuxLd(p.n) * elem);
-  if (io.bgrad_len > 0) scratch.bias = take(p.batch * io.bgrad_len * elem);
+  if (epilog.aux_out != Aux::kNone)
+    scratch.aux = take(p.batch * p.m * AuxRow(epilog.aux_out, p.n) *
+                       static_cast<int64_t>(AuxElementBytes(epilog.aux_out, p.dtype)));
+  if (epilog.bias_grad != BiasGrad::kNone)
+    scratch.bias = take(p.batch * epilog.BiasGradLength(p.m, p.n) * elem);
   scratch.workspace = take(static_cast<int64_t>(p.workspace_bytes));
   scratch.workspace_bytes = p.workspace_bytes;
   *bytes = used;
@@ -146,16 +147,17 @@ using Sample = std::vector<std::vector<float>>;
 
 ffi::Error SampleOutputs(const Problem& p, const CallBuffers& buffers, cudaStream_t stream,
                          Sample* sample) {
-  EpilogIo io;
-  DescribeEpilog(p.epilog, p.m, p.n, &io);
+  const EpilogInfo& epilog = *FindEpilog(p.epilog);
   const size_t elem = ElementBytes(p.dtype);
   auto capped = [&](int64_t elements) {
     return std::min(static_cast<size_t>(elements) * elem, kCheckBytes);
   };
   std::vector<std::pair<const void*, size_t>> parts = {{buffers.y, capped(p.batch * p.m * p.n)}};
-  if (io.gelu_aux_out) parts.emplace_back(buffers.aux, capped(p.batch * p.m * GeluAuxLd(p.n)));
-  if (io.bgrad_len > 0)
-    parts.emplace_back(buffers.bias, static_cast<size_t>(p.batch * io.bgrad_len) * elem);
+  if (epilog.aux_out == Aux::kGelu)
+    parts.emplace_back(buffers.aux, capped(p.batch * p.m * AuxRow(Aux::kGelu, p.n)));
+  if (epilog.bias_grad != BiasGrad::kNone)
+    parts.emplace_back(buffers.bias,
+                       static_cast<size_t>(p.batch * epilog.BiasGradLength(p.m, p.n)) * elem);
   std::vector<std::vector<uint8_t>> host(parts.size());
   const std::string what = "reading a candidate's outputs back, to autotune";
   for (size_t i = 0; i < parts.size(); ++i) {

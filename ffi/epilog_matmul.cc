@@ -13,6 +13,7 @@
 #include <exception>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "autotune.h"
 #include "plan_cache.h"
@@ -67,7 +68,146 @@ ffi::Error CheckBuffer(const ffi::AnyBuffer& buffer, const char* name, ffi::Data
 struct Call {
   Problem problem;
   CallBuffers buffers;
+  const EpilogInfo* epilog = nullptr;
 };
+
+// What alignment sees of a (batch, ...) buffer with `elements` per batch: the bytes
+// between batches, 0 when there is one batch (or one shared across the batch).
+int64_t BatchStrideBytes(int64_t batch, int64_t elements, size_t element_bytes) {
+  return batch > 1 ? elements * static_cast<int64_t>(element_bytes) : 0;
+}
+
+std::string BoolName(bool value) { return value ? "true" : "false"; }
+
+// a and b: the element type, the shapes, and M, N, K and the batches they give.
+ffi::Error DecodeOperands(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, Problem* p) {
+  switch (a.element_type()) {
+    case ffi::DataType::F16:
+      p->dtype = DType::kF16;
+      break;
+    case ffi::DataType::BF16:
+      p->dtype = DType::kBF16;
+      break;
+    case ffi::DataType::F32:
+      p->dtype = DType::kF32;
+      break;
+    default:
+      return ffi::Error::InvalidArgument(
+          "jax_epilog_matmul: a must be float16, bfloat16 or float32, got " +
+          DataTypeName(a.element_type()));
+  }
+  const auto a_dims = a.dimensions();
+  const auto b_dims = b.dimensions();
+  if (a_dims.size() != 3 || b_dims.size() != 3)
+    return ffi::Error::InvalidArgument(
+        "jax_epilog_matmul: a and b must be rank 3 (batch, rows, cols), got a" +
+        ShapeString(a_dims) + " and b" + ShapeString(b_dims));
+  p->batch = a_dims[0];
+  p->m = p->transpose_a ? a_dims[2] : a_dims[1];
+  p->k = p->transpose_a ? a_dims[1] : a_dims[2];
+  p->batch_b = b_dims[0];
+  p->n = p->transpose_b ? b_dims[1] : b_dims[2];
+  const int64_t k_b = p->transpose_b ? b_dims[2] : b_dims[1];
+  if (b.element_type() != a.element_type())
+    return ffi::Error::InvalidArgument("jax_epilog_matmul: b must have a's dtype " +
+                                       DataTypeName(a.element_type()) + ", got " +
+                                       DataTypeName(b.element_type()));
+  if (k_b != p->k || (p->batch_b != p->batch && p->batch_b != 1))
+    return ffi::Error::InvalidArgument(
+        "jax_epilog_matmul: b" + ShapeString(b_dims) + " does not match a" +
+        ShapeString(a_dims) + " (transpose_a=" + BoolName(p->transpose_a) +
+        ", transpose_b=" + BoolName(p->transpose_b) +
+        "): K must agree and b's batch must be a's or 1");
+  return ffi::Error::Success();
+}
+
+// The aux matrix, input or output alike: (batch, M, AuxRow) of its own type.
+ffi::Error DecodeAux(const ffi::AnyBuffer& buffer, Aux aux, ffi::DataType y_dtype, Call* call) {
+  Problem& p = call->problem;
+  const int64_t row = AuxRow(aux, p.n);
+  const ffi::DataType dtype = aux == Aux::kRelu ? ffi::DataType::U8 : y_dtype;
+  JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(buffer, AuxName(aux), dtype, {p.batch, p.m, row}));
+  call->buffers.aux = buffer.untyped_data();
+  const size_t elem = AuxElementBytes(aux, p.dtype);
+  p.align_aux = AlignmentLog2(buffer.untyped_data(), BatchStrideBytes(p.batch, p.m * row, elem));
+  return ffi::Error::Success();
+}
+
+// The operand after a and b, when the epilog reads one: the bias or the aux input.
+ffi::Error DecodeInput(const ffi::RemainingArgs& args, ffi::DataType dtype, Call* call) {
+  const EpilogInfo& epilog = *call->epilog;
+  Problem& p = call->problem;
+  const size_t want = (epilog.bias_in || epilog.aux_in != Aux::kNone) ? 1 : 0;
+  if (args.size() != want)
+    return ffi::Error::InvalidArgument(
+        std::string("jax_epilog_matmul: epilog ") + epilog.name + " takes " +
+        std::to_string(2 + want) + " operands, got " + std::to_string(2 + args.size()));
+  if (want == 0) return ffi::Error::Success();
+  auto input = args.get<ffi::AnyBuffer>(0);
+  if (!input.has_value()) return input.error();
+  const ffi::AnyBuffer& buffer = input.value();
+  if (epilog.aux_in != Aux::kNone) return DecodeAux(buffer, epilog.aux_in, dtype, call);
+  // A bias is per batch when its leading dim is the batch, else shared (and then it
+  // must be (1, N), which CheckBuffer enforces).
+  const auto dims = buffer.dimensions();
+  p.batch_bias = dims.size() == 2 && dims[0] == p.batch ? p.batch : 1;
+  JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(buffer, "bias", dtype, {p.batch_bias, p.n}));
+  call->buffers.bias = buffer.untyped_data();
+  p.align_bias = AlignmentLog2(buffer.untyped_data(),
+                               BatchStrideBytes(p.batch_bias, p.n, ElementBytes(p.dtype)));
+  return ffi::Error::Success();
+}
+
+// cuBLASLt wants a 256-byte aligned workspace; an XLA buffer may be less aligned, so
+// the usable part starts at the next 256-byte boundary.
+ffi::Error DecodeWorkspace(const ffi::AnyBuffer& workspace, Call* call) {
+  if (workspace.element_type() != ffi::DataType::U8 || workspace.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument(
+        "jax_epilog_matmul: workspace must be uint8 of shape (bytes,), got " +
+        DataTypeName(workspace.element_type()) + ShapeString(workspace.dimensions()));
+  const uintptr_t start = reinterpret_cast<uintptr_t>(workspace.untyped_data());
+  const uintptr_t aligned = (start + 255) & ~uintptr_t{255};
+  const uint64_t size = static_cast<uint64_t>(workspace.dimensions()[0]);
+  const uint64_t skipped = aligned - start;
+  call->buffers.workspace = reinterpret_cast<void*>(aligned);
+  call->buffers.workspace_bytes = size > skipped ? size - skipped : 0;
+  call->problem.workspace_bytes = call->buffers.workspace_bytes;
+  return ffi::Error::Success();
+}
+
+// Results: y, the aux output, the bias gradient, the workspace (those that apply).
+ffi::Error DecodeResults(const ffi::RemainingRets& rets, ffi::DataType dtype, Call* call) {
+  const EpilogInfo& epilog = *call->epilog;
+  Problem& p = call->problem;
+  const bool aux_out = epilog.aux_out != Aux::kNone;
+  const int64_t bias_grad = epilog.BiasGradLength(p.m, p.n);
+  const size_t want = 2 + (aux_out ? 1 : 0) + (bias_grad > 0 ? 1 : 0);
+  if (rets.size() != want)
+    return ffi::Error::InvalidArgument(
+        std::string("jax_epilog_matmul: epilog ") + epilog.name + " has " +
+        std::to_string(want) + " results (y" + (aux_out ? ", aux" : "") +
+        (bias_grad > 0 ? ", bias gradient" : "") + ", workspace), got " +
+        std::to_string(rets.size()));
+  std::vector<ffi::AnyBuffer> results;
+  for (size_t i = 0; i < want; ++i) {
+    auto result = rets.get<ffi::AnyBuffer>(i);
+    if (!result.has_value()) return result.error();
+    results.push_back(*result.value());
+  }
+  const size_t elem = ElementBytes(p.dtype);
+  const ffi::AnyBuffer& y = results.front();
+  JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(y, "y", dtype, {p.batch, p.m, p.n}));
+  call->buffers.y = y.untyped_data();
+  p.align_y = AlignmentLog2(y.untyped_data(), BatchStrideBytes(p.batch, p.m * p.n, elem));
+  if (aux_out) JAX_EPILOG_RETURN_IF_ERROR(DecodeAux(results[1], epilog.aux_out, dtype, call));
+  if (bias_grad > 0) {
+    const ffi::AnyBuffer& grad = results[want - 2];
+    JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(grad, "bias gradient", dtype, {p.batch, bias_grad}));
+    call->buffers.bias = grad.untyped_data();
+    p.align_bias = AlignmentLog2(grad.untyped_data(), BatchStrideBytes(p.batch, bias_grad, elem));
+  }
+  return DecodeWorkspace(results.back(), call);
+}
 
 ffi::Error Decode(int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs args,
                   ffi::RemainingRets rets, int32_t epilog, bool transpose_a, bool transpose_b,
@@ -76,50 +216,10 @@ ffi::Error Decode(int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::R
   p.epilog = epilog;
   p.transpose_a = transpose_a;
   p.transpose_b = transpose_b;
-
-  const ffi::DataType dtype = a.element_type();
-  switch (dtype) {
-    case ffi::DataType::F16:
-      p.dtype = DType::kF16;
-      break;
-    case ffi::DataType::BF16:
-      p.dtype = DType::kBF16;
-      break;
-    case ffi::DataType::F32:
-      p.dtype = DType::kF32;
-      break;
-    default:
-      return ffi::Error::InvalidArgument(
-          "jax_epilog_matmul: a must be float16, bfloat16 or float32, got " +
-          DataTypeName(dtype));
-  }
+  JAX_EPILOG_RETURN_IF_ERROR(DecodeOperands(a, b, &p));
   p.allow_tf32 = allow_tf32 && p.dtype == DType::kF32;
-
-  const auto a_dims = a.dimensions();
-  const auto b_dims = b.dimensions();
-  if (a_dims.size() != 3 || b_dims.size() != 3)
-    return ffi::Error::InvalidArgument(
-        "jax_epilog_matmul: a and b must be rank 3 (batch, rows, cols), got a" +
-        ShapeString(a_dims) + " and b" + ShapeString(b_dims));
-  p.batch = a_dims[0];
-  p.m = transpose_a ? a_dims[2] : a_dims[1];
-  p.k = transpose_a ? a_dims[1] : a_dims[2];
-  p.batch_b = b_dims[0];
-  p.n = transpose_b ? b_dims[1] : b_dims[2];
-  const int64_t k_b = transpose_b ? b_dims[2] : b_dims[1];
-  if (b.element_type() != dtype)
-    return ffi::Error::InvalidArgument("jax_epilog_matmul: b must have a's dtype " +
-                                       DataTypeName(dtype) + ", got " +
-                                       DataTypeName(b.element_type()));
-  if (k_b != p.k || (p.batch_b != p.batch && p.batch_b != 1))
-    return ffi::Error::InvalidArgument(
-        "jax_epilog_matmul: b" + ShapeString(b_dims) + " does not match a" +
-        ShapeString(a_dims) + " (transpose_a=" + (transpose_a ? "true" : "false") +
-        ", transpose_b=" + (transpose_b ? "true" : "false") +
-        "): K must agree and b's batch must be a's or 1");
-
-  EpilogIo io;
-  if (!DescribeEpilog(epilog, p.m, p.n, &io))
+  call->epilog = FindEpilog(epilog);
+  if (call->epilog == nullptr)
     return ffi::Error::InvalidArgument("jax_epilog_matmul: unknown epilog " +
                                        std::to_string(epilog));
   if (p.batch == 0 || p.m == 0 || p.n == 0 || p.k == 0)
@@ -128,110 +228,14 @@ ffi::Error Decode(int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::R
         ", M=" + std::to_string(p.m) + ", N=" + std::to_string(p.n) + ", K=" +
         std::to_string(p.k) + "); these are handled in Python and must not reach the "
         "custom call");
+  JAX_EPILOG_RETURN_IF_ERROR(DecodeInput(args, a.element_type(), call));
+  JAX_EPILOG_RETURN_IF_ERROR(DecodeResults(rets, a.element_type(), call));
 
   const size_t elem = ElementBytes(p.dtype);
-  const int64_t batched = p.batch > 1;
-  const int64_t relu_row = ReluAuxBytesPerRow(p.n);
-  const int64_t gelu_row = GeluAuxLd(p.n);
-
-  // Operands after a and b: at most one, the epilog's input.
-  const size_t want_args = (io.bias_in || io.relu_aux_in || io.gelu_aux_in) ? 1 : 0;
-  if (args.size() != want_args)
-    return ffi::Error::InvalidArgument(
-        std::string("jax_epilog_matmul: epilog ") + EpilogName(epilog) + " takes " +
-        std::to_string(2 + want_args) + " operands, got " + std::to_string(2 + args.size()));
-  if (want_args) {
-    auto input = args.get<ffi::AnyBuffer>(0);
-    if (!input.has_value()) return input.error();
-    const ffi::AnyBuffer& buffer = input.value();
-    if (io.bias_in) {
-      const auto dims = buffer.dimensions();
-      // A bias is per batch when its leading dim is the batch, else shared (and then
-      // it must be (1, N), which CheckBuffer enforces).
-      p.batch_bias = dims.size() == 2 && dims[0] == p.batch ? p.batch : 1;
-      JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(buffer, "bias", dtype, {p.batch_bias, p.n}));
-      call->buffers.bias = buffer.untyped_data();
-      p.align_bias = AlignmentLog2(buffer.untyped_data(),
-                                   p.batch_bias > 1 ? p.n * static_cast<int64_t>(elem) : 0);
-    } else if (io.relu_aux_in) {
-      JAX_EPILOG_RETURN_IF_ERROR(
-          CheckBuffer(buffer, "relu_aux", ffi::DataType::U8, {p.batch, p.m, relu_row}));
-      call->buffers.aux = buffer.untyped_data();
-      p.align_aux = AlignmentLog2(buffer.untyped_data(), batched * p.m * relu_row);
-    } else {
-      JAX_EPILOG_RETURN_IF_ERROR(
-          CheckBuffer(buffer, "gelu_aux", dtype, {p.batch, p.m, gelu_row}));
-      call->buffers.aux = buffer.untyped_data();
-      p.align_aux = AlignmentLog2(buffer.untyped_data(),
-                                  batched * p.m * gelu_row * static_cast<int64_t>(elem));
-    }
-  }
-
-  // Results: y, the aux output, the bias gradient, the workspace (those that apply).
-  const bool aux_out = io.relu_aux_out || io.gelu_aux_out;
-  const size_t want_rets = 2 + (aux_out ? 1 : 0) + (io.bgrad_len > 0 ? 1 : 0);
-  if (rets.size() != want_rets)
-    return ffi::Error::InvalidArgument(
-        std::string("jax_epilog_matmul: epilog ") + EpilogName(epilog) + " has " +
-        std::to_string(want_rets) + " results (y" + (aux_out ? ", aux" : "") +
-        (io.bgrad_len > 0 ? ", bias gradient" : "") + ", workspace), got " +
-        std::to_string(rets.size()));
-  size_t next = 0;
-  auto result = [&](ffi::AnyBuffer* out) -> ffi::Error {
-    auto r = rets.get<ffi::AnyBuffer>(next++);
-    if (!r.has_value()) return r.error();
-    *out = *r.value();
-    return ffi::Error::Success();
-  };
-  ffi::AnyBuffer y = a;  // reassigned below; AnyBuffer has no empty state
-  JAX_EPILOG_RETURN_IF_ERROR(result(&y));
-  JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(y, "y", dtype, {p.batch, p.m, p.n}));
-  call->buffers.y = y.untyped_data();
-  p.align_y = AlignmentLog2(y.untyped_data(), batched * p.m * p.n * static_cast<int64_t>(elem));
-  if (aux_out) {
-    ffi::AnyBuffer aux = a;
-    JAX_EPILOG_RETURN_IF_ERROR(result(&aux));
-    if (io.relu_aux_out) {
-      JAX_EPILOG_RETURN_IF_ERROR(
-          CheckBuffer(aux, "relu_aux", ffi::DataType::U8, {p.batch, p.m, relu_row}));
-      p.align_aux = AlignmentLog2(aux.untyped_data(), batched * p.m * relu_row);
-    } else {
-      JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(aux, "gelu_aux", dtype, {p.batch, p.m, gelu_row}));
-      p.align_aux = AlignmentLog2(aux.untyped_data(),
-                                  batched * p.m * gelu_row * static_cast<int64_t>(elem));
-    }
-    call->buffers.aux = aux.untyped_data();
-  }
-  if (io.bgrad_len > 0) {
-    ffi::AnyBuffer bgrad = a;
-    JAX_EPILOG_RETURN_IF_ERROR(result(&bgrad));
-    JAX_EPILOG_RETURN_IF_ERROR(
-        CheckBuffer(bgrad, "bias gradient", dtype, {p.batch, io.bgrad_len}));
-    call->buffers.bias = bgrad.untyped_data();
-    p.align_bias = AlignmentLog2(bgrad.untyped_data(),
-                                 batched * io.bgrad_len * static_cast<int64_t>(elem));
-  }
-  ffi::AnyBuffer workspace = a;
-  JAX_EPILOG_RETURN_IF_ERROR(result(&workspace));
-  if (workspace.element_type() != ffi::DataType::U8 || workspace.dimensions().size() != 1)
-    return ffi::Error::InvalidArgument(
-        "jax_epilog_matmul: workspace must be uint8 of shape (bytes,), got " +
-        DataTypeName(workspace.element_type()) + ShapeString(workspace.dimensions()));
-  // cuBLASLt wants a 256-byte aligned workspace; an XLA buffer may be less aligned,
-  // so the usable part starts at the next 256-byte boundary.
-  const uintptr_t start = reinterpret_cast<uintptr_t>(workspace.untyped_data());
-  const uintptr_t aligned = (start + 255) & ~uintptr_t{255};
-  const uint64_t size = static_cast<uint64_t>(workspace.dimensions()[0]);
-  const uint64_t skipped = aligned - start;
-  call->buffers.workspace = reinterpret_cast<void*>(aligned);
-  call->buffers.workspace_bytes = size > skipped ? size - skipped : 0;
-  p.workspace_bytes = call->buffers.workspace_bytes;
-
   call->buffers.a = a.untyped_data();
   call->buffers.b = b.untyped_data();
-  p.align_a = AlignmentLog2(a.untyped_data(), batched * p.m * p.k * static_cast<int64_t>(elem));
-  p.align_b = AlignmentLog2(
-      b.untyped_data(), (p.batch_b > 1) * p.n * p.k * static_cast<int64_t>(elem));
+  p.align_a = AlignmentLog2(a.untyped_data(), BatchStrideBytes(p.batch, p.m * p.k, elem));
+  p.align_b = AlignmentLog2(b.untyped_data(), BatchStrideBytes(p.batch_b, p.n * p.k, elem));
 
   // The plan is keyed by the CUDA device XLA made current for this call: XLA's device
   // ordinal can differ from it (e.g. with jax_cuda_visible_devices). cudaGetDevice only

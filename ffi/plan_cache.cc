@@ -5,7 +5,6 @@
 #include <mutex>
 #include <shared_mutex>
 #include <tuple>
-#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -14,19 +13,6 @@
 
 namespace jax_epilog {
 namespace {
-
-// cuBLASLt's epilogue for a public epilog. The operands are swapped (cuBLASLt's A is
-// our b), so our BGRADB, b summed over K, is cuBLASLt's BGRADA and vice versa.
-cublasLtEpilogue_t ToCublasLt(int32_t epilog) {
-  switch (epilog) {
-    case kBgradA:
-      return CUBLASLT_EPILOGUE_BGRADB;
-    case kBgradB:
-      return CUBLASLT_EPILOGUE_BGRADA;
-    default:
-      return static_cast<cublasLtEpilogue_t>(epilog);
-  }
-}
 
 const char* DTypeName(DType t) {
   switch (t) {
@@ -58,28 +44,23 @@ ffi::Error SetLayout(cublasLtMatrixLayout_t layout, cublasLtMatrixLayoutAttribut
 }
 
 // A column-major `rows x cols` layout with `batch` matrices `stride` elements apart.
-ffi::Error MakeLayout(cublasLtMatrixLayout_t* layout, cudaDataType_t type, int64_t rows,
-                      int64_t cols, int64_t ld, int64_t batch, int64_t stride,
-                      const char* name, const std::string& problem) {
-  JAX_EPILOG_CUBLAS(cublasLtMatrixLayoutCreate(layout, type, static_cast<uint64_t>(rows),
+ffi::Error MakeLayout(MatrixLayout* layout, cudaDataType_t type, int64_t rows, int64_t cols,
+                      int64_t ld, int64_t batch, int64_t stride, const char* name,
+                      const std::string& problem) {
+  cublasLtMatrixLayout_t created = nullptr;
+  JAX_EPILOG_CUBLAS(cublasLtMatrixLayoutCreate(&created, type, static_cast<uint64_t>(rows),
                                                static_cast<uint64_t>(cols), ld),
                     std::string("creating the layout of ") + name + " for " + problem);
+  layout->reset(created);
   const int32_t count = static_cast<int32_t>(batch);
-  JAX_EPILOG_RETURN_IF_ERROR(SetLayout(*layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, count,
+  JAX_EPILOG_RETURN_IF_ERROR(SetLayout(created, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, count,
                                        "CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT", problem));
-  return SetLayout(*layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, stride,
+  return SetLayout(created, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, stride,
                    "CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET", problem);
 }
 
-struct PreferenceDeleter {
-  void operator()(cublasLtMatmulPreference_t p) const { cublasLtMatmulPreferenceDestroy(p); }
-};
-using Preference =
-    std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>, PreferenceDeleter>;
-
 ffi::Error CheckProblem(const Problem& p) {
-  EpilogIo io;
-  if (!DescribeEpilog(p.epilog, p.m, p.n, &io))
+  if (FindEpilog(p.epilog) == nullptr)
     return ffi::Error::InvalidArgument("unknown epilog " + std::to_string(p.epilog));
   if (p.batch <= 0 || p.m <= 0 || p.n <= 0 || p.k <= 0)
     return ffi::Error::InvalidArgument(
@@ -121,8 +102,7 @@ ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
   plan->description = p.ToString();
   const std::string& problem = plan->description;
   const std::string where = " for " + problem;
-  EpilogIo io;
-  DescribeEpilog(p.epilog, p.m, p.n, &io);
+  const EpilogInfo& epilog = *FindEpilog(p.epilog);  // CheckProblem made sure
   plan->device = p.device;
   plan->handle = handle;
 
@@ -131,42 +111,43 @@ ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
                                                         : CUDA_R_32F;
   const cublasComputeType_t compute = p.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
                                                    : CUBLAS_COMPUTE_32F;
-  JAX_EPILOG_CUBLAS(cublasLtMatmulDescCreate(&plan->desc, compute, CUDA_R_32F),
+  cublasLtMatmulDesc_t desc = nullptr;
+  JAX_EPILOG_CUBLAS(cublasLtMatmulDescCreate(&desc, compute, CUDA_R_32F),
                     "creating the matmul descriptor" + where);
+  plan->desc.reset(desc);
 
   // Transposes are expressed only through the descriptor: nothing is ever copied.
   const int32_t op_a = p.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const int32_t op_b = p.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const uint32_t epilogue = ToCublasLt(p.epilog);
-  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a,
+  const uint32_t epilogue = epilog.cublaslt;
+  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a,
                                      "CUBLASLT_MATMUL_DESC_TRANSA", problem));
-  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b,
+  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b,
                                      "CUBLASLT_MATMUL_DESC_TRANSB", problem));
-  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue,
+  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue,
                                      "CUBLASLT_MATMUL_DESC_EPILOGUE", problem));
 
-  if (io.bias_in || io.bgrad_len > 0) {
+  const int64_t bias_grad = epilog.BiasGradLength(p.m, p.n);
+  if (epilog.bias_in || bias_grad > 0) {
     plan->sets_bias_pointer = true;
     // The bias runs along cuBLASLt's rows (our N); a shared bias has batch stride 0.
     // A bias gradient is one vector per batch.
-    const int64_t stride = io.bias_in ? (p.batch_bias > 1 ? p.n : 0) : io.bgrad_len;
-    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE,
-                                       stride, "CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE",
-                                       problem));
+    const int64_t stride = epilog.bias_in ? (p.batch_bias > 1 ? p.n : 0) : bias_grad;
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, stride,
+                                       "CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE", problem));
   }
-  const bool relu_aux = io.relu_aux_in || io.relu_aux_out;
-  if (relu_aux || io.gelu_aux_in || io.gelu_aux_out) {
+  if (const Aux aux = epilog.aux(); aux != Aux::kNone) {
     plan->sets_aux_pointer = true;
     // cuBLASLt requires the ReLU mask's leading dimension (in bits) to be a multiple
     // of 128 and the GELU input's (in elements) a multiple of 8, both at least its
     // row count (our N); the batch strides must be multiples of the same.
-    const int64_t ld = relu_aux ? 8 * ReluAuxBytesPerRow(p.n) : GeluAuxLd(p.n);
+    const int64_t ld = (aux == Aux::kRelu ? 8 : 1) * AuxRow(aux, p.n);
     const int64_t stride = ld * p.m;
-    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld,
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, ld,
                                        "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD", problem));
-    JAX_EPILOG_RETURN_IF_ERROR(
-        SetDesc(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE, stride,
-                "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE", problem));
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE,
+                                       stride, "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE",
+                                       problem));
   }
 
   // Row-major (rows, cols) is column-major cols x rows with ld = cols.
@@ -203,77 +184,6 @@ PlanCache& Cache() {
 }
 
 }  // namespace
-
-bool DescribeEpilog(int32_t epilog, int64_t m, int64_t n, EpilogIo* io) {
-  *io = EpilogIo();
-  switch (epilog) {
-    case kDefault:
-    case kRelu:
-    case kGelu:
-      return true;
-    case kBias:
-    case kReluBias:
-    case kGeluBias:
-      io->bias_in = true;
-      return true;
-    case kReluAux:
-      io->relu_aux_out = true;
-      return true;
-    case kReluAuxBias:
-      io->bias_in = io->relu_aux_out = true;
-      return true;
-    case kGeluAux:
-      io->gelu_aux_out = true;
-      return true;
-    case kGeluAuxBias:
-      io->bias_in = io->gelu_aux_out = true;
-      return true;
-    case kDRelu:
-      io->relu_aux_in = true;
-      return true;
-    case kDReluBgrad:
-      io->relu_aux_in = true;
-      io->bgrad_len = n;
-      return true;
-    case kDGelu:
-      io->gelu_aux_in = true;
-      return true;
-    case kDGeluBgrad:
-      io->gelu_aux_in = true;
-      io->bgrad_len = n;
-      return true;
-    case kBgradA:
-      io->bgrad_len = m;
-      return true;
-    case kBgradB:
-      io->bgrad_len = n;
-      return true;
-    default:
-      return false;
-  }
-}
-
-const char* EpilogName(int32_t epilog) {
-  switch (epilog) {
-    case kDefault: return "DEFAULT";
-    case kRelu: return "RELU";
-    case kReluAux: return "RELU_AUX";
-    case kBias: return "BIAS";
-    case kReluBias: return "RELU_BIAS";
-    case kReluAuxBias: return "RELU_AUX_BIAS";
-    case kDRelu: return "DRELU";
-    case kDReluBgrad: return "DRELU_BGRAD";
-    case kGelu: return "GELU";
-    case kGeluAux: return "GELU_AUX";
-    case kGeluBias: return "GELU_BIAS";
-    case kGeluAuxBias: return "GELU_AUX_BIAS";
-    case kDGelu: return "DGELU";
-    case kDGeluBgrad: return "DGELU_BGRAD";
-    case kBgradA: return "BGRADA";
-    case kBgradB: return "BGRADB";
-    default: return "UNKNOWN";
-  }
-}
 
 uint8_t AlignmentLog2(const void* ptr, int64_t batch_stride_bytes) {
   const uint64_t bits = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(ptr)) |
@@ -323,13 +233,6 @@ size_t ProblemHash::operator()(const Problem& p) const {
   return static_cast<size_t>(h);
 }
 
-Plan::~Plan() {
-  if (layout_cd) cublasLtMatrixLayoutDestroy(layout_cd);
-  if (layout_b) cublasLtMatrixLayoutDestroy(layout_b);
-  if (layout_a) cublasLtMatrixLayoutDestroy(layout_a);
-  if (desc) cublasLtMatmulDescDestroy(desc);
-}
-
 ScopedDevice::~ScopedDevice() {
   if (previous_ >= 0) cudaSetDevice(previous_);
 }
@@ -362,7 +265,7 @@ ffi::Error HeuristicCandidates(Plan& plan, int max_count,
   cublasLtMatmulPreference_t raw_preference = nullptr;
   JAX_EPILOG_CUBLAS(cublasLtMatmulPreferenceCreate(&raw_preference),
                     "creating the matmul preference" + where);
-  Preference preference(raw_preference);
+  MatmulPreference preference(raw_preference);
   const uint64_t workspace = p.workspace_bytes;
   JAX_EPILOG_CUBLAS(
       cublasLtMatmulPreferenceSetAttribute(preference.get(),
@@ -386,8 +289,9 @@ ffi::Error HeuristicCandidates(Plan& plan, int max_count,
   std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<size_t>(max_count));
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
-      plan.handle, plan.desc, plan.layout_a, plan.layout_b, plan.layout_cd, plan.layout_cd,
-      preference.get(), max_count, results.data(), &found);
+      plan.handle, plan.desc.get(), plan.layout_a.get(), plan.layout_b.get(),
+      plan.layout_cd.get(), plan.layout_cd.get(), preference.get(), max_count, results.data(),
+      &found);
   // The heuristic answers NOT_SUPPORTED or INVALID_VALUE for configurations the
   // library does not implement (e.g. BGRADA with op(A) = T, K = 1 with DRELU), so
   // both mean "unsupported" here; the problem itself was validated above.
@@ -407,22 +311,22 @@ ffi::Error HeuristicCandidates(Plan& plan, int max_count,
 bool AlgoFits(Plan& plan, const cublasLtMatmulAlgo_t& algo) {
   if (!SetStandInPointers(plan).success()) return false;
   cublasLtMatmulHeuristicResult_t result{};
-  return cublasLtMatmulAlgoCheck(plan.handle, plan.desc, plan.layout_a, plan.layout_b,
-                                 plan.layout_cd, plan.layout_cd, &algo,
-                                 &result) == CUBLAS_STATUS_SUCCESS &&
+  const cublasStatus_t status = cublasLtMatmulAlgoCheck(
+      plan.handle, plan.desc.get(), plan.layout_a.get(), plan.layout_b.get(),
+      plan.layout_cd.get(), plan.layout_cd.get(), &algo, &result);
+  return status == CUBLAS_STATUS_SUCCESS &&
          result.workspaceSize <= plan.problem.workspace_bytes;
 }
 
 ffi::Error SetCallPointers(Plan& plan, const CallBuffers& buffers) {
   if (plan.sets_bias_pointer)
-    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan.desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                        buffers.bias, "CUBLASLT_MATMUL_DESC_BIAS_POINTER",
                                        plan.description));
   if (plan.sets_aux_pointer)
-    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-                                       buffers.aux,
-                                       "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER",
-                                       plan.description));
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(
+        plan.desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, buffers.aux,
+        "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER", plan.description));
   return ffi::Error::Success();
 }
 
@@ -431,10 +335,10 @@ cublasStatus_t Enqueue(Plan& plan, const CallBuffers& buffers, const cublasLtMat
   const float alpha = 1.0f;
   const float beta = 0.0f;
   // beta = 0, so C is never read; it aliases D as cuBLASLt allows.
-  return cublasLtMatmul(plan.handle, plan.desc, &alpha, buffers.b, plan.layout_a, buffers.a,
-                        plan.layout_b, &beta, buffers.y, plan.layout_cd, buffers.y,
-                        plan.layout_cd, &algo, buffers.workspace, buffers.workspace_bytes,
-                        stream);
+  return cublasLtMatmul(plan.handle, plan.desc.get(), &alpha, buffers.b, plan.layout_a.get(),
+                        buffers.a, plan.layout_b.get(), &beta, buffers.y, plan.layout_cd.get(),
+                        buffers.y, plan.layout_cd.get(), &algo, buffers.workspace,
+                        buffers.workspace_bytes, stream);
 }
 
 ffi::Error GetPlan(const Problem& requested, Plan** plan) {
@@ -442,8 +346,7 @@ ffi::Error GetPlan(const Problem& requested, Plan** plan) {
   // 16-bit types, the bias batch for epilogs without a bias input.
   Problem problem = requested;
   problem.allow_tf32 = requested.allow_tf32 && requested.dtype == DType::kF32;
-  EpilogIo io;
-  if (DescribeEpilog(problem.epilog, problem.m, problem.n, &io) && !io.bias_in)
+  if (const EpilogInfo* epilog = FindEpilog(problem.epilog); epilog && !epilog->bias_in)
     problem.batch_bias = 1;
   PlanCache& cache = Cache();
   {

@@ -12,60 +12,16 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "epilogs.h"
 #include "status.h"
 
 namespace jax_epilog {
-
-// Element types, numbered as support_query's `dtype` argument.
-enum class DType : uint8_t { kF16 = 0, kBF16 = 1, kF32 = 2 };
-
-// The public epilog values (cuBLASLt's cublasLtEpilogue_t as seen from the
-// row-major API). They equal cuBLASLt's own except that BGRADA and BGRADB trade
-// places: see ToCublasLt.
-enum Epilog : int32_t {
-  kDefault = 1,
-  kRelu = 2,
-  kReluAux = 130,
-  kBias = 4,
-  kReluBias = 6,
-  kReluAuxBias = 134,
-  kDRelu = 136,
-  kDReluBgrad = 152,
-  kGelu = 32,
-  kGeluAux = 160,
-  kGeluBias = 36,
-  kGeluAuxBias = 164,
-  kDGelu = 192,
-  kDGeluBgrad = 208,
-  kBgradA = 256,
-  kBgradB = 512,
-};
-
-// What an epilog reads and writes besides a, b and y.
-struct EpilogIo {
-  bool bias_in = false;       // bias (batch_bias, N)
-  bool relu_aux_in = false;   // ReLU bit mask (batch, M, 16*ceil(N/128)) uint8
-  bool gelu_aux_in = false;   // GELU input (batch, M, 8*ceil(N/8)), y's dtype
-  bool relu_aux_out = false;  // as relu_aux_in
-  bool gelu_aux_out = false;  // as gelu_aux_in
-  // Bias gradient (batch, bgrad_len): N for DRELU_BGRAD, DGELU_BGRAD, BGRADB; M for
-  // BGRADA. 0 when the epilog has none.
-  int64_t bgrad_len = 0;
-};
-
-// False for a value that is not one of the 16 epilogs.
-bool DescribeEpilog(int32_t epilog, int64_t m, int64_t n, EpilogIo* io);
-const char* EpilogName(int32_t epilog);
-
-// Row length of the aux matrices, in elements of their own type.
-inline int64_t ReluAuxBytesPerRow(int64_t n) { return 16 * ((n + 127) / 128); }
-inline int64_t GeluAuxLd(int64_t n) { return 8 * ((n + 7) / 8); }
-
-inline size_t ElementBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 
 // log2 of the alignment cuBLASLt can rely on for a pointer whose batches start
 // `batch_stride_bytes` apart, capped at 256 bytes (cuBLASLt's largest requirement
@@ -76,7 +32,7 @@ uint8_t AlignmentLog2(const void* ptr, int64_t batch_stride_bytes);
 // heuristic picks algorithms for the alignment it is told.
 struct Problem {
   int device = 0;  // CUDA device ordinal
-  int32_t epilog = kDefault;
+  int32_t epilog = kDefaultEpilog;
   DType dtype = DType::kF32;
   bool transpose_a = false;
   bool transpose_b = false;
@@ -94,20 +50,31 @@ struct ProblemHash {
   size_t operator()(const Problem& p) const;
 };
 
+// Owners of cuBLASLt's opaque descriptors: each is destroyed with its own function.
+template <typename Handle, cublasStatus_t (*Destroy)(Handle)>
+struct CublasDestroy {
+  void operator()(Handle handle) const { Destroy(handle); }
+};
+template <typename Handle, cublasStatus_t (*Destroy)(Handle)>
+using CublasOwner = std::unique_ptr<std::remove_pointer_t<Handle>, CublasDestroy<Handle, Destroy>>;
+using MatmulDesc = CublasOwner<cublasLtMatmulDesc_t, cublasLtMatmulDescDestroy>;
+using MatrixLayout = CublasOwner<cublasLtMatrixLayout_t, cublasLtMatrixLayoutDestroy>;
+using MatmulPreference =
+    CublasOwner<cublasLtMatmulPreference_t, cublasLtMatmulPreferenceDestroy>;
+
 struct Plan {
   Plan() = default;
   Plan(const Plan&) = delete;
   Plan& operator=(const Plan&) = delete;
-  ~Plan();
 
   int device = 0;
-  cublasLtHandle_t handle = nullptr;
-  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtHandle_t handle = nullptr;  // per device, lives as long as the process
+  MatmulDesc desc;
   // cuBLASLt's A is our b and its B our a (row-major Y = A B is column-major
   // Y^T = B^T A^T). C and D share one layout: beta is 0 and C aliases D.
-  cublasLtMatrixLayout_t layout_a = nullptr;
-  cublasLtMatrixLayout_t layout_b = nullptr;
-  cublasLtMatrixLayout_t layout_cd = nullptr;
+  MatrixLayout layout_a;
+  MatrixLayout layout_b;
+  MatrixLayout layout_cd;
   cublasLtMatmulAlgo_t algo{};  // the heuristic's first, until autotuned
   // True once `algo` was chosen by timing candidates or taken from the on-disk cache
   // (autotune.h), so it is not tuned again. Guarded by `mutex`.
