@@ -1,0 +1,286 @@
+"""Which backend runs one `epilog_matmul` call with ``backend="auto"``: cuBLASLt or XLA.
+
+A fused cuBLASLt epilog is not automatically faster than XLA's own lowering of the same
+computation (its dot plus fused elementwise work, i.e. the primitive's reference lowering): XLA's
+bf16 GEMMs already run at the H200's ceiling and fuse bias+ReLU themselves, cuBLASLt's
+mask-reading epilogs are slower kernels on Hopper, and small calls pay the custom call's host
+cost. So the choice is made per problem from measurements, with "never slower than XLA" as the
+goal:
+
+- **Tables.** A table is a list of measured problems of one GPU model and cuBLASLt version:
+  (epilog, dtype, transposes, rows = batch·M, N, K), each candidate's seconds per call and the
+  choice. The user's table (``config.decisions_path()``, written by ``python -m
+  jax_epilog.tune``) is read first, then the table shipped for this GPU
+  (``jax_epilog/tables/<gpu slug>.json``, e.g. ``nvidia-h200.json``). Within a file the section
+  of this GPU with this cuBLASLt version is used, else this GPU's newest.
+- **Nearest measured problem.** Among the entries of the same epilog, dtype and transposes, the
+  nearest problem (the largest ratio between the two problems' rows, N or K) decides, if it is
+  within a factor of `NEAREST_WITHIN` (2) in every dimension. A nearby user entry decides before
+  a shipped one.
+- **Margin.** A measurement chooses ``"cublaslt"`` only if it was faster than ``"xla"`` by more
+  than `MARGIN` (2%), so that noise never picks the riskier path.
+- **A GPU with a table but no nearby entry**: ``"xla"``.
+- **A GPU without any table** (no section for it in the user table, no shipped file): the
+  conservative rule. ``"cublaslt"`` only where the reference GPU's table (`REFERENCE_DEVICE`,
+  the H200) has at least one nearby entry and every nearby entry chose ``"cublaslt"``;
+  everything else ``"xla"``. So a problem class that lost on the H200 never takes the fused
+  path there, and nothing unmeasured does.
+- **Override**: ``JAX_EPILOG_BACKEND=cublaslt|xla`` (``config.backend_override()``) replaces the
+  automatic choice for every call that asked for ``"auto"``.
+
+`choose` is called at lowering time on a host that sees a CUDA GPU; tables are loaded once and
+decisions are cached, so a process reads a table written by another process at its next start
+(or after `clear_cache()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import json
+import math
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import config, cuda_library
+from .epilogs import Epilog, as_epilog
+
+CANDIDATES = ("cublaslt", "xla")
+MARGIN = 0.02
+NEAREST_WITHIN = 2.0
+REFERENCE_DEVICE = "NVIDIA H200"
+TABLES_DIR = Path(__file__).with_name("tables")
+FORMAT = "jax_epilog.decisions/1"
+
+
+class Entry(NamedTuple):
+    """One measured problem: seconds per call of each candidate (None: it failed) and the choice."""
+
+    epilog: str
+    dtype: str
+    transpose_a: bool
+    transpose_b: bool
+    m: int  # rows: batch · M of the normalised problem
+    n: int
+    k: int
+    seconds: dict
+    choice: str
+
+    @property
+    def key(self) -> tuple:
+        return (self.epilog, self.dtype, self.transpose_a, self.transpose_b, self.m, self.n, self.k)
+
+    def as_dict(self) -> dict[str, Any]:
+        return self._asdict()
+
+
+class Table(NamedTuple):
+    """The measurements of one GPU model with one cuBLASLt version."""
+
+    device: str
+    cublaslt_version: Optional[int]
+    entries: tuple[Entry, ...]
+
+
+class Decision(NamedTuple):
+    """A choice and why it was made (`source`: override, user, shipped, reference-gpu, none)."""
+
+    choice: str
+    source: str
+    entry: Optional[Entry] = None
+
+
+def decide_from_times(seconds: dict) -> str:
+    """'cublaslt' where it beat 'xla' by more than `MARGIN`; 'xla' otherwise (or on failure)."""
+    fused, xla = seconds.get("cublaslt"), seconds.get("xla")
+    if fused is None:
+        return "xla"
+    if xla is None:  # XLA's lowering failed where cuBLASLt ran: nothing else to take
+        return "cublaslt"
+    return "cublaslt" if fused < xla * (1.0 - MARGIN) else "xla"
+
+
+def make_entry(epilog, dtype, transpose_a: bool, transpose_b: bool, m: int, n: int, k: int,
+               seconds: dict) -> Entry:
+    return Entry(as_epilog(epilog).name, jnp.dtype(dtype).name, bool(transpose_a),
+                 bool(transpose_b), int(m), int(n), int(k), dict(seconds),
+                 decide_from_times(seconds))
+
+
+def slug(device_kind: str) -> str:
+    """The shipped table's file stem for a GPU model: "NVIDIA H200" -> "nvidia-h200"."""
+    return re.sub(r"[^a-z0-9]+", "-", device_kind.lower()).strip("-")
+
+
+# --- files ---------------------------------------------------------------------------------
+
+def _parse(text: str, path: Path) -> tuple[Table, ...]:
+    data = json.loads(text)
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a jax_epilog decisions table (expected format {FORMAT!r})")
+    return tuple(Table(t["device"], t.get("cublaslt_version"),
+                       tuple(Entry(**e) for e in t["entries"]))
+                 for t in data["tables"])
+
+
+@functools.cache
+def load_tables(path: Path) -> tuple[Table, ...]:
+    """The tables in `path`: none if it does not exist or cannot be read (a warning says why)."""
+    path = Path(path)
+    try:
+        return _parse(path.read_text(), path)
+    except FileNotFoundError:
+        return ()
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        warnings.warn(f"jax_epilog: ignoring the decisions table {path}: {e}", RuntimeWarning,
+                      stacklevel=2)
+        return ()
+
+
+def _section(tables: Iterable[Table], device: str, version: Optional[int]) -> Optional[Table]:
+    """This GPU's table with this cuBLASLt version, else this GPU's newest."""
+    mine = [t for t in tables if t.device == device]
+    exact = [t for t in mine if t.cublaslt_version == version]
+    if exact:
+        return exact[0]
+    return max(mine, key=lambda t: t.cublaslt_version or 0, default=None)
+
+
+def _dump(tables: Iterable[Table]) -> str:
+    data = {"format": FORMAT, "tables": [
+        {"device": t.device, "cublaslt_version": t.cublaslt_version,
+         "entries": [e.as_dict() for e in sorted(t.entries, key=lambda e: e.key)]}
+        for t in tables]}
+    return json.dumps(data, indent=1) + "\n"
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Serialises read-merge-write of `path` between processes (a lock file beside it)."""
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def merge_into(path: Path, device: str, cublaslt_version: Optional[int],
+               entries: Iterable[Entry]) -> tuple[Table, ...]:
+    """Add `entries` to `path`'s table for (device, cuBLASLt version), replacing entries of the
+    same problem, keeping everything else; written atomically (temp file + rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        load_tables.cache_clear()
+        tables = list(load_tables(path))
+        index = next((i for i, t in enumerate(tables)
+                      if t.device == device and t.cublaslt_version == cublaslt_version), None)
+        merged = {e.key: e for e in (tables[index].entries if index is not None else ())}
+        merged.update((e.key, e) for e in entries)
+        table = Table(device, cublaslt_version, tuple(merged.values()))
+        if index is None:
+            tables.append(table)
+        else:
+            tables[index] = table
+        fd, temp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(_dump(tables))
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+            raise
+    clear_cache()
+    return tuple(tables)
+
+
+# --- the decision ----------------------------------------------------------------------------
+
+def _distance(entry: Entry, m: int, n: int, k: int) -> float:
+    """The largest |log ratio| between the two problems' rows, N and K."""
+    return max(abs(math.log(max(a, 1) / max(b, 1)))
+               for a, b in ((entry.m, m), (entry.n, n), (entry.k, k)))
+
+
+def nearby(table: Optional[Table], problem: tuple) -> list[Entry]:
+    """Entries of `table` of the problem's kind within `NEAREST_WITHIN`, nearest first."""
+    if table is None:
+        return []
+    kind, (m, n, k) = problem[:4], problem[4:]
+    limit = math.log(NEAREST_WITHIN) + 1e-9
+    close = [(_distance(e, m, n, k), e) for e in table.entries
+             if (e.epilog, e.dtype, e.transpose_a, e.transpose_b) == kind]
+    return [e for d, e in sorted(close, key=lambda c: c[0]) if d <= limit]
+
+
+@functools.cache
+def device_identity() -> tuple[Optional[str], Optional[int]]:
+    """(GPU model as JAX names it, cuBLASLt version) of this host's first CUDA device."""
+    try:
+        device = jax.devices("cuda")[0].device_kind
+    except (RuntimeError, IndexError):
+        device = None
+    return device, cuda_library.cublaslt_version()
+
+
+def shipped_table_path(device: str) -> Path:
+    return TABLES_DIR / f"{slug(device)}.json"
+
+
+def _decide(problem: tuple, user_path: Optional[Path]) -> Decision:
+    device, version = device_identity()
+    user = _section(load_tables(user_path), device, version) if user_path else None
+    shipped = _section(load_tables(shipped_table_path(device)), device, version) \
+        if device else None
+    for source, table in (("user", user), ("shipped", shipped)):
+        close = nearby(table, problem)
+        if close:
+            return Decision(close[0].choice, source, close[0])
+    if user is not None or shipped is not None:
+        return Decision("xla", "none")
+    reference = _section(load_tables(shipped_table_path(REFERENCE_DEVICE)), REFERENCE_DEVICE,
+                         None)
+    close = nearby(reference, problem)
+    if close and all(e.choice == "cublaslt" for e in close):
+        return Decision("cublaslt", "reference-gpu", close[0])
+    return Decision("xla", "reference-gpu" if close else "none", close[0] if close else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_decision(problem: tuple, user_path: Optional[Path]) -> Decision:
+    return _decide(problem, user_path)
+
+
+def decision(epilog, dtype, batch: int, m: int, n: int, k: int, transpose_a: bool,
+             transpose_b: bool) -> Decision:
+    """`choose`'s answer with where it came from (for reports and debugging)."""
+    override = config.backend_override()
+    if override is not None:
+        return Decision(override, "override")
+    problem = (as_epilog(epilog).name, jnp.dtype(dtype).name, bool(transpose_a),
+               bool(transpose_b), int(batch) * int(m), int(n), int(k))
+    return _cached_decision(problem, config.decisions_path())
+
+
+def choose(epilog: Epilog, dtype, batch: int, m: int, n: int, k: int, transpose_a: bool,
+           transpose_b: bool) -> str:
+    """"cublaslt" or "xla" for one normalised problem (batch, M, N, K as in
+    `primitive.problem_of`) called with ``backend="auto"``; the rules are in the module doc."""
+    return decision(epilog, dtype, batch, m, n, k, transpose_a, transpose_b).choice
+
+
+def clear_cache() -> None:
+    """Forget loaded tables and decisions (after a table was written, or in tests)."""
+    load_tables.cache_clear()
+    _cached_decision.cache_clear()

@@ -1,0 +1,492 @@
+"""`python -m jax_epilog.tune`: measure cuBLASLt against XLA for your own shapes, on your GPU.
+
+The automatic backend choice (`jax_epilog.dispatch`) reads a table of measured problems. This
+command fills the user's table (``config.decisions_path()``: ``$JAX_EPILOG_DECISIONS``, else
+``~/.cache/jax_epilog/decisions.json``, beside the autotune cache) for the problems a program
+actually runs:
+
+1. It traces functions (`jax.make_jaxpr`, walking nested jaxprs: jit, custom_vjp/custom_jvp,
+   scan, cond, remat, custom_partitioning) and collects every `epilog_matmul` call left to
+   ``backend="auto"``: epilog, dtype, transposes and the normalised problem (batch, M, N, K).
+2. It times each distinct problem with ``backend="cublaslt"`` and ``backend="xla"``:
+   `jax_epilog.matmul` jitted on random operands of those shapes (a random bit mask for the
+   DRELU epilogs), wall-clock rounds of back-to-back calls with one `block_until_ready` each,
+   median over rounds after a warm-up, about `SECONDS_PER_CANDIDATE` of GPU time per candidate.
+   Small problems run several independent copies per call so that host dispatch does not hide
+   the kernels (as inside a real network).
+3. It merges the decisions into the table (atomic write; other entries are kept).
+
+    python -m jax_epilog.tune --grid                       # the benchmark grid G1-G7, M1-M3
+    python -m jax_epilog.tune --grid --rows G7,M3 --dry-run
+    python -m jax_epilog.tune --fn mypkg.model:train_step --args "bf16[256,784]" "bf16[784,100]"
+    python -m jax_epilog.tune --grid --output jax_epilog/tables/nvidia-h200.json
+
+From Python: ``jax_epilog.tune.tune([(train_step, (params, batch)), ...])`` (any pytrees of
+arrays or `jax.ShapeDtypeStruct`s), or `tune` on `Problem`s from `problems_of`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import re
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+from . import config, dispatch
+from .epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
+from .primitive import epilog_matmul_p, problem_of
+
+SECONDS_PER_CANDIDATE = 0.3
+ROUNDS = 5
+L2_BYTES = 50 * 1024 * 1024  # H100/H200: small problems run copies until twice this is touched
+MAX_COPIES = 16
+
+# The benchmark grid of BENCHMARK.md: id -> (B, K, N) for act(x[B, K] @ W[K, N] + b[N]) ...
+GRID = {
+    "G1": (65536, 4096, 4096),
+    "G2": (8192, 8192, 8192),
+    "G3": (8192, 1024, 4096),
+    "G4": (16384, 4096, 16384),
+    "G5": (16384, 16384, 4096),
+    "G6": (4096, 1024, 1024),
+    "G7": (256, 784, 100),
+}
+GELU_ROWS = ("G4", "G5")  # the transformer rows run GELU too
+# ... and its networks: id -> (batch, widths), ReLU between layers, none after the last.
+NETWORKS = {
+    "M1": (65536, (4096,) * 5),
+    "M2": (16384, (1024,) * 9),
+    "M3": (256, (784, 100, 100, 10)),
+}
+DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "fp16": "float16", "f32": "float32",
+               "fp32": "float32", "f64": "float64", "i32": "int32", "u8": "uint8"}
+
+
+class Problem(NamedTuple):
+    """One `epilog_matmul` call as the kernel sees it (normalised operands)."""
+
+    epilog: str
+    dtype: str
+    transpose_a: bool
+    transpose_b: bool
+    batch: int
+    m: int
+    n: int
+    k: int
+    b_batch: int = 1
+    bias_batch: int = 1
+    allow_tf32: bool = False  # float32 only: TF32 allowed (precision DEFAULT/HIGH)
+
+    @property
+    def table_key(self) -> tuple:
+        """What the decision table is keyed by (rows = batch · M)."""
+        return (self.epilog, self.dtype, self.transpose_a, self.transpose_b,
+                self.batch * self.m, self.n, self.k)
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.m * self.n * self.k
+
+    def __str__(self) -> str:
+        t = "".join(("T" if self.transpose_a else "N", "T" if self.transpose_b else "N"))
+        batch = f"{self.batch}x" if self.batch > 1 else ""
+        return f"{self.epilog} {self.dtype} {t} {batch}{self.m}x{self.n}x{self.k}"
+
+
+# --- 1. finding the problems ---------------------------------------------------------------
+
+def _sub_jaxprs(params: dict) -> Iterable[Jaxpr]:
+    for value in params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, Jaxpr):
+                yield item
+
+
+def _walk(jaxpr: Jaxpr, found: list[Problem]) -> None:
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is epilog_matmul_p:
+            if eqn.params.get("backend", "auto") == "auto":
+                found.append(_problem_of_eqn(eqn))
+            continue
+        for sub in _sub_jaxprs(eqn.params):
+            _walk(sub, found)
+
+
+def _problem_of_eqn(eqn) -> Problem:
+    params = eqn.params
+    epilog = Epilog(params["epilog"])
+    a, b = eqn.invars[0].aval, eqn.invars[1].aval
+    p = problem_of(a.shape, b.shape, params["transpose_a"], params["transpose_b"])
+    bias_batch = eqn.invars[2].aval.shape[0] if epilog.has_bias else 1
+    return Problem(epilog.name, jnp.dtype(a.dtype).name, bool(params["transpose_a"]),
+                   bool(params["transpose_b"]), p.batch, p.m, p.n, p.k, b.shape[0], bias_batch,
+                   bool(params.get("allow_tf32", False)))
+
+
+def problems_of(fn: Callable, *args, **kwargs) -> list[Problem]:
+    """Every `epilog_matmul` call of `fn(*args, **kwargs)` left to ``backend="auto"``, in trace
+    order, repeats included. `args` may be arrays or `jax.ShapeDtypeStruct`s."""
+    found: list[Problem] = []
+    _walk(jax.make_jaxpr(fn)(*args, **kwargs).jaxpr, found)
+    return found
+
+
+def distinct(problems: Iterable[Problem]) -> list[Problem]:
+    """One problem per decision-table key (the first seen), largest first."""
+    unique: dict[tuple, Problem] = {}
+    for p in problems:
+        unique.setdefault(p.table_key, p)
+    return sorted(unique.values(), key=lambda p: (-p.flops, p.table_key))
+
+
+# --- the grid's functions ----------------------------------------------------------------------
+
+class Workload(NamedTuple):
+    """A stack of dense layers run as inference (forward) or as a training step
+    (`jax.value_and_grad` of a squared error; a grid row also differentiates its input, as a
+    layer inside a network must)."""
+
+    name: str
+    batch: int
+    widths: tuple[int, ...]
+    activation: Optional[str]  # between layers
+    final_activation: Optional[str]
+    grad_x: bool
+
+    def shapes(self, dtype=jnp.bfloat16):
+        """(params, x, target) as `jax.ShapeDtypeStruct`s."""
+        params = tuple((jax.ShapeDtypeStruct((k, n), dtype), jax.ShapeDtypeStruct((n,), dtype))
+                       for k, n in zip(self.widths, self.widths[1:]))
+        return (params, jax.ShapeDtypeStruct((self.batch, self.widths[0]), dtype),
+                jax.ShapeDtypeStruct((self.batch, self.widths[-1]), jnp.float32))
+
+    def flops(self, mode: str) -> int:
+        """1 GEMM per layer forward, 3 per layer for a step (2 for a network's first layer)."""
+        per_layer = [2 * self.batch * k * n for k, n in zip(self.widths, self.widths[1:])]
+        if mode == "forward":
+            return sum(per_layer)
+        return 3 * sum(per_layer) - (0 if self.grad_x else per_layer[0])
+
+
+def grid_workloads(rows: Optional[Sequence[str]] = None) -> list[Workload]:
+    """The grid rows (a dense layer, ReLU; GELU too on G4/G5) and networks, as `Workload`s;
+    `rows` filters by id (G1..G7, M1..M3)."""
+    wanted = set(GRID) | set(NETWORKS) if rows is None else set(rows)
+    unknown = wanted - set(GRID) - set(NETWORKS)
+    if unknown:
+        raise ValueError(f"rows: unknown ids {sorted(unknown)}; expected some of "
+                         f"{', '.join([*GRID, *NETWORKS])}")
+    workloads = []
+    for row, (batch, k, n) in GRID.items():
+        if row in wanted:
+            for act in ("relu", "gelu") if row in GELU_ROWS else ("relu",):
+                name = row if act == "relu" else f"{row} gelu"
+                workloads.append(Workload(name, batch, (k, n), None, act, True))
+    for name, (batch, widths) in NETWORKS.items():
+        if name in wanted:
+            workloads.append(Workload(name, batch, widths, "relu", None, False))
+    return workloads
+
+
+def forward_fn(w: Workload, stack: Callable) -> Callable:
+    """Inference: (params, x, target) -> y, with `stack(x, params, activation, final)`."""
+    return lambda params, x, target: stack(x, params, w.activation, w.final_activation)
+
+
+def step_fn(w: Workload, stack: Callable) -> Callable:
+    """A training step: (params, x, target) -> (loss, grads) by `jax.value_and_grad`."""
+    def loss(params, x, target):
+        error = stack(x, params, w.activation, w.final_activation).astype(jnp.float32) - target
+        return 0.5 * jnp.mean(error * error)
+    return jax.value_and_grad(loss, argnums=(0, 1) if w.grad_x else 0)
+
+
+def epilog_stack(x, params, activation, final_activation):
+    """The stack as `jax_epilog.mlp` runs it (every backend choice left to "auto")."""
+    from .layers import mlp  # layers imports matmul, which imports the lowerings
+    return mlp(x, params, activation=activation, final_activation=final_activation)
+
+
+def grid_functions(rows: Optional[Sequence[str]] = None) -> list[tuple[str, Callable, tuple]]:
+    """(name, function, example args) for the inference forward and the training step of every
+    grid row and network."""
+    return [(f"{w.name} {mode}", make(w, epilog_stack), w.shapes())
+            for w in grid_workloads(rows)
+            for mode, make in (("forward", forward_fn), ("step", step_fn))]
+
+
+# --- --fn and --args --------------------------------------------------------------------------
+
+def parse_arg_spec(spec: str) -> jax.ShapeDtypeStruct:
+    """"bf16[256,784]" (or "bfloat16[256, 784]", "f32[]") -> a `jax.ShapeDtypeStruct`."""
+    match = re.fullmatch(r"\s*([A-Za-z0-9_]+)\s*\[([\d,\s]*)\]\s*", spec)
+    if not match:
+        raise ValueError(f"--args: expected DTYPE[D0,D1,...] such as bf16[256,784], got {spec!r}")
+    name, dims = match.groups()
+    try:
+        dtype = jnp.dtype(DTYPE_NAMES.get(name.lower(), name.lower()))
+    except TypeError:
+        raise ValueError(f"--args: unknown dtype {name!r} in {spec!r}") from None
+    shape = tuple(int(d) for d in dims.replace(" ", "").split(",") if d)
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def load_callable(target: str) -> Callable:
+    """"package.module:attribute" -> the callable."""
+    module_name, _, attribute = target.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"--fn: expected module:callable, got {target!r}")
+    obj = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise TypeError(f"--fn: {target} is a {type(obj).__name__}, not callable")
+    return obj
+
+
+# --- 2. timing ----------------------------------------------------------------------------------
+
+def random_operands(p: Problem, seed: int = 0) -> tuple:
+    """Random normal (a, b, epilog inputs...) for `jax_epilog.matmul`, shaped so that it makes
+    exactly the normalised call `p` (a random bit mask for relu_aux)."""
+    epilog = Epilog[p.epilog]
+    dtype = jnp.dtype(p.dtype)
+    keys = iter(jax.random.split(jax.random.key(seed), 4))
+    lead = (p.batch,) if p.batch > 1 or p.b_batch > 1 or p.bias_batch > 1 else ()
+    a_shape = (*lead, *((p.k, p.m) if p.transpose_a else (p.m, p.k)))
+    b_lead = lead if p.b_batch > 1 else ()
+    b_shape = (*b_lead, *((p.n, p.k) if p.transpose_b else (p.k, p.n)))
+    a = jax.random.normal(next(keys), a_shape, dtype)
+    b = (jax.random.normal(next(keys), b_shape, jnp.float32) / math.sqrt(max(p.k, 1))).astype(dtype)
+    inputs = {}
+    if epilog.has_bias:
+        bias_shape = (*lead, p.n) if p.bias_batch > 1 else (p.n,)
+        inputs["bias"] = jax.random.normal(next(keys), bias_shape, dtype)
+    if epilog.aux_input == "relu_aux":
+        inputs["relu_aux"] = jax.random.bits(next(keys), (*lead, p.m, relu_mask_bytes(p.n)),
+                                             jnp.uint8)
+    elif epilog.aux_input == "gelu_aux":
+        inputs["gelu_aux"] = jax.random.normal(next(keys), (*lead, p.m, gelu_aux_columns(p.n)),
+                                               dtype)
+    return a, b, inputs
+
+
+def call_fn(p: Problem, backend: str) -> Callable:
+    """(a, b, epilog inputs) -> `jax_epilog.matmul` of `p` on `backend`."""
+    from .matmul import matmul
+    precision = None if p.allow_tf32 or p.dtype != "float32" else jax.lax.Precision.HIGHEST
+
+    def call(a, b, inputs):
+        return matmul(a, b, epilog=Epilog[p.epilog], epilog_inputs=inputs or None,
+                      transpose_a=p.transpose_a, transpose_b=p.transpose_b, precision=precision,
+                      backend=backend)
+    return call
+
+
+def copies_for(p: Problem) -> int:
+    """Independent copies per timed call: enough to touch twice the L2 (at most `MAX_COPIES`)."""
+    size = jnp.dtype(p.dtype).itemsize
+    per_call = size * p.batch * (p.m * p.k + p.m * p.n) + size * p.b_batch * p.k * p.n
+    return max(1, min(MAX_COPIES, math.ceil(2 * L2_BYTES / max(per_call, 1))))
+
+
+def time_problem(p: Problem, backend: str, *, seconds: float = SECONDS_PER_CANDIDATE,
+                 rounds: int = ROUNDS) -> float:
+    """Seconds per call of `p` on `backend`: the median of `rounds` wall-clock rounds of
+    back-to-back calls (one `block_until_ready` per round) after a warm-up, about `seconds` in
+    all. Each call runs `copies_for(p)` independent problems; the result is per problem."""
+    copies = copies_for(p)
+    operands = [random_operands(p, seed) for seed in range(copies)]
+    call = call_fn(p, backend)
+    run_all = jax.jit(lambda sets: [call(*s) for s in sets])
+    jax.block_until_ready(run_all(operands))  # compile, plan, autotune
+
+    def timed(calls: int) -> float:
+        start = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = run_all(operands)
+        jax.block_until_ready(out)
+        return time.perf_counter() - start
+
+    estimate = min(timed(1), timed(1))
+    calls = max(1, min(10_000, round(seconds / rounds / max(estimate, 1e-7))))
+    return statistics.median(timed(calls) / calls for _ in range(rounds)) / copies
+
+
+# --- 3. the run ---------------------------------------------------------------------------------
+
+class _Progress:
+    """tqdm's bar where tqdm is installed (the `demo` extra), plain lines otherwise."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.done, self.bar = total, 0, None
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, desc="jax_epilog.tune", unit="problem")
+            except ImportError:
+                pass
+
+    def report(self, line: str) -> None:
+        self.done += 1
+        if self.bar is not None:
+            self.bar.write(line)
+            self.bar.update(1)
+        else:
+            print(f"[{self.done}/{self.total}] {line}", flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def has_cuda_gpu() -> bool:
+    return dispatch.device_identity()[0] is not None
+
+
+def _as_problems(fns_or_problems) -> list[Problem]:
+    problems = []
+    for item in fns_or_problems:
+        if isinstance(item, Problem):
+            problems.append(item)
+        elif isinstance(item, tuple) and len(item) == 2 and callable(item[0]):
+            fn, args = item
+            problems += problems_of(fn, *args)
+        elif callable(item):
+            raise TypeError("fns_or_problems: give a function with its example arguments, as "
+                            f"(fn, args), got the bare callable {item!r}")
+        else:
+            raise TypeError(f"fns_or_problems: expected Problem or (fn, args) items, got "
+                            f"{type(item).__name__}")
+    return distinct(problems)
+
+
+def _us(seconds: Optional[float]) -> str:
+    return "failed" if seconds is None else f"{seconds * 1e6:.1f} us"
+
+
+def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
+         seconds: float = SECONDS_PER_CANDIDATE, measure: Optional[Callable] = None,
+         progress: bool = True, write: bool = True) -> dispatch.Table:
+    """Time every distinct problem of `fns_or_problems` on both backends and merge the
+    decisions into `output` (default: `config.decisions_path()`).
+
+    Args:
+      fns_or_problems: `Problem`s and/or `(fn, args)` pairs (args: a tuple of pytrees of arrays
+        or `jax.ShapeDtypeStruct`s), traced with `problems_of`.
+      output: the table file; None: the user's table.
+      seconds: GPU time per candidate and problem (rounds of back-to-back calls).
+      measure: `measure(problem, backend, seconds=...) -> seconds per call`; `time_problem` by
+        default (tests inject their own).
+      progress: show a progress bar (plain lines without tqdm).
+      write: merge the results into the file (False: only return them).
+
+    Returns:
+      The `dispatch.Table` of this run's measurements (device, cuBLASLt version, entries).
+    """
+    if not has_cuda_gpu():
+        raise RuntimeError("jax_epilog.tune needs a CUDA GPU: JAX sees none on this machine")
+    device, version = dispatch.device_identity()
+    problems = _as_problems(fns_or_problems)
+    measure = measure or time_problem
+    started = time.perf_counter()
+    bar = _Progress(len(problems), progress)
+    entries, failures = [], []
+    try:
+        for p in problems:
+            times = {}
+            for backend in dispatch.CANDIDATES:
+                try:
+                    times[backend] = float(measure(p, backend, seconds=seconds))
+                except Exception as e:  # noqa: BLE001  (one failure costs one candidate)
+                    times[backend] = None
+                    failures.append(f"{p} on {backend}: {type(e).__name__}: {e}")
+            entry = dispatch.make_entry(p.epilog, p.dtype, p.transpose_a, p.transpose_b,
+                                        p.batch * p.m, p.n, p.k, times)
+            entries.append(entry)
+            bar.report(f"{p}: cublaslt {_us(times['cublaslt'])}, xla {_us(times['xla'])} "
+                       f"-> {entry.choice}")
+    finally:
+        bar.close()
+        # Whatever was measured is kept, also when a later problem stopped the run.
+        path = Path(output) if output is not None else config.decisions_path()
+        if write and entries and path is not None:
+            dispatch.merge_into(path, device, version, entries)
+    for failure in failures:
+        print(f"failed: {failure}", file=sys.stderr)
+    wins = sum(e.choice == "cublaslt" for e in entries)
+    where = f" into {path}" if write and path is not None else ""
+    print(f"tuned {len(entries)} problems in {time.perf_counter() - started:.1f} s: cublaslt "
+          f"{wins}, xla {len(entries) - wins}{where}", flush=True)
+    return dispatch.Table(device, version, tuple(entries))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m jax_epilog.tune",
+        description="Measure cuBLASLt against XLA for the epilog matmuls of a function (or of "
+                    "the benchmark grid) on this GPU and store the choices for backend='auto'.")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--grid", action="store_true",
+                      help="the benchmark grid G1-G7 and networks M1-M3 (forward and step)")
+    what.add_argument("--fn", metavar="MODULE:CALLABLE", help="a function to trace")
+    parser.add_argument("--args", nargs="*", default=[], metavar="DTYPE[SHAPE]",
+                        help='example inputs of --fn, e.g. "bf16[256,784]" "bf16[784,100]"')
+    parser.add_argument("--rows", help="with --grid: comma-separated ids (e.g. G1,G7,M3)")
+    parser.add_argument("--output", type=Path,
+                        help="the table to merge into (default: $JAX_EPILOG_DECISIONS or "
+                             "~/.cache/jax_epilog/decisions.json)")
+    parser.add_argument("--seconds", type=float, default=SECONDS_PER_CANDIDATE,
+                        help="GPU time per candidate and problem (default %(default)s)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="list the problems without timing them (works without a GPU)")
+    parser.add_argument("--no-progress", action="store_true", help="plain lines, no bar")
+    args = parser.parse_args(argv)
+    if args.args and not args.fn:
+        parser.error("--args goes with --fn")
+    if args.rows and not args.grid:
+        parser.error("--rows goes with --grid")
+
+    if args.grid:
+        rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else None
+        try:
+            targets = [(fn, example) for _, fn, example in grid_functions(rows)]
+        except ValueError as e:
+            parser.error(str(e))
+    else:
+        try:
+            fn = load_callable(args.fn)
+            example = tuple(parse_arg_spec(spec) for spec in args.args)
+        except (ValueError, TypeError, ImportError, AttributeError) as e:
+            parser.error(str(e))
+        targets = [(fn, example)]
+
+    if not args.dry_run and not has_cuda_gpu():
+        print("jax_epilog.tune: no CUDA GPU visible to JAX here; timing needs one (use --dry-run "
+              "to list the problems)", file=sys.stderr)
+        return 2
+    problems = _as_problems(targets)
+    if args.dry_run:
+        for p in problems:
+            print(p)
+        print(f"{len(problems)} distinct problems", flush=True)
+        return 0
+    tune(problems, output=args.output, seconds=args.seconds, progress=not args.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The automatic backend choice (`jax_epilog.dispatch`): table lookup, nearest measured problem,
+margin, the conservative rule for a GPU without a table, user table over shipped table, the
+environment override, and the atomic merge-write of a table. CPU only: the GPU is faked."""
+
+import json
+import os
+
+import pytest
+
+from jax_epilog import dispatch
+from jax_epilog.epilogs import Epilog
+
+H200, VERSION = "NVIDIA H200", 130100
+
+
+@pytest.fixture
+def tables(tmp_path, monkeypatch):
+    """Shipped tables in a temporary folder, the user table beside them, GPU = H200."""
+    shipped = tmp_path / "tables"
+    shipped.mkdir()
+    monkeypatch.setattr(dispatch, "TABLES_DIR", shipped)
+    monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "user.json"))
+    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
+    on_gpu(monkeypatch, H200)
+    dispatch.clear_cache()
+    yield tmp_path
+    dispatch.clear_cache()
+
+
+def on_gpu(monkeypatch, device, version=VERSION):
+    monkeypatch.setattr(dispatch, "device_identity", lambda: (device, version))
+    dispatch.clear_cache()
+
+
+def entry(m, n, k, fused, xla=1.0, epilog=Epilog.DRELU_BGRAD, dtype="bfloat16", ta=False,
+          tb=True):
+    return dispatch.make_entry(epilog, dtype, ta, tb, m, n, k, {"cublaslt": fused, "xla": xla})
+
+
+def write(path, entries, device=H200, version=VERSION):
+    dispatch.merge_into(path, device, version, entries)
+
+
+def choose(m, n, k, epilog=Epilog.DRELU_BGRAD, dtype="bfloat16", ta=False, tb=True, batch=1):
+    return dispatch.choose(epilog, dtype, batch, m, n, k, ta, tb)
+
+
+def shipped(tables, device=H200):
+    return tables / "tables" / f"{dispatch.slug(device)}.json"
+
+
+def test_slug_names_the_shipped_file():
+    assert dispatch.slug("NVIDIA H200") == "nvidia-h200"
+    assert dispatch.slug("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
+    assert dispatch.shipped_table_path("NVIDIA H200").name == "nvidia-h200.json"
+
+
+@pytest.mark.parametrize("fused, xla, expected", [
+    (0.97, 1.0, "cublaslt"),  # 3% faster: wins
+    (0.99, 1.0, "xla"),  # 1% faster: within the margin, XLA keeps it
+    (1.20, 1.0, "xla"),
+    (None, 1.0, "xla"),  # cuBLASLt failed
+    (0.5, None, "cublaslt"),  # XLA failed
+])
+def test_cublaslt_wins_only_by_the_margin(fused, xla, expected):
+    assert dispatch.decide_from_times({"cublaslt": fused, "xla": xla}) == expected
+
+
+def test_nearest_measured_problem_decides(tables):
+    write(shipped(tables), [entry(4096, 1024, 1024, fused=0.5), entry(65536, 4096, 4096, 2.0)])
+    assert choose(4096, 1024, 1024) == "cublaslt"
+    assert choose(6000, 1500, 700) == "cublaslt"  # within 2x of the small one
+    assert choose(60000, 4000, 4100) == "xla"  # nearest is the large one
+    decision = dispatch.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 6000, 1500, 700, False, True)
+    assert decision.source == "shipped" and decision.entry.m == 4096
+
+
+def test_batch_times_m_is_the_row_count(tables):
+    write(shipped(tables), [entry(4096, 1024, 1024, fused=0.5)])
+    assert choose(1024, 1024, 1024, batch=4) == "cublaslt"
+
+
+def test_no_entry_within_a_factor_of_two_gives_xla(tables):
+    write(shipped(tables), [entry(4096, 1024, 1024, fused=0.5)])
+    assert choose(4096, 1024, 2049) == "xla"  # K just over 2x
+    assert choose(4096, 1024, 2048) == "cublaslt"  # exactly 2x is still near
+    assert dispatch.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 4096, False,
+                             True).source == "none"
+
+
+def test_only_the_same_epilog_dtype_and_transposes_count(tables):
+    write(shipped(tables), [entry(4096, 1024, 1024, fused=0.5)])
+    assert choose(4096, 1024, 1024, epilog=Epilog.DGELU_BGRAD) == "xla"
+    assert choose(4096, 1024, 1024, dtype="float16") == "xla"
+    assert choose(4096, 1024, 1024, tb=False) == "xla"
+    assert choose(4096, 1024, 1024, ta=True) == "xla"
+
+
+def test_user_table_decides_before_the_shipped_one(tables):
+    write(shipped(tables), [entry(4096, 1024, 1024, fused=0.5), entry(256, 100, 784, 0.5)])
+    write(tables / "user.json", [entry(4096, 1024, 1024, fused=1.5)])
+    dispatch.clear_cache()
+    assert choose(4096, 1024, 1024) == "xla"
+    assert dispatch.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 1024, False,
+                             True).source == "user"
+    assert choose(256, 100, 784) == "cublaslt"  # not measured by the user: shipped decides
+
+
+def test_user_table_of_another_gpu_is_not_read(tables):
+    write(tables / "user.json", [entry(4096, 1024, 1024, fused=0.5)], device="Other GPU")
+    assert choose(4096, 1024, 1024) == "xla"
+
+
+def test_section_with_this_cublaslt_version_first_else_the_newest(tables, monkeypatch):
+    path = shipped(tables)
+    write(path, [entry(4096, 1024, 1024, fused=2.0)], version=120000)
+    write(path, [entry(4096, 1024, 1024, fused=0.5)], version=VERSION)
+    write(path, [entry(4096, 1024, 1024, fused=2.0)], version=110000)
+    assert choose(4096, 1024, 1024) == "cublaslt"
+    on_gpu(monkeypatch, H200, version=120000)
+    assert choose(4096, 1024, 1024) == "xla"
+    on_gpu(monkeypatch, H200, version=999999)
+    assert choose(4096, 1024, 1024) == "cublaslt"  # the newest: 130100
+
+
+def test_gpu_without_table_takes_cublaslt_only_where_the_h200_won(tables, monkeypatch):
+    write(shipped(tables), [entry(4096, 1024, 1024, fused=0.5),  # won
+                            entry(65536, 4096, 4096, fused=2.0),  # lost
+                            entry(16384, 1024, 1024, fused=0.5),  # won ...
+                            entry(20000, 1024, 1024, fused=2.0)])  # ... and lost nearby
+    on_gpu(monkeypatch, "NVIDIA B200")
+    assert choose(4096, 1024, 1024) == "cublaslt"
+    assert dispatch.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 1024, False,
+                             True).source == "reference-gpu"
+    assert choose(65536, 4096, 4096) == "xla"  # lost on the H200
+    assert choose(18000, 1024, 1024) == "xla"  # a nearby H200 loss vetoes the win
+    assert choose(512, 64, 64) == "xla"  # nothing measured nearby
+    assert choose(4096, 1024, 1024, epilog=Epilog.RELU_BIAS) == "xla"
+
+
+def test_gpu_with_a_user_table_does_not_use_the_h200_rule(tables, monkeypatch):
+    write(shipped(tables), [entry(4096, 1024, 1024, fused=0.5)])
+    write(tables / "user.json", [entry(64, 64, 64, fused=0.5)], device="NVIDIA B200")
+    on_gpu(monkeypatch, "NVIDIA B200")
+    assert choose(64, 64, 64) == "cublaslt"
+    assert choose(4096, 1024, 1024) == "xla"  # this GPU has a table, nothing nearby in it
+
+
+def test_no_tables_at_all_gives_xla(tables):
+    assert choose(4096, 1024, 1024) == "xla"
+
+
+@pytest.mark.parametrize("value, expected", [("cublaslt", "cublaslt"), ("xla", "xla"),
+                                             ("XLA", "xla"), ("auto", "cublaslt"),
+                                             ("", "cublaslt")])
+def test_environment_overrides_auto(tables, monkeypatch, value, expected):
+    write(shipped(tables), [entry(4096, 1024, 1024, fused=0.5)])
+    monkeypatch.setenv("JAX_EPILOG_BACKEND", value)
+    assert choose(4096, 1024, 1024) == expected
+
+
+def test_override_applies_to_unmeasured_problems_too(tables, monkeypatch):
+    monkeypatch.setenv("JAX_EPILOG_BACKEND", "cublaslt")
+    assert choose(3, 5, 7) == "cublaslt"
+    monkeypatch.setenv("JAX_EPILOG_BACKEND", "fast")
+    with pytest.raises(ValueError, match="JAX_EPILOG_BACKEND"):
+        choose(3, 5, 7)
+
+
+def test_empty_decisions_variable_means_no_user_table(tables, monkeypatch):
+    write(tables / "user.json", [entry(4096, 1024, 1024, fused=0.5)])
+    monkeypatch.setenv("JAX_EPILOG_DECISIONS", "")
+    dispatch.clear_cache()
+    assert choose(4096, 1024, 1024) == "xla"
+
+
+def test_merge_keeps_other_entries_and_replaces_the_same_problem(tables):
+    path = tables / "user.json"
+    write(path, [entry(1, 2, 3, fused=0.5), entry(4, 5, 6, fused=0.5)])
+    write(path, [entry(4, 5, 6, fused=2.0)], device="Other GPU")
+    write(path, [entry(4, 5, 6, fused=1.5), entry(7, 8, 9, fused=0.5)])
+    data = json.loads(path.read_text())
+    assert data["format"] == dispatch.FORMAT
+    by_device = {t["device"]: t for t in data["tables"]}
+    mine = {(e["m"], e["n"], e["k"]): e["choice"] for e in by_device[H200]["entries"]}
+    assert mine == {(1, 2, 3): "cublaslt", (4, 5, 6): "xla", (7, 8, 9): "cublaslt"}
+    assert len(by_device["Other GPU"]["entries"]) == 1
+    assert sorted(p.name for p in tables.iterdir() if p.name.startswith("user.json.")) == [
+        "user.json.lock"]  # no temporary file left behind
+
+
+def test_a_failed_write_leaves_the_old_table_whole(tables, monkeypatch):
+    path = tables / "user.json"
+    write(path, [entry(1, 2, 3, fused=0.5)])
+    before = path.read_text()
+
+    def fail(*args):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        write(path, [entry(4, 5, 6, fused=0.5)])
+    assert path.read_text() == before
+    assert not [p for p in tables.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_merge_creates_the_folder(tmp_path):
+    path = tmp_path / "a" / "b" / "decisions.json"
+    tables = dispatch.merge_into(path, H200, VERSION, [entry(1, 2, 3, fused=0.5)])
+    assert path.exists() and tables[0].entries[0].choice == "cublaslt"
+
+
+def test_unreadable_table_is_ignored_with_a_warning(tables):
+    (tables / "user.json").write_text("{not json")
+    write(shipped(tables), [entry(4096, 1024, 1024, fused=0.5)])
+    with pytest.warns(RuntimeWarning, match="ignoring the decisions table"):
+        assert choose(4096, 1024, 1024) == "cublaslt"
+
+
+def test_decisions_are_cached_until_cleared(tables):
+    write(shipped(tables), [entry(4096, 1024, 1024, fused=0.5)])
+    assert choose(4096, 1024, 1024) == "cublaslt"
+    shipped(tables).write_text(shipped(tables).read_text().replace('"cublaslt"', '"xla"'))
+    assert choose(4096, 1024, 1024) == "cublaslt"
+    dispatch.clear_cache()
+    assert choose(4096, 1024, 1024) == "xla"
+
+
+def test_shipped_tables_parse():
+    for path in dispatch.TABLES_DIR.glob("*.json"):
+        tables = dispatch.load_tables(path)
+        assert tables, path
+        for table in tables:
+            assert dispatch.slug(table.device) == path.stem
+            for e in table.entries:
+                assert e.choice in dispatch.CANDIDATES
+                assert e.choice == dispatch.decide_from_times(e.seconds)

@@ -1,0 +1,263 @@
+"""`python -m jax_epilog.tune` on the CPU: problem extraction by tracing (an `mlp` training step,
+nested transforms, `--fn`), `--dry-run`, the no-GPU exit, and the whole tune flow with a faked
+GPU (timing on the CPU backend, or an injected clock), including partial results."""
+
+import importlib
+import inspect
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_epilog
+from jax_epilog import dispatch, tune
+from jax_epilog.epilogs import Epilog
+
+BF16 = jnp.bfloat16
+MATMUL_HAS_BACKEND = "backend" in inspect.signature(jax_epilog.matmul).parameters
+matmul_module = importlib.import_module("jax_epilog.matmul")  # the package exports the function
+
+
+def stack_shapes(batch, widths, dtype=BF16):
+    return tune.Workload("t", batch, tuple(widths), "relu", None, False).shapes(dtype)
+
+
+def kinds(problems):
+    return {(p.epilog, p.transpose_a, p.transpose_b, p.batch * p.m, p.n, p.k) for p in problems}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, tmp_path):
+    """JAX's CPU backend posing as a GPU, the user table in tmp_path, and a `matmul` that
+    accepts `backend=` (ignored on the CPU) where the core does not take it yet."""
+    monkeypatch.setattr(dispatch, "device_identity", lambda: ("Fake GPU", 1))
+    monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "decisions.json"))
+    if not MATMUL_HAS_BACKEND:
+        real = matmul_module.matmul
+        monkeypatch.setattr(matmul_module, "matmul",
+                            lambda *a, backend="auto", **kw: real(*a, **kw))
+    dispatch.clear_cache()
+    yield tmp_path / "decisions.json"
+    dispatch.clear_cache()
+
+
+# --- problem extraction ----------------------------------------------------------------------
+
+def test_arg_specs():
+    assert tune.parse_arg_spec("bf16[256,784]") == jax.ShapeDtypeStruct((256, 784), BF16)
+    assert tune.parse_arg_spec(" float32[ 3, 4 ] ") == jax.ShapeDtypeStruct((3, 4), jnp.float32)
+    assert tune.parse_arg_spec("f32[]").shape == ()
+    for bad in ("bf16(3,4)", "bf16[3,x]", "nonsense[3]"):
+        with pytest.raises(ValueError, match="--args"):
+            tune.parse_arg_spec(bad)
+
+
+def test_training_step_of_an_mlp_is_traced_into_its_problems():
+    params, x, target = stack_shapes(32, (16, 24, 8))
+    step = tune.step_fn(tune.Workload("t", 32, (16, 24, 8), "relu", None, False),
+                        tune.epilog_stack)
+    found = kinds(tune.problems_of(step, params, x, target))
+    # forward, training form: the ReLU layer keeps its mask; the head has a bias only
+    assert ("RELU_AUX_BIAS", False, False, 32, 24, 16) in found
+    assert ("BIAS", False, False, 32, 8, 24) in found
+    # backward: weight gradients read the layer inputs transposed (K = the batch) ...
+    assert {(m, n, k) for e, ta, tb, m, n, k in found if ta} == {(24, 8, 32), (16, 24, 32)}
+    # ... and the data gradient reads the head's kernel transposed
+    assert any(tb and (m, n, k) == (32, 24, 8) for e, ta, tb, m, n, k in found)
+
+
+def test_inference_forward_uses_the_epilogs_without_aux():
+    params, x, target = stack_shapes(32, (16, 24, 8))
+    w = tune.Workload("t", 32, (16, 24, 8), "relu", None, False)
+    found = kinds(tune.problems_of(tune.forward_fn(w, tune.epilog_stack), params, x, target))
+    assert found == {("RELU_BIAS", False, False, 32, 24, 16), ("BIAS", False, False, 32, 8, 24)}
+
+
+def test_nested_jit_scan_remat_and_cond_are_walked():
+    w = jnp.zeros((24, 24), BF16)
+    b = jnp.zeros((24,), BF16)
+
+    @jax.jit
+    def f(x):
+        def body(h, _):
+            h = jax.checkpoint(lambda h: jax_epilog.dense(h, w, b, activation="relu"))(h)
+            return jax.lax.cond(h.sum() > 0, lambda h: h, lambda h: 2 * h, h), None
+        return jnp.sum(jax.lax.scan(body, x, None, length=2)[0].astype(jnp.float32))
+
+    found = tune.problems_of(jax.grad(f), jnp.zeros((40, 24), BF16))
+    assert ("RELU_AUX_BIAS", False, False, 40, 24, 24) in kinds(found)
+    assert any(p.transpose_a for p in found)  # the weight gradient, inside the scan's backward
+
+
+def test_leading_dims_and_batched_operands():
+    x = jax.ShapeDtypeStruct((3, 5, 16), BF16)
+    shared = tune.problems_of(lambda a, b: jax_epilog.matmul(a, b),
+                              x, jax.ShapeDtypeStruct((16, 8), BF16))
+    assert [(p.batch, p.m, p.n, p.k, p.b_batch) for p in shared] == [(1, 15, 8, 16, 1)]
+    batched = tune.problems_of(lambda a, b: jax_epilog.matmul(a, b),
+                               x, jax.ShapeDtypeStruct((3, 16, 8), BF16))
+    assert [(p.batch, p.m, p.n, p.k, p.b_batch) for p in batched] == [(3, 5, 8, 16, 3)]
+    assert batched[0].table_key[4] == 15  # the table is keyed by batch * M
+
+
+@pytest.mark.skipif(not MATMUL_HAS_BACKEND, reason="matmul has no backend= yet")
+def test_calls_with_a_forced_backend_are_not_tuned():
+    a, b = jnp.zeros((8, 16), BF16), jnp.zeros((16, 8), BF16)
+    assert tune.problems_of(lambda a, b: jax_epilog.matmul(a, b, backend="xla"), a, b) == []
+    assert len(tune.problems_of(lambda a, b: jax_epilog.matmul(a, b, backend="auto"), a, b)) == 1
+
+
+def test_distinct_keeps_one_problem_per_table_key_largest_first():
+    small = tune.Problem("RELU_BIAS", "bfloat16", False, False, 1, 8, 8, 8)
+    big = tune.Problem("RELU_BIAS", "bfloat16", False, False, 1, 64, 64, 64)
+    folded = small._replace(batch=2, m=4)  # 2 x 4 rows: the same table key as `small`
+    assert tune.distinct([small, big, folded, small]) == [big, small]
+
+
+PROBLEMS = [
+    tune.Problem("DEFAULT", "bfloat16", False, False, 1, 24, 16, 8),
+    tune.Problem("RELU_AUX_BIAS", "bfloat16", False, False, 1, 24, 130, 8),
+    tune.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 24, 130, 8),
+    tune.Problem("DGELU_BGRAD", "float16", False, True, 1, 24, 20, 8),
+    tune.Problem("BGRADB", "float32", True, False, 1, 12, 20, 40, allow_tf32=True),
+    tune.Problem("BIAS", "float32", False, False, 3, 5, 8, 16, 3, 3),
+    tune.Problem("GELU_BIAS", "bfloat16", True, False, 2, 6, 8, 16),
+]
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=str)
+def test_timed_operands_make_exactly_the_traced_call(problem, fake_gpu):
+    """`random_operands` + `call_fn` rebuild the normalised problem they were made from."""
+    operands = tune.random_operands(problem)
+    assert tune.problems_of(tune.call_fn(problem, "auto"), *operands) == [problem]
+    if problem.epilog == "DRELU_BGRAD":
+        assert operands[2]["relu_aux"].dtype == jnp.uint8
+
+
+def test_grid_covers_every_row_and_network():
+    names = [name for name, _, _ in tune.grid_functions()]
+    for row in [*tune.GRID, *tune.NETWORKS, "G4 gelu", "G5 gelu"]:
+        assert f"{row} forward" in names and f"{row} step" in names
+    with pytest.raises(ValueError, match="unknown ids"):
+        tune.grid_functions(["G9"])
+
+
+# --- the command line ----------------------------------------------------------------------
+
+def test_dry_run_lists_the_grid_problems(capsys):
+    assert tune.main(["--grid", "--rows", "G7,M3", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].endswith("distinct problems") and int(out[-1].split()[0]) == len(out) - 1
+    assert "RELU_BIAS bfloat16 NN 256x100x784" in out  # G7's inference forward
+    assert "RELU_AUX_BIAS bfloat16 NN 256x100x784" in out  # its training forward
+
+
+def test_dry_run_of_a_function(capsys):
+    assert tune.main(["--fn", "jax_epilog.layers:dense", "--args", "bf16[64,32]",
+                      "bf16[32,16]", "bf16[16]", "--dry-run"]) == 0
+    assert capsys.readouterr().out.splitlines() == ["BIAS bfloat16 NN 64x16x32",
+                                                    "1 distinct problems"]
+
+
+def test_without_a_gpu_timing_exits_2_with_one_line(capsys, monkeypatch):
+    monkeypatch.setattr(dispatch, "device_identity", lambda: (None, None))
+    assert tune.main(["--grid", "--rows", "G7"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no CUDA GPU" in err[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--fn", "nomodule"], "module:callable"),
+    (["--fn", "jax_epilog:__version__"], "not callable"),
+    (["--grid", "--args", "bf16[2]"], "--args goes with --fn"),
+    (["--grid", "--rows", "G8"], "unknown ids"),
+    ([], "required"),
+])
+def test_bad_command_lines(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        tune.main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# --- the whole flow with a faked GPU ------------------------------------------------------------
+
+def two_layer_step():
+    w = tune.Workload("t", 32, (16, 24, 8), "relu", None, False)
+    return tune.step_fn(w, tune.epilog_stack), w.shapes()
+
+
+def test_tune_times_every_problem_on_the_cpu_and_writes_the_user_table(fake_gpu, capsys):
+    fn, args = two_layer_step()
+    table = tune.tune([(fn, args)], seconds=0.005, progress=False)
+    expected = tune.distinct(tune.problems_of(fn, *args))
+    assert len(table.entries) == len(expected) and table.device == "Fake GPU"
+    for e in table.entries:
+        assert e.seconds["cublaslt"] > 0 and e.seconds["xla"] > 0
+    out = capsys.readouterr().out
+    assert f"[{len(expected)}/{len(expected)}]" in out and f"tuned {len(expected)} problems" in out
+    data = json.loads(fake_gpu.read_text())
+    assert len(data["tables"][0]["entries"]) == len(expected)
+    # `auto` reads what was written
+    p = expected[0]
+    assert dispatch.choose(Epilog[p.epilog], p.dtype, p.batch, p.m, p.n, p.k, p.transpose_a,
+                           p.transpose_b) == table.entries[0].choice
+
+
+def test_injected_clock_decides_and_a_failure_costs_one_candidate(fake_gpu, tmp_path, capsys):
+    problems = [tune.Problem("RELU_BIAS", "bfloat16", False, False, 1, 64, 64, 64),
+                tune.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 64, 64, 64),
+                tune.Problem("BGRADB", "bfloat16", True, False, 1, 64, 64, 64)]
+
+    def measure(p, backend, seconds):
+        if p.epilog == "BGRADB" and backend == "cublaslt":
+            raise RuntimeError("no kernel")
+        return {"RELU_BIAS": {"cublaslt": 1.0, "xla": 0.99},
+                "DRELU_BGRAD": {"cublaslt": 0.5, "xla": 1.0},
+                "BGRADB": {"xla": 1.0}}[p.epilog][backend]
+
+    output = tmp_path / "out" / "table.json"
+    table = tune.tune(problems, output=output, measure=measure, progress=False)
+    entries = {e.epilog: e for e in table.entries}
+    assert {name: e.choice for name, e in entries.items()} == {
+        "RELU_BIAS": "xla", "DRELU_BGRAD": "cublaslt", "BGRADB": "xla"}
+    assert entries["BGRADB"].seconds == {"cublaslt": None, "xla": 1.0}
+    assert "no kernel" in capsys.readouterr().err
+    assert len(dispatch.load_tables(output)[0].entries) == 3
+    assert not fake_gpu.exists()  # --output, not the user table
+
+
+def test_an_interrupted_run_keeps_what_it_measured(fake_gpu):
+    problems = [tune.Problem("DEFAULT", "bfloat16", False, False, 1, s, s, s)
+                for s in (256, 128, 64)]
+
+    def measure(p, backend, seconds):
+        if p.m == 64:
+            raise KeyboardInterrupt
+        return 1.0
+
+    with pytest.raises(KeyboardInterrupt):
+        tune.tune(problems, measure=measure, progress=False)
+    entries = dispatch.load_tables(fake_gpu)[0].entries
+    assert sorted(e.m for e in entries) == [128, 256]
+
+
+def test_progress_without_tqdm_prints_lines(fake_gpu, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    p = tune.Problem("DEFAULT", "bfloat16", False, False, 1, 8, 8, 8)
+    tune.tune([p], measure=lambda *a, **k: 1e-5, progress=True)
+    assert "[1/1] DEFAULT bfloat16 NN 8x8x8: cublaslt 10.0 us, xla 10.0 us -> xla" in \
+        capsys.readouterr().out
+
+
+def test_tune_refuses_to_time_without_a_gpu(monkeypatch):
+    monkeypatch.setattr(dispatch, "device_identity", lambda: (None, None))
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        tune.tune([], measure=lambda *a, **k: 1.0)
+
+
+def test_bare_callables_are_refused(fake_gpu):
+    with pytest.raises(TypeError, match=r"\(fn, args\)"):
+        tune.tune([jax_epilog.dense], measure=lambda *a, **k: 1.0)
