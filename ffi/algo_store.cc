@@ -21,7 +21,7 @@ constexpr size_t kWords = sizeof(cublasLtMatmulAlgo_t::data) / sizeof(uint64_t);
 struct Store {
   std::mutex mutex;
   bool loaded = false;
-  std::string path;
+  std::string path;  // empty: no file
   std::unordered_map<std::string, cublasLtMatmulAlgo_t> algos;
 };
 
@@ -57,7 +57,6 @@ bool ParseAlgo(const std::string& text, cublasLtMatmulAlgo_t* algo) {
 void LoadLocked(Store& store) {
   if (store.loaded) return;
   store.loaded = true;
-  store.path = AlgoStorePath();
   if (store.path.empty()) return;
   std::ifstream file(store.path);
   std::string line;
@@ -110,11 +109,12 @@ void AppendLine(const std::string& path, std::string line) {
 
 }  // namespace
 
-std::string AlgoStorePath() {
-  if (const char* path = std::getenv("JAX_EPILOG_AUTOTUNE_CACHE")) return path;
-  const char* home = std::getenv("HOME");
-  if (home == nullptr || *home == '\0') return "";
-  return std::string(home) + "/.cache/jax_epilog/autotune.txt";
+void SetAlgoStorePath(const std::string& path) {
+  Store& store = TheStore();
+  std::lock_guard<std::mutex> lock(store.mutex);
+  store.path = path;
+  store.loaded = false;
+  store.algos.clear();
 }
 
 bool LookUpStoredAlgo(const std::string& key, cublasLtMatmulAlgo_t* algo) {
@@ -139,7 +139,6 @@ void ForgetStoredAlgos() {
   Store& store = TheStore();
   std::lock_guard<std::mutex> lock(store.mutex);
   store.loaded = false;
-  store.path.clear();
   store.algos.clear();
 }
 

@@ -14,9 +14,9 @@
 
 namespace jax_epilog {
 
-// The file: $JAX_EPILOG_AUTOTUNE_CACHE if set (empty: no file), otherwise
-// $HOME/.cache/jax_epilog/autotune.txt (no HOME: no file).
-std::string AlgoStorePath();
+// The file, set from Python (jax_epilog.config.autotune_cache_path, through
+// controls.cc); empty, the default, means no file. Setting it forgets the in-memory copy.
+void SetAlgoStorePath(const std::string& path);
 
 // The algorithm stored under `key`; the file's last line for it wins.
 bool LookUpStoredAlgo(const std::string& key, cublasLtMatmulAlgo_t* algo);
@@ -24,7 +24,7 @@ bool LookUpStoredAlgo(const std::string& key, cublasLtMatmulAlgo_t* algo);
 // Remembers `algo` under `key`, in memory and appended to the file.
 void StoreAlgo(const std::string& key, const cublasLtMatmulAlgo_t& algo);
 
-// Drops the in-memory copy: the next lookup re-reads the file (and its path).
+// Drops the in-memory copy: the next lookup re-reads the file.
 void ForgetStoredAlgos();
 
 }  // namespace jax_epilog

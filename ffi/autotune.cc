@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
@@ -41,14 +40,8 @@ constexpr float kMinGain = 0.02f;
 constexpr size_t kCheckBytes = size_t{1} << 20;
 constexpr float kCheckTolerance = 0.05f;  // of the largest magnitude in the heuristic's sample
 
-std::atomic<int> autotune_setting{-1};  // -1: not decided yet
-
-int SettingFromEnvironment() {
-  const char* value = std::getenv("JAX_EPILOG_AUTOTUNE");
-  if (value != nullptr && std::strcmp(value, "1") == 0) return 1;
-  if (value != nullptr && std::strcmp(value, "0") == 0) return 0;
-  return kAutotuneByDefault ? 1 : 0;
-}
+std::atomic<bool> autotune_on{kAutotuneByDefault};
+std::atomic<bool> autotune_log{false};
 
 // E.g. "NVIDIA_H200 sm_90": GPUs of one model share tuning results.
 ffi::Error GpuIdentity(int device, std::string* identity) {
@@ -258,11 +251,10 @@ int Fastest(const std::vector<float>& ms) {
   return best;
 }
 
-// With JAX_EPILOG_AUTOTUNE_LOG=1, one line per tuned problem on stderr: each
+// With the log on (SetAutotuneLog), one line per tuned problem on stderr: each
 // candidate's milliseconds per launch (heuristic order; "-" for rejected) and the choice.
 void LogTuning(const std::string& problem, const std::vector<float>& ms, int winner) {
-  const char* log = std::getenv("JAX_EPILOG_AUTOTUNE_LOG");
-  if (log == nullptr || std::strcmp(log, "1") != 0) return;
+  if (!autotune_log.load(std::memory_order_relaxed)) return;
   std::string times;
   for (size_t i = 0; i < ms.size(); ++i) {
     char text[32] = "-";
@@ -276,18 +268,11 @@ void LogTuning(const std::string& problem, const std::vector<float>& ms, int win
 
 }  // namespace
 
-bool AutotuneEnabled() {
-  int setting = autotune_setting.load(std::memory_order_acquire);
-  if (setting < 0) {
-    autotune_setting.compare_exchange_strong(setting, SettingFromEnvironment());
-    setting = autotune_setting.load(std::memory_order_acquire);
-  }
-  return setting == 1;
-}
+bool AutotuneEnabled() { return autotune_on.load(std::memory_order_relaxed); }
 
-void SetAutotune(bool enabled) {
-  autotune_setting.store(enabled ? 1 : 0, std::memory_order_release);
-}
+void SetAutotune(bool enabled) { autotune_on.store(enabled, std::memory_order_relaxed); }
+
+void SetAutotuneLog(bool enabled) { autotune_log.store(enabled, std::memory_order_relaxed); }
 
 bool ApplyStoredAlgo(Plan& plan) {
   std::string key;

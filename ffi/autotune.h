@@ -11,11 +11,12 @@
 
 namespace jax_epilog {
 
-// The switch: set by SetAutotune, else read once from JAX_EPILOG_AUTOTUNE ("1" on,
-// "0" off, anything else or unset: the default, off). It decides for plans not yet
-// tuned; a tuned plan keeps its algorithm.
+// The switch, set from Python (jax_epilog.config, through controls.cc); on until set.
+// It decides for plans not yet tuned; a tuned plan keeps its algorithm.
 bool AutotuneEnabled();
 void SetAutotune(bool enabled);
+// Whether each tuning is logged to stderr (candidate times and choice); off until set.
+void SetAutotuneLog(bool enabled);
 
 // Takes the algorithm stored on disk for the plan's problem on this GPU model and
 // cuBLASLt version, if there is one and cuBLASLt accepts it, and marks the plan

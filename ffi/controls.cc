@@ -1,16 +1,35 @@
 // C entry points that change the library's behaviour at run time (ctypes, from
-// jax_epilog.cuda_library): the autotuning switch, the plan cache, and test-only
-// fault injection. None touches a GPU; all are safe to call from any thread.
+// jax_epilog.cuda_library): the settings (the library reads no environment variable:
+// Python parses them, jax_epilog.config, and sets them here right after loading), the
+// plan cache, and test-only fault injection. None touches a GPU; all are safe to call
+// from any thread.
+#include <cstdint>
+#include <exception>
+#include <string>
+
 #include "algo_store.h"
 #include "autotune.h"
 #include "fault_injection.h"
 #include "plan_cache.h"
 #include "status.h"
 
-// Autotuning on (non-zero) or off for plans not yet tuned; overrides
-// JAX_EPILOG_AUTOTUNE.
+// Autotuning on (non-zero) or off for plans not yet tuned. On until set.
 JAX_EPILOG_EXPORT void jax_epilog_set_autotune(int enabled) {
   jax_epilog::SetAutotune(enabled != 0);
+}
+
+// Each tuning logged to stderr (non-zero) or not. Off until set.
+JAX_EPILOG_EXPORT void jax_epilog_set_autotune_log(int enabled) {
+  jax_epilog::SetAutotuneLog(enabled != 0);
+}
+
+// The file of tuned algorithms; "" (or NULL), the default, means no file. The
+// in-memory copy is forgotten: the next lookup reads the new file.
+JAX_EPILOG_EXPORT void jax_epilog_set_autotune_cache_path(const char* path) {
+  try {
+    jax_epilog::SetAlgoStorePath(path != nullptr ? path : "");
+  } catch (const std::exception&) {  // std::bad_alloc must not cross into C
+  }
 }
 
 // 1 when autotuning is on, else 0.
@@ -18,11 +37,20 @@ JAX_EPILOG_EXPORT int jax_epilog_autotune_enabled(void) {
   return jax_epilog::AutotuneEnabled() ? 1 : 0;
 }
 
+// The most plans kept cached (at least 1; default 4096): beyond it the least recently
+// used are dropped. A call using a dropped plan finishes with it.
+JAX_EPILOG_EXPORT void jax_epilog_set_plan_cache_capacity(int64_t capacity) {
+  try {
+    jax_epilog::SetPlanCapacity(capacity);
+  } catch (const std::exception&) {  // std::bad_alloc must not cross into C
+  }
+}
+
 // The number of plans (problems) cached in this process.
 JAX_EPILOG_EXPORT int jax_epilog_plan_cache_size(void) { return jax_epilog::PlanCount(); }
 
-// Forgets every plan and the in-memory copy of the autotune file (whose path is read
-// again): the next call of each problem plans, and with autotuning on tunes, anew.
+// Forgets every plan and the in-memory copy of the autotune file: the next call of each
+// problem plans, and with autotuning on tunes (or reads the file), anew.
 // For tests and benchmarks; safe while other calls run.
 JAX_EPILOG_EXPORT void jax_epilog_clear_plan_cache(void) {
   try {

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <exception>
 #include <initializer_list>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -261,7 +262,7 @@ ffi::Error NoThrow(Body body) {
 ffi::Error PlanCall(int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b,
                     ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t epilog,
                     bool transpose_a, bool transpose_b, bool allow_tf32, Call* call,
-                    Plan** plan) {
+                    std::shared_ptr<Plan>* plan) {
   JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, a, b, args, rets, epilog, transpose_a,
                                     transpose_b, allow_tf32, call));
   return GetPlan(call->problem, plan);
@@ -273,7 +274,7 @@ ffi::Error MatmulInitialize(cudaStream_t stream, int32_t xla_device, ffi::AnyBuf
                             bool allow_tf32) {
   return NoThrow([&] {
     Call call;
-    Plan* plan = nullptr;
+    std::shared_ptr<Plan> plan;
     JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, a, b, args, rets, epilog, transpose_a,
                                         transpose_b, allow_tf32, &call, &plan));
     if (!AutotuneEnabled()) return ffi::Error::Success();
@@ -286,7 +287,7 @@ ffi::Error MatmulExecute(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer
                          int32_t epilog, bool transpose_a, bool transpose_b, bool allow_tf32) {
   return NoThrow([&] {
     Call call;
-    Plan* plan = nullptr;
+    std::shared_ptr<Plan> plan;
     JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, a, b, args, rets, epilog, transpose_a,
                                         transpose_b, allow_tf32, &call, &plan));
     return RunPlan(*plan, call.buffers, stream);

@@ -1,5 +1,7 @@
 #include "plan_cache.h"
 
+#include <algorithm>
+#include <atomic>
 #include <climits>
 #include <memory>
 #include <mutex>
@@ -169,18 +171,41 @@ ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
   return ffi::Error::Success();
 }
 
+// The plans, least recently used first out beyond the capacity. A plan handed out is
+// shared: one evicted (or cleared) while a call holds it lives until that call is done.
 struct PlanCache {
+  using Plans = std::unordered_map<Problem, std::shared_ptr<Plan>, ProblemHash>;
   std::shared_mutex mutex;
-  std::unordered_map<Problem, std::unique_ptr<Plan>, ProblemHash> plans;
-  // Plans dropped by ClearPlans: a call on another thread may still hold one, so they
-  // are kept (a few hundred bytes each; clearing is for tests and benchmarks).
-  std::vector<std::unique_ptr<Plan>> retired;
+  Plans plans;
+  // Counts insertions. A lookup stamps its plan with the count, so lookups only read the
+  // map (under the shared lock) and recency is known to the nearest insertion, which is
+  // all eviction (on insertion) needs.
+  std::atomic<uint64_t> clock{0};
+  std::atomic<int64_t> capacity{kDefaultPlanCapacity};
 };
 
 // Never destroyed: plans are in use until the process ends (see HandleFor).
 PlanCache& Cache() {
   static PlanCache* cache = new PlanCache;
   return *cache;
+}
+
+// Takes the least recently used plans beyond the capacity out of the cache, into
+// `evicted` (destroyed by the caller after unlocking). The caller holds the lock.
+void EvictLocked(PlanCache& cache, std::vector<std::shared_ptr<Plan>>* evicted) {
+  const size_t capacity = static_cast<size_t>(cache.capacity.load(std::memory_order_relaxed));
+  if (cache.plans.size() <= capacity) return;
+  std::vector<std::pair<uint64_t, PlanCache::Plans::iterator>> by_age;
+  by_age.reserve(cache.plans.size());
+  for (auto it = cache.plans.begin(); it != cache.plans.end(); ++it)
+    by_age.emplace_back(it->second->last_used.load(std::memory_order_relaxed), it);
+  const size_t excess = by_age.size() - capacity;
+  std::nth_element(by_age.begin(), by_age.begin() + (excess - 1), by_age.end(),
+                   [](const auto& x, const auto& y) { return x.first < y.first; });
+  for (size_t i = 0; i < excess; ++i) {
+    evicted->push_back(std::move(by_age[i].second->second));
+    cache.plans.erase(by_age[i].second);
+  }
 }
 
 }  // namespace
@@ -341,7 +366,7 @@ cublasStatus_t Enqueue(Plan& plan, const CallBuffers& buffers, const cublasLtMat
                         buffers.workspace_bytes, stream);
 }
 
-ffi::Error GetPlan(const Problem& requested, Plan** plan) {
+ffi::Error GetPlan(const Problem& requested, std::shared_ptr<Plan>* plan) {
   // One plan serves problems that differ only in what the plan ignores: TF32 for
   // 16-bit types, the bias batch for epilogs without a bias input.
   Problem problem = requested;
@@ -352,7 +377,12 @@ ffi::Error GetPlan(const Problem& requested, Plan** plan) {
   {
     std::shared_lock<std::shared_mutex> lock(cache.mutex);
     if (auto it = cache.plans.find(problem); it != cache.plans.end()) {
-      *plan = it->second.get();
+      // Stores only when the stamp changes, so that concurrent calls of a hot plan do
+      // not contend for its cache line.
+      const uint64_t now = cache.clock.load(std::memory_order_relaxed);
+      if (it->second->last_used.load(std::memory_order_relaxed) != now)
+        it->second->last_used.store(now, std::memory_order_relaxed);
+      *plan = it->second;
       return ffi::Error::Success();
     }
   }
@@ -361,7 +391,7 @@ ffi::Error GetPlan(const Problem& requested, Plan** plan) {
   JAX_EPILOG_RETURN_IF_ERROR(HandleFor(problem.device, &handle));
   // Built outside the cache lock (the heuristic takes a while); if another thread
   // built the same plan meanwhile, its plan is kept and this one dropped.
-  auto built = std::make_unique<Plan>();
+  auto built = std::make_shared<Plan>();
   {
     ScopedDevice scoped;
     JAX_EPILOG_RETURN_IF_ERROR(scoped.Enter(problem.device));
@@ -369,9 +399,15 @@ ffi::Error GetPlan(const Problem& requested, Plan** plan) {
     // With autotuning on, an algorithm tuned earlier (on disk) replaces the heuristic's.
     if (AutotuneEnabled()) ApplyStoredAlgo(*built);
   }
+  std::vector<std::shared_ptr<Plan>> evicted;  // destroyed after the lock is released
   std::unique_lock<std::shared_mutex> lock(cache.mutex);
   auto inserted = cache.plans.emplace(problem, std::move(built));
-  *plan = inserted.first->second.get();
+  *plan = inserted.first->second;
+  if (inserted.second) {
+    (*plan)->last_used.store(cache.clock.fetch_add(1, std::memory_order_relaxed) + 1,
+                             std::memory_order_relaxed);
+    EvictLocked(cache, &evicted);
+  }
   return ffi::Error::Success();
 }
 
@@ -396,9 +432,17 @@ int PlanCount() {
 
 void ClearPlans() {
   PlanCache& cache = Cache();
+  PlanCache::Plans cleared;  // destroyed after the lock is released
   std::unique_lock<std::shared_mutex> lock(cache.mutex);
-  for (auto& entry : cache.plans) cache.retired.push_back(std::move(entry.second));
-  cache.plans.clear();
+  cleared.swap(cache.plans);
+}
+
+void SetPlanCapacity(int64_t capacity) {
+  PlanCache& cache = Cache();
+  std::vector<std::shared_ptr<Plan>> evicted;  // destroyed after the lock is released
+  std::unique_lock<std::shared_mutex> lock(cache.mutex);
+  cache.capacity.store(capacity > 1 ? capacity : 1, std::memory_order_relaxed);
+  EvictLocked(cache, &evicted);
 }
 
 }  // namespace jax_epilog

@@ -10,6 +10,7 @@
 #include <cublasLt.h>
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -86,12 +87,20 @@ struct Plan {
   // The pointers of a call live on the shared descriptor, so setting them and
   // enqueueing the matmul (or tuning) must not interleave with another call of this plan.
   std::mutex mutex;
+  // How recently the plan was looked up, for eviction (plan_cache.cc).
+  std::atomic<uint64_t> last_used{0};
 };
 
-// The plan for `problem`, built and cached on first use. Errors: kUnimplemented when
-// cuBLASLt has no algorithm for the problem (message: why), kFailedPrecondition for a
-// CUDA failure (no driver, bad device), kInternal for any other cuBLASLt failure.
-ffi::Error GetPlan(const Problem& requested, Plan** plan);
+// The plan for `problem`, built and cached on first use. The cache keeps at most its
+// capacity of plans and evicts the least recently used; the caller's reference keeps
+// its plan alive meanwhile. Errors: kUnimplemented when cuBLASLt has no algorithm for
+// the problem (message: why), kFailedPrecondition for a CUDA failure (no driver, bad
+// device), kInternal for any other cuBLASLt failure.
+ffi::Error GetPlan(const Problem& requested, std::shared_ptr<Plan>* plan);
+
+// The most plans the cache keeps (at least 1); lowering it evicts at once.
+constexpr int64_t kDefaultPlanCapacity = 4096;
+void SetPlanCapacity(int64_t capacity);
 
 // The data of one call, in our (row-major) naming.
 struct CallBuffers {

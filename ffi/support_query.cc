@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <memory>
 #include <string>
 
 #include "plan_cache.h"
@@ -55,7 +56,7 @@ int QuerySupport(int device, int epilog, int dtype, int transpose_a, int transpo
   p.workspace_bytes = workspace_bytes;
   // The pointer alignments keep Problem's default, 256 bytes, what XLA's buffers
   // normally have; a call with less aligned buffers gets its own plan at run time.
-  jax_epilog::Plan* plan = nullptr;
+  std::shared_ptr<jax_epilog::Plan> plan;
   const xla::ffi::Error error = jax_epilog::GetPlan(p, &plan);
   if (error.success()) return 1;
   *message = error.message();
@@ -66,11 +67,6 @@ int QuerySupport(int device, int epilog, int dtype, int transpose_a, int transpo
 
 // The cuBLASLt version number (e.g. 130100 for 13.1.0); needs no GPU.
 JAX_EPILOG_EXPORT size_t jax_epilog_cublaslt_version(void) { return cublasLtGetVersion(); }
-
-// The name of a cublasStatus_t value, e.g. "CUBLAS_STATUS_NOT_SUPPORTED".
-JAX_EPILOG_EXPORT const char* jax_epilog_status_name(int status) {
-  return cublasLtGetStatusName(static_cast<cublasStatus_t>(status));
-}
 
 // 1: cuBLASLt has an algorithm for the problem (its plan is now cached, so the first
 // call does not pay for it); 0: it has none, `message` says why; -1: the question

@@ -5,6 +5,10 @@ CUDA plugin uses). They are preloaded from the wheels' folder so our library fin
 those. Nothing here touches a GPU: cuBLASLt handles are made lazily inside the library, so
 importing jax_epilog on a machine without a driver, or without the wheels, just leaves the CUDA
 path unavailable (the reason is kept for the error or warning that needs it).
+
+The library reads no environment variable: right after loading it, its settings (autotuning, its
+log, the autotune file, the plan cache's capacity) are set from `jax_epilog.config`, which parses
+them, and config's setters reach the loaded library through the wrappers here.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ def _preload_cuda_libraries() -> None:
 # Run-time controls (ffi/controls.cc): name, result type, argument types.
 _CONTROLS = (
     ("jax_epilog_set_autotune", None, [ctypes.c_int]),
+    ("jax_epilog_set_autotune_log", None, [ctypes.c_int]),
+    ("jax_epilog_set_autotune_cache_path", None, [ctypes.c_char_p]),
+    ("jax_epilog_set_plan_cache_capacity", None, [ctypes.c_int64]),
     ("jax_epilog_autotune_enabled", ctypes.c_int, []),
     ("jax_epilog_plan_cache_size", ctypes.c_int, []),
     ("jax_epilog_clear_plan_cache", None, []),
@@ -53,10 +60,12 @@ class _Library:
     """The loaded library, or why it could not be loaded."""
 
     def __init__(self):
+        from . import config  # here: config's setters call back into this module
+
         self.handle: Optional[ctypes.CDLL] = None
         self.error: Optional[str] = None
         path = Path(__file__).with_name(_LIBRARY_FILE)
-        if os.environ.get("JAX_EPILOG_DISABLE_CUDA", "") not in ("", "0"):
+        if config.cuda_disabled():
             self.error = "disabled by JAX_EPILOG_DISABLE_CUDA"
             return
         if not path.exists():
@@ -80,12 +89,26 @@ class _Library:
         for name, restype, argtypes in _CONTROLS:
             getattr(lib, name).restype = restype
             getattr(lib, name).argtypes = argtypes
+        lib.jax_epilog_set_autotune(int(config.autotune()))
+        lib.jax_epilog_set_plan_cache_capacity(config.plan_cache_capacity())
+        self.apply_file_settings()
+
+    def apply_file_settings(self) -> None:
+        """The autotune file and log, as config gives them now (read again on every clear)."""
+        from . import config
+
+        self.handle.jax_epilog_set_autotune_log(int(config.autotune_log()))
+        self.handle.jax_epilog_set_autotune_cache_path(_path_bytes(config.autotune_cache_path()))
 
     def register(self) -> None:
-        stages = {"execute": jax.ffi.pycapsule(self.handle.JaxEpilogMatmul)}
-        if hasattr(self.handle, "JaxEpilogMatmulInitialize"):
-            stages["initialize"] = jax.ffi.pycapsule(self.handle.JaxEpilogMatmulInitialize)
+        stages = {"execute": jax.ffi.pycapsule(self.handle.JaxEpilogMatmul),
+                  "initialize": jax.ffi.pycapsule(self.handle.JaxEpilogMatmulInitialize)}
         jax.ffi.register_ffi_target(TARGET_NAME, stages, platform="CUDA")
+
+
+def _path_bytes(path: Optional[os.PathLike]) -> bytes:
+    """A path for the library: b"" (no file) for None."""
+    return os.fsencode(path) if path is not None else b""
 
 
 @functools.cache
@@ -143,6 +166,31 @@ def set_autotune(enabled: bool) -> None:
         lib.handle.jax_epilog_set_autotune(int(enabled))
 
 
+def set_autotune_log(enabled: bool) -> None:
+    """Each tuning logged to stderr, or not, in the loaded library; nothing without it."""
+    lib = library()
+    if lib.handle is not None:
+        lib.handle.jax_epilog_set_autotune_log(int(enabled))
+
+
+def set_autotune_cache_path(path: Optional[os.PathLike]) -> None:
+    """The loaded library's file of tuned algorithms (None: no file), read when next needed;
+    nothing without the library. Use `jax_epilog.config`."""
+    lib = library()
+    if lib.handle is not None:
+        lib.handle.jax_epilog_set_autotune_cache_path(_path_bytes(path))
+
+
+def set_plan_cache_capacity(n: int) -> None:
+    """At most `n` cuBLASLt plans stay cached in the loaded library (the least recently used go
+    first); nothing without the library. Use `jax_epilog.config`."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n: expected a positive int, got {n!r}")
+    lib = library()
+    if lib.handle is not None:
+        lib.handle.jax_epilog_set_plan_cache_capacity(n)
+
+
 def autotune_enabled() -> Optional[bool]:
     """Whether the loaded library autotunes new plans, or None without the library."""
     lib = library()
@@ -158,11 +206,13 @@ def plan_cache_size() -> Optional[int]:
 
 def clear_plan_cache() -> None:
     """For tests and benchmarks: forget every plan (and the support answers that built them) and
-    re-read the autotune file, so each problem is planned, and with autotuning on tuned, anew."""
+    re-read the autotune file (at the path and with the log setting config gives now), so each
+    problem is planned, and with autotuning on tuned, anew."""
     query_support.cache_clear()
     lib = library()
     if lib.handle is not None:
         lib.handle.jax_epilog_clear_plan_cache()
+        lib.apply_file_settings()
 
 
 def captured_executions() -> Optional[int]:
