@@ -31,17 +31,8 @@ import plot
 import timing
 from jax_epilog import Epilog, gelu_aux_columns, relu_mask_bytes
 from jax_epilog import matmul as epilog_matmul
+from jax_epilog.tune import GRID  # id: (B, K, N) for x[B, K] @ W[K, N] + b[N]
 
-# id: (B, K, N) for x[B, K] @ W[K, N] + b[N]
-GRID = {
-    "G1": (65536, 4096, 4096),
-    "G2": (8192, 8192, 8192),
-    "G3": (8192, 1024, 4096),
-    "G4": (16384, 4096, 16384),
-    "G5": (16384, 16384, 4096),
-    "G6": (4096, 1024, 1024),
-    "G7": (256, 784, 100),
-}
 # Odd, tiny shapes that run in seconds on a CPU (and exercise cuBLASLt's ragged edges on a GPU).
 SMOKE_GRID = {"S1": (64, 48, 40), "S2": (129, 7, 127)}
 
@@ -174,27 +165,8 @@ def cases(grid: dict, rows: list[str], dtypes: list[str]) -> list[Case]:
             if dtype == "bf16" or row in EXTRA_DTYPE_ROWS or row in SMOKE_GRID]
 
 
-class Budget:
-    """Spreads a total time budget (compilation included) over the remaining measurements:
-    each round lasts (remaining time) / (remaining measurements × rounds incl. warm-up), kept
-    between `shortest_round` (long enough that launch latency does not count) and
-    `longest_round`. A run whose compilation eats the budget still gets the shortest rounds,
-    so it may overrun."""
-
-    def __init__(self, seconds: float, measurements: int, *, shortest_round: float = 0.01,
-                 longest_round: float = 0.05):
-        self.deadline = time.perf_counter() + seconds
-        self.left = measurements
-        self.shortest_round, self.longest_round = shortest_round, longest_round
-
-    def round_seconds(self) -> float:
-        remaining = max(0.0, self.deadline - time.perf_counter())
-        share = remaining / max(1, self.left) / (ROUNDS + 3)
-        self.left -= 1
-        return min(self.longest_round, max(self.shortest_round, share))
-
-
-def measure_jax(jitted: Callable, arg_sets: list[tuple], budget: Budget) -> dict[str, Any]:
+def measure_jax(jitted: Callable, arg_sets: list[tuple],
+                budget: timing.Budget) -> dict[str, Any]:
     # The first call's time includes compiling, and any planning or algorithm search the
     # lowering or the first execution does: the one-off cost a user pays per problem.
     start = time.perf_counter()
@@ -214,7 +186,7 @@ def max_abs_difference(expected, received) -> float:
 
 
 def measure_nvmath(nv: NvmathRunner, epilog: Epilog, arg_sets: list[tuple],
-                   budget: Budget) -> dict[str, Any]:
+                   budget: timing.Budget) -> dict[str, Any]:
     plans = []
     try:
         plans = [nv.plan(epilog, *args) for args in arg_sets]
@@ -247,7 +219,7 @@ def run(selected: list[Case], epilogs: list[Epilog], budget_seconds: float,
     per_case = 1 + len(epilogs) * (3 if nv_ok else 2)
     started = time.perf_counter()
     bandwidth = measure_bandwidth(megabytes=1024 if selected[0].row in GRID else 16)
-    budget = Budget(budget_seconds, per_case * len(selected))
+    budget = timing.Budget(budget_seconds, per_case * len(selected), rounds=ROUNDS)
     records = []
     with timing.progress_bar(per_case * len(selected), "forward") as bar:
         for case in selected:

@@ -40,17 +40,10 @@ import forward_bench
 import timing
 from jax_epilog import Epilog, backward_strategy, dense, gelu_aux_columns, layers, mlp
 from jax_epilog import relu_mask_bytes
+from jax_epilog.tune import GELU_ROWS, NETWORKS  # BENCHMARK.md's networks M1-M3
 
 DTYPE = jnp.bfloat16
 ROUNDS = forward_bench.ROUNDS
-GELU_ROWS = ("G4", "G5")
-# id: (batch, widths): M1 4 ReLU layers of 4096, M2 8 of 1024, M3 the MNIST-sized network
-# of the nvmath-python tutorial (784 -> 100 -> 100 -> 10). No activation after the last layer.
-NETWORKS = {
-    "M1": (65536, (4096,) * 5),
-    "M2": (16384, (1024,) * 9),
-    "M3": (256, (784, 100, 100, 10)),
-}
 SMOKE_NETWORKS = {"T1": (64, (48, 40, 40, 8)), "T2": (33, (7, 129, 1, 10))}
 ACTIVATION = {"relu": jax.nn.relu, "gelu": lambda z: jax.nn.gelu(z, approximate=True),
               None: lambda z: z}
@@ -165,7 +158,7 @@ class Clock:
     """The run's wall-clock budget: each timed round gets a share of what is left."""
 
     def __init__(self, seconds: float, measurements: int):
-        self.budget = forward_bench.Budget(seconds, measurements)
+        self.budget = timing.Budget(seconds, measurements, rounds=ROUNDS)
 
     @property
     def spent(self) -> bool:
@@ -404,11 +397,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f"{r['fused']['seconds'] * 1e3:.3f} | {r['fused']['tflops']:.4g} | "
                      f"{r['unfused']['seconds'] * 1e3:.3f} | {r['unfused']['tflops']:.4g} | "
                      f"{entry.choice} |")
-    if report["skipped"]:
-        lines += ["", f"Skipped (time budget spent): {', '.join(report['skipped'])}"]
-    if not meta["custom_call_active"]:
-        lines += ["", f"Note: jax_epilog ran the plain-JAX reference lowering, not cuBLASLt "
-                  f"({meta['custom_call_unavailable_reason']})."]
+    lines += timing.footnotes(meta, report["skipped"])
     return "\n".join(lines) + "\n"
 
 

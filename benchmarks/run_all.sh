@@ -2,7 +2,8 @@
 # Every benchmark of jax-epilog, one after the other, results under one folder.
 #
 #   bash benchmarks/run_all.sh [OUT [NAME...]]   # OUT defaults to benchmarks/results
-#   bash benchmarks/run_all.sh OUT forward overhead  # only these (forward, overhead, layers)
+#   bash benchmarks/run_all.sh OUT forward overhead  # only these (forward, overhead, layers,
+#                                                    # never_slower)
 #   PYTHON=/path/to/python3 bash benchmarks/run_all.sh OUT
 #   SMOKE=1 bash benchmarks/run_all.sh /tmp/smoke   # tiny shapes: checks the scripts on a CPU
 #
@@ -39,11 +40,13 @@ run() {
 # Every benchmark takes about 5 minutes on an H200 (layers ~6): name some of them to split
 # the run across commands with a time limit.
 selected=("${@:2}")
-if (( ${#selected[@]} == 0 )); then selected=(forward overhead layers); fi
+if (( ${#selected[@]} == 0 )); then selected=(forward overhead layers never_slower); fi
 for name in "${selected[@]}"; do
     case "$name" in
         forward|overhead|layers) run "$name" "benchmarks/${name}_bench.py" ;;
-        *) echo "unknown benchmark '$name': expected forward, overhead or layers"; failed+=("$name") ;;
+        never_slower) run "$name" "benchmarks/never_slower.py" ;;
+        *) echo "unknown benchmark '$name': expected forward, overhead, layers or never_slower"
+           failed+=("$name") ;;
     esac
 done
 

@@ -67,12 +67,25 @@ def time_calls(call: Callable[..., Any], arg_sets: Sequence[tuple], *,
     `jax.block_until_ready`; for torch or CuPy, a stream synchronisation). Each round issues
     enough back-to-back calls to last about `round_seconds`, then synchronises once.
     """
-    if not arg_sets:
-        raise ValueError("arg_sets: expected at least one tuple of arguments, got none")
+    return time_interleaved({"call": (call, arg_sets)}, sync=sync, rounds=rounds,
+                            round_seconds=round_seconds, max_calls_per_round=max_calls_per_round,
+                            warmup_calls=warmup_calls)["call"]
+
+
+def time_interleaved(calls: dict[str, tuple[Callable[..., Any], Sequence[tuple]]], *,
+                     sync: Callable[[Any], Any] = jax.block_until_ready, rounds: int = 5,
+                     round_seconds: float = 0.02, max_calls_per_round: int = 10_000,
+                     warmup_calls: int = 2) -> dict[str, Timing]:
+    """`time_calls` for several `name: (call, arg_sets)` at once, their rounds interleaved
+    (a, b, a, b, ...) so that the shared machine's drift affects every one alike."""
     if rounds < 1:
         raise ValueError(f"rounds: expected >= 1, got {rounds}")
+    for name, (_, arg_sets) in calls.items():
+        if not arg_sets:
+            raise ValueError(f"arg_sets of {name!r}: expected at least one tuple of arguments, "
+                             "got none")
 
-    def run(n: int) -> float:
+    def run(call, arg_sets, n: int) -> float:
         start = time.perf_counter()
         result = None
         for i in range(n):
@@ -80,12 +93,43 @@ def time_calls(call: Callable[..., Any], arg_sets: Sequence[tuple], *,
         sync(result)
         return time.perf_counter() - start
 
-    # Warm-up touches every input copy (compilation, plans, allocator) before anything counts.
-    run(max(warmup_calls, len(arg_sets)))
-    estimate = run(max(1, len(arg_sets))) / max(1, len(arg_sets))
-    calls = int(min(max_calls_per_round, max(len(arg_sets), math.ceil(round_seconds / estimate))))
-    per_call = tuple(run(calls) / calls for _ in range(rounds))
-    return Timing(seconds=statistics.median(per_call), rounds=per_call, calls_per_round=calls)
+    counts = {}
+    for name, (call, arg_sets) in calls.items():
+        # Warm-up touches every input copy (compilation, plans, allocator) before anything counts.
+        run(call, arg_sets, max(warmup_calls, len(arg_sets)))
+        estimate = run(call, arg_sets, max(1, len(arg_sets))) / max(1, len(arg_sets))
+        counts[name] = int(min(max_calls_per_round,
+                               max(len(arg_sets), math.ceil(round_seconds / max(estimate, 1e-9)))))
+    per_call: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, (call, arg_sets) in calls.items():
+            per_call[name].append(run(call, arg_sets, counts[name]) / counts[name])
+    return {name: Timing(seconds=statistics.median(values), rounds=tuple(values),
+                         calls_per_round=counts[name]) for name, values in per_call.items()}
+
+
+class Budget:
+    """Spreads a total time budget (compilation included) over the remaining measurements:
+    each round lasts (remaining time) / (remaining measurements × (rounds + 3 for warm-up)),
+    kept between `shortest_round` (long enough that launch latency does not count) and
+    `longest_round`. A run whose compilation eats the budget still gets the shortest rounds,
+    so it may overrun."""
+
+    def __init__(self, seconds: float, measurements: int, *, rounds: int = 5,
+                 shortest_round: float = 0.01, longest_round: float = 0.05):
+        self.deadline = time.perf_counter() + seconds
+        self.left = measurements
+        self.rounds = rounds
+        self.shortest_round, self.longest_round = shortest_round, longest_round
+
+    @property
+    def remaining(self) -> float:
+        return max(0.0, self.deadline - time.perf_counter())
+
+    def round_seconds(self) -> float:
+        share = self.remaining / max(1, self.left) / (self.rounds + 3)
+        self.left -= 1
+        return min(self.longest_round, max(self.shortest_round, share))
 
 
 def progress_bar(total: int, desc: str) -> tqdm:
@@ -137,6 +181,18 @@ def _nvidia_smi(field: str) -> Optional[str]:
         return None
     lines = out.strip().splitlines()
     return lines[0].strip() if lines else None
+
+
+def footnotes(metadata: dict[str, Any], skipped: Sequence[str]) -> list[str]:
+    """A Markdown report's closing lines: what the time budget skipped, and a note where
+    jax-epilog's rows ran the reference lowering instead of cuBLASLt."""
+    lines = []
+    if skipped:
+        lines += ["", f"Skipped (time budget spent): {', '.join(skipped)}"]
+    if not metadata["custom_call_active"]:
+        lines += ["", f"Note: jax_epilog ran the plain-JAX reference lowering, not cuBLASLt "
+                  f"({metadata['custom_call_unavailable_reason']})."]
+    return lines
 
 
 def run_metadata() -> dict[str, Any]:

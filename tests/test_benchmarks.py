@@ -73,3 +73,20 @@ def test_layer_loop_matches_unrolled_layers():
         expected = expected.at[:, :10].set(layer(expected, w, b))
     received = jax.jit(overhead_bench.layer_loop(layer, 3, unroll=1))(x, w, b)
     np.testing.assert_allclose(received, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_never_slower_smoke_report(tmp_path):
+    import never_slower
+
+    never_slower.main(["--smoke", "--rows", "S1", "--budget-s", "0.5", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "never_slower.json").read_text())
+    assert report["metadata"]["jax"] and "cublaslt_version" in report["metadata"]
+    names = [r["name"] for r in report["rows"]] + report["skipped"]
+    assert names[:2] == ["S1 forward", "S1 step"] and not report["errors"]
+    assert sorted(names) == ["S1 forward", "S1 gelu forward", "S1 gelu step", "S1 step"]
+    for row in report["rows"]:
+        assert row["careful"]["ratio"] > 0 and row["user"]["ratio"] > 0
+        assert row["max_abs_diff"] < 0.1  # both sides computed the same layer
+    assert set(report["summary"]) == {"careful", "user"}
+    table = (tmp_path / "never_slower.md").read_text()
+    assert "| S1 step | 64 × 48→40 |" in table and "| careful |" in table
