@@ -132,8 +132,7 @@ def _parse(text: str, path: Path) -> tuple[Table, ...]:
                  for t in data["tables"])
 
 
-@functools.cache
-def load_tables(path: Path) -> tuple[Table, ...]:
+def read_tables(path: Path) -> tuple[Table, ...]:
     """The tables in `path`: none if it does not exist or cannot be read (a warning says why)."""
     path = Path(path)
     try:
@@ -144,6 +143,9 @@ def load_tables(path: Path) -> tuple[Table, ...]:
         warnings.warn(f"jax_epilog: ignoring the decisions table {path}: {e}", RuntimeWarning,
                       stacklevel=2)
         return ()
+
+
+load_tables = functools.cache(read_tables)  # what `choose` reads, once per process
 
 
 def _section(tables: Iterable[Table], device: str, version: Optional[int]) -> Optional[Table]:
@@ -164,14 +166,15 @@ def _dump(tables: Iterable[Table]) -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: Path):
-    """Serialises read-merge-write of `path` between processes (a lock file beside it)."""
-    with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def _locked(folder: Path):
+    """Serialises read-merge-write of the tables in `folder` between processes (a lock on the
+    folder itself, so no lock file is left beside a table)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def merge_into(path: Path, device: str, cublaslt_version: Optional[int],
@@ -180,9 +183,8 @@ def merge_into(path: Path, device: str, cublaslt_version: Optional[int],
     same problem, keeping everything else; written atomically (temp file + rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(path):
-        load_tables.cache_clear()
-        tables = list(load_tables(path))
+    with _locked(path.parent):
+        tables = list(read_tables(path))
         index = next((i for i, t in enumerate(tables)
                       if t.device == device and t.cublaslt_version == cublaslt_version), None)
         merged = {e.key: e for e in (tables[index].entries if index is not None else ())}

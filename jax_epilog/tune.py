@@ -28,6 +28,7 @@ arrays or `jax.ShapeDtypeStruct`s), or `tune` on `Problem`s from `problems_of`.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import math
 import re
@@ -307,8 +308,7 @@ def time_problem(p: Problem, backend: str, *, seconds: float = SECONDS_PER_CANDI
     """Seconds per call of `p` on `backend`: the median of `rounds` wall-clock rounds of
     back-to-back calls (one `block_until_ready` per round) after a warm-up, about `seconds` in
     all. Each call runs `copies_for(p)` independent problems; the result is per problem."""
-    copies = copies_for(p)
-    operands = [random_operands(p, seed) for seed in range(copies)]
+    operands = _operand_sets(p)
     call = call_fn(p, backend)
     run_all = jax.jit(lambda sets: [call(*s) for s in sets])
     jax.block_until_ready(run_all(operands))  # compile, plan, autotune
@@ -323,7 +323,12 @@ def time_problem(p: Problem, backend: str, *, seconds: float = SECONDS_PER_CANDI
 
     estimate = min(timed(1), timed(1))
     calls = max(1, min(10_000, round(seconds / rounds / max(estimate, 1e-7))))
-    return statistics.median(timed(calls) / calls for _ in range(rounds)) / copies
+    return statistics.median(timed(calls) / calls for _ in range(rounds)) / len(operands)
+
+
+@functools.lru_cache(maxsize=1)  # both candidates of a problem time the same arrays
+def _operand_sets(p: Problem) -> list[tuple]:
+    return jax.block_until_ready([random_operands(p, seed) for seed in range(copies_for(p))])
 
 
 # --- 3. the run ---------------------------------------------------------------------------------
@@ -421,6 +426,7 @@ def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
                        f"-> {entry.choice}")
     finally:
         bar.close()
+        _operand_sets.cache_clear()
         # Whatever was measured is kept, also when a later problem stopped the run.
         path = Path(output) if output is not None else config.decisions_path()
         if write and entries and path is not None:

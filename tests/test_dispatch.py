@@ -4,6 +4,7 @@ environment override, and the atomic merge-write of a table. CPU only: the GPU i
 
 import json
 import os
+import threading
 
 import pytest
 
@@ -185,8 +186,20 @@ def test_merge_keeps_other_entries_and_replaces_the_same_problem(tables):
     mine = {(e["m"], e["n"], e["k"]): e["choice"] for e in by_device[H200]["entries"]}
     assert mine == {(1, 2, 3): "cublaslt", (4, 5, 6): "xla", (7, 8, 9): "cublaslt"}
     assert len(by_device["Other GPU"]["entries"]) == 1
-    assert sorted(p.name for p in tables.iterdir() if p.name.startswith("user.json.")) == [
-        "user.json.lock"]  # no temporary file left behind
+    assert [p.name for p in tables.iterdir() if p.name.startswith("user.json")] == [
+        "user.json"]  # no temporary or lock file left behind
+
+
+def test_concurrent_merges_lose_nothing(tables):
+    path = tables / "user.json"
+    threads = [threading.Thread(target=write, args=(path, [entry(i + 1, 2, 3, fused=0.5)]))
+               for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    dispatch.clear_cache()
+    assert sorted(e.m for e in dispatch.load_tables(path)[0].entries) == list(range(1, 9))
 
 
 def test_a_failed_write_leaves_the_old_table_whole(tables, monkeypatch):
