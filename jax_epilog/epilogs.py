@@ -1,18 +1,82 @@
-"""The cuBLASLt epilogs: names, values, and what each one reads and writes.
+"""The cuBLASLt epilogs and THE table of what each one computes, reads and writes.
 
-`Epilog` mirrors `cublasLtEpilogue_t` (and nvmath-python's `MatmulEpilog`) value for value, so
-code written against either reads the same here. Everything the rest of the package needs to
-know about an epilog (its activation, which inputs it takes, which auxiliary output it writes)
-is derived here from the value, in one place.
+`Epilog` mirrors `cublasLtEpilogue_t` (and nvmath-python's `MatmulEpilog`) value for value.
+Every other module learns about an epilog from `TABLE` (through `Epilog`'s properties):
+abstract evaluation, the reference, the VJP, padding, sharding and the argument checks. To add
+an input or output to an epilog, change its row here (and `ARRAYS` for a new kind of array),
+and the C++ table in `ffi/epilogs.h`; nothing else restates it (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import enum
 import operator
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
+
+from . import activations
+from .activations import gelu_aux_columns, relu_mask_bytes
+
+
+class Activation(NamedTuple):
+    """An activation, what the forward keeps of it, and how the backward applies its derivative."""
+
+    fn: Callable          # z -> act(z)
+    residual: str         # the array the forward keeps for the backward (an `ARRAYS` key)
+    keep: Callable        # (z, dtype) -> that array
+    derivative: Callable  # (dy, residual, n) -> dy * act'(z)
+
+
+ACTIVATIONS = {
+    "relu": Activation(activations.relu, "relu_aux", activations._keep_relu,
+                       activations._apply_relu),
+    "gelu": Activation(activations.gelu, "gelu_aux", activations._keep_gelu,
+                       activations._apply_gelu),
+}
+
+
+class Array(NamedTuple):
+    """An array an epilog reads or writes besides a, b and y, in the kernel's rank-3 form.
+
+    `dims` name its axes: batch (a's batch), bias_batch (1 or batch), m, n, and the aux arrays'
+    row lengths mask_bytes (16·⌈N/128⌉) and gelu_cols (8·⌈N/8⌉). `sums` marks a bias gradient:
+    the sum over M of the epilog's result ("y"), or over K of operand "a" or "b".
+    """
+
+    dims: tuple[str, ...]
+    dtype: Optional[str]  # None: the operands' dtype
+    what: str
+    sums: Optional[str] = None
+
+
+ARRAYS = {
+    "bias": Array(("bias_batch", "n"), None, "the bias along N"),
+    "relu_aux": Array(("batch", "m", "mask_bytes"), "uint8", "the ReLU bit mask"),
+    "gelu_aux": Array(("batch", "m", "gelu_cols"), None, "the GELU pre-activation"),
+    "drelu_bgrad": Array(("batch", "n"), None, "the bias gradient", sums="y"),
+    "dgelu_bgrad": Array(("batch", "n"), None, "the bias gradient", sums="y"),
+    "bgrada": Array(("batch", "m"), None, "a summed over K", sums="a"),
+    # One row per batch, also for a shared b (the rows are then equal).
+    "bgradb": Array(("batch", "n"), None, "b summed over K", sums="b"),
+}
+
+#: Columns of N one shard must hold whole for an aux dim to split with N (16 bytes = 128 bits).
+AUX_DIM_COLUMNS = {"mask_bytes": 128, "gelu_cols": 8}
+
+
+def dim_sizes(batch: int, m: int, n: int, bias_batch: int = 1) -> dict[str, int]:
+    return dict(batch=batch, bias_batch=bias_batch, m=m, n=n, mask_bytes=relu_mask_bytes(n),
+                gelu_cols=gelu_aux_columns(n))
+
+
+class Row(NamedTuple):
+    """One epilog: y = activation(P [+ bias]) or y = P * derivative(aux), and its arrays."""
+
+    activation: Optional[str] = None  # applied to P + bias (forward epilogs)
+    derivative: Optional[str] = None  # whose derivative multiplies P (backward epilogs)
+    inputs: tuple[str, ...] = ()      # in the kernel's operand order, after a and b
+    outputs: tuple[str, ...] = ()     # in the kernel's result order, after y
 
 
 class Epilog(enum.IntEnum):
@@ -35,95 +99,117 @@ class Epilog(enum.IntEnum):
     BGRADA = 256
     BGRADB = 512
 
-    # --- what the epilog computes -------------------------------------------------------
     @property
-    def has_bias(self) -> bool:
-        return self in _WITH_BIAS
+    def row(self) -> Row:
+        return TABLE[self]
 
     @property
     def activation(self) -> Optional[str]:
         """'relu' or 'gelu' for the forward epilogs that apply one, else None."""
-        if self in (Epilog.RELU, Epilog.RELU_AUX, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS):
-            return "relu"
-        if self in (Epilog.GELU, Epilog.GELU_AUX, Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS):
-            return "gelu"
-        return None
+        return self.row.activation
 
     @property
-    def is_backward(self) -> bool:
-        """Epilogs that are themselves gradients (they read a mask or reduce a bias gradient)."""
-        return self in _BACKWARD
+    def derivative(self) -> Optional[str]:
+        """'relu' or 'gelu' for the backward epilogs that apply its derivative, else None."""
+        return self.row.derivative
 
-    # --- what it reads besides a and b ----------------------------------------------------
     @property
-    def aux_input(self) -> Optional[str]:
-        """'relu_aux' or 'gelu_aux' for the epilogs that read one, else None."""
-        if self in (Epilog.DRELU, Epilog.DRELU_BGRAD):
-            return "relu_aux"
-        if self in (Epilog.DGELU, Epilog.DGELU_BGRAD):
-            return "gelu_aux"
-        return None
+    def has_bias(self) -> bool:
+        return "bias" in self.row.inputs
 
     @property
     def input_names(self) -> tuple[str, ...]:
         """The keys `epilog_inputs` must have, in the order the kernel takes them."""
-        names = ("bias",) if self.has_bias else ()
-        return names + ((self.aux_input,) if self.aux_input else ())
-
-    # --- what it writes besides y ------------------------------------------------------------
-    @property
-    def aux_output(self) -> Optional[str]:
-        """'relu_aux' / 'gelu_aux' for the forward epilogs that keep one, else None."""
-        if self in (Epilog.RELU_AUX, Epilog.RELU_AUX_BIAS):
-            return "relu_aux"
-        if self in (Epilog.GELU_AUX, Epilog.GELU_AUX_BIAS):
-            return "gelu_aux"
-        return None
-
-    @property
-    def reduction_output(self) -> Optional[str]:
-        """The name of the bias-gradient output, for the epilogs that reduce one."""
-        return _REDUCTIONS.get(self)
+        return self.row.inputs
 
     @property
     def output_names(self) -> tuple[str, ...]:
         """Keys of the aux dict `matmul` returns (empty: `matmul` returns y alone)."""
-        return tuple(n for n in (self.aux_output, self.reduction_output) if n)
+        return self.row.outputs
 
     @property
-    def without_aux(self) -> "Epilog":
-        """The same forward computation without the auxiliary output (for inference)."""
-        return _WITHOUT_AUX.get(self, self)
+    def aux_input(self) -> Optional[str]:
+        """'relu_aux' or 'gelu_aux' for the epilogs that read one, else None."""
+        return next((name for name in self.row.inputs if name != "bias"), None)
+
+    @property
+    def aux_output(self) -> Optional[str]:
+        """'relu_aux' / 'gelu_aux' for the forward epilogs that keep one, else None."""
+        return next((name for name in self.row.outputs if not ARRAYS[name].sums), None)
+
+    @property
+    def reduction_output(self) -> Optional[str]:
+        """The name of the bias-gradient output, for the epilogs that reduce one."""
+        return next((name for name in self.row.outputs if ARRAYS[name].sums), None)
+
+    @property
+    def is_backward(self) -> bool:
+        """Epilogs that are themselves gradients (they read a mask or reduce a bias gradient)."""
+        return bool(self.derivative or self.reduction_output)
+
+    @property
+    def linear_in_k(self) -> bool:
+        """Whether every output is a sum over K of terms (so partial sums may be added)."""
+        return not (self.activation or self.derivative or self.has_bias)
 
     @property
     def with_aux(self) -> "Epilog":
         """The same forward computation keeping the residual the backward pass needs."""
-        return _WITH_AUX.get(self, self)
+        return self.find(self.activation, self.has_bias, keep_residual=True) \
+            if self.activation else self
+
+    @property
+    def without_aux(self) -> "Epilog":
+        """The same forward computation without the auxiliary output (for inference)."""
+        return self.find(self.activation, self.has_bias) if self.activation else self
+
+    @staticmethod
+    def find(activation: Optional[str], bias: bool, keep_residual: bool = False) -> "Epilog":
+        """The forward epilog computing `activation(P [+ bias])` [keeping its residual]."""
+        inputs = ("bias",) if bias else ()
+        outputs = (ACTIVATIONS[activation].residual,) if keep_residual and activation else ()
+        return _BY_ROW[Row(activation, None, inputs, outputs)]
+
+    @staticmethod
+    def find_derivative(activation: str, bias_gradient: bool) -> "Epilog":
+        """The backward epilog computing `P * activation'(z)` [and its sum over M]."""
+        residual = ACTIVATIONS[activation].residual
+        outputs = (f"d{activation}_bgrad",) if bias_gradient else ()
+        return _BY_ROW[Row(None, activation, (residual,), outputs)]
 
 
-_WITH_BIAS = frozenset({Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS, Epilog.GELU_BIAS,
-                        Epilog.GELU_AUX_BIAS})
-_BACKWARD = frozenset({Epilog.DRELU, Epilog.DRELU_BGRAD, Epilog.DGELU, Epilog.DGELU_BGRAD,
-                       Epilog.BGRADA, Epilog.BGRADB})
-_REDUCTIONS = {
-    Epilog.DRELU_BGRAD: "drelu_bgrad",
-    Epilog.DGELU_BGRAD: "dgelu_bgrad",
-    Epilog.BGRADA: "bgrada",
-    Epilog.BGRADB: "bgradb",
+_R, _G = "relu", "gelu"
+TABLE: dict[Epilog, Row] = {
+    Epilog.DEFAULT: Row(),
+    Epilog.RELU: Row(_R),
+    Epilog.RELU_AUX: Row(_R, outputs=("relu_aux",)),
+    Epilog.BIAS: Row(inputs=("bias",)),
+    Epilog.RELU_BIAS: Row(_R, inputs=("bias",)),
+    Epilog.RELU_AUX_BIAS: Row(_R, inputs=("bias",), outputs=("relu_aux",)),
+    Epilog.DRELU: Row(derivative=_R, inputs=("relu_aux",)),
+    Epilog.DRELU_BGRAD: Row(derivative=_R, inputs=("relu_aux",), outputs=("drelu_bgrad",)),
+    Epilog.GELU: Row(_G),
+    Epilog.GELU_AUX: Row(_G, outputs=("gelu_aux",)),
+    Epilog.GELU_BIAS: Row(_G, inputs=("bias",)),
+    Epilog.GELU_AUX_BIAS: Row(_G, inputs=("bias",), outputs=("gelu_aux",)),
+    Epilog.DGELU: Row(derivative=_G, inputs=("gelu_aux",)),
+    Epilog.DGELU_BGRAD: Row(derivative=_G, inputs=("gelu_aux",), outputs=("dgelu_bgrad",)),
+    Epilog.BGRADA: Row(outputs=("bgrada",)),
+    Epilog.BGRADB: Row(outputs=("bgradb",)),
 }
-_WITHOUT_AUX = {
-    Epilog.RELU_AUX: Epilog.RELU,
-    Epilog.RELU_AUX_BIAS: Epilog.RELU_BIAS,
-    Epilog.GELU_AUX: Epilog.GELU,
-    Epilog.GELU_AUX_BIAS: Epilog.GELU_BIAS,
-}
-_WITH_AUX = {v: k for k, v in _WITHOUT_AUX.items()}
+_BY_ROW = {row: epilog for epilog, row in TABLE.items()}
 
 
 def as_epilog(epilog) -> Epilog:
-    """An `Epilog` from a member, its value or its (case-insensitive) name."""
+    """An `Epilog` from a member, its value, its (case-insensitive) name, or nvmath-python's
+    `MatmulEpilog` member of the same name."""
     if isinstance(epilog, Epilog):
         return epilog
+    if type(epilog).__module__.startswith("nvmath") and isinstance(epilog, enum.Enum):
+        if epilog.name in Epilog.__members__:
+            return Epilog[epilog.name]
+        raise ValueError(f"epilog: nvmath-python's {epilog.name} has no cuBLASLt epilog here; "
+                         f"expected one of {', '.join(Epilog.__members__)}")
     if isinstance(epilog, str):
         try:
             return Epilog[epilog.strip().upper()]
@@ -144,11 +230,5 @@ def as_epilog(epilog) -> Epilog:
         raise ValueError(f"epilog: unknown value {epilog}; expected one of {values}") from None
 
 
-def relu_mask_bytes(n: int) -> int:
-    """Bytes per row of a ReLU bit mask: cuBLASLt's leading dimension is N rounded up to 128 bits."""
-    return 16 * -(-n // 128)
-
-
-def gelu_aux_columns(n: int) -> int:
-    """Columns per row of the GELU pre-activation buffer: N rounded up to 8 elements."""
-    return 8 * -(-n // 8)
+__all__ = ["ACTIVATIONS", "ARRAYS", "AUX_DIM_COLUMNS", "Activation", "Array", "Epilog", "Row",
+           "TABLE", "as_epilog", "dim_sizes", "gelu_aux_columns", "relu_mask_bytes"]

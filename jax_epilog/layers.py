@@ -12,8 +12,9 @@ one layer), so the backward can use the epilogs that cross a layer boundary:
   it (the last layer, or a layer whose successor is not activated); for i > 0 the
   data-gradient GEMM dZ_i W_iᵀ also applies layer i-1's activation derivative and reduces its
   bias gradient (DRELU_BGRAD / DGELU_BGRAD, DRELU / DGELU without a bias). Each of these fused
-  steps has an unfused equivalent (plain GEMM, elementwise derivative, reduction); which runs is
-  chosen per problem from measurements, see `backward_strategy`.
+  steps has an unfused equivalent (XLA's GEMM, elementwise derivative, reduction); which runs is
+  chosen per GEMM from measurements at lowering time (`backend="auto"`, see `dispatch`), and
+  likewise for the forward GEMMs.
 
 Dtypes, as Flax's `Dense` does it: everything is cast to one computation dtype before the
 matmul: `dtype` if given, else `jnp.result_type` of `x` and the parameters (what the plain
@@ -40,10 +41,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from . import backward_strategy, manual_axes
+from . import manual_axes
+from . import epilogs
 from .epilogs import Epilog
 from .matmul import SUPPORTED_DTYPES, matmul
-from .reference import gelu_derivative, unpack_relu_mask
 
 ACTIVATIONS = (None, "relu", "gelu")
 
@@ -52,20 +53,9 @@ RELU_MASK_NAME = "jax_epilog_relu_mask"
 GELU_PRE_ACTIVATION_NAME = "jax_epilog_gelu_pre_activation"
 LAYER_INPUT_NAME = "jax_epilog_layer_input"
 
-_FORWARD_EPILOG = {  # (activation, has_bias) -> the epilog computing act(x @ kernel + bias)
-    (None, False): Epilog.DEFAULT,
-    (None, True): Epilog.BIAS,
-    ("relu", False): Epilog.RELU,
-    ("relu", True): Epilog.RELU_BIAS,
-    ("gelu", False): Epilog.GELU,
-    ("gelu", True): Epilog.GELU_BIAS,
-}
-_DERIVATIVE_EPILOG = {  # (activation, has_bias) -> dZ = (dY @ Wᵀ) * act'(Z) [+ bias gradient]
-    ("relu", False): Epilog.DRELU,
-    ("relu", True): Epilog.DRELU_BGRAD,
-    ("gelu", False): Epilog.DGELU,
-    ("gelu", True): Epilog.DGELU_BGRAD,
-}
+#: `forward=` / `backward=` of the layers, as the `backend` of the GEMMs they issue.
+FORWARD_CHOICES = {"auto": "auto", "fused": "cublaslt", "xla": "xla"}
+BACKWARD_CHOICES = {"auto": "auto", "fused": "cublaslt", "unfused": "xla"}
 
 
 class Layer(NamedTuple):
@@ -80,17 +70,16 @@ class Stack(NamedTuple):
 
     layers: tuple[Layer, ...]
     precision: Any
-    backward: str
+    forward: str   # the `backend` of the forward GEMMs
+    backward: str  # and of the backward ones
 
 
 # --- the custom VJP over a stack ----------------------------------------------------------
 
-def _layer_forward(layer: Layer, h, kernel, bias, precision, keep_residual: bool):
+def _layer_forward(stack: Stack, layer: Layer, h, kernel, bias, keep_residual: bool):
     """(act(h @ kernel + bias), residual or None), in one epilog GEMM."""
-    epilog = _FORWARD_EPILOG[layer]
-    if keep_residual:
-        epilog = epilog.with_aux
-    out = matmul(h, kernel, epilog=epilog, precision=precision,
+    epilog = Epilog.find(layer.activation, layer.has_bias, keep_residual)
+    out = matmul(h, kernel, epilog=epilog, precision=stack.precision, backend=stack.forward,
                  epilog_inputs={"bias": bias} if layer.has_bias else None)
     if not epilog.aux_output:
         return out, None
@@ -103,7 +92,7 @@ def _layer_forward(layer: Layer, h, kernel, bias, precision, keep_residual: bool
 def _stack(stack: Stack, x, params):
     h = x
     for layer, (kernel, bias) in zip(stack.layers, params):
-        h, _ = _layer_forward(layer, h, kernel, bias, stack.precision, keep_residual=False)
+        h, _ = _layer_forward(stack, layer, h, kernel, bias, keep_residual=False)
     return h
 
 
@@ -111,37 +100,26 @@ def _stack_fwd(stack: Stack, x, params):
     h, inputs, residuals = x, [], []
     for layer, (kernel, bias) in zip(stack.layers, params):
         inputs.append(checkpoint_name(h, LAYER_INPUT_NAME))
-        h, residual = _layer_forward(layer, h, kernel, bias, stack.precision, keep_residual=True)
+        h, residual = _layer_forward(stack, layer, h, kernel, bias, keep_residual=True)
         residuals.append(residual)
     kernels = tuple(kernel for kernel, _ in params)
     return h, (tuple(inputs), kernels, tuple(residuals))
 
 
 def _activation_grad(dy, residual, activation: Optional[str]):
-    """dZ from dY = d act(Z): the mask for ReLU, gelu'(Z) for GELU (elementwise, unfused)."""
-    n = dy.shape[-1]
-    if activation == "relu":
-        return jnp.where(unpack_relu_mask(residual, n), dy, jnp.zeros_like(dy))
-    if activation == "gelu":
-        derivative = gelu_derivative(residual[..., :n].astype(jnp.float32))
-        return (dy.astype(jnp.float32) * derivative).astype(dy.dtype)
-    return dy
-
-
-def _bias_grad(dz):
-    return jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype)
+    """dZ from dY = d act(Z) (elementwise): the mask for ReLU, gelu'(Z) for GELU."""
+    if activation is None:
+        return dy
+    dz = epilogs.ACTIVATIONS[activation].derivative(dy.astype(jnp.float32), residual, dy.shape[-1])
+    return dz.astype(dy.dtype)
 
 
 def _weight_grad(h, dz, with_bias_grad: bool, stack: Stack):
-    """(dW = hᵀ dZ, its layer's bias gradient or None)."""
-    if not with_bias_grad:
-        return matmul(h, dz, transpose_a=True, precision=stack.precision), None
-    (k, n), rows = (h.shape[1], dz.shape[1]), h.shape[0]
-    if backward_strategy.choose(Epilog.BGRADB, dz.dtype, k, n, rows, stack.backward) == "fused":
-        dkernel, aux = matmul(h, dz, transpose_a=True, epilog=Epilog.BGRADB,
-                              precision=stack.precision)
-        return dkernel, aux["bgradb"]
-    return matmul(h, dz, transpose_a=True, precision=stack.precision), _bias_grad(dz)
+    """(dW = hᵀ dZ, its layer's bias gradient (BGRADB: dZ summed over the rows) or None)."""
+    epilog = Epilog.BGRADB if with_bias_grad else Epilog.DEFAULT
+    out = matmul(h, dz, transpose_a=True, epilog=epilog, precision=stack.precision,
+                 backend=stack.backward)
+    return (out[0], out[1]["bgradb"]) if with_bias_grad else (out, None)
 
 
 def _data_grad(dz, kernel, previous: Optional[Layer], residual, stack: Stack):
@@ -151,19 +129,12 @@ def _data_grad(dz, kernel, previous: Optional[Layer], residual, stack: Stack):
     weight-gradient GEMM then gives it through BGRADB).
     """
     if previous is None or previous.activation is None:
-        return matmul(dz, kernel, transpose_b=True, precision=stack.precision), None
-    epilog = _DERIVATIVE_EPILOG[previous]
-    rows, (k_prev, n) = dz.shape[0], kernel.shape
-    if backward_strategy.choose(epilog, dz.dtype, rows, k_prev, n, stack.backward) == "fused":
-        out = matmul(dz, kernel, transpose_b=True, epilog=epilog, precision=stack.precision,
-                     epilog_inputs={epilog.aux_input: residual})
-        if not epilog.reduction_output:
-            return out, None
-        dz_prev, aux = out
-        return dz_prev, aux[epilog.reduction_output]
-    dh = matmul(dz, kernel, transpose_b=True, precision=stack.precision)
-    dz_prev = _activation_grad(dh, residual, previous.activation)
-    return dz_prev, _bias_grad(dz_prev) if previous.has_bias else None
+        return matmul(dz, kernel, transpose_b=True, precision=stack.precision,
+                      backend=stack.backward), None
+    epilog = Epilog.find_derivative(previous.activation, bias_gradient=previous.has_bias)
+    out = matmul(dz, kernel, transpose_b=True, epilog=epilog, precision=stack.precision,
+                 backend=stack.backward, epilog_inputs={epilog.aux_input: residual})
+    return (out[0], out[1][epilog.reduction_output]) if previous.has_bias else (out, None)
 
 
 def _stack_bwd(stack: Stack, saved, dy):
@@ -268,8 +239,15 @@ def _check_params(x, layers):
     return params
 
 
-def _run(x, params, activations, *, precision, backward, dtype):
-    backward_strategy.check_strategy(backward)
+def _backend(name: str, value, choices: dict) -> str:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")
+    return choices[value]
+
+
+def _run(x, params, activations, *, precision, forward, backward, dtype):
+    stack_backends = (_backend("forward", forward, FORWARD_CHOICES),
+                      _backend("backward", backward, BACKWARD_CHOICES))
     params = _check_params(x, params)
     arrays = [x] + [p for pair in params for p in pair if p is not None]
     dtype = _compute_dtype(dtype, arrays)
@@ -283,11 +261,12 @@ def _run(x, params, activations, *, precision, backward, dtype):
     rows = manual_axes.vary(rows, axes)  # inside shard_map (see manual_axes)
     params = tuple((manual_axes.vary(kernel, axes), manual_axes.vary(bias, axes))
                    for kernel, bias in params)
-    y = _stack(Stack(layers, precision, backward), rows, params)
+    y = _stack(Stack(layers, precision, *stack_backends), rows, params)
     return y.reshape(*lead, y.shape[-1])
 
 
-def dense(x, kernel, bias=None, *, activation=None, precision=None, backward="auto", dtype=None):
+def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="auto",
+          backward="auto", dtype=None):
     """`act(x @ kernel + bias)` in one cuBLASLt epilog GEMM, with a fused backward.
 
     Args:
@@ -296,20 +275,22 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, backward="au
       bias: `(N,)` or None.
       activation: None, "relu" or "gelu" (tanh approximation).
       precision: as for `jax_epilog.matmul` (float32 only: HIGHEST is full float32).
-      backward: "auto" (per problem, from measurements; see `backward_strategy`), "fused" or
-        "unfused".
+      forward: "auto" (per GEMM, the faster of cuBLASLt's epilog and XLA's own GEMM and
+        fusions, as measured on this GPU; see `jax_epilog.dispatch`), "fused" (cuBLASLt) or
+        "xla".
+      backward: likewise for the backward GEMMs: "auto", "fused" or "unfused" (XLA).
       dtype: the computation dtype; None: `jnp.result_type(x, kernel, bias)`, like Flax.
 
     Returns:
       `(..., N)` in the computation dtype. Differentiable in reverse mode w.r.t. all three.
     """
-    _check_activation("activation", activation)
-    return _run(x, [(kernel, bias)], [activation], precision=precision, backward=backward,
-                dtype=dtype)
+    activation = _check_activation("activation", activation)
+    return _run(x, [(kernel, bias)], [activation], precision=precision, forward=forward,
+                backward=backward, dtype=dtype)
 
 
 def mlp(x, layers, *, activation="relu", final_activation=None, precision=None,
-        backward="auto", dtype=None):
+        forward="auto", backward="auto", dtype=None):
     """A stack of `dense` layers as ONE custom VJP, its backward fused across layer boundaries.
 
     Args:
@@ -318,13 +299,14 @@ def mlp(x, layers, *, activation="relu", final_activation=None, precision=None,
         `(K_{i+1},)` or None.
       activation: None, "relu" or "gelu" after every layer but the last.
       final_activation: None, "relu" or "gelu" after the last layer.
-      precision, backward, dtype: as for `dense`.
+      precision, forward, backward, dtype: as for `dense`.
 
     Returns:
       `(..., K_last)` in the computation dtype.
     """
-    _check_activation("activation", activation)
-    _check_activation("final_activation", final_activation)
+    activation = _check_activation("activation", activation)
+    final_activation = _check_activation("final_activation", final_activation)
     n_layers = len(layers) if isinstance(layers, Sequence) else 0
     activations = [activation] * (n_layers - 1) + [final_activation]
-    return _run(x, layers, activations, precision=precision, backward=backward, dtype=dtype)
+    return _run(x, layers, activations, precision=precision, forward=forward,
+                backward=backward, dtype=dtype)

@@ -1,23 +1,24 @@
-"""How `epilog_matmul_p` runs: a cuBLASLt custom call on CUDA, the reference elsewhere.
+"""How the inner primitive `kernel_p` runs: the cuBLASLt custom call on CUDA, the reference
+elsewhere. Every choice between the two is made here, at lowering time, in `_way`:
 
-- Every platform: `reference.epilog_matmul` lowered as plain JAX (identical semantics).
-- CUDA: the XLA FFI custom call `jax_epilog_matmul` (see `ffi/README.md`), running on XLA's
-  stream, with cuBLASLt's workspace as an extra result buffer that XLA allocates (so the
-  handler never allocates and is safe inside command buffers). Problems cuBLASLt has no kernel
-  for (it says so when asked at lowering time) and processes with CUDA devices where the
-  library could not be loaded get the reference lowering instead, with a warning in the
-  second case. Lowering for CUDA without a CUDA device (`jax.export` from a CPU host) emits
-  the custom call. An unaligned K or N is zero-padded first (`padding.py`).
-
-A module exported with `jax.export` for CUDA contains the custom call, so it must be exported
-with `disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("jax_epilog_matmul")]`
-(see `jax_epilog.EXPORT_SAFETY_CHECKS`).
+- not CUDA: the reference, exact (identical semantics on every platform);
+- CUDA, an empty problem: the reference (nothing for a GEMM to do);
+- CUDA, the library not loadable in a process that has CUDA devices: the reference, with a
+  warning;
+- CUDA, `backend="xla"` (asked for, set by JAX_EPILOG_BACKEND, or chosen by `dispatch` as the
+  faster way for this problem on this GPU): the reference in XLA's way (`exact=False`), so XLA
+  runs its own GEMM and fusions;
+- CUDA, K or N not a multiple of 16 bytes: zero-padded (`padding.py`), then the kernel;
+- CUDA, a problem cuBLASLt has no kernel for (it says so when asked): the reference, exact;
+- otherwise the XLA FFI custom call `jax_epilog_matmul` (`ffi/README.md`) on XLA's stream, with
+  cuBLASLt's workspace as an extra result buffer that XLA allocates (so the handler never
+  allocates and is safe inside command buffers). Lowering for CUDA on a host without a CUDA
+  device (`jax.export` from a CPU host) emits the custom call.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import jax
@@ -25,17 +26,16 @@ import numpy as np
 from jax.core import ShapedArray
 from jax.interpreters import mlir
 
-from . import cuda_library, padding, reference
+from . import config, cuda_library, padding, reference
 from .epilogs import Epilog
-from .primitive import epilog_matmul_p, problem_of
-
-# cuBLASLt's recommended workspace on Hopper; XLA reuses the buffer between calls.
-WORKSPACE_BYTES = int(os.environ.get("JAX_EPILOG_WORKSPACE_BYTES", 32 * 1024 * 1024))
+from .primitive import Params, kernel_p, problem_of
 
 
-def _lower_reference(ctx, *args, epilog, transpose_a, transpose_b, allow_tf32):
-    fn = functools.partial(reference.epilog_matmul, epilog=epilog, transpose_a=transpose_a,
-                           transpose_b=transpose_b, allow_tf32=allow_tf32)
+def _lower_reference(ctx, *args, exact: bool = True, **params):
+    params = Params(**params)
+    fn = functools.partial(reference.epilog_matmul, epilog=params.epilog,
+                           transpose_a=params.transpose_a, transpose_b=params.transpose_b,
+                           allow_tf32=params.allow_tf32, exact=exact)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
@@ -45,19 +45,7 @@ def _warn_unavailable(reason: str) -> None:
                   "the plain-XLA reference instead.", RuntimeWarning, stacklevel=3)
 
 
-def cuda_kernel_supports(avals_in, epilog: int, transpose_a: bool, transpose_b: bool,
-                         allow_tf32: bool) -> bool:
-    """Whether the lowering may emit the custom call for these operands."""
-    a, b = avals_in[0], avals_in[1]
-    p = problem_of(a.shape, b.shape, transpose_a, transpose_b)
-    bias_batch = avals_in[2].shape[0] if Epilog(epilog).has_bias else 1
-    supported, _ = cuda_library.query_support(
-        int(epilog), np.dtype(a.dtype).name, bool(transpose_a), bool(transpose_b), p.batch,
-        b.shape[0], bias_batch, p.m, p.n, p.k, bool(allow_tf32), WORKSPACE_BYTES)
-    # None: cannot ask here (no GPU on this host, e.g. exporting); trust the kernel.
-    return supported is not False
-
-
+@functools.cache
 def _has_cuda_devices() -> bool:
     try:
         return bool(jax.devices("cuda"))
@@ -65,28 +53,64 @@ def _has_cuda_devices() -> bool:
         return False
 
 
-def _lower_cuda(ctx, *args, epilog, transpose_a, transpose_b, allow_tf32):
-    params = dict(epilog=epilog, transpose_a=transpose_a, transpose_b=transpose_b,
-                  allow_tf32=allow_tf32)
+def _backend(params: Params, avals_in) -> str:
+    """'cublaslt' or 'xla': the call's own choice, else the environment's, else dispatch's."""
+    if params.backend != "auto":
+        return params.backend
+    forced = config.backend_override()
+    if forced or not _has_cuda_devices():  # exporting from a host without a GPU: the kernel
+        return forced or "cublaslt"
+    from . import dispatch  # measured tables; loaded on the first CUDA lowering
+    a = avals_in[0]
+    p = problem_of(a.shape, avals_in[1].shape, params.transpose_a, params.transpose_b)
+    return dispatch.choose(Epilog(params.epilog), np.dtype(a.dtype), p.batch, p.m, p.n, p.k,
+                           params.transpose_a, params.transpose_b)
+
+
+def _kernel_supports(avals_in, params: Params) -> bool:
+    """Whether cuBLASLt has a kernel for these operands (None from the library: cannot ask
+    here, e.g. no GPU on this host; trust the kernel)."""
+    a, b = avals_in[0], avals_in[1]
+    p = problem_of(a.shape, b.shape, params.transpose_a, params.transpose_b)
+    bias_batch = avals_in[2].shape[0] if Epilog(params.epilog).has_bias else 1
+    supported, _ = cuda_library.query_support(
+        params.epilog, np.dtype(a.dtype).name, params.transpose_a, params.transpose_b, p.batch,
+        b.shape[0], bias_batch, p.m, p.n, p.k, params.allow_tf32, config.workspace_bytes())
+    return supported is not False
+
+
+def _way(avals_in, params: Params) -> str:
+    """'reference', 'xla', 'padded' or 'kernel' (see the module docstring)."""
+    if any(0 in x.shape for x in avals_in[:2]):
+        return "reference"
     if not cuda_library.available() and _has_cuda_devices():
-        # This process will run the module but cannot run the kernel: stay correct, say so.
         _warn_unavailable(cuda_library.unavailable_reason())
-        return _lower_reference(ctx, *args, **params)
-    if padding.needed(ctx.avals_in, transpose_a, transpose_b):
-        # Lowered again with aligned K and N: the inner call takes the path below.
-        bind = functools.partial(epilog_matmul_p.bind, **params)
-        fn = padding.padded(bind, epilog, transpose_a, transpose_b)
+        return "reference"
+    if _backend(params, avals_in) == "xla":
+        return "xla"
+    if padding.needed(avals_in, params.transpose_a, params.transpose_b):
+        return "padded"
+    if cuda_library.available() and not _kernel_supports(avals_in, params):
+        return "reference"
+    return "kernel"
+
+
+def _lower_cuda(ctx, *args, **params):
+    params = Params(**params)
+    way = _way(ctx.avals_in, params)
+    if way in ("reference", "xla"):
+        return _lower_reference(ctx, *args, exact=way == "reference", **params._asdict())
+    if way == "padded":  # lowered again with aligned K and N: the inner call takes the kernel
+        bind = functools.partial(kernel_p.bind, **params._replace(backend="cublaslt")._asdict())
+        fn = padding.padded(bind, params)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-    # Without a CUDA device here we are exporting for one: emit the kernel regardless.
-    if cuda_library.available() and not cuda_kernel_supports(ctx.avals_in, **params):
-        return _lower_reference(ctx, *args, **params)
-    workspace = ShapedArray((WORKSPACE_BYTES,), np.uint8)
+    workspace = ShapedArray((config.workspace_bytes(),), np.uint8)
     call = jax.ffi.ffi_lowering(cuda_library.TARGET_NAME)
     results = call(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *args,
-                   epilog=np.int32(epilog), transpose_a=bool(transpose_a),
-                   transpose_b=bool(transpose_b), allow_tf32=bool(allow_tf32))
+                   epilog=np.int32(params.epilog), transpose_a=bool(params.transpose_a),
+                   transpose_b=bool(params.transpose_b), allow_tf32=bool(params.allow_tf32))
     return results[:-1]
 
 
-mlir.register_lowering(epilog_matmul_p, _lower_reference)
-mlir.register_lowering(epilog_matmul_p, _lower_cuda, platform="cuda")
+mlir.register_lowering(kernel_p, _lower_reference)
+mlir.register_lowering(kernel_p, _lower_cuda, platform="cuda")

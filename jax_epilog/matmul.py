@@ -3,12 +3,16 @@
 The user's arrays are checked here, once, with errors that name the argument, and reshaped
 (never copied) into the kernel's rank-3 form: a 2-D `b` shared by every leading index of `a`
 folds those indices into M, so the whole call is one GEMM; otherwise leading dims become one
-strided batch. `reference_matmul` is the same function running the reference implementation
-directly; plain JAX differentiates it, which is what the custom VJP here is tested against.
+strided batch. What each epilog reads and writes comes from `epilogs.TABLE`. The forward
+epilogs are differentiable through one `jax.custom_vjp` (`_forward`), which keeps the residual
+the backward needs (the bit mask for ReLU, the pre-activation for GELU). `reference_matmul` is
+the same function running the reference directly; plain JAX differentiates it, which is what
+the custom VJP is tested against.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 from collections.abc import Mapping
@@ -20,25 +24,15 @@ import numpy as np
 
 from . import lowering  # noqa: F401  (registers the lowerings)
 from . import manual_axes
-from .epilogs import Epilog, as_epilog, gelu_aux_columns, relu_mask_bytes
+from .epilogs import ACTIVATIONS, ARRAYS, Epilog, as_epilog, dim_sizes
+from .primitive import BACKENDS, Params, epilog_matmul_p
 from .reference import epilog_matmul as reference_kernel
-from .reference import gelu_derivative, unpack_relu_mask
-from .sharding import partitioned_kernel
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 
 #: Pass as `jax.export.export(..., disabled_checks=EXPORT_SAFETY_CHECKS)` when exporting for
 #: CUDA: the exported module calls our custom call, which JAX does not know to be stable.
 EXPORT_SAFETY_CHECKS = (jax.export.DisabledSafetyCheck.custom_call("jax_epilog_matmul"),)
-
-
-class KernelConfig(NamedTuple):
-    """Static parameters of one kernel call (hashable: a custom_vjp non-diff argument)."""
-
-    epilog: int
-    transpose_a: bool
-    transpose_b: bool
-    allow_tf32: bool
 
 
 # --- argument checks --------------------------------------------------------------------------
@@ -51,8 +45,12 @@ def _raw_dtype(x) -> np.dtype:
 def _dtype_of(name: str, x) -> np.dtype:
     dtype = _raw_dtype(x)
     if dtype not in SUPPORTED_DTYPES:
-        extra = " (float64 is not supported by cuBLASLt's epilogs; cast to float32)" \
-            if dtype == jnp.float64 else ""
+        extra = ""
+        if isinstance(x, (list, tuple)) and x is not None:
+            extra = (f" (a Python {type(x).__name__} becomes {dtype} in NumPy; pass "
+                     f"jnp.asarray({name}, dtype=jnp.float32), or bfloat16 / float16)")
+        elif dtype == jnp.float64:
+            extra = " (float64 is not supported by cuBLASLt's epilogs; cast to float32)"
         raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {dtype}{extra}")
     return dtype
 
@@ -96,26 +94,43 @@ def _check_epilog_inputs(epilog: Epilog, epilog_inputs) -> dict[str, Any]:
     if not isinstance(epilog_inputs, Mapping):
         raise TypeError(f"epilog_inputs: expected a dict, got {type(epilog_inputs).__name__}")
     given, needed = set(epilog_inputs), set(epilog.input_names)
-    if needed - given:
-        raise ValueError(f"epilog_inputs: epilog {epilog.name} needs "
-                         f"{sorted(needed)}, missing {sorted(needed - given)}")
-    if given - needed:
+    missing, stray = sorted(needed - given), sorted(given - needed, key=str)
+    if stray:
         takes = sorted(needed) if needed else "no inputs"
-        raise ValueError(f"epilog_inputs: epilog {epilog.name} takes {takes}, "
-                         f"got unexpected {sorted(given - needed)}")
+        known = sorted({name for e in Epilog for name in e.input_names})
+        hints = [f"{close[0]!r} for {key!r}" for key in stray if key not in known
+                 for close in [difflib.get_close_matches(str(key), known, n=1)] if close]
+        raise ValueError(
+            f"epilog_inputs: epilog {epilog.name} takes {takes}, got unexpected {stray}"
+            + (f" (did you mean {', '.join(hints)}?)" if hints else "")
+            + (f"; missing {missing}" if missing else ""))
+    if missing:
+        raise ValueError(f"epilog_inputs: epilog {epilog.name} needs {sorted(needed)}, "
+                         f"missing {missing}")
     return dict(epilog_inputs)
 
 
-def _check_input(name: str, x, *, dtype, shapes: list[tuple[int, ...]], what: str):
+def _check_input(name: str, x, *, dtype, shapes: list[tuple[int, ...]], n: int):
     label = f"epilog_inputs['{name}']"
+    what = f"{ARRAYS[name].what} for N={n}"
     got = _raw_dtype(x)
     if got != dtype:
-        raise TypeError(f"{label}: expected dtype {jnp.dtype(dtype)} ({what}), got {got}")
+        hint = ("; a boolean mask is packed into cuBLASLt's layout by "
+                "jax_epilog.pack_relu_mask(mask)") if name == "relu_aux" and got == bool else ""
+        raise TypeError(f"{label}: expected dtype {jnp.dtype(dtype)} ({what}), got {got}{hint}")
     x = jnp.asarray(x)
     if tuple(x.shape) not in shapes:
         expected = " or ".join(str(s) for s in dict.fromkeys(shapes))
         raise ValueError(f"{label}: expected shape {expected} ({what}), got {tuple(x.shape)}")
     return x
+
+
+def _user_shapes(name: str, lead: tuple, m: int, n: int) -> list[tuple[int, ...]]:
+    """The shapes `epilog_inputs[name]` may have: the kernel's, with `lead` for its batch."""
+    sizes = dim_sizes(1, m, n)
+    dims = ARRAYS[name].dims
+    rest = tuple(sizes[d] for d in dims[1:])
+    return [rest, (*lead, *rest)] if dims[0] == "bias_batch" else [(*lead, *rest)]
 
 
 class _Call(NamedTuple):
@@ -124,15 +139,15 @@ class _Call(NamedTuple):
     a: Any
     b: Any
     inputs: tuple
-    config: KernelConfig
+    params: Params
     lead: tuple[int, ...]
     m: int
     n: int
-    k: int
     b_shared: bool
 
 
-def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision) -> _Call:
+def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
+             backend="auto") -> _Call:
     epilog = as_epilog(epilog)
     a = _as_operand("a", a)
     b = _as_operand("b", b)
@@ -141,6 +156,8 @@ def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision) -
     for name, flag in (("transpose_a", transpose_a), ("transpose_b", transpose_b)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     inputs = _check_epilog_inputs(epilog, epilog_inputs)
 
     lead = tuple(a.shape[:-2])
@@ -154,19 +171,9 @@ def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision) -
     if not b_shared and tuple(b.shape[:-2]) != lead:
         raise ValueError(f"b: leading dims {tuple(b.shape[:-2])} must equal a's leading dims "
                          f"{lead} (or b must be 2-D to be shared)")
-
-    checked = {}
-    if "bias" in inputs:
-        checked["bias"] = _check_input("bias", inputs["bias"], dtype=a.dtype,
-                                       shapes=[(n,), (*lead, n)], what="the bias along N")
-    if "relu_aux" in inputs:
-        checked["relu_aux"] = _check_input(
-            "relu_aux", inputs["relu_aux"], dtype=jnp.uint8,
-            shapes=[(*lead, m, relu_mask_bytes(n))], what=f"the ReLU bit mask for N={n}")
-    if "gelu_aux" in inputs:
-        checked["gelu_aux"] = _check_input(
-            "gelu_aux", inputs["gelu_aux"], dtype=a.dtype,
-            shapes=[(*lead, m, gelu_aux_columns(n))], what=f"the GELU pre-activation for N={n}")
+    checked = {name: _check_input(name, inputs[name], dtype=ARRAYS[name].dtype or a.dtype,
+                                  shapes=_user_shapes(name, lead, m, n), n=n)
+               for name in epilog.input_names}
 
     batch = math.prod(lead)
     bias_per_batch = "bias" in checked and checked["bias"].ndim > 1
@@ -181,32 +188,30 @@ def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision) -
         checked[name].reshape(batch if bias_per_batch else 1, n) if name == "bias"
         else checked[name].reshape(kernel_batch, kernel_m, checked[name].shape[-1])
         for name in epilog.input_names)
-    config = KernelConfig(int(epilog), bool(transpose_a), bool(transpose_b),
-                          allow_tf32_for(precision, a.dtype))
-    return _Call(a3, b3, kernel_inputs, config, lead, m, n, k, b_shared)
+    params = Params(int(epilog), bool(transpose_a), bool(transpose_b),
+                    allow_tf32_for(precision, a.dtype), backend)
+    return _Call(a3, b3, kernel_inputs, params, lead, m, n, b_shared)
 
 
 def _finish(call: _Call, outputs):
     """Shape the kernel's outputs back to the user's leading dims."""
-    epilog = Epilog(call.config.epilog)
-    lead, m, n = call.lead, call.m, call.n
-    outputs = list(outputs)
-    y = outputs.pop(0).reshape(*lead, m, n)
+    epilog = Epilog(call.params.epilog)
+    y, *rest = outputs
     aux = {}
-    if epilog.aux_output:
-        x = outputs.pop(0)
-        aux[epilog.aux_output] = x.reshape(*lead, m, x.shape[-1])
-    if epilog.reduction_output:
-        x = outputs.pop(0)
-        if epilog == Epilog.BGRADA:
-            x = x.reshape(*lead, m)
-        elif call.b_shared and epilog == Epilog.BGRADB:  # every batch summed the same b
-            x = x[0] if x.shape[0] else _sum_over_k(call.b[0], call.config.transpose_b)
-        elif call.b_shared:  # a shared b: its bias gradient sums over every leading index
+    for name, x in zip(epilog.output_names, rest):
+        sums = ARRAYS[name].sums
+        if not sums:  # an aux array (batch, M, ·)
+            x = x.reshape(*call.lead, call.m, x.shape[-1])
+        elif sums == "a":  # (batch, M)
+            x = x.reshape(*call.lead, call.m)
+        elif not call.b_shared:  # (batch, N)
+            x = x.reshape(*call.lead, call.n)
+        elif sums == "b":  # a shared b: every batch's row is the same sum
+            x = x[0] if x.shape[0] else _sum_over_k(call.b[0], call.params.transpose_b)
+        else:  # a shared b's bias: its gradient sums over every leading index
             x = x.sum(axis=0, dtype=jnp.float32).astype(x.dtype) if x.shape[0] != 1 else x[0]
-        else:
-            x = x.reshape(*lead, n)
-        aux[epilog.reduction_output] = x
+        aux[name] = x
+    y = y.reshape(*call.lead, call.m, call.n)
     return (y, aux) if aux else y
 
 
@@ -217,57 +222,50 @@ def _sum_over_k(b2, transpose_b: bool):
 
 # --- the kernel call and its gradient -----------------------------------------------------
 
-def _run_kernel(config: KernelConfig, a, b, *inputs):
-    params = config._asdict()
-    if 0 in a.shape or 0 in b.shape:  # nothing for a GEMM to do: the exact answer in plain JAX
-        return reference_kernel(a, b, *inputs, **params)
-    outputs = partitioned_kernel(config, a, b, *inputs)  # the primitive, partitioned under SPMD
+def _kernel(params: Params, a, b, *inputs):
+    """The primitive's outputs, typed as varying over the operands' manual axes."""
+    outputs = epilog_matmul_p.bind(a, b, *inputs, **params._asdict())
     axes = manual_axes.varying_axes((a, b, *inputs))  # which the primitive's type leaves out
     return tuple(manual_axes.vary(o, axes) for o in outputs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _forward(config: KernelConfig, a, b, *inputs):
-    return _run_kernel(config, a, b, *inputs)
+def _forward(params: Params, a, b, *inputs):
+    return _kernel(params, a, b, *inputs)
 
 
-def _forward_fwd(config: KernelConfig, a, b, *inputs):
-    epilog = Epilog(config.epilog)
+def _forward_fwd(params: Params, a, b, *inputs):
+    epilog = Epilog(params.epilog)
     # Keep the backward's residual: the bit mask for ReLU, the pre-activation for GELU.
-    with_aux = config._replace(epilog=int(epilog.with_aux))
-    outputs = _run_kernel(with_aux, a, b, *inputs)
+    outputs = _kernel(params._replace(epilog=int(epilog.with_aux)), a, b, *inputs)
     residual = outputs[1] if epilog.activation else None
     visible = outputs if epilog.aux_output or not epilog.activation else outputs[:1]
     bias = inputs[0] if epilog.has_bias else None
     return visible, (a, b, residual, bias)
 
 
-def _forward_bwd(config: KernelConfig, saved, cotangents):
+def _forward_bwd(params: Params, saved, cotangents):
     a, b, residual, bias = saved
-    epilog = Epilog(config.epilog)
+    epilog = Epilog(params.epilog)
     dy = cotangents[0].astype(jnp.float32)
     n = dy.shape[-1]
-    if epilog.activation == "relu":
-        dz = jnp.where(unpack_relu_mask(residual, n), dy, 0.0)
-    elif epilog.activation == "gelu":
-        pre_activation = residual[..., :n].astype(jnp.float32)
-        dz = dy * gelu_derivative(pre_activation)
-        if epilog.aux_output:  # the pre-activation was an output too: its cotangent adds on
+    dz = dy
+    if epilog.activation:
+        dz = ACTIVATIONS[epilog.activation].derivative(dy, residual, n)
+        if epilog.activation == "gelu" and epilog.aux_output:
+            # The pre-activation was an output too: its cotangent adds on.
             dz = dz + cotangents[1][..., :n].astype(jnp.float32)
-    else:
-        dz = dy
     # dz is (batch, M, N); op(a) is (batch, M, K), op(b) is (batch|1, K, N).
-    precision = jax.lax.Precision.DEFAULT if config.allow_tf32 else jax.lax.Precision.HIGHEST
-    a_mk = jnp.swapaxes(a, 1, 2) if config.transpose_a else a
-    b_kn = jnp.swapaxes(b, 1, 2) if config.transpose_b else b
-    da = jnp.einsum("bmn,ckn->bmk", dz, b_kn.astype(jnp.float32), precision=precision) \
-        if b.shape[0] == 1 else \
-        jnp.einsum("bmn,bkn->bmk", dz, b_kn.astype(jnp.float32), precision=precision)
+    precision = jax.lax.Precision.DEFAULT if params.allow_tf32 else jax.lax.Precision.HIGHEST
+    a_mk = jnp.swapaxes(a, 1, 2) if params.transpose_a else a
+    b_kn = jnp.swapaxes(b, 1, 2) if params.transpose_b else b
+    b_spec = "ckn" if b.shape[0] == 1 else "bkn"
+    da = jnp.einsum(f"bmn,{b_spec}->bmk", dz, b_kn.astype(jnp.float32), precision=precision)
     db = jnp.einsum("bmk,bmn->bkn", a_mk.astype(jnp.float32), dz, precision=precision)
     if b.shape[0] == 1:
         db = db.sum(axis=0, keepdims=True)
-    da = jnp.swapaxes(da, 1, 2) if config.transpose_a else da
-    db = jnp.swapaxes(db, 1, 2) if config.transpose_b else db
+    da = jnp.swapaxes(da, 1, 2) if params.transpose_a else da
+    db = jnp.swapaxes(db, 1, 2) if params.transpose_b else db
     grads = [da.astype(a.dtype), db.astype(b.dtype)]
     if bias is not None:
         dbias = dz.sum(axis=1)
@@ -281,19 +279,24 @@ _forward.defvjp(_forward_fwd, _forward_bwd)
 
 
 def matmul(a, b, *, epilog=Epilog.DEFAULT, epilog_inputs: Optional[Mapping[str, Any]] = None,
-           transpose_a: bool = False, transpose_b: bool = False, precision=None):
+           transpose_a: bool = False, transpose_b: bool = False, precision=None,
+           backend: str = "auto"):
     """`a @ b` with a cuBLASLt epilog fused into the same kernel (SPEC §1).
 
     Args:
       a: `(..., M, K)`, or `(..., K, M)` with `transpose_a`; float16, bfloat16 or float32.
       b: `(K, N)` shared by every leading index of `a`, or `(..., K, N)` with the same leading
         dims (`(…, N, K)` with `transpose_b`); same dtype as `a`.
-      epilog: an `Epilog`, its value or its name (e.g. ``"relu_aux_bias"``).
+      epilog: an `Epilog`, its value, its name (e.g. ``"relu_aux_bias"``), or nvmath-python's
+        `MatmulEpilog` member of that name.
       epilog_inputs: ``{"bias": (N,) | (..., N)}`` for the bias epilogs,
         ``{"relu_aux": mask}`` for DRELU*, ``{"gelu_aux": pre_activation}`` for DGELU*.
       transpose_a, transpose_b: read the operand transposed (no copy is made).
       precision: for float32, `jax.lax.Precision.HIGHEST` is full float32; DEFAULT / HIGH may
         use TF32. Ignored for 16-bit dtypes (accumulation is always float32).
+      backend: on CUDA, "cublaslt" runs the cuBLASLt kernel, "xla" XLA's own GEMM and fusions
+        of the same computation, "auto" the faster of the two for this problem on this GPU, as
+        measured (`jax_epilog.dispatch`). Other platforms always run the reference.
 
     Returns:
       `y` of shape `(..., M, N)`, or `(y, aux)` where the epilog has auxiliary outputs
@@ -302,18 +305,18 @@ def matmul(a, b, *, epilog=Epilog.DEFAULT, epilog_inputs: Optional[Mapping[str, 
     Differentiable (reverse mode) for the forward epilogs; the backward epilogs are gradients
     themselves and raise a `TypeError` under `jax.grad`.
     """
-    call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision)
+    call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision, backend)
     axes = manual_axes.varying_axes((call.a, call.b, *call.inputs))  # inside shard_map
     operands = [manual_axes.vary(x, axes) for x in (call.a, call.b, *call.inputs)]
-    if Epilog(call.config.epilog).is_backward:
-        outputs = _run_kernel(call.config, *operands)
-    else:
-        outputs = _forward(call.config, *operands)
-    return _finish(call, outputs)
+    run = _kernel if Epilog(call.params.epilog).is_backward else _forward
+    return _finish(call, run(call.params, *operands))
 
 
 def reference_matmul(a, b, *, epilog=Epilog.DEFAULT, epilog_inputs=None, transpose_a=False,
                      transpose_b=False, precision=None):
     """`matmul` computed by the plain-JAX reference on any device (same checks, same results)."""
     call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision)
-    return _finish(call, reference_kernel(call.a, call.b, *call.inputs, **call.config._asdict()))
+    p = call.params
+    return _finish(call, reference_kernel(call.a, call.b, *call.inputs, epilog=p.epilog,
+                                          transpose_a=p.transpose_a, transpose_b=p.transpose_b,
+                                          allow_tf32=p.allow_tf32))

@@ -3,6 +3,8 @@
 GPU tests are marked `gpu` and skip themselves cleanly where JAX sees no CUDA device (CI).
 """
 
+import os
+
 import jax
 import pytest
 
@@ -15,6 +17,10 @@ def cuda_devices():
 
 
 HAS_CUDA = bool(cuda_devices())
+if HAS_CUDA:
+    # The GPU tests check the cuBLASLt kernel, so "auto" means the kernel here (and in the
+    # processes the tests start); tests of the per-problem choice remove this themselves.
+    os.environ.setdefault("JAX_EPILOG_BACKEND", "cublaslt")
 
 
 def pytest_collection_modifyitems(config, items):

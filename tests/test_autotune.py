@@ -19,7 +19,7 @@ import pytest
 import jax_epilog
 from jax_epilog import Epilog, config, cuda_library
 from problems import TOLERANCE, assert_matches_model, make_problem
-import test_matmul_gpu
+import command_buffers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import autotune_bench  # noqa: E402
@@ -251,4 +251,4 @@ def test_autotune_on_inside_xla_command_buffers(tmp_path, monkeypatch):
     """Command buffers capture the execute stage: results stay right with autotuning on."""
     monkeypatch.setenv(config.AUTOTUNE_ENV, "1")  # for the subprocess the test starts
     monkeypatch.setenv(config.AUTOTUNE_CACHE_ENV, str(tmp_path / "autotune.txt"))
-    test_matmul_gpu.test_runs_inside_xla_command_buffers()
+    command_buffers.check_kernel_runs_inside_command_buffers()

@@ -89,6 +89,8 @@ CATALOGUE = {
     "complex128_b": case(TypeError, B + ".*got complex128", b=arr(K, N, dtype=np.complex128)),
     "float8_a": case(TypeError, A + ".*got float8_e4m3fn", a=arr(M, K, dtype=jnp.float8_e4m3fn)),
     "python_ints_a": case(TypeError, A + ".*got int", a=[[1, 2, 3]] * M),
+    "python_floats_a": case(TypeError, A + r".*got float(32|64) \(a Python list becomes .*"
+                            r"jnp\.asarray\(a, dtype=jnp\.float32\)", a=[[1.5, 2.0, 3.0]] * M),
     "string_a": case(TypeError, A + "expected dtype", a="abc"),
     "none_b": case(TypeError, B + "expected dtype", b=None),
     # --- bias ---
@@ -122,7 +124,8 @@ CATALOGUE = {
     "relu_aux_missing": case(ValueError, INPUTS + r".*missing \['relu_aux'\]", epilog="drelu"),
     "relu_aux_unpacked": case(ValueError, RELU_AUX + r"expected shape \(4, 16\)",
                               epilog="drelu_bgrad", epilog_inputs={"relu_aux": mask(M, N)}),
-    "relu_aux_bool": case(TypeError, RELU_AUX + "expected dtype uint8.*got bool",
+    "relu_aux_bool": case(TypeError, RELU_AUX + "expected dtype uint8.*got bool.*"
+                          r"jax_epilog\.pack_relu_mask\(mask\)",
                           epilog="drelu", epilog_inputs={"relu_aux": np.ones((M, 16), bool)}),
     "relu_aux_int8": case(TypeError, RELU_AUX + ".*got int8", epilog="drelu",
                           epilog_inputs={"relu_aux": np.ones((M, 16), np.int8)}),
@@ -135,7 +138,8 @@ CATALOGUE = {
     "relu_aux_without_lead": case(ValueError, RELU_AUX + r"expected shape \(2, 4, 16\)",
                                   a=arr(2, M, K), epilog="drelu_bgrad",
                                   epilog_inputs={"relu_aux": mask(M, 16)}),
-    "relu_aux_to_dgelu": case(ValueError, INPUTS + r"epilog DGELU needs \['gelu_aux'\]",
+    "relu_aux_to_dgelu": case(ValueError, INPUTS + r"epilog DGELU takes \['gelu_aux'\], got "
+                              r"unexpected \['relu_aux'\]; missing \['gelu_aux'\]",
                               epilog="dgelu", epilog_inputs={"relu_aux": mask(M, 16)}),
     # --- gelu_aux ---
     "gelu_aux_missing": case(ValueError, INPUTS + r".*missing \['gelu_aux'\]",
@@ -150,7 +154,8 @@ CATALOGUE = {
                              b=arr(K, 9), epilog="dgelu", epilog_inputs={"gelu_aux": arr(M, 8)}),
     "gelu_aux_wrong_m": case(ValueError, GELU_AUX + "expected shape", epilog="dgelu",
                              epilog_inputs={"gelu_aux": arr(M - 1, 8)}),
-    "gelu_aux_to_drelu": case(ValueError, INPUTS + r"epilog DRELU needs \['relu_aux'\]",
+    "gelu_aux_to_drelu": case(ValueError, INPUTS + r"epilog DRELU takes \['relu_aux'\], got "
+                              r"unexpected \['gelu_aux'\]; missing \['relu_aux'\]",
                               epilog="drelu", epilog_inputs={"gelu_aux": arr(M, 8)}),
     # --- epilog ---
     "epilog_unknown_name": case(ValueError, "^epilog: unknown name 'swish'", epilog="swish"),
@@ -162,6 +167,10 @@ CATALOGUE = {
     # --- epilog_inputs, transposes, precision ---
     "epilog_inputs_list": case(TypeError, INPUTS + "expected a dict", epilog="bias",
                                epilog_inputs=[arr(N)]),
+    "epilog_inputs_misspelt_key": case(ValueError, INPUTS + r"epilog BIAS takes \['bias'\], got "
+                                       r"unexpected \['biass'\] \(did you mean 'bias' for "
+                                       r"'biass'\?\); missing \['bias'\]",
+                                       epilog="bias", epilog_inputs={"biass": arr(N)}),
     "epilog_inputs_unknown_key": case(ValueError, INPUTS + r".*unexpected \['bais'\]",
                                       epilog="bias",
                                       epilog_inputs={"bias": arr(N), "bais": arr(N)}),

@@ -11,6 +11,7 @@ import contextlib
 import io
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,8 +19,7 @@ from jax.test_util import check_grads
 
 import jax_epilog
 import numpy_reference
-from jax_epilog import Epilog, backward_strategy, layers
-from jax_epilog.backward_strategy import Measurement
+from jax_epilog import Epilog, layers
 
 
 @pytest.fixture(autouse=True)
@@ -180,10 +180,10 @@ def test_fused_and_unfused_backward_agree_and_differ_in_kernels():
     for backward in ("fused", "unfused"):
         fn = jax.grad(loss_of(mlp_fn("relu", "relu", backward)), argnums=(0, 1))
         grads[backward] = jax.jit(fn)(x, params)
-        jaxpr = str(jax.make_jaxpr(fn)(x, params))
-        uses_fused_epilogs = (f"epilog={int(Epilog.DRELU_BGRAD)}" in jaxpr
-                              and f"epilog={int(Epilog.BGRADB)}" in jaxpr)
-        assert uses_fused_epilogs == (backward == "fused")
+        backends = backends_by_epilog(jax.make_jaxpr(fn)(x, params))
+        want = "cublaslt" if backward == "fused" else "xla"
+        assert backends[Epilog.DRELU_BGRAD] == backends[Epilog.BGRADB] == {want}
+        assert backends[Epilog.RELU_AUX_BIAS] == {"auto"}  # the forward: its own choice
     assert_trees_close(grads["fused"], grads["unfused"], rtol=2e-5, atol=2e-5)
 
 
@@ -345,33 +345,42 @@ def test_bad_arguments_name_themselves():
         jax_epilog.dense(x, kernel, bias, dtype=jnp.int32)
 
 
-# --- the per-problem strategy ---------------------------------------------------------------
+# --- forward= / backward=: the backend of each GEMM -----------------------------------------
 
-def test_strategy_table_drives_auto(tmp_path, monkeypatch):
-    monkeypatch.setattr(backward_strategy, "TABLE_PATH", tmp_path / "table.json")
-    choose = backward_strategy.choose
-    assert choose(Epilog.DRELU_BGRAD, jnp.bfloat16, 64, 64, 64) == "fused"  # no table: fused
-    backward_strategy.write_table([
-        Measurement("DRELU_BGRAD", "bfloat16", 65536, 4096, 4096, fused_s=4.3e-3,
-                    unfused_s=3.9e-3),
-        Measurement("DRELU_BGRAD", "bfloat16", 4096, 1024, 1024, fused_s=1.0e-4,
-                    unfused_s=0.995e-4),  # faster by less than MIN_GAIN: stays fused
-    ], device="test")
-    assert choose(Epilog.DRELU_BGRAD, jnp.bfloat16, 65536, 4096, 4096) == "unfused"
-    assert choose(Epilog.DRELU_BGRAD, jnp.bfloat16, 40000, 4096, 6000) == "unfused"  # nearest
-    assert choose(Epilog.DRELU_BGRAD, jnp.bfloat16, 4096, 1024, 1024) == "fused"
-    assert choose(Epilog.DRELU_BGRAD, jnp.bfloat16, 16, 16, 16) == "fused"  # nothing near
-    assert choose(Epilog.DRELU_BGRAD, jnp.float16, 65536, 4096, 4096) == "fused"  # other dtype
-    assert choose(Epilog.BGRADB, jnp.bfloat16, 65536, 4096, 4096) == "fused"  # other epilog
-    assert choose(Epilog.DRELU_BGRAD, jnp.bfloat16, 65536, 4096, 4096, "fused") == "fused"
+def backends_by_epilog(closed_jaxpr) -> dict:
+    """{epilog: {backend, ...}} of every epilog_matmul in a jaxpr, nested jaxprs included."""
+    found: dict = {}
 
-    backward_strategy.write_table([Measurement("DRELU_BGRAD", "float32", 6, 300, 10, 2.0, 1.0)],
-                                  device="test")
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "epilog_matmul":
+                found.setdefault(Epilog(eqn.params["epilog"]), set()).add(eqn.params["backend"])
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else [value]:
+                    if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
+                        walk(getattr(sub, "jaxpr", sub))
+
+    walk(closed_jaxpr.jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("forward,backward", [("auto", "auto"), ("fused", "unfused"),
+                                              ("xla", "fused")])
+def test_forward_and_backward_choose_the_backends(forward, backward):
     x, params = make_stack(15, (129, 300, 10), lead=(6,))
-    jaxpr = str(jax.make_jaxpr(jax.grad(loss_of(mlp_fn("relu", None)), (0, 1)))(x, params))
-    assert f"epilog={int(Epilog.DRELU_BGRAD)}" not in jaxpr
-    assert f"epilog={int(Epilog.BGRADB)}" in jaxpr
-    backward_strategy.load_table.cache_clear()
+    fn = jax.grad(loss_of(mlp_fn("relu", None, backward, forward=forward)), (0, 1))
+    backends = backends_by_epilog(jax.make_jaxpr(fn)(x, params))
+    as_backend = {"auto": "auto", "fused": "cublaslt", "unfused": "xla", "xla": "xla"}
+    assert backends[Epilog.RELU_AUX_BIAS] == backends[Epilog.BIAS] == {as_backend[forward]}
+    assert backends[Epilog.DRELU_BGRAD] == backends[Epilog.BGRADB] == {as_backend[backward]}
+
+
+@pytest.mark.parametrize("argument,value", [("forward", "unfused"), ("backward", "xla"),
+                                            ("forward", None), ("backward", True)])
+def test_bad_backend_choice_names_itself(argument, value):
+    x, params = make_stack(16, (8, 8), lead=(2,))
+    with pytest.raises(ValueError, match=f"^{argument}: expected one of"):
+        jax_epilog.mlp(x, params, **{argument: value})
 
 
 # --- jax.grad of jax_epilog.matmul ----------------------------------------------------------
@@ -468,7 +477,9 @@ def relative_error(got, want):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
-def test_gpu_mlp_against_float64(dtype, activation):
+def test_gpu_mlp_against_float64(dtype, activation, monkeypatch):
+    # "auto" here is the per-problem choice of this GPU's table (conftest makes it the kernel).
+    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     x, params = make_stack(20, (784, 129, 1, 300, 10), lead=(256,), bias=(True, True, False, True))
     x, params = jax.tree.map(lambda a: a.astype(dtype), (x, params))
     to64 = lambda a: None if a is None else np.asarray(a.astype(jnp.float32), np.float64)
@@ -519,6 +530,6 @@ def test_gpu_dense_mixed_dtypes_against_float64(activation):
 def test_gpu_hlo_calls_the_cublaslt_kernel():
     x, params = make_stack(23, (256, 512, 128), lead=(64,))
     x, params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, params))
-    step = jax.jit(jax.grad(loss_of(mlp_fn("relu", None)), (0, 1)))
+    step = jax.jit(jax.grad(loss_of(mlp_fn("relu", None, "fused", forward="fused")), (0, 1)))
     hlo = step.lower(x, params).as_text()
     assert "jax_epilog_matmul" in hlo

@@ -15,7 +15,7 @@ import pytest
 
 import jax_epilog
 from jax_epilog import Epilog, padding
-from jax_epilog.primitive import epilog_matmul_p
+from jax_epilog.primitive import Params, epilog_matmul_p
 from numpy_reference import unpack_bits
 from problems import make_problem
 
@@ -36,11 +36,11 @@ def test_padded_call_gives_the_unpadded_results(epilog, transpose_a, transpose_b
     a, b, inputs = make_problem(rng, epilog, m=m, n=n, k=k, transpose_a=transpose_a,
                                 transpose_b=transpose_b, dtype=dtype)
     args = _normalised(a, b, inputs, epilog)
-    bind = functools.partial(epilog_matmul_p.bind, epilog=int(epilog), transpose_a=transpose_a,
-                             transpose_b=transpose_b, allow_tf32=False)
+    params = Params(int(epilog), transpose_a, transpose_b, allow_tf32=False)
+    bind = functools.partial(epilog_matmul_p.bind, **params._asdict())
     assert padding.needed(args[:2], transpose_a, transpose_b)
     want = jax.jit(bind)(*args)
-    got = jax.jit(padding.padded(bind, epilog, transpose_a, transpose_b))(*args)
+    got = jax.jit(padding.padded(bind, params))(*args)
     assert [g.shape for g in got] == [w.shape for w in want]
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
     names = ("y", *epilog.output_names)
@@ -77,7 +77,7 @@ def test_export_for_cuda_pads_unaligned_shapes():
 
 
 def test_padding_can_be_turned_off(monkeypatch):
-    monkeypatch.setenv(padding.PAD_ENV, "0")
+    monkeypatch.setenv("JAX_EPILOG_PAD_UNALIGNED", "0")
     a = jax.ShapeDtypeStruct((1, 4, 13), jnp.bfloat16)
     b = jax.ShapeDtypeStruct((1, 13, 10), jnp.bfloat16)
     assert not padding.needed([a, b], False, False)
