@@ -158,11 +158,14 @@ def _section(tables: Iterable[Table], device: str, version: Optional[int]) -> Op
 
 
 def _dump(tables: Iterable[Table]) -> str:
-    data = {"format": FORMAT, "tables": [
-        {"device": t.device, "cublaslt_version": t.cublaslt_version,
-         "entries": [e.as_dict() for e in sorted(t.entries, key=lambda e: e.key)]}
-        for t in tables]}
-    return json.dumps(data, indent=1) + "\n"
+    """JSON with one entry per line, sorted, so that a table's changes read well in a diff."""
+    sections = []
+    for t in tables:
+        entries = ",\n".join("    " + json.dumps(e.as_dict())
+                             for e in sorted(t.entries, key=lambda e: e.key))
+        sections.append(f'  {{"device": {json.dumps(t.device)}, "cublaslt_version": '
+                        f'{json.dumps(t.cublaslt_version)}, "entries": [\n{entries}\n  ]}}')
+    return f'{{"format": {json.dumps(FORMAT)}, "tables": [\n' + ",\n".join(sections) + "\n]}\n"
 
 
 @contextlib.contextmanager
