@@ -19,6 +19,7 @@ is rewritten after every row, so an interrupted run leaves its partial results.
     python benchmarks/never_slower.py --out benchmarks/results      # H200: about 4 minutes
     python benchmarks/never_slower.py --rows G3,G7,M3 --budget-s 60
     python benchmarks/never_slower.py --smoke --out /tmp/smoke       # tiny shapes, any CPU
+    python benchmarks/never_slower.py --readme-table benchmarks/results/never_slower.json
 
 Writes `<out>/never_slower.json` and `<out>/never_slower.md`.
 """
@@ -254,6 +255,30 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def readme_table(report: dict[str, Any]) -> str:
+    """The compact table for the project README: one line per grid row or network, the ratio of
+    each mode in each harness, then the minimum and geometric mean per harness."""
+    ratios: dict[str, dict[str, float]] = {}
+    for r in report["rows"]:
+        row = r["name"].rsplit(" ", 1)[0]
+        for harness in HARNESSES:
+            ratios.setdefault(row, {})[f"{r['mode']} {harness}"] = r[harness]["ratio"]
+    columns = [f"{mode} {harness}" for mode in MODES for harness in HARNESSES]
+    meta = report["metadata"]
+    lines = [f"XLA time / jax_epilog time, {meta['gpu_name'] or meta['device']}, jax "
+             f"{meta['jax']}, cuBLASLt {meta['cublaslt_version']}, {meta['date'][:10]} "
+             "(`benchmarks/results/never_slower.md`):", "",
+             "| row | " + " | ".join(c.replace(" ", ", ") for c in columns) + " |",
+             "|---|" + "---|" * len(columns)]
+    for row, values in ratios.items():
+        cells = [f"{values[c]:.3f}" if c in values else "–" for c in columns]
+        lines.append(f"| {row} | " + " | ".join(cells) + " |")
+    for harness, s in report.get("summary", {}).items():
+        lines.append(f"\n{harness}: min {s['min']:.3f} ({s['min_row']}), geomean "
+                     f"{s['geomean']:.3f} over {s['rows']} rows.")
+    return "\n".join(lines) + "\n"
+
+
 def write(report: dict[str, Any], out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "never_slower.json").write_text(json.dumps(report, indent=1))
@@ -269,7 +294,13 @@ def main(argv=None) -> dict[str, Any]:
                         help="wall-clock seconds for the whole run; rows still waiting when it "
                              "is spent are skipped (default 240; smoke 30)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on a CPU)")
+    parser.add_argument("--readme-table", type=Path, metavar="JSON",
+                        help="print the README's table from a saved report and exit")
     args = parser.parse_args(argv)
+    if args.readme_table:
+        report = json.loads(args.readme_table.read_text())
+        print(readme_table(report), end="")
+        return report
     rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else None
     if args.smoke:
         workloads = [w for w in SMOKE_WORKLOADS if rows is None or w.name.split()[0] in rows]

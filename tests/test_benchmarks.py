@@ -90,3 +90,5 @@ def test_never_slower_smoke_report(tmp_path):
     assert set(report["summary"]) == {"careful", "user"}
     table = (tmp_path / "never_slower.md").read_text()
     assert "| S1 step | 64 × 48→40 |" in table and "| careful |" in table
+    readme = never_slower.readme_table(report)
+    assert "| S1 | " in readme and "careful: min" in readme and "user: min" in readme
