@@ -9,8 +9,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <mutex>
-#include <unordered_map>
+#include <iterator>
+#include <sstream>
+#include <utility>
+#include <vector>
 
 namespace jax_epilog {
 namespace {
@@ -18,17 +20,10 @@ namespace {
 constexpr char kAlgoField[] = " algo=";
 constexpr size_t kWords = sizeof(cublasLtMatmulAlgo_t::data) / sizeof(uint64_t);
 
-struct Store {
-  std::mutex mutex;
-  bool loaded = false;
-  std::string path;  // empty: no file
-  std::unordered_map<std::string, cublasLtMatmulAlgo_t> algos;
+struct Entry {
+  std::string key;
+  cublasLtMatmulAlgo_t algo;
 };
-
-Store& TheStore() {
-  static Store* store = new Store;  // never destroyed: used until the process ends
-  return *store;
-}
 
 std::string FormatAlgo(const cublasLtMatmulAlgo_t& algo) {
   std::string text;
@@ -39,6 +34,10 @@ std::string FormatAlgo(const cublasLtMatmulAlgo_t& algo) {
     text += (i ? "," : "") + std::string(word);
   }
   return text;
+}
+
+std::string FormatLine(const std::string& key, const cublasLtMatmulAlgo_t& algo) {
+  return key + kAlgoField + FormatAlgo(algo) + "\n";
 }
 
 // False unless `text` is exactly kWords comma-separated words of 16 hex digits.
@@ -54,20 +53,37 @@ bool ParseAlgo(const std::string& text, cublasLtMatmulAlgo_t* algo) {
   return true;
 }
 
-void LoadLocked(Store& store) {
-  if (store.loaded) return;
-  store.loaded = true;
-  if (store.path.empty()) return;
-  std::ifstream file(store.path);
+// The entries of a file's text, oldest first, one per key (its last line), at most the
+// newest `max_entries`; lines that do not parse (torn, foreign, comments) are skipped.
+// `lines` gets the number of lines, parsed or not.
+std::vector<Entry> ParseEntries(const std::string& text, size_t max_entries, size_t* lines) {
+  std::vector<Entry> entries;
+  std::unordered_map<std::string, size_t> latest;  // key -> index in entries
+  std::istringstream stream(text);
   std::string line;
-  while (std::getline(file, line)) {
+  *lines = 0;
+  while (std::getline(stream, line)) {
+    ++*lines;
     const size_t at = line.rfind(kAlgoField);
     cublasLtMatmulAlgo_t algo{};
-    if (line.empty() || line[0] == '#' || at == std::string::npos ||
+    if (line.empty() || line[0] == '#' || at == std::string::npos || at == 0 ||
         !ParseAlgo(line.substr(at + sizeof(kAlgoField) - 1), &algo))
       continue;
-    store.algos[line.substr(0, at)] = algo;
+    std::string key = line.substr(0, at);
+    latest[key] = entries.size();
+    entries.push_back({std::move(key), algo});
   }
+  std::vector<Entry> newest;  // the last line of each key, oldest first
+  for (size_t i = 0; i < entries.size(); ++i)
+    if (latest[entries[i].key] == i) newest.push_back(std::move(entries[i]));
+  if (newest.size() > max_entries)
+    newest.erase(newest.begin(), newest.end() - static_cast<std::ptrdiff_t>(max_entries));
+  return newest;
+}
+
+std::string ReadText(const std::string& path) {
+  std::ifstream file(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
 }
 
 void MakeParentFolders(const std::string& path) {
@@ -85,61 +101,131 @@ bool WriteAll(int fd, const std::string& text) {
   return true;
 }
 
-void AppendLine(const std::string& path, std::string line) {
-  MakeParentFolders(path);
-  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-  if (fd < 0) return;
-  if (flock(fd, LOCK_EX) == 0) {
-    // A torn last line (a writer that died) must not swallow ours.
-    struct stat info {};
-    char last = '\n';
-    if (fstat(fd, &info) == 0 && info.st_size > 0) {
-      const int reader = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-      if (reader >= 0) {
-        if (pread(reader, &last, 1, info.st_size - 1) != 1) last = '\n';
-        close(reader);
-      }
+// Writes `text` to `path` (O_APPEND or O_TRUNC in `mode`); false on any failure.
+bool WriteFile(const std::string& path, int mode, const std::string& text, bool sync) {
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | mode, 0644);
+  if (fd < 0) return false;
+  bool ok = WriteAll(fd, text) && (!sync || fsync(fd) == 0);
+  ok = close(fd) == 0 && ok;
+  return ok;
+}
+
+// An exclusive flock on `<path>.lock`, held for the object's life; the lock file is
+// never removed (removing it would let two writers lock different inodes).
+class FileLock {
+ public:
+  explicit FileLock(const std::string& path) {
+    fd_ = open((path + ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ >= 0 && flock(fd_, LOCK_EX) != 0) {
+      close(fd_);
+      fd_ = -1;
     }
-    if (last != '\n') line.insert(0, "\n");
-    WriteAll(fd, line);
-    flock(fd, LOCK_UN);
   }
-  close(fd);
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+  ~FileLock() {
+    if (fd_ >= 0) close(fd_);  // releases the flock
+  }
+  bool held() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
+// Adds `entry` to the file under its lock: appended, or the file
+// rewritten compacted when it would exceed the bound. `merged` gets the file's entries
+// with the new one, at most `max_entries`. False when the file could not be written.
+bool AddToFile(const std::string& path, const Entry& entry, size_t max_entries,
+               std::vector<Entry>* merged) {
+  MakeParentFolders(path);
+  FileLock lock(path);
+  if (!lock.held()) return false;
+  const std::string text = ReadText(path);
+  // A torn last line (a writer that died mid-line) must not swallow ours.
+  const bool torn = !text.empty() && text.back() != '\n';
+  const std::string line = (torn ? "\n" : "") + FormatLine(entry.key, entry.algo);
+  size_t lines = 0;
+  *merged = ParseEntries(text + line, max_entries, &lines);
+  if (lines <= max_entries + max_entries / 4) return WriteFile(path, O_APPEND, line, false);
+  std::string compacted;
+  for (const Entry& kept : *merged) compacted += FormatLine(kept.key, kept.algo);
+  const std::string temporary = path + ".tmp";
+  if (WriteFile(temporary, O_TRUNC, compacted, true) &&
+      std::rename(temporary.c_str(), path.c_str()) == 0)
+    return true;
+  unlink(temporary.c_str());
+  return false;
 }
 
 }  // namespace
 
-void SetAlgoStorePath(const std::string& path) {
-  Store& store = TheStore();
-  std::lock_guard<std::mutex> lock(store.mutex);
-  store.path = path;
-  store.loaded = false;
-  store.algos.clear();
+void AlgoStore::SetPath(const std::string& path) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  path_ = path;
+  loaded_ = false;
+  algos_.clear();
+  order_.clear();
 }
 
-bool LookUpStoredAlgo(const std::string& key, cublasLtMatmulAlgo_t* algo) {
-  Store& store = TheStore();
-  std::lock_guard<std::mutex> lock(store.mutex);
-  LoadLocked(store);
-  const auto it = store.algos.find(key);
-  if (it == store.algos.end()) return false;
+void AlgoStore::LoadLocked() {
+  if (loaded_) return;
+  loaded_ = true;
+  algos_.clear();
+  order_.clear();
+  if (path_.empty()) return;
+  size_t lines = 0;
+  for (const Entry& entry : ParseEntries(ReadText(path_), max_entries_, &lines))
+    RememberLocked(entry.key, entry.algo);
+}
+
+void AlgoStore::RememberLocked(const std::string& key, const cublasLtMatmulAlgo_t& algo) {
+  if (algos_.insert_or_assign(key, algo).second) order_.push_back(key);
+  while (algos_.size() > max_entries_) {
+    algos_.erase(order_.front());
+    order_.pop_front();
+  }
+}
+
+bool AlgoStore::LookUp(const std::string& key, cublasLtMatmulAlgo_t* algo) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  LoadLocked();
+  const auto it = algos_.find(key);
+  if (it == algos_.end()) return false;
   *algo = it->second;
   return true;
 }
 
-void StoreAlgo(const std::string& key, const cublasLtMatmulAlgo_t& algo) {
-  Store& store = TheStore();
-  std::lock_guard<std::mutex> lock(store.mutex);
-  LoadLocked(store);
-  store.algos[key] = algo;
-  if (!store.path.empty()) AppendLine(store.path, key + kAlgoField + FormatAlgo(algo) + "\n");
+bool AlgoStore::Put(const std::string& key, const cublasLtMatmulAlgo_t& algo) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  LoadLocked();
+  RememberLocked(key, algo);
+  // A key is one line of text with something before its algo field.
+  if (path_.empty() || key.empty() || key.find('\n') != std::string::npos) return false;
+  std::vector<Entry> merged;
+  if (!AddToFile(path_, {key, algo}, max_entries_, &merged)) return false;
+  // Now also what other processes stored meanwhile.
+  algos_.clear();
+  order_.clear();
+  for (const Entry& entry : merged) RememberLocked(entry.key, entry.algo);
+  return true;
 }
 
-void ForgetStoredAlgos() {
-  Store& store = TheStore();
-  std::lock_guard<std::mutex> lock(store.mutex);
-  store.loaded = false;
-  store.algos.clear();
+void AlgoStore::Forget() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  loaded_ = false;
+  algos_.clear();
+  order_.clear();
+}
+
+size_t AlgoStore::Size() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  LoadLocked();
+  return algos_.size();
+}
+
+AlgoStore& ProcessAlgoStore() {
+  static AlgoStore* store = new AlgoStore;  // never destroyed: used until the process ends
+  return *store;
 }
 
 }  // namespace jax_epilog

@@ -277,7 +277,7 @@ void SetAutotuneLog(bool enabled) { autotune_log.store(enabled, std::memory_orde
 bool ApplyStoredAlgo(Plan& plan) {
   std::string key;
   cublasLtMatmulAlgo_t algo{};
-  if (!StoreKey(plan.problem, &key).success() || !LookUpStoredAlgo(key, &algo) ||
+  if (!StoreKey(plan.problem, &key).success() || !ProcessAlgoStore().LookUp(key, &algo) ||
       !AlgoFits(plan, algo))
     return false;
   plan.algo = algo;
@@ -361,7 +361,7 @@ ffi::Error TunePlan(Plan& plan, const CallBuffers& call, cudaStream_t stream) {
   if (winner < 0) return ffi::Error::Success();
   plan.algo = candidates[winner];
   std::string key;
-  if (StoreKey(plan.problem, &key).success()) StoreAlgo(key, plan.algo);
+  if (StoreKey(plan.problem, &key).success()) ProcessAlgoStore().Put(key, plan.algo);
   return ffi::Error::Success();
 }
 

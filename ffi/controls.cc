@@ -27,7 +27,7 @@ JAX_EPILOG_EXPORT void jax_epilog_set_autotune_log(int enabled) {
 // in-memory copy is forgotten: the next lookup reads the new file.
 JAX_EPILOG_EXPORT void jax_epilog_set_autotune_cache_path(const char* path) {
   try {
-    jax_epilog::SetAlgoStorePath(path != nullptr ? path : "");
+    jax_epilog::ProcessAlgoStore().SetPath(path != nullptr ? path : "");
   } catch (const std::exception&) {  // std::bad_alloc must not cross into C
   }
 }
@@ -55,7 +55,7 @@ JAX_EPILOG_EXPORT int jax_epilog_plan_cache_size(void) { return jax_epilog::Plan
 JAX_EPILOG_EXPORT void jax_epilog_clear_plan_cache(void) {
   try {
     jax_epilog::ClearPlans();
-    jax_epilog::ForgetStoredAlgos();
+    jax_epilog::ProcessAlgoStore().Forget();
   } catch (...) {  // std::bad_alloc must not cross into C; the cache stays usable
   }
 }
@@ -69,4 +69,32 @@ JAX_EPILOG_EXPORT void jax_epilog_inject_failures(int count) {
 // How many executions so far were recorded into a CUDA graph (an XLA command buffer).
 JAX_EPILOG_EXPORT int64_t jax_epilog_captured_executions(void) {
   return jax_epilog::captured_executions.load(std::memory_order_relaxed);
+}
+
+// Test only, no GPU needed: stores under `key`, in the file at `path` (bounded to
+// `max_entries`), a dummy algorithm whose 8 words are 8 * seed + 0..7, as a process's
+// store would; 1 when the file has it, else 0.
+JAX_EPILOG_EXPORT int jax_epilog_algo_store_put_for_test(const char* path, const char* key,
+                                                         uint64_t seed, int64_t max_entries) {
+  try {
+    jax_epilog::AlgoStore store(max_entries > 0 ? static_cast<size_t>(max_entries) : 1);
+    store.SetPath(path != nullptr ? path : "");
+    cublasLtMatmulAlgo_t algo{};
+    for (size_t i = 0; i < sizeof(algo.data) / sizeof(algo.data[0]); ++i)
+      algo.data[i] = 8 * seed + i;
+    return store.Put(key != nullptr ? key : "", algo) ? 1 : 0;
+  } catch (const std::exception&) {
+    return 0;
+  }
+}
+
+// Test only: the number of entries a process reads from the file at `path` (-1: error).
+JAX_EPILOG_EXPORT int64_t jax_epilog_algo_store_count_for_test(const char* path) {
+  try {
+    jax_epilog::AlgoStore store;
+    store.SetPath(path != nullptr ? path : "");
+    return static_cast<int64_t>(store.Size());
+  } catch (const std::exception&) {
+    return -1;
+  }
 }

@@ -53,6 +53,9 @@ _CONTROLS = (
     ("jax_epilog_clear_plan_cache", None, []),
     ("jax_epilog_inject_failures", None, [ctypes.c_int]),
     ("jax_epilog_captured_executions", ctypes.c_int64, []),
+    ("jax_epilog_algo_store_put_for_test", ctypes.c_int,
+     [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint64, ctypes.c_int64]),
+    ("jax_epilog_algo_store_count_for_test", ctypes.c_int64, [ctypes.c_char_p]),
 )
 
 
