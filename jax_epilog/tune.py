@@ -45,6 +45,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from . import config, dispatch
 from .epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
+from .layers import mlp
+from .matmul import matmul
 from .primitive import epilog_matmul_p, problem_of
 
 SECONDS_PER_CANDIDATE = 0.3
@@ -216,7 +218,6 @@ def step_fn(w: Workload, stack: Callable) -> Callable:
 
 def epilog_stack(x, params, activation, final_activation):
     """The stack as `jax_epilog.mlp` runs it (every backend choice left to "auto")."""
-    from .layers import mlp  # layers imports matmul, which imports the lowerings
     return mlp(x, params, activation=activation, final_activation=final_activation)
 
 
@@ -286,7 +287,6 @@ def random_operands(p: Problem, seed: int = 0) -> tuple:
 
 def call_fn(p: Problem, backend: str) -> Callable:
     """(a, b, epilog inputs) -> `jax_epilog.matmul` of `p` on `backend`."""
-    from .matmul import matmul
     precision = None if p.allow_tf32 or p.dtype != "float32" else jax.lax.Precision.HIGHEST
 
     def call(a, b, inputs):

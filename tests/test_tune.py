@@ -2,7 +2,6 @@
 nested transforms, `--fn`), `--dry-run`, the no-GPU exit, and the whole tune flow with a faked
 GPU (timing on the CPU backend, or an injected clock), including partial results."""
 
-import importlib
 import inspect
 import json
 import sys
@@ -17,7 +16,6 @@ from jax_epilog.epilogs import Epilog
 
 BF16 = jnp.bfloat16
 MATMUL_HAS_BACKEND = "backend" in inspect.signature(jax_epilog.matmul).parameters
-matmul_module = importlib.import_module("jax_epilog.matmul")  # the package exports the function
 
 
 def stack_shapes(batch, widths, dtype=BF16):
@@ -35,9 +33,8 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(dispatch, "device_identity", lambda: ("Fake GPU", 1))
     monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "decisions.json"))
     if not MATMUL_HAS_BACKEND:
-        real = matmul_module.matmul
-        monkeypatch.setattr(matmul_module, "matmul",
-                            lambda *a, backend="auto", **kw: real(*a, **kw))
+        monkeypatch.setattr(tune, "matmul",
+                            lambda *a, backend="auto", **kw: jax_epilog.matmul(*a, **kw))
     dispatch.clear_cache()
     yield tmp_path / "decisions.json"
     dispatch.clear_cache()
