@@ -3,12 +3,17 @@
 `matmul` runs `a @ b` with a bias, ReLU/GELU, a 1-bit ReLU mask or a fused backward (DRELU_BGRAD
 and friends) in one cuBLASLt kernel on CUDA, and the same semantics in plain JAX everywhere
 else. `dense` and `mlp` are differentiable layers built on it; `jax_epilog.nnx` and
-`jax_epilog.linen` wrap them as Flax modules (those need Flax installed).
+`jax_epilog.linen` wrap them as Flax modules (those need Flax installed, and are imported only
+when first used, so `import jax_epilog` never imports Flax). `pack_relu_mask` and
+`unpack_relu_mask` convert between a boolean array and cuBLASLt's packed ReLU mask.
 """
+
+import importlib
 
 from .epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
 from .layers import dense, mlp
 from .matmul import EXPORT_SAFETY_CHECKS, matmul, reference_matmul
+from .reference import pack_relu_mask, unpack_relu_mask
 
 __version__ = "0.1.0"
 
@@ -19,6 +24,28 @@ __all__ = [
     "gelu_aux_columns",
     "matmul",
     "mlp",
+    "pack_relu_mask",
     "reference_matmul",
     "relu_mask_bytes",
+    "unpack_relu_mask",
 ]
+
+_LAZY_SUBMODULES = ("nnx", "linen")
+
+
+def __getattr__(name):
+    """`jax_epilog.nnx` / `jax_epilog.linen` without an import of their own (Flax is loaded
+    on first use, not by `import jax_epilog`)."""
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *_LAZY_SUBMODULES])
+
+
+def _install_hint(extra: str) -> str:
+    """How to install one of the package's extras, from a checkout and from an index."""
+    return (f'pip install ".[{extra}]" in a checkout of jax-epilog '
+            f'(pip install "jax-epilog[{extra}]" from a package index)')

@@ -198,12 +198,7 @@ def activation_name(activation, name: str = "activation") -> Optional[str]:
 
 
 def _check_activation(name: str, activation) -> Optional[str]:
-    canonical = activation_name(activation, name)
-    if canonical != activation:  # jax.nn.relu / jax.nn.gelu: dense and mlp take the name
-        raise TypeError(f"{name}: pass the name {canonical!r} instead of "
-                        f"{_describe_callable(activation)} (jax_epilog.dense and jax_epilog.mlp "
-                        "take activations by name; the Flax modules accept either)")
-    return activation
+    return activation_name(activation, name)
 
 
 def _compute_dtype(dtype, arrays):

@@ -6,23 +6,26 @@ the parameters `linen.Dense` would, and either's checkpoint loads into the other
 its layers `layers_0`, `layers_1`, ... (what `self.layers = [nn.Dense(f) for f in features]`
 in `setup` gives) and runs the whole stack as one `jax_epilog.mlp` call.
 
-Flax is an optional dependency: `pip install jax-epilog[flax]`.
+Flax is an optional dependency: `pip install ".[flax]"` in a checkout
+(`pip install "jax-epilog[flax]"` from a package index).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 import jax.numpy as jnp
+
+from . import _install_hint
 
 try:
     from flax import linen
     from flax.linen.dtypes import promote_dtype
 except ImportError as error:
-    raise ImportError("jax_epilog.linen needs Flax: pip install jax-epilog[flax]") from error
+    raise ImportError(f"jax_epilog.linen needs Flax: {_install_hint('flax')}") from error
 
-from .layers import dense, mlp
+from .layers import activation_name, dense, mlp
 
 
 class Dense(linen.Module):
@@ -30,13 +33,14 @@ class Dense(linen.Module):
 
     Attributes:
       features: the number of output features.
-      activation: None, "relu" or "gelu" (tanh approximation, `jax.nn.gelu`'s default).
+      activation: None, "relu" or "gelu" (tanh approximation, `jax.nn.gelu`'s default), or
+        `jax.nn.relu` / `jax.nn.gelu` for the same; checked on construction.
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as for `linen.Dense`;
         `kernel_init=linen.with_partitioning(init, names)` annotates the kernel for sharding.
     """
 
     features: int
-    activation: Optional[str] = None
+    activation: Any = None
     use_bias: bool = True
     dtype: Optional[Any] = None
     param_dtype: Any = jnp.float32
@@ -44,9 +48,18 @@ class Dense(linen.Module):
     kernel_init: Any = linen.initializers.lecun_normal()
     bias_init: Any = linen.initializers.zeros_init()
 
+    def __post_init__(self):
+        activation_name(self.activation)
+        super().__post_init__()
+
     @linen.compact
     def kernel_and_bias(self, in_features: int) -> tuple[Any, Optional[Any]]:
         """This layer's parameters for inputs of `in_features` (created on first use)."""
+        if self.has_variable("params", "kernel"):
+            built = jnp.shape(linen.unbox(self.get_variable("params", "kernel")))[0]
+            if built != in_features:
+                raise ValueError(f"x has {in_features} features; this Dense was initialised "
+                                 f"with in_features={built}")
         kernel = self.param("kernel", self.kernel_init, (in_features, self.features),
                             self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) \
@@ -56,19 +69,21 @@ class Dense(linen.Module):
     def __call__(self, inputs):
         kernel, bias = self.kernel_and_bias(jnp.shape(inputs)[-1])
         inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-        return dense(inputs, kernel, bias, activation=self.activation, precision=self.precision)
+        return dense(inputs, kernel, bias, activation=activation_name(self.activation),
+                     precision=self.precision)
 
 
 class MLP(linen.Module):
     """A stack of `Dense` layers (`features[i]` outputs each) run as one `jax_epilog.mlp` call.
 
-    `activation` follows every layer but the last, `final_activation` the last. The other
-    attributes are `linen.Dense`'s and apply to every layer.
+    `activation` follows every layer but the last, `final_activation` the last; both are
+    checked on construction, as `Dense`'s is. The other attributes are `linen.Dense`'s and
+    apply to every layer.
     """
 
     features: Sequence[int]
-    activation: Optional[str] = "relu"
-    final_activation: Optional[str] = None
+    activation: Any = "relu"
+    final_activation: Any = None
     use_bias: bool = True
     dtype: Optional[Any] = None
     param_dtype: Any = jnp.float32
@@ -76,21 +91,31 @@ class MLP(linen.Module):
     kernel_init: Any = linen.initializers.lecun_normal()
     bias_init: Any = linen.initializers.zeros_init()
 
+    def __post_init__(self):
+        if isinstance(self.features, (str, bytes)) or not isinstance(self.features, Iterable):
+            raise TypeError(f"features: expected a sequence of layer sizes such as [512, 10] "
+                            f"(the last is the output size), got {self.features!r}")
+        if not list(self.features):
+            raise ValueError("features: expected at least one layer size, got []")
+        activation_name(self.activation, "activation")
+        activation_name(self.final_activation, "final_activation")
+        super().__post_init__()
+
     @linen.compact
     def __call__(self, inputs):
         features = list(self.features)
-        if not features:
-            raise ValueError("features: expected at least one layer size, got []")
+        activation = activation_name(self.activation)
+        final_activation = activation_name(self.final_activation)
         sizes = [jnp.shape(inputs)[-1], *features]
         params = []
         for i, size in enumerate(features):
-            layer = Dense(size, activation=self.activation if i < len(features) - 1
-                          else self.final_activation,
+            layer = Dense(size, activation=activation if i < len(features) - 1
+                          else final_activation,
                           use_bias=self.use_bias, dtype=self.dtype,
                           param_dtype=self.param_dtype, precision=self.precision,
                           kernel_init=self.kernel_init, bias_init=self.bias_init,
                           name=f"layers_{i}")
             params.extend(layer.kernel_and_bias(sizes[i]))
         inputs, *params = promote_dtype(inputs, *params, dtype=self.dtype)
-        return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=self.activation,
-                   final_activation=self.final_activation, precision=self.precision)
+        return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=activation,
+                   final_activation=final_activation, precision=self.precision)

@@ -7,27 +7,37 @@ would, and the state of either loads into the other. `MLP` keeps its layers in `
 state tree of a list of `nnx.Linear` (`layers/0/kernel`, ...), and runs the whole stack as one
 `jax_epilog.mlp` call so the backward can fuse across layers.
 
-Flax is an optional dependency: `pip install jax-epilog[flax]`.
+Flax is an optional dependency: `pip install ".[flax]"` in a checkout
+(`pip install "jax-epilog[flax]"` from a package index).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from . import _install_hint
+
 try:
     from flax import nnx
     from flax.linen.dtypes import promote_dtype
 except ImportError as error:
-    raise ImportError("jax_epilog.nnx needs Flax: pip install jax-epilog[flax]") from error
+    raise ImportError(f"jax_epilog.nnx needs Flax: {_install_hint('flax')}") from error
 
-from .layers import dense, mlp
+from .layers import activation_name, dense, mlp
 
 # Flax >= 0.12 wants lists of modules wrapped so it can see their state; older Flax takes lists.
 _ModuleList = getattr(nnx, "List", list)
+
+
+def _check_in_features(inputs, in_features: int, module: str):
+    shape = jnp.shape(inputs)
+    if not shape or shape[-1] != in_features:
+        raise ValueError(f"x has {shape[-1] if shape else 'no'} features; this {module} was "
+                         f"built with in_features={in_features}")
 
 
 class Dense(nnx.Module):
@@ -35,14 +45,15 @@ class Dense(nnx.Module):
 
     Args:
       in_features, out_features: the kernel is `(in_features, out_features)`.
-      activation: None, "relu" or "gelu" (tanh approximation, `jax.nn.gelu`'s default).
+      activation: None, "relu" or "gelu" (tanh approximation, `jax.nn.gelu`'s default), or
+        `jax.nn.relu` / `jax.nn.gelu` for the same; checked here, not at the first call.
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init, rngs, kernel_metadata,
         bias_metadata: as for `nnx.Linear`. Sharding annotations such as
         `kernel_init=nnx.with_partitioning(init, ("data", "model"))` carry over to the params.
     """
 
     def __init__(self, in_features: int, out_features: int, *,
-                 activation: Optional[str] = None, use_bias: bool = True,
+                 activation: Any = None, use_bias: bool = True,
                  dtype: Optional[Any] = None, param_dtype: Any = jnp.float32,
                  precision: Any = None,
                  kernel_init: Any = nnx.initializers.lecun_normal(),
@@ -50,6 +61,7 @@ class Dense(nnx.Module):
                  rngs: nnx.Rngs,
                  kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
                  bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+        activation = activation_name(activation)
         # Same draws, same order as nnx.Linear: identical weights from identical Rngs.
         self.kernel = nnx.Param(
             kernel_init(rngs.params(), (in_features, out_features), param_dtype),
@@ -68,6 +80,7 @@ class Dense(nnx.Module):
         return self.kernel[...], (self.bias[...] if self.bias is not None else None)
 
     def __call__(self, inputs):
+        _check_in_features(inputs, self.in_features, "Dense")
         inputs, kernel, bias = promote_dtype(inputs, *self.kernel_and_bias(), dtype=self.dtype)
         return dense(inputs, kernel, bias, activation=self.activation, precision=self.precision)
 
@@ -78,19 +91,25 @@ class MLP(nnx.Module):
     `MLP(64, [128, 128, 10], rngs=nnx.Rngs(0))` has the parameters (and initial values) of
     `nnx.List([nnx.Linear(64, 128), nnx.Linear(128, 128), nnx.Linear(128, 10)])` stored as
     `layers`; `activation` follows every layer but the last, `final_activation` the last.
-    The other arguments are `nnx.Linear`'s and apply to every layer.
+    The activations are checked as `Dense`'s are. The other arguments are `nnx.Linear`'s and
+    apply to every layer.
     """
 
     def __init__(self, in_features: int, features: Sequence[int], *,
-                 activation: Optional[str] = "relu", final_activation: Optional[str] = None,
+                 activation: Any = "relu", final_activation: Any = None,
                  use_bias: bool = True, dtype: Optional[Any] = None,
                  param_dtype: Any = jnp.float32, precision: Any = None,
                  kernel_init: Any = nnx.initializers.lecun_normal(),
                  bias_init: Any = nnx.initializers.zeros_init(),
                  rngs: nnx.Rngs):
+        if isinstance(features, (str, bytes)) or not isinstance(features, Iterable):
+            raise TypeError(f"features: expected a sequence of layer sizes such as [512, 10] "
+                            f"(the last is the output size), got {features!r}")
         features = list(features)
         if not features:
             raise ValueError("features: expected at least one layer size, got []")
+        activation = activation_name(activation, "activation")
+        final_activation = activation_name(final_activation, "final_activation")
         sizes = [in_features, *features]
         self.layers = _ModuleList([
             Dense(sizes[i], sizes[i + 1],
@@ -104,6 +123,7 @@ class MLP(nnx.Module):
         self.precision = precision
 
     def __call__(self, inputs):
+        _check_in_features(inputs, self.layers[0].in_features, "MLP")
         params = [p for layer in self.layers for p in layer.kernel_and_bias()]
         inputs, *params = promote_dtype(inputs, *params, dtype=self.dtype)
         return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=self.activation,

@@ -3,6 +3,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${JAX_EPILOG_VENV:-$ROOT/.venv}"
+say() { echo "jax-epilog: $*" >&2; }
 pick_python() {
   for candidate in "${PYTHON:-}" python3.12 /root/.pyenv/versions/3.12.1/bin/python3 python3; do
     if [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 \
@@ -13,11 +14,59 @@ pick_python() {
   echo "no Python >= 3.11 found" >&2; exit 1
 }
 if [ ! -x "$VENV/bin/python" ]; then
-  "$(pick_python)" -m venv "$VENV"
+  python="$(pick_python)"
+  say "creating the virtual environment $VENV ($("$python" --version))"
+  "$python" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --upgrade pip
 fi
-# $1: the extras to install, e.g. "demo" or "test". A normal (not editable) install builds
-# the C++ handler exactly as a user's install does.
+
+# The stamp of an install: a hash of everything the build reads (the package, the C++ handler,
+# pyproject.toml with its dependencies, the README that becomes the package's description,
+# the compiler and build settings in the environment) and of the venv's Python. Beside it the
+# extras installed from that state and `pip freeze` of the venv after the install, so a
+# changed or removed dependency also means a reinstall.
+STAMP="$VENV/.jax-epilog-install"
+source_hash() {
+  (cd "$ROOT" && find pyproject.toml README.md ffi jax_epilog -type f \
+      ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.so' -print0 \
+    | LC_ALL=C sort -z | xargs -0 sha256sum
+   env | grep -E '^(CC|CXX|CFLAGS|CXXFLAGS|LDFLAGS|CMAKE_[A-Z_]*|SKBUILD_[A-Z_]*|PIP_[A-Z_]*)=' \
+     | LC_ALL=C sort || true
+   "$VENV/bin/python" -c 'import sys; print(sys.version)') | sha256sum | cut -d' ' -f1
+}
+installed_freeze() { "$VENV/bin/python" -m pip freeze --all 2>/dev/null; }
+
+# $1: the extra to install, e.g. "demo" or "test". A normal (not editable) install builds
+# the C++ handler exactly as a user's install does; it is skipped when the stamp says this
+# extra is installed from the current sources into an unchanged venv.
+# JAX_EPILOG_REINSTALL=1 forces it.
 install_project() {
+  local hash extras=""
+  hash="$(source_hash)"
+  if [ -f "$STAMP.hash" ] && [ "$(cat "$STAMP.hash")" = "$hash" ]; then
+    extras="$(cat "$STAMP.extras" 2>/dev/null || true)"
+  fi
+  if [ "${JAX_EPILOG_REINSTALL:-0}" != 1 ] && [ -n "$extras" ] \
+      && [ "$(installed_freeze)" = "$(cat "$STAMP.freeze" 2>/dev/null)" ]; then
+    if grep -qx "$1" <<<"$extras"; then
+      say "$VENV is up to date with the sources ([$1] installed); skipping the reinstall" \
+          "(JAX_EPILOG_REINSTALL=1 forces it)"
+      return
+    fi
+    # The package is current: only the extra's dependencies are missing (no rebuild).
+    say "adding the dependencies of the [$1] extra to $VENV..."
+    "$VENV/bin/python" -m pip install -q "jax-epilog[$1]"
+    printf '%s\n' "$extras" "$1" | sort -u > "$STAMP.extras"
+    installed_freeze > "$STAMP.freeze"
+    return
+  fi
+  say "installing jax-epilog[$1] into $VENV: building the C++ handler and fetching the" \
+      "dependencies, about 1-2 minutes (more on a first run)..."
+  rm -f "$STAMP.hash"  # an interrupted install leaves no stamp
+  local start=$SECONDS
   "$VENV/bin/python" -m pip install -q "$ROOT[$1]"
+  echo "$1" > "$STAMP.extras"
+  installed_freeze > "$STAMP.freeze"
+  echo "$hash" > "$STAMP.hash"
+  say "installed in $((SECONDS - start)) s"
 }

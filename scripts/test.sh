@@ -5,6 +5,7 @@ install_project test
 cd "$ROOT"
 # The venv's pytest (not `python -m pytest`) so the installed package, with its compiled
 # library, is imported rather than the source folder.
+say "running the test suite with $VENV/bin/pytest (several minutes on a CPU)"
 set +e
 "$VENV/bin/pytest" tests -q -ra "$@"
 status=$?

@@ -1,5 +1,6 @@
 """The demonstration (`python -m jax_epilog`) runs and reports what it promises."""
 
+import re
 import subprocess
 import sys
 
@@ -7,7 +8,8 @@ import pytest
 
 from jax_epilog import demo
 
-SMALL = ["--epochs", "3", "--compare-batch", "96", "--compare-width", "33", "--steps", "2"]
+SMALL = ["--epochs", "3", "--compare-batch", "96", "--compare-width", "33", "--steps", "2",
+         "--rounds", "3"]
 
 
 def test_python_dash_m_trains_and_compares(tmp_path):
@@ -17,8 +19,12 @@ def test_python_dash_m_trains_and_compares(tmp_path):
     assert out.returncode == 0, out.stderr
     for text in ("device:", "backend:", "test accuracy", "step time", "temp memory",
                  "plain JAX (nnx.Linear + relu)", "jax-epilog (fused MLP)", "batch 96",
-                 "64 -> 33 -> 33 -> 33 -> 10"):
+                 "64 -> 33 -> 33 -> 33 -> 10", "fused / plain step time"):
         assert text in out.stdout, text
+    # The ratio comes with the spread of repeated rounds, and without cuBLASLt what it means.
+    assert re.search(r"round by round \d+\.\d+-\d+\.\d+ over 3 alternating rounds", out.stdout)
+    if "backend: plain-JAX reference lowering" in out.stdout:
+        assert "No cuBLASLt here: both models ran plain JAX" in out.stdout
     assert "3/3" in out.stderr  # the tqdm progress bar over the epochs
 
 

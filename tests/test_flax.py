@@ -376,7 +376,7 @@ def test_flax_is_optional():
         "    try:\n"
         "        __import__('jax_epilog.' + name)\n"
         "    except ImportError as e:\n"
-        "        assert 'pip install jax-epilog[flax]' in str(e), e\n"
+        "        assert 'pip install \".[flax]\"' in str(e), e\n"
         "    else:\n"
         "        raise AssertionError(name + ' imported without flax')\n"
         "print('ok')\n")
