@@ -39,6 +39,8 @@ constexpr float kMinGain = 0.02f;
 // pre-activation is within rounding of 0.
 constexpr size_t kCheckBytes = size_t{1} << 20;
 constexpr float kCheckTolerance = 0.05f;  // of the largest magnitude in the heuristic's sample
+// The period of the inputs' pattern (FillInputs), a multiple of the 256-byte parts.
+constexpr size_t kPatternBytes = size_t{1} << 20;
 
 std::atomic<bool> autotune_on{kAutotuneByDefault};
 std::atomic<bool> autotune_log{false};
@@ -83,29 +85,42 @@ ffi::Error StoreKey(const Problem& p, std::string* key) {
   return ffi::Error::Success();
 }
 
-// The call's buffers with every output (y, aux, bias gradient) and the workspace moved
-// into scratch memory starting at `base`, each part 256-byte aligned; `bytes` gets
-// the total. Inputs stay the call's.
-CallBuffers Redirect(const Problem& p, const CallBuffers& call, uintptr_t base, size_t* bytes) {
+// Bytes of the epilog's aux matrix (input or output).
+int64_t AuxBytes(Aux aux, const Problem& p) {
+  return p.batch * p.m * AuxRow(aux, p.n) * static_cast<int64_t>(AuxElementBytes(aux, p.dtype));
+}
+
+// Scratch stand-ins for every buffer of a call, parts of one allocation at `base`, each
+// 256-byte aligned: the inputs first (`input_bytes` of them, filled by FillInputs), then
+// the outputs and the workspace; `bytes` in all.
+struct ScratchLayout {
+  CallBuffers buffers;
+  size_t input_bytes = 0;
+  size_t bytes = 0;
+};
+
+ScratchLayout LayOut(const Problem& p, uintptr_t base) {
   const EpilogInfo& epilog = *FindEpilog(p.epilog);
   const int64_t elem = static_cast<int64_t>(ElementBytes(p.dtype));
-  size_t used = 0;
+  ScratchLayout layout;
   auto take = [&](int64_t size) {
-    void* at = reinterpret_cast<void*>(base + used);
-    used += (static_cast<size_t>(size) + 255) & ~size_t{255};
+    void* at = reinterpret_cast<void*>(base + layout.bytes);
+    layout.bytes += (static_cast<size_t>(size) + 255) & ~size_t{255};
     return at;
   };
-  CallBuffers scratch = call;
+  CallBuffers& scratch = layout.buffers;
+  scratch.a = take(p.batch * p.m * p.k * elem);
+  scratch.b = take(p.batch_b * p.n * p.k * elem);
+  if (epilog.bias_in) scratch.bias = take(p.batch_bias * p.n * elem);
+  if (epilog.aux_in != Aux::kNone) scratch.aux = take(AuxBytes(epilog.aux_in, p));
+  layout.input_bytes = layout.bytes;
   scratch.y = take(p.batch * p.m * p.n * elem);
-  if (epilog.aux_out != Aux::kNone)
-    scratch.aux = take(p.batch * p.m * AuxRow(epilog.aux_out, p.n) *
-                       static_cast<int64_t>(AuxElementBytes(epilog.aux_out, p.dtype)));
+  if (epilog.aux_out != Aux::kNone) scratch.aux = take(AuxBytes(epilog.aux_out, p));
   if (epilog.bias_grad != BiasGrad::kNone)
     scratch.bias = take(p.batch * epilog.BiasGradLength(p.m, p.n) * elem);
   scratch.workspace = take(static_cast<int64_t>(p.workspace_bytes));
   scratch.workspace_bytes = p.workspace_bytes;
-  *bytes = used;
-  return scratch;
+  return layout;
 }
 
 float ToFloat(DType dtype, const uint8_t* at) {
@@ -135,6 +150,49 @@ float ToFloat(DType dtype, const uint8_t* at) {
   return (half & 0x8000) ? -value : value;
 }
 
+// A fixed pseudo-random sequence of `dtype` values, ±[1/8, 2) (a float16 with a 7-bit
+// mantissa, so exact in every dtype), `bytes` long rounded down to whole elements.
+std::vector<uint8_t> Pattern(DType dtype, size_t bytes) {
+  const size_t elem = ElementBytes(dtype);
+  std::vector<uint8_t> pattern(bytes / elem * elem);
+  uint64_t state = 0x9e3779b97f4a7c15ull;
+  for (size_t at = 0; at < pattern.size(); at += elem) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;  // Knuth's MMIX LCG
+    const uint32_t bits = static_cast<uint32_t>(state >> 33);
+    const uint32_t exponent = 12 + (bits >> 16) % 4;  // 2^-3 .. 2^0
+    const uint16_t half =
+        static_cast<uint16_t>((bits & 0x8000) | exponent << 10 | (bits & 0x7f) << 3);
+    const float value = ToFloat(DType::kF16, reinterpret_cast<const uint8_t*>(&half));
+    uint32_t word;
+    std::memcpy(&word, &value, sizeof(word));
+    const uint16_t top = static_cast<uint16_t>(word >> 16);
+    const void* source = dtype == DType::kF32    ? static_cast<const void*>(&word)
+                         : dtype == DType::kBF16 ? static_cast<const void*>(&top)
+                                                 : static_cast<const void*>(&half);
+    std::memcpy(pattern.data() + at, source, elem);
+  }
+  return pattern;
+}
+
+// Fills the first `bytes` of `base` (the scratch inputs) with Pattern: the tuning's
+// inputs are defined, whatever the call's buffers hold (NaN or Inf there would make
+// every candidate's check fail). The pattern is made once on the host (at most
+// kPatternBytes, held in `pattern` until the stream is synchronised) and doubled on the
+// device by device-to-device copies; every scratch part starts on an element.
+ffi::Error FillInputs(DType dtype, uintptr_t base, size_t bytes, cudaStream_t stream,
+                      std::vector<uint8_t>* pattern) {
+  *pattern = Pattern(dtype, std::min(bytes, kPatternBytes));
+  const std::string what = "filling the autotuning inputs";
+  void* start = reinterpret_cast<void*>(base);
+  JAX_EPILOG_CUDA(cudaMemcpyAsync(start, pattern->data(), pattern->size(),
+                                  cudaMemcpyHostToDevice, stream), what);
+  for (size_t filled = pattern->size(); filled > 0 && filled < bytes; filled *= 2)
+    JAX_EPILOG_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(base + filled), start,
+                                    std::min(filled, bytes - filled),
+                                    cudaMemcpyDeviceToDevice, stream), what);
+  return ffi::Error::Success();
+}
+
 // One candidate's checked outputs, as floats, one vector per output.
 using Sample = std::vector<std::vector<float>>;
 
@@ -147,7 +205,8 @@ ffi::Error SampleOutputs(const Problem& p, const CallBuffers& buffers, cudaStrea
   };
   std::vector<std::pair<const void*, size_t>> parts = {{buffers.y, capped(p.batch * p.m * p.n)}};
   if (epilog.aux_out == Aux::kGelu)
-    parts.emplace_back(buffers.aux, capped(p.batch * p.m * AuxRow(Aux::kGelu, p.n)));
+    parts.emplace_back(buffers.aux, std::min(static_cast<size_t>(AuxBytes(Aux::kGelu, p)),
+                                             kCheckBytes));
   if (epilog.bias_grad != BiasGrad::kNone)
     parts.emplace_back(buffers.bias,
                        static_cast<size_t>(p.batch * epilog.BiasGradLength(p.m, p.n)) * elem);
@@ -239,6 +298,76 @@ class RelaxedCaptureMode {
   cudaStreamCaptureMode previous_ = cudaStreamCaptureModeRelaxed;
 };
 
+// The heuristic's candidates, the plan's current choice first; false when the
+// heuristic gives none.
+bool Candidates(Plan& plan, std::vector<cublasLtMatmulAlgo_t>* candidates) {
+  std::vector<cublasLtMatmulHeuristicResult_t> results;
+  if (!HeuristicCandidates(plan, kMaxCandidates, &results).success()) return false;
+  *candidates = {plan.algo};
+  for (const auto& result : results)
+    if (std::memcmp(&result.algo, &plan.algo, sizeof(plan.algo)) != 0)
+      candidates->push_back(result.algo);
+  return true;
+}
+
+// One warm-up launch of each candidate; `ok` says which ran and computed what the first
+// (the heuristic's choice) computed.
+ffi::Error CheckCandidates(Plan& plan, const std::vector<cublasLtMatmulAlgo_t>& candidates,
+                           const CallBuffers& buffers, cudaStream_t stream,
+                           std::vector<bool>* ok) {
+  ok->assign(candidates.size(), false);
+  Sample reference;  // the heuristic's outputs
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    (*ok)[i] = Enqueue(plan, buffers, candidates[i], stream) == CUBLAS_STATUS_SUCCESS;
+    if (!(*ok)[i]) continue;
+    Sample sample;
+    JAX_EPILOG_RETURN_IF_ERROR(SampleOutputs(plan.problem, buffers, stream, &sample));
+    if (i == 0)
+      reference = std::move(sample);
+    else
+      (*ok)[i] = Agrees(reference, sample);
+  }
+  return ffi::Error::Success();
+}
+
+// Each candidate still `ok`'s best round in milliseconds (`ms`, infinite for the others):
+// kRounds rounds over all candidates in turn, kLaunchesPerRound launches between two
+// events each, then one synchronisation (after the scratch memory is freed on the stream).
+ffi::Error TimeCandidates(Plan& plan, const std::vector<cublasLtMatmulAlgo_t>& candidates,
+                          const CallBuffers& buffers, cudaStream_t stream, Scratch* scratch,
+                          std::vector<bool>* ok, std::vector<float>* ms) {
+  const size_t count = candidates.size();
+  Events events;
+  JAX_EPILOG_RETURN_IF_ERROR(events.Create(2 * kRounds * count));
+  const std::string what = "timing candidates to autotune " + plan.description;
+  for (int round = 0; round < kRounds; ++round) {
+    for (size_t i = 0; i < count; ++i) {
+      if (!(*ok)[i]) continue;
+      const size_t start = 2 * (round * count + i);
+      JAX_EPILOG_CUDA(cudaEventRecord(events[start], stream), what);
+      for (int launch = 0; launch < kLaunchesPerRound && (*ok)[i]; ++launch)
+        (*ok)[i] = Enqueue(plan, buffers, candidates[i], stream) == CUBLAS_STATUS_SUCCESS;
+      JAX_EPILOG_CUDA(cudaEventRecord(events[start + 1], stream), what);
+    }
+  }
+  scratch->Release();
+  JAX_EPILOG_CUDA(cudaStreamSynchronize(stream), what);
+
+  ms->assign(count, std::numeric_limits<float>::infinity());
+  for (int round = 0; round < kRounds; ++round) {
+    for (size_t i = 0; i < count; ++i) {
+      if (!(*ok)[i]) continue;
+      const size_t start = 2 * (round * count + i);
+      float elapsed = 0.0f;
+      JAX_EPILOG_CUDA(cudaEventElapsedTime(&elapsed, events[start], events[start + 1]), what);
+      (*ms)[i] = std::min((*ms)[i], elapsed);
+    }
+  }
+  for (size_t i = 0; i < count; ++i)
+    if (!(*ok)[i]) (*ms)[i] = std::numeric_limits<float>::infinity();
+  return ffi::Error::Success();
+}
+
 // The index of the fastest candidate, given each one's best round in milliseconds
 // (infinite for one cuBLASLt rejected): the first, the heuristic's choice, unless
 // another is clearly faster; -1 when every candidate failed.
@@ -285,7 +414,7 @@ bool ApplyStoredAlgo(Plan& plan) {
   return true;
 }
 
-ffi::Error TunePlan(Plan& plan, const CallBuffers& call, cudaStream_t stream) {
+ffi::Error TunePlan(Plan& plan, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(plan.mutex);
   if (plan.tuned) return ffi::Error::Success();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -299,63 +428,23 @@ ffi::Error TunePlan(Plan& plan, const CallBuffers& call, cudaStream_t stream) {
   if (ApplyStoredAlgo(plan)) return ffi::Error::Success();
   plan.tuned = true;  // tuned once, whatever happens below
 
-  std::vector<cublasLtMatmulHeuristicResult_t> results;
-  if (!HeuristicCandidates(plan, kMaxCandidates, &results).success())
-    return ffi::Error::Success();
-  std::vector<cublasLtMatmulAlgo_t> candidates = {plan.algo};
-  for (const auto& result : results)
-    if (std::memcmp(&result.algo, &plan.algo, sizeof(plan.algo)) != 0)
-      candidates.push_back(result.algo);
-
-  size_t bytes = 0;
-  Redirect(plan.problem, call, 0, &bytes);
+  std::vector<cublasLtMatmulAlgo_t> candidates;
   Scratch scratch(stream);
-  if (candidates.size() < 2 || !scratch.Allocate(bytes)) return ffi::Error::Success();
-  const CallBuffers buffers = Redirect(plan.problem, call, scratch.base(), &bytes);
-  JAX_EPILOG_RETURN_IF_ERROR(SetCallPointers(plan, buffers));
+  if (!Candidates(plan, &candidates) || candidates.size() < 2 ||
+      !scratch.Allocate(LayOut(plan.problem, 0).bytes))
+    return ffi::Error::Success();
+  const ScratchLayout layout = LayOut(plan.problem, scratch.base());
+  std::vector<uint8_t> pattern;
+  JAX_EPILOG_RETURN_IF_ERROR(
+      FillInputs(plan.problem.dtype, scratch.base(), layout.input_bytes, stream, &pattern));
+  JAX_EPILOG_RETURN_IF_ERROR(SetCallPointers(plan, layout.buffers));
 
-  const size_t count = candidates.size();
-  std::vector<bool> ok(count);
-  Sample reference;  // the heuristic's outputs
-  for (size_t i = 0; i < count; ++i) {  // warm-up; out go those rejected or computing otherwise
-    ok[i] = Enqueue(plan, buffers, candidates[i], stream) == CUBLAS_STATUS_SUCCESS;
-    if (!ok[i]) continue;
-    Sample sample;
-    JAX_EPILOG_RETURN_IF_ERROR(SampleOutputs(plan.problem, buffers, stream, &sample));
-    if (i == 0)
-      reference = std::move(sample);
-    else
-      ok[i] = Agrees(reference, sample);
-  }
+  std::vector<bool> ok;
+  JAX_EPILOG_RETURN_IF_ERROR(CheckCandidates(plan, candidates, layout.buffers, stream, &ok));
   if (!ok[0]) return ffi::Error::Success();  // nothing to check the others against
-  Events events;
-  JAX_EPILOG_RETURN_IF_ERROR(events.Create(2 * kRounds * count));
-  const std::string what = "timing candidates to autotune " + plan.description;
-  for (int round = 0; round < kRounds; ++round) {
-    for (size_t i = 0; i < count; ++i) {
-      if (!ok[i]) continue;
-      const size_t start = 2 * (round * count + i);
-      JAX_EPILOG_CUDA(cudaEventRecord(events[start], stream), what);
-      for (int launch = 0; launch < kLaunchesPerRound && ok[i]; ++launch)
-        ok[i] = Enqueue(plan, buffers, candidates[i], stream) == CUBLAS_STATUS_SUCCESS;
-      JAX_EPILOG_CUDA(cudaEventRecord(events[start + 1], stream), what);
-    }
-  }
-  scratch.Release();
-  JAX_EPILOG_CUDA(cudaStreamSynchronize(stream), what);
-
-  std::vector<float> ms(count, std::numeric_limits<float>::infinity());
-  for (int round = 0; round < kRounds; ++round) {
-    for (size_t i = 0; i < count; ++i) {
-      if (!ok[i]) continue;
-      const size_t start = 2 * (round * count + i);
-      float elapsed = 0.0f;
-      JAX_EPILOG_CUDA(cudaEventElapsedTime(&elapsed, events[start], events[start + 1]), what);
-      if (elapsed < ms[i]) ms[i] = elapsed;
-    }
-  }
-  for (size_t i = 0; i < count; ++i)
-    if (!ok[i]) ms[i] = std::numeric_limits<float>::infinity();
+  std::vector<float> ms;
+  JAX_EPILOG_RETURN_IF_ERROR(
+      TimeCandidates(plan, candidates, layout.buffers, stream, &scratch, &ok, &ms));
   const int winner = Fastest(ms);
   LogTuning(plan.description, ms, winner);
   if (winner < 0) return ffi::Error::Success();

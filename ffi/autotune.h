@@ -1,6 +1,6 @@
 // Autotuning: choosing a plan's cuBLASLt algorithm by timing the heuristic's top
-// candidates once, on the call's real input buffers, and remembering the winner in
-// the plan and on disk (algo_store.h). See README.md, "Autotuning".
+// candidates once, on scratch buffers with defined contents, and remembering the winner
+// in the plan and on disk (algo_store.h). See README.md, "Autotuning".
 #ifndef JAX_EPILOG_FFI_AUTOTUNE_H_
 #define JAX_EPILOG_FFI_AUTOTUNE_H_
 
@@ -26,12 +26,13 @@ bool ApplyStoredAlgo(Plan& plan);
 
 // For the FFI initialize stage only (it may allocate and synchronise): unless the plan
 // is tuned or `stream` is capturing a CUDA graph, times up to 8 heuristic candidates
-// on `stream` and keeps the fastest. The candidates read the call's inputs but write
-// only to scratch memory of their own, never to the call's outputs (which XLA may
-// have placed over a donated input still to be read). Candidates cuBLASLt rejects and
-// a failed scratch allocation leave the heuristic's choice in place; only CUDA
-// failures (a broken context) are errors.
-ffi::Error TunePlan(Plan& plan, const CallBuffers& call, cudaStream_t stream);
+// on `stream` and keeps the fastest. The candidates run on scratch memory of their own
+// (inputs filled with a fixed pseudo-random pattern, outputs, workspace): never on the
+// call's buffers, whose contents XLA does not define at this stage and whose outputs
+// may lie over a donated input still to be read. Candidates cuBLASLt rejects and a
+// failed scratch allocation leave the heuristic's choice in place; only CUDA failures
+// (a broken context) are errors.
+ffi::Error TunePlan(Plan& plan, cudaStream_t stream);
 
 }  // namespace jax_epilog
 

@@ -278,7 +278,7 @@ ffi::Error MatmulInitialize(cudaStream_t stream, int32_t xla_device, ffi::AnyBuf
     JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, a, b, args, rets, epilog, transpose_a,
                                         transpose_b, allow_tf32, &call, &plan));
     if (!AutotuneEnabled()) return ffi::Error::Success();
-    return TunePlan(*plan, call.buffers, stream);
+    return TunePlan(*plan, stream);
   });
 }
 
