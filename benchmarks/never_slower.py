@@ -106,7 +106,8 @@ def measure_row(w: Workload, mode: str, arg_sets: list[tuple], budget: timing.Bu
         record[f"{side}_temp_mib"] = _temp_mib(compiled)
         record[f"{side}_outputs"] = outputs
         if side == "jax_epilog":
-            record["cublaslt_calls"] = lowered.as_text().count(f"@{cuda_library.TARGET_NAME}(")
+            record["cublaslt_calls"] = compiled.as_text().count(
+                f'custom_call_target="{cuda_library.TARGET_NAME}"')
     record["max_abs_diff"] = _max_abs_diff(record.pop("xla_outputs"),
                                            record.pop("jax_epilog_outputs"))
     for harness in HARNESSES:
@@ -224,7 +225,7 @@ def markdown(report: dict[str, Any]) -> str:
         "Ratio = XLA's time / jax_epilog's (> 1: faster than XLA). Times: median ms per call of "
         f"{method['rounds']} rounds, the two sides interleaved. careful: rotated inputs; user: "
         "the same inputs every call. Step: `jax.value_and_grad` of a squared error (grid rows "
-        "also differentiate x). cuBLASLt calls: custom calls in jax_epilog's lowered module "
+        "also differentiate x). cuBLASLt calls: custom calls in jax_epilog's compiled module "
         "(the rest ran XLA's lowering); temp MiB: `memory_analysis().temp_size_in_bytes`.",
         "",
         "| row | B × widths | careful XLA ms | careful ours ms | careful ratio | user XLA ms "

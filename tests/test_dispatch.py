@@ -248,3 +248,25 @@ def test_shipped_tables_parse():
             for e in table.entries:
                 assert e.choice in dispatch.CANDIDATES
                 assert e.choice == dispatch.decide_from_times(e.seconds)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused_seconds, kernel", [(0.5, True), (2.0, False)])
+def test_auto_lowering_follows_the_table_on_the_gpu(tmp_path, monkeypatch, fused_seconds,
+                                                    kernel):
+    import jax
+    import jax.numpy as jnp
+
+    import jax_epilog
+
+    monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "user.json"))
+    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
+    device, version = dispatch.device_identity()
+    write(tmp_path / "user.json", [entry(512, 128, 256, fused=fused_seconds, epilog=Epilog.RELU,
+                                         tb=False)], device=device, version=version)
+    dispatch.clear_cache()
+    x, w = jnp.ones((512, 256), jnp.bfloat16), jnp.ones((256, 128), jnp.bfloat16)
+    text = jax.jit(lambda x, w: jax_epilog.matmul(x, w, epilog="relu")).lower(x, w) \
+        .compile().as_text()
+    dispatch.clear_cache()
+    assert ('custom_call_target="jax_epilog_matmul"' in text) == kernel

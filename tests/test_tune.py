@@ -258,3 +258,28 @@ def test_tune_refuses_to_time_without_a_gpu(monkeypatch):
 def test_bare_callables_are_refused(fake_gpu):
     with pytest.raises(TypeError, match=r"\(fn, args\)"):
         tune.tune([jax_epilog.dense], measure=lambda *a, **k: 1.0)
+
+
+# --- on a GPU (the GPU suite) ------------------------------------------------------------------
+
+GPU_PROBLEMS = [tune.Problem("RELU_BIAS", "bfloat16", False, False, 1, 512, 256, 128),
+                tune.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 512, 128, 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("problem", GPU_PROBLEMS, ids=str)
+def test_each_candidate_runs_its_backend_on_the_gpu(problem):
+    operands = tune.random_operands(problem)
+    for backend, kernel in (("cublaslt", True), ("xla", False)):
+        text = jax.jit(tune.call_fn(problem, backend)).lower(*operands).compile().as_text()
+        assert ('custom_call_target="jax_epilog_matmul"' in text) == kernel, backend
+
+
+@pytest.mark.gpu
+def test_tune_times_both_backends_on_the_gpu(tmp_path):
+    table = tune.tune(GPU_PROBLEMS, output=tmp_path / "table.json", seconds=0.02,
+                      progress=False)
+    assert table.device == jax.devices("cuda")[0].device_kind
+    assert len(table.entries) == len(GPU_PROBLEMS)
+    for e in table.entries:
+        assert e.seconds["cublaslt"] > 0 and e.seconds["xla"] > 0
