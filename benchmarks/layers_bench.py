@@ -1,16 +1,12 @@
 """Layer benchmark: `jax_epilog.dense` / `jax_epilog.mlp` forward, backward and training step.
 
-Method: ../../shared/BENCHMARK.md (timing in `timing.py`). Three parts, in this order:
+Method: ../../shared/BENCHMARK.md (timing in `timing.py`). Two parts, with every backend choice
+of `auto` read from the tables `jax_epilog.dispatch` finds (tune first: `python -m
+jax_epilog.tune --grid`):
 
-1. The backward strategy table. Every fusable backward step the benchmarked layers and
-   networks run (DRELU_BGRAD / DGELU_BGRAD data gradients, BGRADB weight gradients; collected by
-   tracing them) is timed both ways, fused epilog and unfused (plain GEMM + elementwise +
-   reduction), with the library's own code for each. The table goes to
-   `<out>/backward_strategy.json` and is what `backward="auto"` reads for the rest of the run;
-   copy it to `jax_epilog/backward_strategy.json` to make it the installed choice.
-2. Training steps M1–M3 (`jax.value_and_grad` of a squared-error loss over the whole MLP):
+1. Training steps M1–M3 (`jax.value_and_grad` of a squared-error loss over the whole MLP):
    time and peak memory (`compiled.memory_analysis()`) against XLA on the plain-JAX network.
-3. Per grid row (bf16; ReLU everywhere, GELU too on the transformer rows G4, G5), for `dense`
+2. Per grid row (bf16; ReLU everywhere, GELU too on the transformer rows G4, G5), for `dense`
    (x[B,K] @ W[K,N] + b) and `mlp` (the block K -> N -> K, activation after the first layer):
    forward, backward (fused and unfused) and step (forward + backward, `auto`), against XLA on
    the plain-JAX expression and against the plain-GEMM floor (the same GEMMs without epilogs:
@@ -26,7 +22,6 @@ still waiting when it is spent are skipped (the report lists them).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import time
@@ -38,8 +33,7 @@ import jax.numpy as jnp
 
 import forward_bench
 import timing
-from jax_epilog import Epilog, backward_strategy, dense, gelu_aux_columns, layers, mlp
-from jax_epilog import relu_mask_bytes
+from jax_epilog import dense, mlp
 from jax_epilog.tune import GELU_ROWS, NETWORKS  # BENCHMARK.md's networks M1-M3
 
 DTYPE = jnp.bfloat16
@@ -183,75 +177,7 @@ def stack_flops(batch: int, widths, part: str) -> int:
     return gemms * sum(timing.gemm_flops(batch, k, n) for k, n in zip(widths, widths[1:]))
 
 
-# --- 1. the backward strategy table ---------------------------------------------------------
-
-@contextlib.contextmanager
-def recording_strategy_queries(found: set):
-    """Collects every (epilog, dtype, M, N, K) the layers ask `backward_strategy.choose` about."""
-    choose = backward_strategy.choose
-
-    def record(epilog, dtype, m, n, k, backward="auto"):
-        found.add((Epilog(epilog), jnp.dtype(dtype).name, int(m), int(n), int(k)))
-        return choose(epilog, dtype, m, n, k, backward)
-
-    backward_strategy.choose = record
-    try:
-        yield found
-    finally:
-        backward_strategy.choose = choose
-
-
-def backward_problems(steps: list[tuple[Callable, tuple]]) -> list[tuple]:
-    """The fusable backward steps of `steps` ((function, example args)), by tracing them."""
-    found: set = set()
-    with recording_strategy_queries(found):
-        for fn, args in steps:
-            jax.eval_shape(fn, *args)
-    return sorted(found, key=lambda p: (p[0].name, p[2:]))
-
-
-def strategy_step(epilog: Epilog, backward: str) -> Callable:
-    """The library's own code for one backward step, forced to `backward`."""
-    stack = layers.Stack((), None, backward)
-    if epilog == Epilog.BGRADB:
-        return lambda h, dz: layers._weight_grad(h, dz, True, stack)
-    previous = layers.Layer("relu" if epilog.aux_input == "relu_aux" else "gelu",
-                            epilog.reduction_output is not None)
-    return lambda dz, kernel, residual: layers._data_grad(dz, kernel, previous, residual, stack)
-
-
-def strategy_inputs(epilog: Epilog, m: int, n: int, k: int) -> tuple:
-    keys = jax.random.split(jax.random.key(m + n + k), 3)
-    if epilog == Epilog.BGRADB:  # dW (m, n) = h (k, m)ᵀ dz (k, n)
-        return (jax.random.normal(keys[0], (k, m), DTYPE),
-                jax.random.normal(keys[1], (k, n), DTYPE))
-    dz = jax.random.normal(keys[0], (m, k), DTYPE)  # dZ_prev (m, n) = dz (m, k) @ W (n, k)ᵀ
-    kernel = jax.random.normal(keys[1], (n, k), DTYPE) / math.sqrt(k)
-    if epilog.aux_input == "relu_aux":
-        residual = jax.random.bits(keys[2], (m, relu_mask_bytes(n)), jnp.uint8)
-    else:
-        residual = jax.random.normal(keys[2], (m, gelu_aux_columns(n)), DTYPE)
-    return dz, kernel.astype(DTYPE), residual
-
-
-def measure_strategies(problems, clock: Clock) -> list[dict[str, Any]]:
-    rows = []
-    for epilog, dtype, m, n, k in problems:
-        args = [jax.block_until_ready(strategy_inputs(epilog, m, n, k))]
-        flops = timing.gemm_flops(m, n, k)
-        rows.append({"epilog": epilog.name, "dtype": dtype, "m": m, "n": n, "k": k, **{
-            backward: clock.measure(strategy_step(epilog, backward), args, flops)
-            for backward in ("fused", "unfused")}})
-    return rows
-
-
-def strategy_table(rows) -> list[backward_strategy.Measurement]:
-    return [backward_strategy.Measurement(r["epilog"], r["dtype"], r["m"], r["n"], r["k"],
-                                          r["fused"]["seconds"], r["unfused"]["seconds"])
-            for r in rows]
-
-
-# --- 2. and 3.: networks and grid rows ----------------------------------------------------------
+# --- 1. and 2.: networks and grid rows ----------------------------------------------------------
 
 def measure_network(batch: int, widths, clock: Clock) -> dict[str, Any]:
     x, params, _ = random_stack(batch, widths)
@@ -297,22 +223,9 @@ def run(grid: dict, networks: dict, budget: float) -> dict[str, Any]:
     started = time.perf_counter()
     cases = [(row, activation) for row in grid
              for activation in (("relu", "gelu") if row in GELU_ROWS else ("relu",))]
-    traced = []
-    for row, activation in cases:
-        batch, k, n = grid[row]
-        for _, widths, _, ours in layer_cases(grid[row], activation):
-            traced.append((step_of(ours("auto")), random_stack_shapes(batch, widths)))
-    for batch, widths in networks.values():
-        x, params, _ = random_stack_shapes(batch, widths)
-        target = jax.ShapeDtypeStruct((batch, widths[-1]), jnp.float32)
-        traced.append((network_step(ours_stack("relu")), (params, x, target)))
-    problems = backward_problems(traced)
-    # Measurements: 2 per strategy problem, 2 per network, 2 x (3 + 7) per grid case.
-    clock = Clock(budget, 2 * len(problems) + 2 * len(networks) + 20 * len(cases))
-
-    strategy_rows = measure_strategies(problems, clock)
+    # Measurements: 2 per network, 2 x (3 + 7) per grid case.
+    clock = Clock(budget, 2 * len(networks) + 20 * len(cases))
     device = jax.devices()[0].device_kind
-    backward_strategy.write_table(strategy_table(strategy_rows), device)
     network_rows = {name: measure_network(*net, clock) for name, net in networks.items()}
     layer_rows, skipped = [], []
     for row, activation in cases:
@@ -329,12 +242,7 @@ def run(grid: dict, networks: dict, budget: float) -> dict[str, Any]:
                        "timing": "median over rounds of back-to-back calls, one sync per round",
                        "speedup_vs_xla": "XLA time / this time (> 1: faster than XLA)"},
             "elapsed_seconds": time.perf_counter() - started, "skipped": skipped,
-            "strategies": strategy_rows, "networks": network_rows, "layers": layer_rows}
-
-
-def random_stack_shapes(batch: int, widths):
-    """The shapes and dtypes of `random_stack` (for tracing without allocating)."""
-    return jax.eval_shape(lambda: random_stack(batch, widths))
+            "networks": network_rows, "layers": layer_rows}
 
 
 # --- report ------------------------------------------------------------------------------------
@@ -389,14 +297,6 @@ def markdown(report: dict[str, Any]) -> str:
                 + (f"{unfused['seconds'] * 1e3:.3f} | {unfused['speedup_vs_xla']:.3f} | "
                    if unfused else "– | – | ")
                 + f"{_mib(res['xla'])} / {_mib(ours)} |")
-    lines += ["", "## Backward strategy table (fused epilog vs plain GEMM + elementwise + "
-              "reduction)", "", "| epilog | M×N×K | fused ms | fused TFLOP/s | unfused ms | "
-              "unfused TFLOP/s | choice |", "|---|---|---|---|---|---|---|"]
-    for r, entry in zip(report["strategies"], strategy_table(report["strategies"])):
-        lines.append(f"| {r['epilog']} | {r['m']}×{r['n']}×{r['k']} | "
-                     f"{r['fused']['seconds'] * 1e3:.3f} | {r['fused']['tflops']:.4g} | "
-                     f"{r['unfused']['seconds'] * 1e3:.3f} | {r['unfused']['tflops']:.4g} | "
-                     f"{entry.choice} |")
     lines += timing.footnotes(meta, report["skipped"])
     return "\n".join(lines) + "\n"
 
@@ -417,12 +317,10 @@ def main(argv=None) -> None:
                 for name in forward_bench.choose(args.networks, networks, "networks")}
     budget = args.budget if args.budget is not None else (60.0 if args.smoke else 280.0)
     args.out.mkdir(parents=True, exist_ok=True)
-    # `auto` in this run reads the table this run measures.
-    backward_strategy.TABLE_PATH = args.out / "backward_strategy.json"
     report = run(grid, networks, budget)
     (args.out / "layers.json").write_text(json.dumps(report, indent=1))
     (args.out / "layers.md").write_text(markdown(report))
-    print(f"wrote {args.out}/layers.json, layers.md, backward_strategy.json")
+    print(f"wrote {args.out}/layers.json, layers.md")
 
 
 if __name__ == "__main__":
