@@ -22,9 +22,9 @@ fi
 
 # The stamp of an install: a hash of everything the build reads (the package, the C++ handler,
 # pyproject.toml with its dependencies, the README that becomes the package's description,
-# the compiler and build settings in the environment) and of the venv's Python. Beside it the
-# extras installed from that state and `pip freeze` of the venv after the install, so a
-# changed or removed dependency also means a reinstall.
+# the compiler's version and the build settings in the environment) and of the venv's Python.
+# Beside it the extras installed from that state and `pip freeze` of the venv after the
+# install, so a changed or removed dependency also means a reinstall.
 STAMP="$VENV/.jax-epilog-install"
 source_hash() {
   (cd "$ROOT" && find pyproject.toml README.md ffi jax_epilog -type f \
@@ -32,6 +32,7 @@ source_hash() {
     | LC_ALL=C sort -z | xargs -0 sha256sum
    env | grep -E '^(CC|CXX|CFLAGS|CXXFLAGS|LDFLAGS|CMAKE_[A-Z_]*|SKBUILD_[A-Z_]*|PIP_[A-Z_]*)=' \
      | LC_ALL=C sort || true
+   "${CXX:-c++}" --version 2>/dev/null | head -n 1 || true
    "$VENV/bin/python" -c 'import sys; print(sys.version)') | sha256sum | cut -d' ' -f1
 }
 installed_freeze() { "$VENV/bin/python" -m pip freeze --all 2>/dev/null; }
