@@ -13,8 +13,8 @@
 #include <exception>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
-#include <vector>
 
 #include "autotune.h"
 #include "plan_cache.h"
@@ -189,25 +189,25 @@ ffi::Error DecodeResults(const ffi::RemainingRets& rets, ffi::DataType dtype, Ca
         std::to_string(want) + " results (y" + (aux_out ? ", aux" : "") +
         (bias_grad > 0 ? ", bias gradient" : "") + ", workspace), got " +
         std::to_string(rets.size()));
-  std::vector<ffi::AnyBuffer> results;
+  std::optional<ffi::AnyBuffer> results[4];  // no allocation: this runs on every call
   for (size_t i = 0; i < want; ++i) {
     auto result = rets.get<ffi::AnyBuffer>(i);
     if (!result.has_value()) return result.error();
-    results.push_back(*result.value());
+    results[i] = *result.value();
   }
   const size_t elem = ElementBytes(p.dtype);
-  const ffi::AnyBuffer& y = results.front();
+  const ffi::AnyBuffer& y = *results[0];
   JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(y, "y", dtype, {p.batch, p.m, p.n}));
   call->buffers.y = y.untyped_data();
   p.align_y = AlignmentLog2(y.untyped_data(), BatchStrideBytes(p.batch, p.m * p.n, elem));
-  if (aux_out) JAX_EPILOG_RETURN_IF_ERROR(DecodeAux(results[1], epilog.aux_out, dtype, call));
+  if (aux_out) JAX_EPILOG_RETURN_IF_ERROR(DecodeAux(*results[1], epilog.aux_out, dtype, call));
   if (bias_grad > 0) {
-    const ffi::AnyBuffer& grad = results[want - 2];
+    const ffi::AnyBuffer& grad = *results[want - 2];
     JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(grad, "bias gradient", dtype, {p.batch, bias_grad}));
     call->buffers.bias = grad.untyped_data();
     p.align_bias = AlignmentLog2(grad.untyped_data(), BatchStrideBytes(p.batch, bias_grad, elem));
   }
-  return DecodeWorkspace(results.back(), call);
+  return DecodeWorkspace(*results[want - 1], call);
 }
 
 ffi::Error Decode(int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs args,

@@ -99,36 +99,11 @@ ffi::Error HandleFor(int device, cublasLtHandle_t* handle) {
   return ffi::Error::Success();
 }
 
-ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
-  plan->problem = p;
-  plan->description = p.ToString();
+// The epilog's attributes on the plan's descriptor: the bias (or bias gradient) and aux
+// batch strides and the aux leading dimension.
+ffi::Error SetEpilogAttributes(const Problem& p, const EpilogInfo& epilog, Plan* plan) {
+  cublasLtMatmulDesc_t desc = plan->desc.get();
   const std::string& problem = plan->description;
-  const std::string where = " for " + problem;
-  const EpilogInfo& epilog = *FindEpilog(p.epilog);  // CheckProblem made sure
-  plan->device = p.device;
-  plan->handle = handle;
-
-  const cudaDataType_t type = p.dtype == DType::kF16    ? CUDA_R_16F
-                              : p.dtype == DType::kBF16 ? CUDA_R_16BF
-                                                        : CUDA_R_32F;
-  const cublasComputeType_t compute = p.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
-                                                   : CUBLAS_COMPUTE_32F;
-  cublasLtMatmulDesc_t desc = nullptr;
-  JAX_EPILOG_CUBLAS(cublasLtMatmulDescCreate(&desc, compute, CUDA_R_32F),
-                    "creating the matmul descriptor" + where);
-  plan->desc.reset(desc);
-
-  // Transposes are expressed only through the descriptor: nothing is ever copied.
-  const int32_t op_a = p.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const int32_t op_b = p.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
-  const uint32_t epilogue = epilog.cublaslt;
-  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a,
-                                     "CUBLASLT_MATMUL_DESC_TRANSA", problem));
-  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b,
-                                     "CUBLASLT_MATMUL_DESC_TRANSB", problem));
-  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue,
-                                     "CUBLASLT_MATMUL_DESC_EPILOGUE", problem));
-
   const int64_t bias_grad = epilog.BiasGradLength(p.m, p.n);
   if (epilog.bias_in || bias_grad > 0) {
     plan->sets_bias_pointer = true;
@@ -151,7 +126,15 @@ ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
                                        stride, "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE",
                                        problem));
   }
+  return ffi::Error::Success();
+}
 
+// The layouts of cuBLASLt's A (our b), B (our a) and C = D (our y).
+ffi::Error MakeLayouts(const Problem& p, Plan* plan) {
+  const cudaDataType_t type = p.dtype == DType::kF16    ? CUDA_R_16F
+                              : p.dtype == DType::kBF16 ? CUDA_R_16BF
+                                                        : CUDA_R_32F;
+  const std::string& problem = plan->description;
   // Row-major (rows, cols) is column-major cols x rows with ld = cols.
   // cuBLASLt A = our b: (K, N) row-major is N x K, op N; (N, K) is K x N, op T.
   JAX_EPILOG_RETURN_IF_ERROR(MakeLayout(
@@ -162,8 +145,36 @@ ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
       &plan->layout_b, type, p.transpose_a ? p.m : p.k, p.transpose_a ? p.k : p.m,
       p.transpose_a ? p.m : p.k, p.batch, p.m * p.k, "a", problem));
   // cuBLASLt D = our y: (M, N) row-major is N x M.
-  JAX_EPILOG_RETURN_IF_ERROR(MakeLayout(&plan->layout_cd, type, p.n, p.m, p.n, p.batch,
-                                        p.m * p.n, "y", problem));
+  return MakeLayout(&plan->layout_cd, type, p.n, p.m, p.n, p.batch, p.m * p.n, "y", problem);
+}
+
+ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
+  plan->problem = p;
+  plan->description = p.ToString();
+  const std::string& problem = plan->description;
+  const EpilogInfo& epilog = *FindEpilog(p.epilog);  // CheckProblem made sure
+  plan->device = p.device;
+  plan->handle = handle;
+
+  const cublasComputeType_t compute = p.allow_tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                                   : CUBLAS_COMPUTE_32F;
+  cublasLtMatmulDesc_t desc = nullptr;
+  JAX_EPILOG_CUBLAS(cublasLtMatmulDescCreate(&desc, compute, CUDA_R_32F),
+                    "creating the matmul descriptor for " + problem);
+  plan->desc.reset(desc);
+
+  // Transposes are expressed only through the descriptor: nothing is ever copied.
+  const int32_t op_a = p.transpose_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const int32_t op_b = p.transpose_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const uint32_t epilogue = epilog.cublaslt;
+  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a,
+                                     "CUBLASLT_MATMUL_DESC_TRANSA", problem));
+  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_TRANSB, op_b,
+                                     "CUBLASLT_MATMUL_DESC_TRANSB", problem));
+  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue,
+                                     "CUBLASLT_MATMUL_DESC_EPILOGUE", problem));
+  JAX_EPILOG_RETURN_IF_ERROR(SetEpilogAttributes(p, epilog, plan));
+  JAX_EPILOG_RETURN_IF_ERROR(MakeLayouts(p, plan));
 
   std::vector<cublasLtMatmulHeuristicResult_t> results;
   JAX_EPILOG_RETURN_IF_ERROR(HeuristicCandidates(*plan, 1, &results));
@@ -344,6 +355,9 @@ bool AlgoFits(Plan& plan, const cublasLtMatmulAlgo_t& algo) {
 }
 
 ffi::Error SetCallPointers(Plan& plan, const CallBuffers& buffers) {
+  if (plan.pointers_set && buffers.bias == plan.bias_pointer && buffers.aux == plan.aux_pointer)
+    return ffi::Error::Success();
+  plan.pointers_set = false;  // until both are set
   if (plan.sets_bias_pointer)
     JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan.desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                        buffers.bias, "CUBLASLT_MATMUL_DESC_BIAS_POINTER",
@@ -352,6 +366,9 @@ ffi::Error SetCallPointers(Plan& plan, const CallBuffers& buffers) {
     JAX_EPILOG_RETURN_IF_ERROR(SetDesc(
         plan.desc.get(), CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, buffers.aux,
         "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER", plan.description));
+  plan.bias_pointer = buffers.bias;
+  plan.aux_pointer = buffers.aux;
+  plan.pointers_set = true;
   return ffi::Error::Success();
 }
 
@@ -412,9 +429,6 @@ ffi::Error GetPlan(const Problem& requested, std::shared_ptr<Plan>* plan) {
 }
 
 ffi::Error RunPlan(Plan& plan, const CallBuffers& buffers, cudaStream_t stream) {
-  // Kernels go to the current device; XLA's stream belongs to the plan's device.
-  ScopedDevice scoped;
-  JAX_EPILOG_RETURN_IF_ERROR(scoped.Enter(plan.device));
   std::lock_guard<std::mutex> lock(plan.mutex);
   JAX_EPILOG_RETURN_IF_ERROR(SetCallPointers(plan, buffers));
   CountIfCaptured(stream);

@@ -84,6 +84,11 @@ struct Plan {
   std::string description;  // Problem::ToString, for error messages
   bool sets_bias_pointer = false;
   bool sets_aux_pointer = false;
+  // The bias / aux pointers on the descriptor (valid once `pointers_set`), so that a call
+  // with the same buffers as the last skips setting them. Guarded by `mutex`.
+  bool pointers_set = false;
+  const void* bias_pointer = nullptr;
+  const void* aux_pointer = nullptr;
   // The pointers of a call live on the shared descriptor, so setting them and
   // enqueueing the matmul (or tuning) must not interleave with another call of this plan.
   std::mutex mutex;
@@ -113,7 +118,8 @@ struct CallBuffers {
   size_t workspace_bytes = 0;
 };
 
-// Enqueues the plan's matmul on `stream`. Never allocates and never synchronises.
+// Enqueues the plan's matmul on `stream`. The plan's device is current (a call's plan is
+// the one for the device current in the call). Never allocates and never synchronises.
 // Fails instead, with CUBLAS_STATUS_EXECUTION_FAILED, while failures are injected
 // (fault_injection.h).
 ffi::Error RunPlan(Plan& plan, const CallBuffers& buffers, cudaStream_t stream);
@@ -130,7 +136,7 @@ ffi::Error HeuristicCandidates(Plan& plan, int max_count,
 // from disk, possibly written by another cuBLASLt version).
 bool AlgoFits(Plan& plan, const cublasLtMatmulAlgo_t& algo);
 
-// Sets the bias / aux pointers of a call on the plan's descriptor.
+// Sets the bias / aux pointers of a call on the plan's descriptor (unless already there).
 ffi::Error SetCallPointers(Plan& plan, const CallBuffers& buffers);
 
 // Enqueues one cublasLtMatmul with `algo` (after SetCallPointers).
