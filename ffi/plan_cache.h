@@ -3,7 +3,8 @@
 // A plan is everything cuBLASLt needs for one problem except the data pointers: the
 // matmul descriptor, the matrix layouts and the algorithm the heuristic chose. It is
 // built once per problem (host-only work: no device allocation, no stream work) and
-// reused by every call; a call only sets its bias / aux pointers and enqueues.
+// reused by every call; a call only sets its bias / aux pointers (when they differ from
+// the previous call's) and enqueues.
 #ifndef JAX_EPILOG_FFI_PLAN_CACHE_H_
 #define JAX_EPILOG_FFI_PLAN_CACHE_H_
 
