@@ -268,7 +268,8 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="aut
       x: `(..., K)`; the leading dims are flattened into the GEMM's rows.
       kernel: `(K, N)`.
       bias: `(N,)` or None.
-      activation: None, "relu" or "gelu" (tanh approximation).
+      activation: None, "relu" or "gelu" (tanh approximation); `jax.nn.relu` and `jax.nn.gelu`
+        (its default is the tanh approximation) stand for the names.
       precision: as for `jax_epilog.matmul` (float32 only: HIGHEST is full float32).
       forward: "auto" (per GEMM, the faster of cuBLASLt's epilog and XLA's own GEMM and
         fusions, as measured on this GPU; see `jax_epilog.dispatch`), "fused" (cuBLASLt) or
@@ -292,8 +293,9 @@ def mlp(x, layers, *, activation="relu", final_activation=None, precision=None,
       x: `(..., K)`.
       layers: a sequence of `(kernel, bias)` pairs, kernel `(K_i, K_{i+1})`, bias
         `(K_{i+1},)` or None.
-      activation: None, "relu" or "gelu" after every layer but the last.
-      final_activation: None, "relu" or "gelu" after the last layer.
+      activation: None, "relu" or "gelu" (or `jax.nn.relu` / `jax.nn.gelu`) after every layer
+        but the last.
+      final_activation: the same, after the last layer.
       precision, forward, backward, dtype: as for `dense`.
 
     Returns:
