@@ -19,6 +19,9 @@ goal:
   a shipped one.
 - **Margin.** A measurement chooses ``"cublaslt"`` only if it was faster than ``"xla"`` by more
   than `MARGIN` (2%), so that noise never picks the riskier path.
+- **FP8 operands without a nearby entry** (user or shipped): ``"cublaslt"``. SPEC §5: every
+  FP8 epilog cuBLASLt runs on the device runs the kernel (what it lacks still takes the
+  reference, with a warning, at lowering); a measurement that chose XLA still decides.
 - **A GPU with a table but no nearby entry**: ``"xla"``.
 - **A GPU without any table** (no section for it in the user table, no shipped file): the
   conservative rule. ``"cublaslt"`` only where the reference GPU's table (`REFERENCE_DEVICE`,
@@ -52,7 +55,7 @@ import jax
 import jax.numpy as jnp
 
 from . import config, cuda_library
-from .epilogs import Epilog, as_epilog
+from .epilogs import Epilog, as_epilog, is_fp8
 
 CANDIDATES = ("cublaslt", "xla")
 MARGIN = 0.02
@@ -92,7 +95,8 @@ class Table(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """A choice and why it was made (`source`: override, user, shipped, reference-gpu, none)."""
+    """A choice and why it was made (`source`: override, user, shipped, fp8, reference-gpu,
+    none)."""
 
     choice: str
     source: str
@@ -252,6 +256,8 @@ def _decide(problem: tuple, user_path: Optional[Path]) -> Decision:
         close = nearby(table, problem)
         if close:
             return Decision(close[0].choice, source, close[0])
+    if is_fp8(problem[1]):
+        return Decision("cublaslt", "fp8")
     if user is not None or shipped is not None:
         return Decision("xla", "none")
     reference = _section(load_tables(shipped_table_path(REFERENCE_DEVICE)), REFERENCE_DEVICE,

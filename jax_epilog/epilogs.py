@@ -13,6 +13,7 @@ import enum
 import operator
 from typing import Callable, NamedTuple, Optional
 
+import jax.numpy as jnp
 import numpy as np
 
 from . import activations
@@ -37,15 +38,16 @@ ACTIVATIONS = {
 
 
 class Array(NamedTuple):
-    """An array an epilog reads or writes besides a, b and y, in the kernel's rank-3 form.
+    """An array a call reads or writes besides a, b and y, in the kernel's rank-3 form.
 
     `dims` name its axes: batch (a's batch), bias_batch (1 or batch), m, n, and the aux arrays'
-    row lengths mask_bytes (16·⌈N/128⌉) and gelu_cols (8·⌈N/8⌉). `sums` marks a bias gradient:
-    the sum over M of the epilog's result ("y"), or over K of operand "a" or "b".
+    row lengths mask_bytes (16·⌈N/128⌉) and gelu_cols (8·⌈N/8⌉); () is a scalar. `sums` marks a
+    bias gradient: the sum over M of the epilog's result ("y"), or over K of operand "a" or "b".
+    `dtype` None is the floating aux dtype of the call (`aux_dtype`).
     """
 
     dims: tuple[str, ...]
-    dtype: Optional[str]  # None: the operands' dtype
+    dtype: Optional[str]  # None: aux_dtype(the result's dtype)
     what: str
     sums: Optional[str] = None
 
@@ -59,7 +61,57 @@ ARRAYS = {
     "bgrada": Array(("batch", "m"), None, "a summed over K", sums="a"),
     # One row per batch, also for a shared b (the rows are then equal).
     "bgradb": Array(("batch", "n"), None, "b summed over K", sums="b"),
+    # FP8 calls only (SPEC §5): the scales are operands after the epilog's inputs, the amax a
+    # result after its outputs (`operand_names`, `result_names`).
+    "scale_a": Array((), "float32", "a's dequantization scale"),
+    "scale_b": Array((), "float32", "b's dequantization scale"),
+    "scale_d": Array((), "float32", "the FP8 result's quantization scale"),
+    "result_amax": Array((), "float32", "max |R| before the d scale and the cast"),
 }
+
+# --- dtypes (SPEC §1 and §5) -------------------------------------------------------------------
+
+#: Operand dtypes without quantization (the result has the operands' dtype).
+WIDE_DTYPES = ("float16", "bfloat16", "float32")
+#: FP8 operand and result dtypes (SPEC §5): both operands FP8, never both e5m2.
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+#: What `preferred_element_type` may be with FP8 operands; DEFAULT_FP8_RESULT when not given.
+FP8_RESULT_DTYPES = WIDE_DTYPES + FP8_DTYPES
+DEFAULT_FP8_RESULT = "bfloat16"
+
+
+def is_fp8(dtype) -> bool:
+    return jnp.dtype(dtype).name in FP8_DTYPES
+
+
+def aux_dtype(result_dtype) -> np.dtype:
+    """The dtype of every floating aux input and output (bias, gelu_aux, bias gradients): the
+    result's when that is 16- or 32-bit, bfloat16 when the result is FP8 (SPEC §5)."""
+    return jnp.dtype("bfloat16") if is_fp8(result_dtype) else jnp.dtype(result_dtype)
+
+
+def array_dtype(name: str, result_dtype) -> np.dtype:
+    """The dtype of `ARRAYS[name]` in a call whose result `y` has `result_dtype`."""
+    fixed = ARRAYS[name].dtype
+    return jnp.dtype(fixed) if fixed else aux_dtype(result_dtype)
+
+
+def scale_names(operand_dtype, result_dtype) -> tuple[str, ...]:
+    """The scale operands of a call: a's and b's with FP8 operands, and d's for an FP8 result."""
+    if not is_fp8(operand_dtype):
+        return ()
+    return ("scale_a", "scale_b", "scale_d") if is_fp8(result_dtype) else ("scale_a", "scale_b")
+
+
+def operand_names(epilog: "Epilog", operand_dtype, result_dtype) -> tuple[str, ...]:
+    """A call's operands in the kernel's order: a, b, the epilog's inputs, the scales."""
+    return ("a", "b", *epilog.input_names, *scale_names(operand_dtype, result_dtype))
+
+
+def result_names(epilog: "Epilog", result_amax: bool = False) -> tuple[str, ...]:
+    """A call's results in the kernel's order: y, the epilog's outputs, the amax if asked."""
+    return ("y", *epilog.output_names, *(("result_amax",) if result_amax else ()))
+
 
 #: Columns of N one shard must hold whole for an aux dim to split with N (16 bytes = 128 bits).
 AUX_DIM_COLUMNS = {"mask_bytes": 128, "gelu_cols": 8}
@@ -230,5 +282,7 @@ def as_epilog(epilog) -> Epilog:
         raise ValueError(f"epilog: unknown value {epilog}; expected one of {values}") from None
 
 
-__all__ = ["ACTIVATIONS", "ARRAYS", "AUX_DIM_COLUMNS", "Activation", "Array", "Epilog", "Row",
-           "TABLE", "as_epilog", "dim_sizes", "gelu_aux_columns", "relu_mask_bytes"]
+__all__ = ["ACTIVATIONS", "ARRAYS", "AUX_DIM_COLUMNS", "Activation", "Array", "DEFAULT_FP8_RESULT",
+           "Epilog", "FP8_DTYPES", "FP8_RESULT_DTYPES", "Row", "TABLE", "WIDE_DTYPES",
+           "array_dtype", "as_epilog", "aux_dtype", "dim_sizes", "gelu_aux_columns", "is_fp8",
+           "operand_names", "relu_mask_bytes", "result_names", "scale_names"]

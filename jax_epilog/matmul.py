@@ -24,11 +24,15 @@ import numpy as np
 
 from . import lowering  # noqa: F401  (registers the lowerings)
 from . import manual_axes
-from .epilogs import ACTIVATIONS, ARRAYS, Epilog, as_epilog, dim_sizes
+from .epilogs import (ACTIVATIONS, ARRAYS, DEFAULT_FP8_RESULT, FP8_DTYPES, FP8_RESULT_DTYPES,
+                      Epilog, array_dtype, as_epilog, dim_sizes, is_fp8, result_names,
+                      scale_names)
 from .primitive import BACKENDS, Params, epilog_matmul_p
 from .reference import epilog_matmul as reference_kernel
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+#: Operand dtypes: SUPPORTED_DTYPES, and the FP8 formats with `quantization_scales` (SPEC §5).
+OPERAND_DTYPES = SUPPORTED_DTYPES + tuple(jnp.dtype(d) for d in FP8_DTYPES)
 
 #: Pass as `jax.export.export(..., disabled_checks=EXPORT_SAFETY_CHECKS)` when exporting for
 #: CUDA: the exported module calls our custom call, which JAX does not know to be stable.
@@ -44,14 +48,15 @@ def _raw_dtype(x) -> np.dtype:
 
 def _dtype_of(name: str, x) -> np.dtype:
     dtype = _raw_dtype(x)
-    if dtype not in SUPPORTED_DTYPES:
+    if dtype not in OPERAND_DTYPES:
         extra = ""
         if isinstance(x, (list, tuple)) and x is not None:
             extra = (f" (a Python {type(x).__name__} becomes {dtype} in NumPy; pass "
                      f"jnp.asarray({name}, dtype=jnp.float32), or bfloat16 / float16)")
         elif dtype == jnp.float64:
             extra = " (float64 is not supported by cuBLASLt's epilogs; cast to float32)"
-        raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {dtype}{extra}")
+        raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {dtype}{extra}"
+                        " (or FP8: float8_e4m3fn / float8_e5m2 with quantization_scales)")
     return dtype
 
 
@@ -146,13 +151,117 @@ class _Call(NamedTuple):
     b_shared: bool
 
 
+_E5M2 = jnp.dtype(jnp.float8_e5m2)
+
+
+def _check_operand_dtypes(a, b) -> bool:
+    """Whether the call is an FP8 one; refuses mixed and e5m2 x e5m2 operands."""
+    fp8_a, fp8_b = is_fp8(a.dtype), is_fp8(b.dtype)
+    if fp8_a != fp8_b:
+        name, x, other, o = ("a", a, "b", b) if fp8_a else ("b", b, "a", a)
+        raise TypeError(f"{name}: got {x.dtype} but {other} is {o.dtype}; FP8 operands must both "
+                        f"be FP8 (float8_e4m3fn or float8_e5m2) or neither: quantize {other} too "
+                        "(SPEC §5)")
+    if not fp8_a and a.dtype != b.dtype:
+        raise TypeError(f"b: dtype {b.dtype} differs from a's {a.dtype}; they must be equal")
+    if fp8_a and a.dtype == _E5M2 and b.dtype == _E5M2:
+        raise TypeError("b: a and b are both float8_e5m2, and cuBLASLt has no e5m2 x e5m2 GEMM; "
+                        "make one of them float8_e4m3fn (e.g. e4m3 activations and weights, e5m2 "
+                        "gradients)")
+    return fp8_a
+
+
+def _result_dtype(fp8: bool, operand_dtype, preferred_element_type) -> np.dtype:
+    if not fp8:
+        if preferred_element_type is not None and \
+                _as_dtype(preferred_element_type) != operand_dtype:
+            raise TypeError(f"preferred_element_type: with {operand_dtype} operands the result "
+                            f"has their dtype; got {preferred_element_type!r} (other result "
+                            "types need FP8 operands)")
+        return jnp.dtype(operand_dtype)
+    if preferred_element_type is None:
+        return jnp.dtype(DEFAULT_FP8_RESULT)
+    out = _as_dtype(preferred_element_type)
+    if out.name not in FP8_RESULT_DTYPES:
+        raise TypeError(f"preferred_element_type: with FP8 operands expected one of "
+                        f"{', '.join(FP8_RESULT_DTYPES)}, got {out.name}")
+    return out
+
+
+def _as_dtype(x) -> np.dtype:
+    try:
+        return jnp.dtype(x)
+    except TypeError:
+        raise TypeError(f"preferred_element_type: expected a dtype (e.g. jnp.bfloat16 or "
+                        f"jnp.float8_e4m3fn), got {x!r}") from None
+
+
+def _check_scale(key: str, x):
+    label = f"quantization_scales[{key!r}]"
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{label}: expected a float32 scalar or a Python float, got {x!r}")
+    if isinstance(x, (int, float)) and not hasattr(x, "shape"):
+        return jnp.asarray(x, jnp.float32)
+    dtype = getattr(x, "dtype", None)
+    shape = getattr(x, "shape", None)
+    if dtype is None or shape is None:
+        raise TypeError(f"{label}: expected a float32 scalar or a Python float, got "
+                        f"{type(x).__name__} {x!r}")
+    if jnp.dtype(dtype) != jnp.float32:
+        raise TypeError(f"{label}: expected dtype float32 (a scalar scale), got {jnp.dtype(dtype)}")
+    if tuple(shape) != ():
+        raise ValueError(f"{label}: expected a scalar (shape ()), got shape {tuple(shape)}")
+    return jnp.asarray(x)
+
+
+def _check_scales(fp8: bool, out, quantization_scales, result_amax) -> tuple:
+    """The scale operands (a's, b's, d's for an FP8 result) as float32 0-d arrays."""
+    if not isinstance(result_amax, (bool, np.bool_)):
+        raise TypeError(f"result_amax: expected a bool, got {result_amax!r}")
+    if not fp8:
+        if quantization_scales is not None:
+            raise TypeError("quantization_scales: only for FP8 operands (float8_e4m3fn / "
+                            "float8_e5m2); a and b are not FP8")
+        if result_amax:
+            raise TypeError("result_amax: only for FP8 operands (float8_e4m3fn / float8_e5m2); "
+                            "a and b are not FP8 (take jnp.max(jnp.abs(y)) instead)")
+        return ()
+    if quantization_scales is None:
+        raise TypeError("quantization_scales: FP8 operands need their scales, e.g. "
+                        "quantization_scales={'a': sa, 'b': sb} (float32 scalars: a stands for "
+                        "sa * a)" + (", and 'd' for an FP8 result" if is_fp8(out) else ""))
+    if not isinstance(quantization_scales, Mapping):
+        raise TypeError(f"quantization_scales: expected a dict, got "
+                        f"{type(quantization_scales).__name__}")
+    keys = ("a", "b", "d") if is_fp8(out) else ("a", "b")
+    stray = sorted((k for k in quantization_scales if k not in keys), key=str)
+    if "d" in stray:
+        raise ValueError(f"quantization_scales['d']: only for an FP8 result "
+                         f"(preferred_element_type float8_e4m3fn or float8_e5m2); the result "
+                         f"is {out.name}")
+    if stray:
+        raise ValueError(f"quantization_scales: unexpected keys {stray}; expected 'a', 'b'"
+                         + (" and 'd'" if is_fp8(out) else " ('d' only for an FP8 result)"))
+    missing = [k for k in ("a", "b") if k not in quantization_scales]
+    if missing:
+        raise ValueError(f"quantization_scales: missing {missing}; FP8 operands need 'a' and 'b'")
+    scales = [_check_scale(k, quantization_scales[k]) for k in ("a", "b")]
+    if is_fp8(out):
+        d = quantization_scales.get("d", None)
+        scales.append(jnp.ones((), jnp.float32) if d is None else _check_scale("d", d))
+    assert len(scales) == len(scale_names(FP8_DTYPES[0], out))
+    return tuple(scales)
+
+
 def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
-             backend="auto") -> _Call:
+             backend="auto", quantization_scales=None, preferred_element_type=None,
+             result_amax=False) -> _Call:
     epilog = as_epilog(epilog)
     a = _as_operand("a", a)
     b = _as_operand("b", b)
-    if a.dtype != b.dtype:
-        raise TypeError(f"b: dtype {b.dtype} differs from a's {a.dtype}; they must be equal")
+    fp8 = _check_operand_dtypes(a, b)
+    out = _result_dtype(fp8, a.dtype, preferred_element_type)
+    scales = _check_scales(fp8, out, quantization_scales, result_amax)
     for name, flag in (("transpose_a", transpose_a), ("transpose_b", transpose_b)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
@@ -171,7 +280,7 @@ def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
     if not b_shared and tuple(b.shape[:-2]) != lead:
         raise ValueError(f"b: leading dims {tuple(b.shape[:-2])} must equal a's leading dims "
                          f"{lead} (or b must be 2-D to be shared)")
-    checked = {name: _check_input(name, inputs[name], dtype=ARRAYS[name].dtype or a.dtype,
+    checked = {name: _check_input(name, inputs[name], dtype=array_dtype(name, out),
                                   shapes=_user_shapes(name, lead, m, n), n=n)
                for name in epilog.input_names}
 
@@ -187,9 +296,10 @@ def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
     kernel_inputs = tuple(
         checked[name].reshape(batch if bias_per_batch else 1, n) if name == "bias"
         else checked[name].reshape(kernel_batch, kernel_m, checked[name].shape[-1])
-        for name in epilog.input_names)
+        for name in epilog.input_names) + scales
     params = Params(int(epilog), bool(transpose_a), bool(transpose_b),
-                    allow_tf32_for(precision, a.dtype), backend)
+                    allow_tf32_for(precision, a.dtype), backend,
+                    result_dtype=out.name if fp8 else None, result_amax=bool(result_amax))
     return _Call(a3, b3, kernel_inputs, params, lead, m, n, b_shared)
 
 
@@ -198,16 +308,18 @@ def _finish(call: _Call, outputs):
     epilog = Epilog(call.params.epilog)
     y, *rest = outputs
     aux = {}
-    for name, x in zip(epilog.output_names, rest):
+    for name, x in zip(result_names(epilog, call.params.result_amax)[1:], rest):
         sums = ARRAYS[name].sums
-        if not sums:  # an aux array (batch, M, ·)
+        if ARRAYS[name].dims == ():  # result_amax: one scalar for the whole call
+            pass
+        elif not sums:  # an aux array (batch, M, ·)
             x = x.reshape(*call.lead, call.m, x.shape[-1])
         elif sums == "a":  # (batch, M)
             x = x.reshape(*call.lead, call.m)
         elif not call.b_shared:  # (batch, N)
             x = x.reshape(*call.lead, call.n)
         elif sums == "b":  # a shared b: every batch's row is the same sum
-            x = x[0] if x.shape[0] else _sum_over_k(call.b[0], call.params.transpose_b)
+            x = x[0] if x.shape[0] else _sum_over_k(call, x.dtype)
         else:  # a shared b's bias: its gradient sums over every leading index
             x = x.sum(axis=0, dtype=jnp.float32).astype(x.dtype) if x.shape[0] != 1 else x[0]
         aux[name] = x
@@ -215,9 +327,14 @@ def _finish(call: _Call, outputs):
     return (y, aux) if aux else y
 
 
-def _sum_over_k(b2, transpose_b: bool):
-    """b summed over K, for BGRADB of an empty batch (no kernel row to read it from)."""
-    return jnp.sum(b2.astype(jnp.float32), axis=1 if transpose_b else 0).astype(b2.dtype)
+def _sum_over_k(call: _Call, dtype):
+    """b summed over K (times its FP8 scale), for BGRADB of an empty batch (no kernel row to
+    read it from)."""
+    b2 = call.b[0]
+    total = jnp.sum(b2.astype(jnp.float32), axis=1 if call.params.transpose_b else 0)
+    if is_fp8(b2.dtype):  # the scales follow the epilog's inputs: a's, then b's
+        total = total * call.inputs[len(Epilog(call.params.epilog).input_names) + 1]
+    return total.astype(dtype)
 
 
 # --- the kernel call and its gradient -----------------------------------------------------
@@ -280,43 +397,64 @@ _forward.defvjp(_forward_fwd, _forward_bwd)
 
 def matmul(a, b, *, epilog=Epilog.DEFAULT, epilog_inputs: Optional[Mapping[str, Any]] = None,
            transpose_a: bool = False, transpose_b: bool = False, precision=None,
-           backend: str = "auto"):
-    """`a @ b` with a cuBLASLt epilog fused into the same kernel (SPEC §1).
+           backend: str = "auto", quantization_scales: Optional[Mapping[str, Any]] = None,
+           preferred_element_type=None, result_amax: bool = False):
+    """`a @ b` with a cuBLASLt epilog fused into the same kernel (SPEC §1, §5).
 
     Args:
-      a: `(..., M, K)`, or `(..., K, M)` with `transpose_a`; float16, bfloat16 or float32.
+      a: `(..., M, K)`, or `(..., K, M)` with `transpose_a`; float16, bfloat16 or float32, or
+        FP8 (float8_e4m3fn / float8_e5m2, with `quantization_scales`).
       b: `(K, N)` shared by every leading index of `a`, or `(..., K, N)` with the same leading
-        dims (`(…, N, K)` with `transpose_b`); same dtype as `a`.
+        dims (`(…, N, K)` with `transpose_b`); same dtype as `a` (FP8: both FP8, not both e5m2).
       epilog: an `Epilog`, its value, its name (e.g. ``"relu_aux_bias"``), or nvmath-python's
         `MatmulEpilog` member of that name.
       epilog_inputs: ``{"bias": (N,) | (..., N)}`` for the bias epilogs,
         ``{"relu_aux": mask}`` for DRELU*, ``{"gelu_aux": pre_activation}`` for DGELU*.
-      transpose_a, transpose_b: read the operand transposed (no copy is made).
+        Floating inputs have y's dtype (bfloat16 when y is FP8).
+      transpose_a, transpose_b: read the operand transposed (no copy is made for 16/32-bit
+        operands; FP8 kernels need (M, K) and (N, K) operands, which the CUDA lowering
+        arranges by a transpose XLA fuses into the operand's producer).
       precision: for float32, `jax.lax.Precision.HIGHEST` is full float32; DEFAULT / HIGH may
-        use TF32. Ignored for 16-bit dtypes (accumulation is always float32).
+        use TF32. Ignored for 16-bit and FP8 dtypes (accumulation is always float32).
       backend: on CUDA, "cublaslt" runs the cuBLASLt kernel, "xla" XLA's own GEMM and fusions
         of the same computation, "auto" the faster of the two for this problem on this GPU, as
-        measured (`jax_epilog.dispatch`). Other platforms always run the reference.
+        measured (`jax_epilog.dispatch`; FP8 problems without a measurement run cuBLASLt).
+        Other platforms always run the reference.
+      quantization_scales: FP8 operands only, and required with them: ``{"a": sa, "b": sb}``
+        (float32 0-d arrays or Python floats; traced values work under `jit`), plus ``"d": sd``
+        (default 1) for an FP8 result. The product is P = (sa·a) @ (sb·b).
+      preferred_element_type: FP8 operands only: y's dtype, float16, bfloat16 (the default),
+        float32, float8_e4m3fn or float8_e5m2. An FP8 y is sd·R rounded and saturated to the
+        format's largest finite value (NaN stays NaN).
+      result_amax: FP8 operands only: also return ``aux["result_amax"]``, float32 max |R| taken
+        before the d scale and the cast.
 
     Returns:
       `y` of shape `(..., M, N)`, or `(y, aux)` where the epilog has auxiliary outputs
-      (`relu_aux`, `gelu_aux`, `drelu_bgrad`, `dgelu_bgrad`, `bgrada`, `bgradb`).
+      (`relu_aux`, `gelu_aux`, `drelu_bgrad`, `dgelu_bgrad`, `bgrada`, `bgradb`) or
+      `result_amax` is asked for.
 
-    Differentiable (reverse mode) for the forward epilogs; the backward epilogs are gradients
-    themselves and raise a `TypeError` under `jax.grad`.
+    Differentiable (reverse mode) for the forward epilogs with 16/32-bit operands; the backward
+    epilogs are gradients themselves and FP8 calls are not differentiable: both raise a
+    `TypeError` under `jax.grad` (FP8 training: `dense` / `mlp` with ``fp8=``).
     """
-    call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision, backend)
+    call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision, backend,
+                    quantization_scales, preferred_element_type, result_amax)
     axes = manual_axes.varying_axes((call.a, call.b, *call.inputs))  # inside shard_map
     operands = [manual_axes.vary(x, axes) for x in (call.a, call.b, *call.inputs)]
-    run = _kernel if Epilog(call.params.epilog).is_backward else _forward
+    differentiable = not (Epilog(call.params.epilog).is_backward or is_fp8(call.a.dtype))
+    run = _forward if differentiable else _kernel
     return _finish(call, run(call.params, *operands))
 
 
 def reference_matmul(a, b, *, epilog=Epilog.DEFAULT, epilog_inputs=None, transpose_a=False,
-                     transpose_b=False, precision=None):
+                     transpose_b=False, precision=None, quantization_scales=None,
+                     preferred_element_type=None, result_amax=False):
     """`matmul` computed by the plain-JAX reference on any device (same checks, same results)."""
-    call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision)
+    call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision, "auto",
+                    quantization_scales, preferred_element_type, result_amax)
     p = call.params
     return _finish(call, reference_kernel(call.a, call.b, *call.inputs, epilog=p.epilog,
                                           transpose_a=p.transpose_a, transpose_b=p.transpose_b,
-                                          allow_tf32=p.allow_tf32))
+                                          allow_tf32=p.allow_tf32, result_dtype=p.result_dtype,
+                                          result_amax=p.result_amax))

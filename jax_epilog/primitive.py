@@ -15,28 +15,50 @@ Shapes and dtypes of every input and output come from `epilogs.TABLE`.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax._src import dispatch as _jax_dispatch
 from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from .epilogs import ARRAYS, Epilog, dim_sizes
+from .epilogs import (ARRAYS, Epilog, array_dtype, dim_sizes, is_fp8, operand_names,
+                      result_names)
 
 BACKENDS = ("auto", "cublaslt", "xla")
 
 
 class Params(NamedTuple):
-    """The static parameters of a call (hashable: a custom_vjp non-differentiable argument)."""
+    """The static parameters of a call (hashable: a custom_vjp non-differentiable argument).
+
+    The scales of an FP8 call are operands, not parameters: traced values work under `jit`.
+    """
 
     epilog: int
     transpose_a: bool
     transpose_b: bool
     allow_tf32: bool
     backend: str = "auto"  # "cublaslt", "xla", or "auto": per problem (dispatch.py)
+    result_dtype: Optional[str] = None  # y's dtype name; None: the operands' dtype
+    result_amax: bool = False  # FP8 calls: also return max |R| (SPEC §5)
+
+
+def result_dtype_of(params, operand_dtype) -> np.dtype:
+    """y's dtype for `params` (a `Params` or its dict) and operands of `operand_dtype`."""
+    name = params["result_dtype"] if isinstance(params, dict) else params.result_dtype
+    return jnp.dtype(name or operand_dtype)
+
+
+def names_of(params, operand_dtype) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(operand names, result names) of a call, in the kernel's order (`epilogs.ARRAYS` keys
+    and "a", "b", "y")."""
+    get = params.get if isinstance(params, dict) else functools.partial(getattr, params)
+    epilog = Epilog(get("epilog"))
+    return (operand_names(epilog, operand_dtype, result_dtype_of(params, operand_dtype)),
+            result_names(epilog, bool(get("result_amax", False))))
 
 
 class Problem(NamedTuple):
@@ -60,34 +82,37 @@ def array_shape(name: str, p: Problem, bias_batch: int = 1) -> tuple[int, ...]:
     return tuple(sizes[d] for d in ARRAYS[name].dims)
 
 
-def array_dtype(name: str, dtype):
-    return jnp.dtype(ARRAYS[name].dtype or dtype)
-
-
-def _abstract_eval(a, b, *inputs, epilog, transpose_a, transpose_b, allow_tf32, backend):
+def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, backend,
+                   result_dtype=None, result_amax=False):
     del allow_tf32, backend
     epilog = Epilog(epilog)
+    params = dict(epilog=epilog, result_dtype=result_dtype, result_amax=result_amax)
+    out = result_dtype_of(params, a.dtype)
     # `matmul` has already given readable errors; these guard direct binds.
     if a.ndim != 3 or b.ndim != 3:
         raise ValueError(f"epilog_matmul: expects rank-3 operands, got {a.shape} and {b.shape}")
-    if a.dtype != b.dtype:
+    if a.dtype != b.dtype and not (is_fp8(a.dtype) and is_fp8(b.dtype)):
         raise TypeError(f"epilog_matmul: a and b dtypes differ ({a.dtype} vs {b.dtype})")
+    if out != a.dtype and not is_fp8(a.dtype):
+        raise TypeError(f"epilog_matmul: result dtype {out} needs FP8 operands, got {a.dtype}")
     p = problem_of(a.shape, b.shape, transpose_a, transpose_b)
     b_k = b.shape[2] if transpose_b else b.shape[1]
     if b_k != p.k or b.shape[0] not in (1, p.batch):
         raise ValueError(f"epilog_matmul: b {b.shape} does not fit a {a.shape}")
-    if len(inputs) != len(epilog.input_names):
-        raise ValueError(f"epilog_matmul: {epilog.name} takes {epilog.input_names}, "
-                         f"got {len(inputs)} inputs")
+    operand_names, output_names = names_of(params, a.dtype)
+    if len(args) != len(operand_names) - 2:
+        raise ValueError(f"epilog_matmul: {epilog.name} takes {operand_names[2:]}, "
+                         f"got {len(args)} inputs")
     bias_batch = 1
-    for name, x in zip(epilog.input_names, inputs):
+    for name, x in zip(operand_names[2:], args):
         bias_batch = x.shape[0] if name == "bias" else bias_batch
         expected = array_shape(name, p, bias_batch)
         if tuple(x.shape) != expected or bias_batch not in (1, p.batch):
             raise ValueError(f"epilog_matmul: {name} has shape {x.shape}, expected {expected}")
-    return [ShapedArray((p.batch, p.m, p.n), a.dtype)] + [
-        ShapedArray(array_shape(name, p), array_dtype(name, a.dtype))
-        for name in epilog.output_names]
+        if ARRAYS[name].dtype == "float32" and x.dtype != jnp.float32:
+            raise TypeError(f"epilog_matmul: {name} must be float32, got {x.dtype}")
+    return [ShapedArray((p.batch, p.m, p.n), out)] + [
+        ShapedArray(array_shape(name, p), array_dtype(name, out)) for name in output_names[1:]]
 
 
 epilog_matmul_p = Primitive("epilog_matmul")
@@ -124,13 +149,22 @@ _jax_dispatch.prim_requires_devices_during_lowering.add(epilog_matmul_p)
 
 # --- batching: a vmapped axis is folded into the batch axis ---------------------------------
 # (V, batch, ...) -> (V * batch, ...): one strided-batched GEMM. Operands that may be shared
-# (b, bias: batch 1, stride 0) stay shared when they are not mapped; anything else that is not
-# mapped is broadcast along V.
+# (b, bias: batch 1, stride 0; the FP8 scales, scalars) stay shared when they are not mapped;
+# anything else that is not mapped is broadcast along V.
+#
+# An FP8 call folds the same way when its scales are not mapped and it returns no amax. A
+# mapped scale (one per example) cannot be one GEMM's scale, and `result_amax` must be one
+# amax per example, where a folded GEMM gives one for all: those calls run one GEMM for all
+# examples too, the plain product in float32 with unit scales (`plain_product`), and then the
+# reference's `finish` (scales, epilog, amax, cast) vmapped over the examples, elementwise work
+# that XLA fuses. Never a loop over examples.
 
 _SHAREABLE = ("b", "bias")
 
 
 def _fold_batch_axis(x, bdim, name: str, size: int, batch: int):
+    if ARRAYS.get(name, None) is not None and ARRAYS[name].dims == ():
+        return x  # a scale shared by every example (mapped scales do not fold)
     if bdim is None:
         if name in _SHAREABLE and x.shape[0] == 1:
             return x
@@ -142,23 +176,56 @@ def _fold_batch_axis(x, bdim, name: str, size: int, batch: int):
     return x.reshape(size * batch, *x.shape[2:])
 
 
+def plain_product(primitive, params: Params, a, b):
+    """`primitive` (either of the two) computing only the plain product P = a @ b of a call, as
+    float32 for FP8 operands (unit scales: the caller applies the real ones), else in the
+    operands' dtype."""
+    plain = params._replace(epilog=int(Epilog.DEFAULT), result_amax=False,
+                            result_dtype="float32" if is_fp8(a.dtype) else None)
+    ones = [jnp.ones((), jnp.float32)] * (2 if is_fp8(a.dtype) else 0)
+    return primitive.bind(a, b, *ones, **plain._asdict())[0]
+
+
 def _batch_rule(args, dims, **params):
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
-    names = ("a", "b", *Epilog(params["epilog"]).input_names)
+    names, _ = names_of(params, args[0].dtype)
     a, a_dim = args[0], dims[0]
     batch = a.shape[0] if a_dim is None else a.shape[1 if a_dim == 0 else 0]
+    scale_mapped = any(d is not None for name, d in zip(names, dims) if name.startswith("scale_"))
+    if scale_mapped or params.get("result_amax", False):
+        return _batch_unfolded(args, dims, size, batch, Params(**params))
     folded = [_fold_batch_axis(x, d, name, size, batch) for x, d, name in zip(args, dims, names)]
     outs = epilog_matmul_p.bind(*folded, **params)
     outs = [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs]
     return outs, [0] * len(outs)
 
 
+def _batch_unfolded(args, dims, size: int, batch: int, params: Params):
+    """A vmapped FP8 call with per-example scales or amax (see above)."""
+    from . import reference  # reference imports this module's neighbours, not this one
+    a, b = (_fold_batch_axis(x, d, name, size, batch)
+            for x, d, name in zip(args[:2], dims[:2], ("a", "b")))
+    product = plain_product(epilog_matmul_p, params, a, b)
+    product = product.reshape(size, batch, *product.shape[1:])
+    finish = functools.partial(reference.finish, epilog=params.epilog,
+                               transpose_a=params.transpose_a, transpose_b=params.transpose_b,
+                               result_dtype=params.result_dtype,
+                               result_amax=params.result_amax)
+    outs = jax.vmap(finish, in_axes=(0, *dims))(product, *args)
+    return list(outs), [0] * len(outs)
+
+
 batching.primitive_batchers[epilog_matmul_p] = _batch_rule
 
 
 def _no_autodiff(primals, tangents, *, epilog, **params):
-    del primals, tangents, params
+    del tangents, params
     epilog = Epilog(epilog)
+    if is_fp8(primals[0].dtype):
+        raise TypeError(
+            "jax_epilog.matmul with FP8 operands is not differentiable; for FP8 training use "
+            "jax_epilog.dense / jax_epilog.mlp with fp8= (or the Flax modules' fp8= "
+            "argument), which quantize in the forward and backward passes for you.")
     if epilog.is_backward:
         raise TypeError(
             f"jax_epilog.matmul with epilog={epilog.name} is itself a gradient computation and "

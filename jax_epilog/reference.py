@@ -13,6 +13,11 @@ the accumulator, and only the stored results are rounded to the operand dtype. W
 first, as `act(x @ w + b)` under `jax.jit` computes it, so XLA runs its own GEMM (and fuses
 the bias and ReLU into it where it can); results then differ from the exact ones by at most a
 rounding of the product.
+
+FP8 operands (SPEC §5): the exact reference widens them to float32 (exactly) and accumulates in
+float32; XLA's way is XLA's direct FP8 `dot_general`, which XLA rewrites to its own cuBLASLt FP8
+GEMM (a dequantize-then-bf16 dot would not be). Then `finish` applies the scales, the epilog,
+the FP8 result's scale and saturating cast, and the amax.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import jax.numpy as jnp
 
 from .activations import (gelu, gelu_derivative, pack_relu_mask, relu, relu_mask,  # noqa: F401
                           unpack_relu_mask)
-from .epilogs import ACTIVATIONS, ARRAYS, Epilog
+from .epilogs import ACTIVATIONS, ARRAYS, Epilog, array_dtype, is_fp8, scale_names
 
 
 def _product(a, b, transpose_a: bool, transpose_b: bool, allow_tf32: bool, dtype):
@@ -39,11 +44,15 @@ def _product(a, b, transpose_a: bool, transpose_b: bool, allow_tf32: bool, dtype
     return p.astype(jnp.float32)
 
 
-def apply_epilog(p, *inputs, epilog: int, dtype) -> list:
-    """The epilog's outputs (y, then its aux and bias-gradient outputs) given the float32
-    product `p` `(batch, M, N)`. Sums over K of an operand (BGRADA/BGRADB) are the caller's.
-    Shared with the sharded path, which finishes a product summed across devices."""
-    epilog = Epilog(epilog)
+def saturating_cast(x, dtype):
+    """x (float32) rounded to nearest to the FP8 `dtype`, finite values past its largest finite
+    value (and ±Inf) saturated to it, NaN kept NaN: cuBLASLt's FP8 output (SPEC §5)."""
+    largest = float(jnp.finfo(dtype).max)
+    return jnp.clip(x, -largest, largest).astype(dtype)  # clip keeps NaN
+
+
+def _epilog(p, inputs, epilog: Epilog, aux_dtype):
+    """(R in float32, the epilog's other outputs stored as `aux_dtype`) for the float32 `p`."""
     n = p.shape[-1]
     named = dict(zip(epilog.input_names, inputs))
     z = p + named["bias"].astype(jnp.float32)[:, None, :] if epilog.has_bias else p
@@ -53,32 +62,71 @@ def apply_epilog(p, *inputs, epilog: int, dtype) -> list:
         y = ACTIVATIONS[epilog.derivative].derivative(p, named[epilog.aux_input], n)
     else:
         y = z
-    outputs = [y.astype(dtype)]
+    outputs = []
     for name in epilog.output_names:
         if not ARRAYS[name].sums:
-            outputs.append(ACTIVATIONS[epilog.activation].keep(z, dtype))
+            outputs.append(ACTIVATIONS[epilog.activation].keep(z, aux_dtype))
         elif ARRAYS[name].sums == "y":
-            outputs.append(jnp.sum(y, axis=1).astype(dtype))
+            outputs.append(jnp.sum(y, axis=1).astype(aux_dtype))
         else:
             outputs.append(None)  # the caller's
-    return outputs
+    return y, outputs
 
 
-def epilog_matmul(a, b, *inputs, epilog: int, transpose_a: bool, transpose_b: bool,
-                  allow_tf32: bool = False, exact: bool = True):
-    """The kernel's outputs (y[, aux][, bias gradient]) for normalised rank-3 operands.
+def finish(p, a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
+           result_dtype=None, result_amax: bool = False) -> tuple:
+    """A call's outputs from its float32 product `p` `(batch, M, N)`, before any scale.
 
-    `inputs` are the epilog's inputs in `Epilog.input_names` order: bias `(batch|1, N)`,
-    then `relu_aux` / `gelu_aux` `(batch, M, ·)`.
-    """
+    `args` are the call's operands after a and b (the epilog's inputs, then the FP8 scales).
+    With FP8 operands P = (sa · sb) · p; the epilog gives R; y is R rounded to a 16/32-bit
+    result, or sd · R rounded and saturated to an FP8 one; `result_amax` is max |R| (SPEC §5).
+    Shared by the reference, the sharded path (after a psum over K) and vmap with per-example
+    scales."""
     epilog = Epilog(epilog)
-    dtype = a.dtype
-    p = _product(a, b, transpose_a, transpose_b, allow_tf32, jnp.float32 if exact else dtype)
-    outputs = apply_epilog(p, *inputs, epilog=epilog, dtype=dtype)
-    operand_sums = {"a": (a, 1 if transpose_a else 2), "b": (b, 2 if transpose_b else 1)}
-    for i, name in enumerate(epilog.output_names, start=1):
+    out = jnp.dtype(result_dtype or a.dtype)
+    n_inputs = len(epilog.input_names)
+    inputs = args[:n_inputs]
+    scales = dict(zip(scale_names(a.dtype, out), (jnp.asarray(s, jnp.float32)
+                                                  for s in args[n_inputs:])))
+    aux = array_dtype("bias", out)  # the floating aux dtype
+    if scales:
+        p = p * (scales["scale_a"] * scales["scale_b"])  # cuBLASLt's alpha · sa · sb
+    r, outputs = _epilog(p, inputs, epilog, aux)
+    if is_fp8(out):
+        y = saturating_cast(r * scales["scale_d"], out)
+    else:
+        y = r.astype(out)
+    sa = scales.get("scale_a", 1.0)
+    sb = scales.get("scale_b", 1.0)
+    operand_sums = {"a": (a, 1 if transpose_a else 2, sa), "b": (b, 2 if transpose_b else 1, sb)}
+    for i, name in enumerate(epilog.output_names):
         if ARRAYS[name].sums in operand_sums:
-            x, axis = operand_sums[ARRAYS[name].sums]
-            total = jnp.sum(x.astype(jnp.float32), axis=axis).astype(dtype)
+            x, axis, scale = operand_sums[ARRAYS[name].sums]
+            total = (jnp.sum(x.astype(jnp.float32), axis=axis) * scale).astype(aux)
             outputs[i] = jnp.broadcast_to(total, (a.shape[0], total.shape[1]))
-    return tuple(outputs)
+    if result_amax:
+        outputs.append(jnp.max(jnp.abs(r)) if r.size else jnp.zeros((), jnp.float32))
+    return (y, *outputs)
+
+
+def epilog_matmul(a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
+                  allow_tf32: bool = False, exact: bool = True, result_dtype=None,
+                  result_amax: bool = False):
+    """The kernel's outputs (y[, aux][, bias gradient][, amax]) for normalised rank-3 operands.
+
+    `args` are the epilog's inputs in `Epilog.input_names` order: bias `(batch|1, N)`,
+    then `relu_aux` / `gelu_aux` `(batch, M, ·)`; then, with FP8 operands, the scales
+    (`epilogs.scale_names`).
+    """
+    out = jnp.dtype(result_dtype or a.dtype)
+    if is_fp8(a.dtype):
+        if exact:  # FP8 values widen exactly; the products and their sum are float32
+            p = _product(a.astype(jnp.float32), b.astype(jnp.float32), transpose_a,
+                         transpose_b, False, jnp.float32)
+        else:  # XLA's direct FP8 dot, which XLA rewrites to its cuBLASLt FP8 GEMM
+            p = _product(a, b, transpose_a, transpose_b, False,
+                         jnp.float32 if is_fp8(out) else out)
+    else:
+        p = _product(a, b, transpose_a, transpose_b, allow_tf32, jnp.float32 if exact else a.dtype)
+    return finish(p, a, b, *args, epilog=epilog, transpose_a=transpose_a,
+                  transpose_b=transpose_b, result_dtype=out, result_amax=result_amax)

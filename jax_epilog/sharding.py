@@ -13,7 +13,11 @@ gathering the operands:
 - K sharded (row parallel): local partial products and a psum over K's mesh axes (float32).
   Epilogs linear in the product (DEFAULT, BGRADA, BGRADB) run in the kernel before the psum;
   every other epilog needs the whole sum first, so the kernel computes the plain partial
-  product and the epilog is applied after the psum by the reference's `apply_epilog`.
+  product and the epilog is applied after the psum by the reference's `finish`. With FP8
+  operands the partial products are float32 with unit scales, and `finish` applies the scales;
+  an FP8 result or an amax is never linear in K.
+- FP8 scales are replicated scalars; `result_amax` is a pmax over the mesh axes that split
+  batch, M or N.
 
 A dimension that does not divide evenly over its mesh axes, or a mesh axis already used by
 another dimension, is replicated instead. Which axes each array has comes from
@@ -33,21 +37,21 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import reference
-from .epilogs import ARRAYS, AUX_DIM_COLUMNS, Epilog
-from .primitive import Params, kernel_p, problem_of
+from .epilogs import ARRAYS, AUX_DIM_COLUMNS, Epilog, is_fp8
+from .primitive import Params, kernel_p, names_of, plain_product, problem_of
 
 
 def partitioned(params: Params, *operands):
     """The inner primitive on `operands`, partitioned by XLA's SPMD partitioner."""
     shapes = tuple(tuple(x.shape) for x in operands)
-    return _partitioned_op(params, shapes)(*operands)
+    return _partitioned_op(params, shapes, jnp.dtype(operands[0].dtype).name)(*operands)
 
 
 @functools.cache
-def _partitioned_op(params: Params, shapes: tuple):
+def _partitioned_op(params: Params, shapes: tuple, dtype: str):
     op = custom_partitioning(functools.partial(_bind, params))
     op.def_partition(partition=functools.partial(_partition, params),
-                     sharding_rule=functools.partial(_sharding_rule, params, shapes))
+                     sharding_rule=functools.partial(_sharding_rule, params, shapes, dtype))
     return op
 
 
@@ -118,12 +122,12 @@ def _layout(params: Params, mesh, arg_shapes) -> _Layout:
 def _partition(params: Params, mesh, arg_shapes, result_shape):
     del result_shape
     lay = _layout(params, mesh, arg_shapes)
-    epilog = Epilog(params.epilog)
+    operand_names, result_names = names_of(params, arg_shapes[0].dtype)
     a_spec = lay.spec(("batch", "k", "m") if params.transpose_a else ("batch", "m", "k"))
     b_spec = lay.spec(("b_batch", "n", "k") if params.transpose_b else ("b_batch", "k", "n"))
-    arg_specs = [a_spec, b_spec, *(lay.spec(ARRAYS[name].dims) for name in epilog.input_names)]
+    arg_specs = [a_spec, b_spec, *(lay.spec(ARRAYS[name].dims) for name in operand_names[2:])]
     result_specs = [lay.spec(("batch", "m", "n")),
-                    *(lay.spec(ARRAYS[name].dims) for name in epilog.output_names)]
+                    *(lay.spec(ARRAYS[name].dims) for name in result_names[1:])]
 
     def local(*operands):
         return _local_kernel(params, lay, *operands)
@@ -138,26 +142,43 @@ def _psum_float32(x, axes):
     return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
 
 
-def _local_kernel(params: Params, lay: _Layout, a, b, *inputs):
+def _linear_in_k(params: Params, dtype) -> bool:
+    """Whether partial products over K may run the whole call and be added: the epilog is
+    linear and so is the store (no FP8 result's scale and saturation, no amax)."""
+    fp8_result = params.result_dtype is not None and is_fp8(params.result_dtype)
+    del dtype
+    return Epilog(params.epilog).linear_in_k and not fp8_result and not params.result_amax
+
+
+def _local_kernel(params: Params, lay: _Layout, a, b, *args):
     """One device's share: the kernel on local blocks, plus the reductions the layout needs."""
-    epilog = Epilog(params.epilog)
-    if lay.k and not epilog.linear_in_k:
-        plain = params._replace(epilog=int(Epilog.DEFAULT))
-        product = kernel_p.bind(a, b, **plain._asdict())[0]
+    _, result_names = names_of(params, a.dtype)
+    if lay.k and not _linear_in_k(params, a.dtype):
+        product = plain_product(kernel_p, params, a, b)
         summed = jax.lax.psum(product.astype(jnp.float32), lay.k)
-        outputs = reference.apply_epilog(summed, *inputs, epilog=epilog, dtype=a.dtype)
+        outputs = list(reference.finish(
+            summed, a, b, *args, epilog=params.epilog, transpose_a=params.transpose_a,
+            transpose_b=params.transpose_b, result_dtype=params.result_dtype,
+            result_amax=params.result_amax))
+        # (an operand's sum over K, BGRADA/BGRADB, is local: add the shards')
+        for i, name in enumerate(result_names[1:], start=1):
+            if ARRAYS[name].sums in ("a", "b"):
+                outputs[i] = _psum_float32(outputs[i], lay.k)
     else:
         outputs = [_psum_float32(o, lay.k) if lay.k else o
-                   for o in kernel_p.bind(a, b, *inputs, **params._asdict())]
-    for i, name in enumerate(epilog.output_names, start=1):
+                   for o in kernel_p.bind(a, b, *args, **params._asdict())]
+    for i, name in enumerate(result_names[1:], start=1):
         if lay.m and ARRAYS[name].sums == "y":
             outputs[i] = _psum_float32(outputs[i], lay.m)
+        if name == "result_amax" and lay.batch + lay.m + lay.n:
+            outputs[i] = jax.lax.pmax(outputs[i], lay.batch + lay.m + lay.n)
     return tuple(outputs)
 
 
 # --- the Shardy rule: how shardings propagate through the call ---------------------------------
 
-def _sharding_rule(params: Params, shapes: tuple, mesh, operand_types, result_types):
+def _sharding_rule(params: Params, shapes: tuple, dtype: str, mesh, operand_types,
+                   result_types):
     """Einsum-like factors of every operand and result (see `custom_partitioning`).
 
     With a ReLU mask, N is written as (blocks, 128 columns) and the mask's bytes as (blocks,
@@ -165,7 +186,7 @@ def _sharding_rule(params: Params, shapes: tuple, mesh, operand_types, result_ty
     blocks (of 8 columns for the GELU buffer) the aux array's columns stay replicated.
     """
     del mesh, operand_types, result_types
-    epilog = Epilog(params.epilog)
+    operand_names, result_names = names_of(params, dtype)
     p = problem_of(shapes[0], shapes[1], params.transpose_a, params.transpose_b)
     factor_sizes: dict[str, int] = {}
     need_replication: tuple[str, ...] = ()
@@ -190,9 +211,9 @@ def _sharding_rule(params: Params, shapes: tuple, mesh, operand_types, result_ty
     operands = [term(("batch", "k", "m") if params.transpose_a else ("batch", "m", "k"), shapes[0]),
                 term(b_dims, shapes[1]),
                 *(term(ARRAYS[name].dims, shape)
-                  for name, shape in zip(epilog.input_names, shapes[2:]))]
+                  for name, shape in zip(operand_names[2:], shapes[2:]))]
     results = [term(("batch", "m", "n"), (p.batch, p.m, p.n)),
-               *(term(ARRAYS[name].dims, (p.batch,) * 3) for name in epilog.output_names)]
+               *(term(ARRAYS[name].dims, (p.batch,) * 3) for name in result_names[1:])]
     rule = f"{', '.join(operands)} -> {', '.join(results)}"
     return rule, dict(reduction_factors=("k",), need_replication_factors=need_replication,
                       **factor_sizes)
