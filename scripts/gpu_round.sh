@@ -3,6 +3,7 @@
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu probe
+#           tune never_slower
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files).
@@ -20,6 +21,10 @@ SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
 DEADLINE="${DEADLINE:-0}"
+# Where `tune` writes the decision table (outside $OUT, which the device tool empties between
+# calls, so a later call on the same machine can use it).
+TABLE_DIR="${TABLE_DIR:-/tmp/jax_epilog_tables}"
+TABLE_NAME="${TABLE_NAME:-nvidia-h200.json}"
 # Run a command within what is left of DEADLINE (SIGINT first, so pytest and
 # compute-sanitizer still print their summaries).
 # `runs --cap N cmd...` also stops it after N seconds.
@@ -121,6 +126,22 @@ print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c
         --out "$OUT/bench" 2>&1) > "$OUT/multigpu.log"
       note "multi-GPU benchmark: rc=$? ($((SECONDS - start)) s)"
       tail -n 25 "$OUT/multigpu.log" ;;
+    tune)
+      # The per-GPU decision table: every distinct GEMM of the benchmark grid, cuBLASLt against
+      # XLA (python -m jax_epilog.tune); written to $TABLE_DIR and used by never_slower.
+      mkdir -p "$TABLE_DIR"
+      (cd /tmp && runs "$PY" -m jax_epilog.tune \
+        --grid --no-progress --output "$TABLE_DIR/$TABLE_NAME" ${TUNE_ARGS:-} 2>&1) > "$OUT/tune.log"
+      cp "$TABLE_DIR/$TABLE_NAME" "$OUT/" 2>/dev/null
+      note "tune: rc=$? ($((SECONDS - start)) s): $(tail -n 2 "$OUT/tune.log" | tr '\n' ' ')"
+      tail -n 30 "$OUT/tune.log" ;;
+    never_slower)
+      # Every grid row and network against XLA, both harnesses, with the table just measured.
+      (cd "$ROOT/benchmarks" && JAX_EPILOG_DECISIONS="$TABLE_DIR/$TABLE_NAME" \
+        runs "$PY" never_slower.py --out "$OUT/never_slower" --budget-s "${NEVER_SLOWER_BUDGET:-400}" \
+        ${NEVER_SLOWER_ARGS:-} 2>&1) > "$OUT/never_slower.log"
+      note "never_slower: rc=$? ($((SECONDS - start)) s)"
+      cat "$OUT/never_slower/never_slower.md" 2>/dev/null | head -60 ;;
     probe)
       (cd /tmp && runs "$PY" "$ROOT/scripts/probe_special_values.py" 2>&1) | tee "$OUT/probe.log"
       note "special-value probe: see probe.log" ;;
