@@ -14,7 +14,9 @@ one layer), so the backward can use the epilogs that cross a layer boundary:
   bias gradient (DRELU_BGRAD / DGELU_BGRAD, DRELU / DGELU without a bias). Each of these fused
   steps has an unfused equivalent (XLA's GEMM, elementwise derivative, reduction); which runs is
   chosen per GEMM from measurements at lowering time (`backend="auto"`, see `dispatch`), and
-  likewise for the forward GEMMs.
+  likewise for the forward GEMMs. Where every GEMM of a training step would run XLA's way on a
+  CUDA GPU, the stack is simply the plain expression `act(x @ kernel + bias)` under JAX's own
+  autodiff (`jax.nn.relu`'s gradient at 0 is then 0, where the mask's is 1).
 
 Dtypes, as Flax's `Dense` does it: everything is cast to one computation dtype before the
 matmul: `dtype` if given, else `jnp.result_type` of `x` and the parameters (what the plain
@@ -41,8 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from . import manual_axes
-from . import epilogs
+from . import config, cuda_library, epilogs, manual_axes
 from .epilogs import Epilog
 from .matmul import SUPPORTED_DTYPES, matmul
 
@@ -155,6 +156,50 @@ def _stack_bwd(stack: Stack, saved, dy):
 _stack.defvjp(_stack_fwd, _stack_bwd)
 
 
+# --- where every GEMM runs XLA's way: the plain expression -----------------------------------
+
+def _gemms(layers, rows: int, widths) -> list:
+    """(epilog, batch, M, N, K, transpose_a, transpose_b) of every GEMM of a training step."""
+    gemms = []
+    for i, layer in enumerate(layers):
+        k, n = widths[i], widths[i + 1]
+        gemms.append((Epilog.find(layer.activation, layer.has_bias, True), 1, rows, n, k,
+                       False, False))
+        gemms.append((Epilog.BGRADB if layer.has_bias else Epilog.DEFAULT, 1, k, n, rows,
+                       True, False))
+        previous = layers[i - 1] if i else None
+        data = Epilog.find_derivative(previous.activation, previous.has_bias) \
+            if previous is not None and previous.activation else Epilog.DEFAULT
+        gemms.append((data, 1, rows, k, n, False, True))
+    return gemms
+
+
+def _plain_is_faster(stack: Stack, rows: int, widths, dtype) -> bool:
+    """Whether every GEMM of the stack's training step runs XLA's way on this CUDA GPU (asked
+    for, or chosen per problem by `dispatch`): then the layer is the plain expression, which
+    XLA compiles exactly as it does a user's own (no bit mask to keep, nothing to pack)."""
+    if jax.default_backend() != "gpu" or not cuda_library.available():
+        return False  # other platforms run the reference: the layer is always the same code
+    from . import dispatch
+
+    def backend(choice, epilog, *problem):
+        if choice != "auto":
+            return choice
+        return config.backend_override() or dispatch.choose(epilog, dtype, *problem)
+
+    return all(backend(stack.forward if i % 3 == 0 else stack.backward, *gemm) == "xla"
+               for i, gemm in enumerate(_gemms(stack.layers, rows, widths)))
+
+
+def _plain_stack(stack: Stack, h, params):
+    act = {None: lambda z: z, "relu": jax.nn.relu,
+           "gelu": functools.partial(jax.nn.gelu, approximate=True)}
+    for layer, (kernel, bias) in zip(stack.layers, params):
+        z = jnp.matmul(h, kernel, precision=stack.precision)
+        h = act[layer.activation](z if bias is None else z + bias)
+    return h
+
+
 # --- the public layers: argument checks, dtypes, leading dims ------------------------------
 
 def _describe_callable(fn) -> str:
@@ -256,7 +301,12 @@ def _run(x, params, activations, *, precision, forward, backward, dtype):
     rows = manual_axes.vary(rows, axes)  # inside shard_map (see manual_axes)
     params = tuple((manual_axes.vary(kernel, axes), manual_axes.vary(bias, axes))
                    for kernel, bias in params)
-    y = _stack(Stack(layers, precision, *stack_backends), rows, params)
+    stack = Stack(layers, precision, *stack_backends)
+    widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
+    if _plain_is_faster(stack, rows.shape[0], widths, dtype):
+        y = _plain_stack(stack, rows, params)
+    else:
+        y = _stack(stack, rows, params)
     return y.reshape(*lead, y.shape[-1])
 
 

@@ -40,8 +40,7 @@ def _product(a, b, transpose_a: bool, transpose_b: bool, allow_tf32: bool, dtype
         b = b[0]
     else:
         dims = (((a_contract,), (b_contract,)), ((0,), (0,)))
-    p = jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=dtype)
-    return p.astype(jnp.float32)
+    return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=dtype)
 
 
 def saturating_cast(x, dtype):
@@ -52,10 +51,12 @@ def saturating_cast(x, dtype):
 
 
 def _epilog(p, inputs, epilog: Epilog, aux_dtype):
-    """(R in float32, the epilog's other outputs stored as `aux_dtype`) for the float32 `p`."""
+    """(R, the epilog's other outputs stored as `aux_dtype`) for the product `p`: float32, or
+    in XLA's way the operands' 16-bit dtype, so that the epilog is the plain expression XLA
+    fuses into its own GEMM."""
     n = p.shape[-1]
     named = dict(zip(epilog.input_names, inputs))
-    z = p + named["bias"].astype(jnp.float32)[:, None, :] if epilog.has_bias else p
+    z = p + named["bias"].astype(p.dtype)[:, None, :] if epilog.has_bias else p
     if epilog.activation:
         y = ACTIVATIONS[epilog.activation].fn(z)
     elif epilog.derivative:
@@ -67,7 +68,7 @@ def _epilog(p, inputs, epilog: Epilog, aux_dtype):
         if not ARRAYS[name].sums:
             outputs.append(ACTIVATIONS[epilog.activation].keep(z, aux_dtype))
         elif ARRAYS[name].sums == "y":
-            outputs.append(jnp.sum(y, axis=1).astype(aux_dtype))
+            outputs.append(jnp.sum(y, axis=1, dtype=jnp.float32).astype(aux_dtype))
         else:
             outputs.append(None)  # the caller's
     return y, outputs
@@ -125,8 +126,8 @@ def epilog_matmul(a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool
                          transpose_b, False, jnp.float32)
         else:  # XLA's direct FP8 dot, which XLA rewrites to its cuBLASLt FP8 GEMM
             p = _product(a, b, transpose_a, transpose_b, False,
-                         jnp.float32 if is_fp8(out) else out)
-    else:
+                         jnp.float32 if is_fp8(out) else out).astype(jnp.float32)
+    else:  # XLA's way keeps the product in the operands' dtype, as `x @ w + b` does
         p = _product(a, b, transpose_a, transpose_b, allow_tf32, jnp.float32 if exact else a.dtype)
     return finish(p, a, b, *args, epilog=epilog, transpose_a=transpose_a,
                   transpose_b=transpose_b, result_dtype=out, result_amax=result_amax)

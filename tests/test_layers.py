@@ -533,3 +533,40 @@ def test_gpu_hlo_calls_the_cublaslt_kernel():
     step = jax.jit(jax.grad(loss_of(mlp_fn("relu", None, "fused", forward="fused")), (0, 1)))
     hlo = step.lower(x, params).as_text()
     assert "jax_epilog_matmul" in hlo
+
+
+# --- where every GEMM runs XLA's way on a GPU: the plain expression -------------------------
+
+@pytest.mark.parametrize("xla_gemms,plain", [("all", True), ("all but one", False)])
+def test_plain_expression_where_every_gemm_runs_xla(monkeypatch, xla_gemms, plain):
+    from jax_epilog import dispatch
+    seen = []
+
+    def choose(epilog, dtype, *problem):
+        seen.append(epilog)
+        return "cublaslt" if xla_gemms == "all but one" and len(seen) == 2 else "xla"
+
+    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(layers.cuda_library, "available", lambda: True)
+    monkeypatch.setattr(dispatch, "choose", choose)
+    x, params = make_stack(17, (24, 40, 16), lead=(6,))
+    fn = jax.grad(loss_of(mlp_fn("relu", None)), (0, 1))
+    backends = backends_by_epilog(jax.make_jaxpr(fn)(x, params))
+    assert (backends == {}) == plain
+    assert len(seen) == (6 if plain else 2)  # 3 GEMMs per layer; the first "cublaslt" stops
+    got = jax.jit(fn)(x, params)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert_trees_close(got, jax.jit(fn)(x, params), rtol=2e-5, atol=2e-5)
+
+
+def test_forced_backends_decide_without_dispatch(monkeypatch):
+    from jax_epilog import dispatch
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(layers.cuda_library, "available", lambda: True)
+    monkeypatch.setattr(dispatch, "choose", lambda *a: pytest.fail("dispatch asked"))
+    x, params = make_stack(18, (24, 40, 16), lead=(6,))
+    plain = mlp_fn("relu", None, "unfused", forward="xla")
+    assert backends_by_epilog(jax.make_jaxpr(plain)(x, params)) == {}
+    fused = mlp_fn("relu", None, "fused", forward="xla")
+    assert backends_by_epilog(jax.make_jaxpr(fused)(x, params))

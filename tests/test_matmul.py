@@ -227,3 +227,42 @@ def test_low_precision_on_cpu(dtype):
         got = jax_epilog.matmul(a, b, epilog=epilog, epilog_inputs=inputs)
         assert got[0].dtype == jnp.dtype(dtype)
         assert_matches_model(epilog, got, a, b, inputs, tol=TOLERANCE[dtype], n=130)
+
+
+# --- XLA's way (backend="xla" on CUDA): the reference as the plain expression --------------
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("epilog", list(Epilog), ids=lambda e: e.name)
+def test_xla_way_matches_the_exact_reference_within_a_rounding(epilog, dtype):
+    from jax_epilog import reference
+    from jax_epilog.matmul import _prepare
+    rng = np.random.default_rng(int(epilog) + len(dtype))
+    a, b, inputs = make_problem(rng, epilog, m=33, n=129, k=40, dtype=dtype)
+    call = _prepare(a, b, epilog, inputs, False, False, None)
+    kw = dict(epilog=int(epilog), transpose_a=False, transpose_b=False)
+    exact = reference.epilog_matmul(call.a, call.b, *call.inputs, exact=True, **kw)
+    xla = reference.epilog_matmul(call.a, call.b, *call.inputs, exact=False, **kw)
+    tol = 1e-6 if dtype == "float32" else 2e-2
+    for name, e, x in zip(("y", *epilog.output_names), exact, xla):
+        assert e.dtype == x.dtype and e.shape == x.shape, name
+        if name == "relu_aux":  # bits can differ only where z rounds across zero
+            agree = np.mean(unpack_bits(np.asarray(e), 129) == unpack_bits(np.asarray(x), 129))
+            assert agree > 0.995, (name, agree)
+        else:
+            np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(e, np.float32),
+                                       rtol=tol, atol=tol * 10, err_msg=name)
+
+
+def test_xla_way_is_the_plain_expression_in_the_operand_dtype():
+    """`relu(x @ w + b)` as a user writes it: a bf16 dot, a bf16 add, no float32 in between, so
+    XLA fuses the bias and ReLU into its GEMM as it does for the user's own code."""
+    from jax_epilog import reference
+    a = jnp.ones((1, 8, 16), jnp.bfloat16)
+    b = jnp.ones((1, 16, 24), jnp.bfloat16)
+    bias = jnp.ones((1, 24), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda a, b, bias: reference.epilog_matmul(
+        a, b, bias, epilog=int(Epilog.RELU_BIAS), transpose_a=False, transpose_b=False,
+        exact=False))(a, b, bias)
+    dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert [d.outvars[0].aval.dtype for d in dots] == [jnp.bfloat16]
+    assert all(v.aval.dtype != jnp.float32 for e in jaxpr.eqns for v in e.outvars)
