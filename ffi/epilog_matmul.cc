@@ -32,6 +32,10 @@ std::string DataTypeName(ffi::DataType t) {
       return "bfloat16";
     case ffi::DataType::F32:
       return "float32";
+    case ffi::DataType::F8E4M3FN:
+      return "float8_e4m3fn";
+    case ffi::DataType::F8E5M2:
+      return "float8_e5m2";
     case ffi::DataType::U8:
       return "uint8";
     default:
@@ -80,23 +84,51 @@ int64_t BatchStrideBytes(int64_t batch, int64_t elements, size_t element_bytes) 
 
 std::string BoolName(bool value) { return value ? "true" : "false"; }
 
-// a and b: the element type, the shapes, and M, N, K and the batches they give.
-ffi::Error DecodeOperands(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, Problem* p) {
-  switch (a.element_type()) {
+// Our element types and XLA's.
+bool ToDType(ffi::DataType t, DType* dtype) {
+  switch (t) {
     case ffi::DataType::F16:
-      p->dtype = DType::kF16;
-      break;
+      *dtype = DType::kF16;
+      return true;
     case ffi::DataType::BF16:
-      p->dtype = DType::kBF16;
-      break;
+      *dtype = DType::kBF16;
+      return true;
     case ffi::DataType::F32:
-      p->dtype = DType::kF32;
-      break;
+      *dtype = DType::kF32;
+      return true;
+    case ffi::DataType::F8E4M3FN:
+      *dtype = DType::kE4M3;
+      return true;
+    case ffi::DataType::F8E5M2:
+      *dtype = DType::kE5M2;
+      return true;
     default:
-      return ffi::Error::InvalidArgument(
-          "jax_epilog_matmul: a must be float16, bfloat16 or float32, got " +
-          DataTypeName(a.element_type()));
+      return false;
   }
+}
+
+ffi::DataType ToXla(DType t) {
+  switch (t) {
+    case DType::kF16:
+      return ffi::DataType::F16;
+    case DType::kBF16:
+      return ffi::DataType::BF16;
+    case DType::kF32:
+      return ffi::DataType::F32;
+    case DType::kE4M3:
+      return ffi::DataType::F8E4M3FN;
+    case DType::kE5M2:
+      return ffi::DataType::F8E5M2;
+  }
+  return ffi::DataType::F32;
+}
+
+// a and b: the element types, the shapes, and M, N, K and the batches they give.
+ffi::Error DecodeOperands(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, Problem* p) {
+  if (!ToDType(a.element_type(), &p->dtype))
+    return ffi::Error::InvalidArgument(
+        "jax_epilog_matmul: a must be float16, bfloat16, float32, float8_e4m3fn or "
+        "float8_e5m2, got " + DataTypeName(a.element_type()));
   const auto a_dims = a.dimensions();
   const auto b_dims = b.dimensions();
   if (a_dims.size() != 3 || b_dims.size() != 3)
@@ -109,10 +141,16 @@ ffi::Error DecodeOperands(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, Prob
   p->batch_b = b_dims[0];
   p->n = p->transpose_b ? b_dims[1] : b_dims[2];
   const int64_t k_b = p->transpose_b ? b_dims[2] : b_dims[1];
-  if (b.element_type() != a.element_type())
-    return ffi::Error::InvalidArgument("jax_epilog_matmul: b must have a's dtype " +
-                                       DataTypeName(a.element_type()) + ", got " +
-                                       DataTypeName(b.element_type()));
+  // FP8 operands may mix formats (not e5m2 x e5m2); others have one type.
+  const bool b_ok = ToDType(b.element_type(), &p->dtype_b) &&
+                    (IsFp8(p->dtype) ? IsFp8(p->dtype_b) &&
+                                           !(p->dtype == DType::kE5M2 && p->dtype_b == DType::kE5M2)
+                                     : p->dtype_b == p->dtype);
+  if (!b_ok)
+    return ffi::Error::InvalidArgument(
+        "jax_epilog_matmul: b must have a's dtype " + DataTypeName(a.element_type()) +
+        " (for FP8 operands: FP8, and not float8_e5m2 with an e5m2 a), got " +
+        DataTypeName(b.element_type()));
   if (k_b != p->k || (p->batch_b != p->batch && p->batch_b != 1))
     return ffi::Error::InvalidArgument(
         "jax_epilog_matmul: b" + ShapeString(b_dims) + " does not match a" +
@@ -122,40 +160,77 @@ ffi::Error DecodeOperands(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b, Prob
   return ffi::Error::Success();
 }
 
+// y's type: the operands' for 16/32-bit operands; any of ours for FP8 operands (read
+// off the first result, which DecodeResults then checks in full).
+ffi::Error DecodeResultType(const ffi::RemainingRets& rets, Problem* p) {
+  p->dtype_d = p->dtype;
+  if (!IsFp8(p->dtype) || rets.size() == 0) return ffi::Error::Success();
+  auto y = rets.get<ffi::AnyBuffer>(0);
+  if (!y.has_value()) return y.error();
+  if (!ToDType((*y.value()).element_type(), &p->dtype_d))
+    return ffi::Error::InvalidArgument(
+        "jax_epilog_matmul: with FP8 operands y must be float16, bfloat16, float32, "
+        "float8_e4m3fn or float8_e5m2, got " + DataTypeName((*y.value()).element_type()));
+  return ffi::Error::Success();
+}
+
+// A float32 scalar operand (an FP8 scale).
+ffi::Error DecodeScalar(const ffi::RemainingArgs& args, size_t index, const char* name,
+                        const void** pointer) {
+  auto arg = args.get<ffi::AnyBuffer>(index);
+  if (!arg.has_value()) return arg.error();
+  JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(arg.value(), name, ffi::DataType::F32, {}));
+  *pointer = arg.value().untyped_data();
+  return ffi::Error::Success();
+}
+
 // The aux matrix, input or output alike: (batch, M, AuxRow) of its own type.
-ffi::Error DecodeAux(const ffi::AnyBuffer& buffer, Aux aux, ffi::DataType y_dtype, Call* call) {
+ffi::Error DecodeAux(const ffi::AnyBuffer& buffer, Aux aux, Call* call) {
   Problem& p = call->problem;
   const int64_t row = AuxRow(aux, p.n);
-  const ffi::DataType dtype = aux == Aux::kRelu ? ffi::DataType::U8 : y_dtype;
+  const ffi::DataType dtype = aux == Aux::kRelu ? ffi::DataType::U8 : ToXla(AuxDType(p.dtype_d));
   JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(buffer, AuxName(aux), dtype, {p.batch, p.m, row}));
   call->buffers.aux = buffer.untyped_data();
-  const size_t elem = AuxElementBytes(aux, p.dtype);
+  const size_t elem = AuxElementBytes(aux, p.dtype_d);
   p.align_aux = AlignmentLog2(buffer.untyped_data(), BatchStrideBytes(p.batch, p.m * row, elem));
   return ffi::Error::Success();
 }
 
-// The operand after a and b, when the epilog reads one: the bias or the aux input.
-ffi::Error DecodeInput(const ffi::RemainingArgs& args, ffi::DataType dtype, Call* call) {
+// The operands after a and b: the bias or the aux input when the epilog reads one, then
+// the FP8 scales (a's and b's with FP8 operands, then d's for an FP8 y).
+ffi::Error DecodeInput(const ffi::RemainingArgs& args, Call* call) {
   const EpilogInfo& epilog = *call->epilog;
   Problem& p = call->problem;
   const size_t want = (epilog.bias_in || epilog.aux_in != Aux::kNone) ? 1 : 0;
-  if (args.size() != want)
+  const size_t scales = IsFp8(p.dtype) ? (IsFp8(p.dtype_d) ? 3 : 2) : 0;
+  if (args.size() != want + scales)
     return ffi::Error::InvalidArgument(
         std::string("jax_epilog_matmul: epilog ") + epilog.name + " takes " +
-        std::to_string(2 + want) + " operands, got " + std::to_string(2 + args.size()));
+        std::to_string(2 + want + scales) + " operands" +
+        (scales ? " (with " + std::to_string(scales) + " FP8 scales)" : std::string()) +
+        ", got " + std::to_string(2 + args.size()));
+  if (scales > 0) {
+    JAX_EPILOG_RETURN_IF_ERROR(DecodeScalar(args, want, "scale_a", &call->buffers.scale_a));
+    JAX_EPILOG_RETURN_IF_ERROR(DecodeScalar(args, want + 1, "scale_b", &call->buffers.scale_b));
+    if (scales == 3)
+      JAX_EPILOG_RETURN_IF_ERROR(
+          DecodeScalar(args, want + 2, "scale_d", &call->buffers.scale_d));
+  }
   if (want == 0) return ffi::Error::Success();
   auto input = args.get<ffi::AnyBuffer>(0);
   if (!input.has_value()) return input.error();
   const ffi::AnyBuffer& buffer = input.value();
-  if (epilog.aux_in != Aux::kNone) return DecodeAux(buffer, epilog.aux_in, dtype, call);
+  if (epilog.aux_in != Aux::kNone) return DecodeAux(buffer, epilog.aux_in, call);
+  const ffi::DataType dtype = ToXla(AuxDType(p.dtype_d));
   // A bias is per batch when its leading dim is the batch, else shared (and then it
   // must be (1, N), which CheckBuffer enforces).
   const auto dims = buffer.dimensions();
   p.batch_bias = dims.size() == 2 && dims[0] == p.batch ? p.batch : 1;
   JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(buffer, "bias", dtype, {p.batch_bias, p.n}));
   call->buffers.bias = buffer.untyped_data();
-  p.align_bias = AlignmentLog2(buffer.untyped_data(),
-                               BatchStrideBytes(p.batch_bias, p.n, ElementBytes(p.dtype)));
+  const size_t elem = ElementBytes(AuxDType(p.dtype_d));
+  p.align_bias =
+      AlignmentLog2(buffer.untyped_data(), BatchStrideBytes(p.batch_bias, p.n, elem));
   return ffi::Error::Success();
 }
 
@@ -176,36 +251,49 @@ ffi::Error DecodeWorkspace(const ffi::AnyBuffer& workspace, Call* call) {
   return ffi::Error::Success();
 }
 
-// Results: y, the aux output, the bias gradient, the workspace (those that apply).
-ffi::Error DecodeResults(const ffi::RemainingRets& rets, ffi::DataType dtype, Call* call) {
+// Results: y, the aux output, the bias gradient, the FP8 amax, the workspace (those that
+// apply). With FP8 operands one result more than the epilog's is the amax.
+ffi::Error DecodeResults(const ffi::RemainingRets& rets, Call* call) {
   const EpilogInfo& epilog = *call->epilog;
   Problem& p = call->problem;
   const bool aux_out = epilog.aux_out != Aux::kNone;
   const int64_t bias_grad = epilog.BiasGradLength(p.m, p.n);
-  const size_t want = 2 + (aux_out ? 1 : 0) + (bias_grad > 0 ? 1 : 0);
+  const size_t base = 2 + (aux_out ? 1 : 0) + (bias_grad > 0 ? 1 : 0);
+  p.amax = IsFp8(p.dtype) && rets.size() == base + 1;
+  const size_t want = base + (p.amax ? 1 : 0);
   if (rets.size() != want)
     return ffi::Error::InvalidArgument(
         std::string("jax_epilog_matmul: epilog ") + epilog.name + " has " +
-        std::to_string(want) + " results (y" + (aux_out ? ", aux" : "") +
-        (bias_grad > 0 ? ", bias gradient" : "") + ", workspace), got " +
+        std::to_string(base) + " results (y" + (aux_out ? ", aux" : "") +
+        (bias_grad > 0 ? ", bias gradient" : "") + ", workspace" +
+        (IsFp8(p.dtype) ? "; one more, the amax, with FP8 operands" : "") + "), got " +
         std::to_string(rets.size()));
-  std::optional<ffi::AnyBuffer> results[4];  // no allocation: this runs on every call
+  std::optional<ffi::AnyBuffer> results[5];  // no allocation: this runs on every call
   for (size_t i = 0; i < want; ++i) {
     auto result = rets.get<ffi::AnyBuffer>(i);
     if (!result.has_value()) return result.error();
     results[i] = *result.value();
   }
-  const size_t elem = ElementBytes(p.dtype);
+  const ffi::DataType aux_dtype = ToXla(AuxDType(p.dtype_d));
+  const size_t aux_elem = ElementBytes(AuxDType(p.dtype_d));
   const ffi::AnyBuffer& y = *results[0];
-  JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(y, "y", dtype, {p.batch, p.m, p.n}));
+  JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(y, "y", ToXla(p.dtype_d), {p.batch, p.m, p.n}));
   call->buffers.y = y.untyped_data();
-  p.align_y = AlignmentLog2(y.untyped_data(), BatchStrideBytes(p.batch, p.m * p.n, elem));
-  if (aux_out) JAX_EPILOG_RETURN_IF_ERROR(DecodeAux(*results[1], epilog.aux_out, dtype, call));
+  p.align_y = AlignmentLog2(y.untyped_data(),
+                            BatchStrideBytes(p.batch, p.m * p.n, ElementBytes(p.dtype_d)));
+  if (aux_out) JAX_EPILOG_RETURN_IF_ERROR(DecodeAux(*results[1], epilog.aux_out, call));
   if (bias_grad > 0) {
-    const ffi::AnyBuffer& grad = *results[want - 2];
-    JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(grad, "bias gradient", dtype, {p.batch, bias_grad}));
+    const ffi::AnyBuffer& grad = *results[base - 2];
+    JAX_EPILOG_RETURN_IF_ERROR(
+        CheckBuffer(grad, "bias gradient", aux_dtype, {p.batch, bias_grad}));
     call->buffers.bias = grad.untyped_data();
-    p.align_bias = AlignmentLog2(grad.untyped_data(), BatchStrideBytes(p.batch, bias_grad, elem));
+    p.align_bias =
+        AlignmentLog2(grad.untyped_data(), BatchStrideBytes(p.batch, bias_grad, aux_elem));
+  }
+  if (p.amax) {
+    const ffi::AnyBuffer& amax = *results[base - 1];
+    JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(amax, "result_amax", ffi::DataType::F32, {}));
+    call->buffers.amax = amax.untyped_data();
   }
   return DecodeWorkspace(*results[want - 1], call);
 }
@@ -229,14 +317,16 @@ ffi::Error Decode(int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::R
         ", M=" + std::to_string(p.m) + ", N=" + std::to_string(p.n) + ", K=" +
         std::to_string(p.k) + "); these are handled in Python and must not reach the "
         "custom call");
-  JAX_EPILOG_RETURN_IF_ERROR(DecodeInput(args, a.element_type(), call));
-  JAX_EPILOG_RETURN_IF_ERROR(DecodeResults(rets, a.element_type(), call));
+  JAX_EPILOG_RETURN_IF_ERROR(DecodeResultType(rets, &p));
+  JAX_EPILOG_RETURN_IF_ERROR(DecodeInput(args, call));
+  JAX_EPILOG_RETURN_IF_ERROR(DecodeResults(rets, call));
 
-  const size_t elem = ElementBytes(p.dtype);
   call->buffers.a = a.untyped_data();
   call->buffers.b = b.untyped_data();
-  p.align_a = AlignmentLog2(a.untyped_data(), BatchStrideBytes(p.batch, p.m * p.k, elem));
-  p.align_b = AlignmentLog2(b.untyped_data(), BatchStrideBytes(p.batch_b, p.n * p.k, elem));
+  p.align_a = AlignmentLog2(a.untyped_data(),
+                            BatchStrideBytes(p.batch, p.m * p.k, ElementBytes(p.dtype)));
+  p.align_b = AlignmentLog2(b.untyped_data(),
+                            BatchStrideBytes(p.batch_b, p.n * p.k, ElementBytes(p.dtype_b)));
 
   // The plan is keyed by the CUDA device XLA made current for this call: XLA's device
   // ordinal can differ from it (e.g. with jax_cuda_visible_devices). cudaGetDevice only
@@ -302,8 +392,8 @@ auto Binding() {
       .template Ctx<ffi::DeviceOrdinal>()
       .template Arg<ffi::AnyBuffer>()  // a
       .template Arg<ffi::AnyBuffer>()  // b
-      .RemainingArgs()                 // bias or aux input
-      .RemainingRets()                 // y, aux output, bias gradient, workspace
+      .RemainingArgs()                 // bias or aux input, FP8 scales
+      .RemainingRets()                 // y, aux output, bias gradient, FP8 amax, workspace
       .template Attr<int32_t>("epilog")
       .template Attr<bool>("transpose_a")
       .template Attr<bool>("transpose_b")
@@ -316,8 +406,9 @@ auto Binding() {
 JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmul(XLA_FFI_CallFrame* call_frame);
 JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulInitialize(XLA_FFI_CallFrame* call_frame);
 
-// Command-buffer compatible: a call always enqueues exactly one cublasLtMatmul, with
-// no allocation and no synchronisation, so it can be captured into a CUDA graph.
+// Command-buffer compatible: a call always enqueues exactly one cublasLtMatmul (after
+// one memset of its amax, when it has one), with no allocation and no synchronisation,
+// so it can be captured into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxEpilogMatmul, jax_epilog::MatmulExecute,
     jax_epilog::Binding<xla::ffi::ExecutionStage::kExecute>(),

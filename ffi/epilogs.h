@@ -12,22 +12,45 @@
 
 namespace jax_epilog {
 
-// Element types, numbered as support_query's `dtype` argument.
-enum class DType : uint8_t { kF16 = 0, kBF16 = 1, kF32 = 2 };
+// Element types, numbered as support_query's dtype arguments.
+enum class DType : uint8_t { kF16 = 0, kBF16 = 1, kF32 = 2, kE4M3 = 3, kE5M2 = 4 };
+constexpr int kDTypeCount = 5;
 
-inline size_t ElementBytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+inline bool IsFp8(DType t) { return t == DType::kE4M3 || t == DType::kE5M2; }
+inline size_t ElementBytes(DType t) { return t == DType::kF32 ? 4 : IsFp8(t) ? 1 : 2; }
+inline cudaDataType_t CudaType(DType t) {
+  switch (t) {
+    case DType::kF16:
+      return CUDA_R_16F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    case DType::kF32:
+      return CUDA_R_32F;
+    case DType::kE4M3:
+      return CUDA_R_8F_E4M3;
+    case DType::kE5M2:
+      return CUDA_R_8F_E5M2;
+  }
+  return CUDA_R_32F;
+}
+// The type of the floating aux arrays (bias, GELU pre-activation, bias gradients) of a
+// call whose result y has type `y`: y's own when 16/32-bit, bfloat16 when y is FP8
+// (SPEC §5; Python's epilogs.aux_dtype). It is also the type of an FP8 y's C matrix:
+// cuBLASLt has no FP8 C type.
+inline DType AuxDType(DType y) { return IsFp8(y) ? DType::kBF16 : y; }
 
 // An epilog's aux matrix, (batch, M, AuxRow(aux, N)) row-major: the ReLU bit mask
 // (uint8, cuBLASLt's column-major N x M bit matrix with a leading dimension of
-// 128*ceil(N/128) bits) or the GELU pre-activation (y's dtype, leading dimension
+// 128*ceil(N/128) bits) or the GELU pre-activation (AuxDType(y), leading dimension
 // 8*ceil(N/8) elements); cuBLASLt requires both leading dimensions.
 enum class Aux : uint8_t { kNone, kRelu, kGelu };
 
 inline int64_t AuxRow(Aux aux, int64_t n) {
   return aux == Aux::kRelu ? 16 * ((n + 127) / 128) : 8 * ((n + 7) / 8);
 }
-inline size_t AuxElementBytes(Aux aux, DType dtype) {
-  return aux == Aux::kRelu ? 1 : ElementBytes(dtype);
+// `y` is the result's type (the GELU buffer has AuxDType(y)).
+inline size_t AuxElementBytes(Aux aux, DType y) {
+  return aux == Aux::kRelu ? 1 : ElementBytes(AuxDType(y));
 }
 inline const char* AuxName(Aux aux) { return aux == Aux::kRelu ? "relu_aux" : "gelu_aux"; }
 
@@ -38,10 +61,10 @@ struct EpilogInfo {
   int32_t value;  // the public Epilog value (cuBLASLt's, seen from the row-major API)
   const char* name;
   cublasLtEpilogue_t cublaslt;
-  bool bias_in;  // bias (batch_bias, N), y's dtype
+  bool bias_in;  // bias (batch_bias, N), AuxDType(y)
   Aux aux_in;
   Aux aux_out;
-  BiasGrad bias_grad;  // output (batch, M or N), y's dtype
+  BiasGrad bias_grad;  // output (batch, M or N), AuxDType(y)
 
   Aux aux() const { return aux_in != Aux::kNone ? aux_in : aux_out; }
   // The bias gradient's length per batch; 0 when the epilog has none.

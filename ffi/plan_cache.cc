@@ -24,6 +24,10 @@ const char* DTypeName(DType t) {
       return "bfloat16";
     case DType::kF32:
       return "float32";
+    case DType::kE4M3:
+      return "float8_e4m3fn";
+    case DType::kE5M2:
+      return "float8_e5m2";
   }
   return "?";
 }
@@ -77,6 +81,14 @@ ffi::Error CheckProblem(const Problem& p) {
                                        p.ToString());
   if (p.device < 0)
     return ffi::Error::InvalidArgument("negative device ordinal: " + p.ToString());
+  // Types: 16/32-bit operands give their own type and no amax; FP8 operands are both
+  // FP8, not both e5m2 (cuBLASLt has no such GEMM), and give any result type.
+  const bool fp8 = IsFp8(p.dtype);
+  if (fp8 != IsFp8(p.dtype_b) || (!fp8 && (p.dtype_b != p.dtype || p.dtype_d != p.dtype)) ||
+      (!fp8 && p.amax) || (p.dtype == DType::kE5M2 && p.dtype_b == DType::kE5M2))
+    return ffi::Error::InvalidArgument(
+        "a, b and y types: 16/32-bit operands of one type give that type (and no amax); FP8 "
+        "operands are both FP8, not both e5m2: " + p.ToString());
   return ffi::Error::Success();
 }
 
@@ -113,6 +125,23 @@ ffi::Error SetEpilogAttributes(const Problem& p, const EpilogInfo& epilog, Plan*
     JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, stride,
                                        "CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE", problem));
   }
+  // FP8 operands (SPEC §5): the bias / bias gradient and the GELU buffer have the aux
+  // type (bfloat16 for an FP8 y), set explicitly: cuBLASLt's defaults follow D (or, for
+  // some FP8 kernels, differ), which would not match our buffers. The scale and amax
+  // pointers are a call's (SetCallPointers); 16/32-bit operands keep the defaults.
+  if (IsFp8(p.dtype)) {
+    plan->sets_scale_pointers = true;
+    plan->sets_d_scale = IsFp8(p.dtype_d);
+    plan->sets_amax = p.amax;
+    const int32_t aux_type = CudaType(AuxDType(p.dtype_d));
+    if (epilog.bias_in || bias_grad > 0)
+      JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, aux_type,
+                                         "CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE", problem));
+    if (epilog.aux() == Aux::kGelu)
+      JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE,
+                                         aux_type, "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE",
+                                         problem));
+  }
   if (const Aux aux = epilog.aux(); aux != Aux::kNone) {
     plan->sets_aux_pointer = true;
     // cuBLASLt requires the ReLU mask's leading dimension (in bits) to be a multiple
@@ -129,23 +158,27 @@ ffi::Error SetEpilogAttributes(const Problem& p, const EpilogInfo& epilog, Plan*
   return ffi::Error::Success();
 }
 
-// The layouts of cuBLASLt's A (our b), B (our a) and C = D (our y).
+// The layouts of cuBLASLt's A (our b), B (our a) and C = D (our y); C of its own type for
+// an FP8 y. FP8 kernels take only op(A) = T, op(B) = N ("TN", both operands K-major): in
+// our naming a (M, K) and b (N, K), which the Python lowering arranges (lowering.py).
 ffi::Error MakeLayouts(const Problem& p, Plan* plan) {
-  const cudaDataType_t type = p.dtype == DType::kF16    ? CUDA_R_16F
-                              : p.dtype == DType::kBF16 ? CUDA_R_16BF
-                                                        : CUDA_R_32F;
   const std::string& problem = plan->description;
   // Row-major (rows, cols) is column-major cols x rows with ld = cols.
   // cuBLASLt A = our b: (K, N) row-major is N x K, op N; (N, K) is K x N, op T.
   JAX_EPILOG_RETURN_IF_ERROR(MakeLayout(
-      &plan->layout_a, type, p.transpose_b ? p.k : p.n, p.transpose_b ? p.n : p.k,
-      p.transpose_b ? p.k : p.n, p.batch, p.batch_b > 1 ? p.n * p.k : 0, "b", problem));
+      &plan->layout_a, CudaType(p.dtype_b), p.transpose_b ? p.k : p.n,
+      p.transpose_b ? p.n : p.k, p.transpose_b ? p.k : p.n, p.batch,
+      p.batch_b > 1 ? p.n * p.k : 0, "b", problem));
   // cuBLASLt B = our a: (M, K) row-major is K x M, op N; (K, M) is M x K, op T.
   JAX_EPILOG_RETURN_IF_ERROR(MakeLayout(
-      &plan->layout_b, type, p.transpose_a ? p.m : p.k, p.transpose_a ? p.k : p.m,
+      &plan->layout_b, CudaType(p.dtype), p.transpose_a ? p.m : p.k, p.transpose_a ? p.k : p.m,
       p.transpose_a ? p.m : p.k, p.batch, p.m * p.k, "a", problem));
   // cuBLASLt D = our y: (M, N) row-major is N x M.
-  return MakeLayout(&plan->layout_cd, type, p.n, p.m, p.n, p.batch, p.m * p.n, "y", problem);
+  JAX_EPILOG_RETURN_IF_ERROR(MakeLayout(&plan->layout_cd, CudaType(p.dtype_d), p.n, p.m, p.n,
+                                        p.batch, p.m * p.n, "y", problem));
+  if (!IsFp8(p.dtype_d)) return ffi::Error::Success();
+  return MakeLayout(&plan->layout_c, CudaType(AuxDType(p.dtype_d)), p.n, p.m, p.n, p.batch,
+                    p.m * p.n, "C", problem);
 }
 
 ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
@@ -229,8 +262,8 @@ uint8_t AlignmentLog2(const void* ptr, int64_t batch_stride_bytes) {
 
 bool Problem::operator==(const Problem& o) const {
   auto fields = [](const Problem& p) {
-    return std::tie(p.device, p.epilog, p.dtype, p.transpose_a, p.transpose_b,
-                    p.allow_tf32, p.batch, p.batch_b, p.batch_bias, p.m, p.n, p.k,
+    return std::tie(p.device, p.epilog, p.dtype, p.dtype_b, p.dtype_d, p.amax, p.transpose_a,
+                    p.transpose_b, p.allow_tf32, p.batch, p.batch_b, p.batch_bias, p.m, p.n, p.k,
                     p.workspace_bytes, p.align_a, p.align_b, p.align_y, p.align_bias,
                     p.align_aux);
   };
@@ -240,7 +273,11 @@ bool Problem::operator==(const Problem& o) const {
 std::string Problem::ToString() const {
   auto align = [](uint8_t log2) { return std::to_string(1u << log2); };
   return std::string("epilog ") + EpilogName(epilog) + " (" + std::to_string(epilog) +
-         "), " + DTypeName(dtype) + (allow_tf32 ? " (tf32)" : "") +
+         "), " + DTypeName(dtype) +
+         (IsFp8(dtype) ? std::string(" x ") + DTypeName(dtype_b) + " -> " + DTypeName(dtype_d) +
+                             (amax ? " with amax" : "")
+                       : std::string()) +
+         (allow_tf32 ? " (tf32)" : "") +
          ", batch=" + std::to_string(batch) + " batch_b=" + std::to_string(batch_b) +
          " batch_bias=" + std::to_string(batch_bias) + ", M=" + std::to_string(m) +
          " N=" + std::to_string(n) + " K=" + std::to_string(k) +
@@ -259,6 +296,8 @@ size_t ProblemHash::operator()(const Problem& p) const {
   };
   mix(static_cast<uint64_t>(p.device));
   mix(static_cast<uint64_t>(p.epilog));
+  mix(static_cast<uint64_t>(p.dtype_b) | uint64_t{static_cast<uint8_t>(p.dtype_d)} << 8 |
+      uint64_t{p.amax} << 16);
   mix(static_cast<uint64_t>(p.dtype) | uint64_t{p.transpose_a} << 8 |
       uint64_t{p.transpose_b} << 9 | uint64_t{p.allow_tf32} << 10 |
       uint64_t{p.align_a} << 16 | uint64_t{p.align_b} << 24 | uint64_t{p.align_y} << 32 |
@@ -285,11 +324,16 @@ ffi::Error ScopedDevice::Enter(int device) {
 }
 
 // The heuristic does not dereference the bias / aux pointers but reads their
-// alignment off their value, so it is shown stand-ins with the plan's alignments.
+// alignment off their value, so it is shown stand-ins with the plan's alignments. The
+// FP8 scale and amax pointers are shown non-null stand-ins (a call's never are null:
+// which kernels apply depends on whether they are set).
 ffi::Error SetStandInPointers(Plan& plan) {
   CallBuffers stand_ins;
   stand_ins.bias = reinterpret_cast<void*>(uintptr_t{1} << plan.problem.align_bias);
   stand_ins.aux = reinterpret_cast<void*>(uintptr_t{1} << plan.problem.align_aux);
+  void* scalar = reinterpret_cast<void*>(uintptr_t{256});
+  stand_ins.scale_a = stand_ins.scale_b = stand_ins.scale_d = scalar;
+  stand_ins.amax = scalar;
   return SetCallPointers(plan, stand_ins);
 }
 
@@ -326,7 +370,7 @@ ffi::Error HeuristicCandidates(Plan& plan, int max_count,
   int found = 0;
   const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
       plan.handle, plan.desc.get(), plan.layout_a.get(), plan.layout_b.get(),
-      plan.layout_cd.get(), plan.layout_cd.get(), preference.get(), max_count, results.data(),
+      plan.c_layout(), plan.layout_cd.get(), preference.get(), max_count, results.data(),
       &found);
   // The heuristic answers NOT_SUPPORTED or INVALID_VALUE for configurations the
   // library does not implement (e.g. BGRADA with op(A) = T, K = 1 with DRELU), so
@@ -349,15 +393,36 @@ bool AlgoFits(Plan& plan, const cublasLtMatmulAlgo_t& algo) {
   cublasLtMatmulHeuristicResult_t result{};
   const cublasStatus_t status = cublasLtMatmulAlgoCheck(
       plan.handle, plan.desc.get(), plan.layout_a.get(), plan.layout_b.get(),
-      plan.layout_cd.get(), plan.layout_cd.get(), &algo, &result);
+      plan.c_layout(), plan.layout_cd.get(), &algo, &result);
   return status == CUBLAS_STATUS_SUCCESS &&
          result.workspaceSize <= plan.problem.workspace_bytes;
 }
 
 ffi::Error SetCallPointers(Plan& plan, const CallBuffers& buffers) {
-  if (plan.pointers_set && buffers.bias == plan.bias_pointer && buffers.aux == plan.aux_pointer)
+  const void* scales[3] = {buffers.scale_a, buffers.scale_b, buffers.scale_d};
+  if (plan.pointers_set && buffers.bias == plan.bias_pointer && buffers.aux == plan.aux_pointer &&
+      std::equal(scales, scales + 3, plan.scale_pointers) && buffers.amax == plan.amax_pointer)
     return ffi::Error::Success();
-  plan.pointers_set = false;  // until both are set
+  plan.pointers_set = false;  // until all are set
+  // cuBLASLt's A is our b: its A scale is b's, its B scale a's.
+  const struct {
+    bool set;
+    cublasLtMatmulDescAttributes_t attr;
+    const void* pointer;
+    const char* name;
+  } scalars[] = {
+      {plan.sets_scale_pointers, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, buffers.scale_b,
+       "CUBLASLT_MATMUL_DESC_A_SCALE_POINTER"},
+      {plan.sets_scale_pointers, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, buffers.scale_a,
+       "CUBLASLT_MATMUL_DESC_B_SCALE_POINTER"},
+      {plan.sets_d_scale, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, buffers.scale_d,
+       "CUBLASLT_MATMUL_DESC_D_SCALE_POINTER"},
+      {plan.sets_amax, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, buffers.amax,
+       "CUBLASLT_MATMUL_DESC_AMAX_D_POINTER"}};
+  for (const auto& scalar : scalars)
+    if (scalar.set)
+      JAX_EPILOG_RETURN_IF_ERROR(
+          SetDesc(plan.desc.get(), scalar.attr, scalar.pointer, scalar.name, plan.description));
   if (plan.sets_bias_pointer)
     JAX_EPILOG_RETURN_IF_ERROR(SetDesc(plan.desc.get(), CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                        buffers.bias, "CUBLASLT_MATMUL_DESC_BIAS_POINTER",
@@ -368,6 +433,8 @@ ffi::Error SetCallPointers(Plan& plan, const CallBuffers& buffers) {
         "CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER", plan.description));
   plan.bias_pointer = buffers.bias;
   plan.aux_pointer = buffers.aux;
+  std::copy(scales, scales + 3, plan.scale_pointers);
+  plan.amax_pointer = buffers.amax;
   plan.pointers_set = true;
   return ffi::Error::Success();
 }
@@ -376,11 +443,13 @@ cublasStatus_t Enqueue(Plan& plan, const CallBuffers& buffers, const cublasLtMat
                        cudaStream_t stream) {
   const float alpha = 1.0f;
   const float beta = 0.0f;
-  // beta = 0, so C is never read; it aliases D as cuBLASLt allows.
+  // beta = 0, so C is never read; it aliases D as cuBLASLt allows, except for an FP8 y,
+  // whose C has another type: then it is null (as TransformerEngine passes it).
+  const void* c = plan.layout_c ? nullptr : buffers.y;
   return cublasLtMatmul(plan.handle, plan.desc.get(), &alpha, buffers.b, plan.layout_a.get(),
-                        buffers.a, plan.layout_b.get(), &beta, buffers.y, plan.layout_cd.get(),
-                        buffers.y, plan.layout_cd.get(), &algo, buffers.workspace,
-                        buffers.workspace_bytes, stream);
+                        buffers.a, plan.layout_b.get(), &beta, c, plan.c_layout(), buffers.y,
+                        plan.layout_cd.get(), &algo, buffers.workspace, buffers.workspace_bytes,
+                        stream);
 }
 
 ffi::Error GetPlan(const Problem& requested, std::shared_ptr<Plan>* plan) {
@@ -432,6 +501,11 @@ ffi::Error RunPlan(Plan& plan, const CallBuffers& buffers, cudaStream_t stream) 
   std::lock_guard<std::mutex> lock(plan.mutex);
   JAX_EPILOG_RETURN_IF_ERROR(SetCallPointers(plan, buffers));
   CountIfCaptured(stream);
+  // cuBLASLt documents the amax as set on completion; zeroing it first (a memset node in
+  // a command buffer) keeps a kernel that max-reduces into it from reading XLA's garbage.
+  if (plan.sets_amax)
+    JAX_EPILOG_CUDA(cudaMemsetAsync(buffers.amax, 0, sizeof(float), stream),
+                    "zeroing the amax of " + plan.description);
   const cublasStatus_t status = TakeInjectedFailure() ? CUBLAS_STATUS_EXECUTION_FAILED
                                                       : Enqueue(plan, buffers, plan.algo, stream);
   JAX_EPILOG_CUBLAS(status, "enqueueing cublasLtMatmul for " + plan.description);

@@ -35,7 +35,10 @@ uint8_t AlignmentLog2(const void* ptr, int64_t batch_stride_bytes);
 struct Problem {
   int device = 0;  // CUDA device ordinal
   int32_t epilog = kDefaultEpilog;
-  DType dtype = DType::kF32;
+  DType dtype = DType::kF32;    // a's; also b's and y's unless a is FP8
+  DType dtype_b = DType::kF32;  // b's (FP8 operands may differ: e4m3 x e5m2)
+  DType dtype_d = DType::kF32;  // y's (FP8 operands: 16/32-bit or FP8)
+  bool amax = false;            // FP8 only: max |R| written (AMAX_D_POINTER)
   bool transpose_a = false;
   bool transpose_b = false;
   bool allow_tf32 = false;  // normalised to false unless dtype is kF32
@@ -73,10 +76,16 @@ struct Plan {
   cublasLtHandle_t handle = nullptr;  // per device, lives as long as the process
   MatmulDesc desc;
   // cuBLASLt's A is our b and its B our a (row-major Y = A B is column-major
-  // Y^T = B^T A^T). C and D share one layout: beta is 0 and C aliases D.
+  // Y^T = B^T A^T). C and D share one layout: beta is 0 and C aliases D. An FP8 y is
+  // the exception: cuBLASLt has no FP8 C type, so its C (never read: beta is 0, the
+  // pointer is null) has a layout of its own, of type AuxDType(y) = bfloat16.
   MatrixLayout layout_a;
   MatrixLayout layout_b;
   MatrixLayout layout_cd;
+  MatrixLayout layout_c;  // an FP8 y only
+  cublasLtMatrixLayout_t c_layout() const {
+    return layout_c ? layout_c.get() : layout_cd.get();
+  }
   cublasLtMatmulAlgo_t algo{};  // the heuristic's first, until autotuned
   // True once `algo` was chosen by timing candidates or taken from the on-disk cache
   // (autotune.h), so it is not tuned again. Guarded by `mutex`.
@@ -85,11 +94,17 @@ struct Plan {
   std::string description;  // Problem::ToString, for error messages
   bool sets_bias_pointer = false;
   bool sets_aux_pointer = false;
-  // The bias / aux pointers on the descriptor (valid once `pointers_set`), so that a call
-  // with the same buffers as the last skips setting them. Guarded by `mutex`.
+  bool sets_scale_pointers = false;  // FP8 operands: a's and b's scales
+  bool sets_d_scale = false;         // an FP8 y: its scale
+  bool sets_amax = false;
+  // The bias / aux / scale / amax pointers on the descriptor (valid once `pointers_set`),
+  // so that a call with the same buffers as the last skips setting them. Guarded by
+  // `mutex`.
   bool pointers_set = false;
   const void* bias_pointer = nullptr;
   const void* aux_pointer = nullptr;
+  const void* scale_pointers[3] = {nullptr, nullptr, nullptr};  // a, b, d
+  const void* amax_pointer = nullptr;
   // The pointers of a call live on the shared descriptor, so setting them and
   // enqueueing the matmul (or tuning) must not interleave with another call of this plan.
   std::mutex mutex;
@@ -115,12 +130,18 @@ struct CallBuffers {
   void* y = nullptr;
   void* bias = nullptr;  // bias input or bias-gradient output, when the epilog has one
   void* aux = nullptr;   // aux input or output, when the epilog has one
+  // FP8 calls: device pointers to float32 scalars (XLA buffers).
+  const void* scale_a = nullptr;
+  const void* scale_b = nullptr;
+  const void* scale_d = nullptr;  // an FP8 y only
+  void* amax = nullptr;           // with result_amax only
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
 
-// Enqueues the plan's matmul on `stream`. The plan's device is current (a call's plan is
-// the one for the device current in the call). Never allocates and never synchronises.
+// Enqueues the plan's matmul on `stream` (after zeroing the amax, when the call has one).
+// The plan's device is current (a call's plan is the one for the device current in the
+// call). Never allocates and never synchronises.
 // Fails instead, with CUBLAS_STATUS_EXECUTION_FAILED, while failures are injected
 // (fault_injection.h).
 ffi::Error RunPlan(Plan& plan, const CallBuffers& buffers, cudaStream_t stream);
@@ -137,7 +158,8 @@ ffi::Error HeuristicCandidates(Plan& plan, int max_count,
 // from disk, possibly written by another cuBLASLt version).
 bool AlgoFits(Plan& plan, const cublasLtMatmulAlgo_t& algo);
 
-// Sets the bias / aux pointers of a call on the plan's descriptor (unless already there).
+// Sets the bias / aux / scale / amax pointers of a call on the plan's descriptor (unless
+// already there).
 ffi::Error SetCallPointers(Plan& plan, const CallBuffers& buffers);
 
 // Enqueues one cublasLtMatmul with `algo` (after SetCallPointers).

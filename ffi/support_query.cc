@@ -21,14 +21,17 @@ void CopyMessage(const std::string& text, char* message, size_t message_len) {
   message[n] = '\0';
 }
 
-int QuerySupport(int device, int epilog, int dtype, int transpose_a, int transpose_b,
-                 int64_t batch, int64_t batch_b, int64_t batch_bias, int64_t m, int64_t n,
-                 int64_t k, int allow_tf32, uint64_t workspace_bytes, std::string* message) {
+int QuerySupport(int device, int epilog, int dtype, int dtype_b, int dtype_d, int amax,
+                 int transpose_a, int transpose_b, int64_t batch, int64_t batch_b,
+                 int64_t batch_bias, int64_t m, int64_t n, int64_t k, int allow_tf32,
+                 uint64_t workspace_bytes, std::string* message) {
   using jax_epilog::DType;
-  if (dtype < 0 || dtype > 2) {
-    *message = "dtype must be 0 (float16), 1 (bfloat16) or 2 (float32), got " +
-               std::to_string(dtype);
-    return -1;
+  for (int t : {dtype, dtype_b, dtype_d}) {
+    if (t < 0 || t >= jax_epilog::kDTypeCount) {
+      *message = "dtypes must be 0 (float16), 1 (bfloat16), 2 (float32), 3 (float8_e4m3fn) "
+                 "or 4 (float8_e5m2), got " + std::to_string(t);
+      return -1;
+    }
   }
   int count = 0;
   if (const cudaError_t e = cudaGetDeviceCount(&count); e != cudaSuccess) {
@@ -44,6 +47,9 @@ int QuerySupport(int device, int epilog, int dtype, int transpose_a, int transpo
   p.device = device;
   p.epilog = epilog;
   p.dtype = static_cast<DType>(dtype);
+  p.dtype_b = static_cast<DType>(dtype_b);
+  p.dtype_d = static_cast<DType>(dtype_d);
+  p.amax = amax != 0;
   p.transpose_a = transpose_a != 0;
   p.transpose_b = transpose_b != 0;
   p.allow_tf32 = allow_tf32 != 0;
@@ -60,7 +66,11 @@ int QuerySupport(int device, int epilog, int dtype, int transpose_a, int transpo
   const xla::ffi::Error error = jax_epilog::GetPlan(p, &plan);
   if (error.success()) return 1;
   *message = error.message();
-  return error.errc() == xla::ffi::ErrorCode::kUnimplemented ? 0 : -1;
+  // Types cuBLASLt has no GEMM for (e5m2 x e5m2) are "unsupported" too.
+  const bool unsupported = error.errc() == xla::ffi::ErrorCode::kUnimplemented ||
+                           (error.errc() == xla::ffi::ErrorCode::kInvalidArgument &&
+                            jax_epilog::IsFp8(p.dtype));
+  return unsupported ? 0 : -1;
 }
 
 }  // namespace
@@ -68,12 +78,17 @@ int QuerySupport(int device, int epilog, int dtype, int transpose_a, int transpo
 // The cuBLASLt version number (e.g. 130100 for 13.1.0); needs no GPU.
 JAX_EPILOG_EXPORT size_t jax_epilog_cublaslt_version(void) { return cublasLtGetVersion(); }
 
+// Whether this build knows FP8 operands (the Python side asks before sending one).
+JAX_EPILOG_EXPORT int jax_epilog_supports_fp8(void) { return 1; }
+
 // 1: cuBLASLt has an algorithm for the problem (its plan is now cached, so the first
 // call does not pay for it); 0: it has none, `message` says why; -1: the question
 // could not be answered (no driver or device, bad argument, a cuBLASLt failure),
-// `message` says why. `dtype`: 0 float16, 1 bfloat16, 2 float32. `epilog` is the
-// public value. Never throws.
+// `message` says why. `dtype` (a's), `dtype_b`, `dtype_d` (y's): 0 float16, 1 bfloat16,
+// 2 float32, 3 float8_e4m3fn, 4 float8_e5m2; `amax`: an FP8 call's result_amax.
+// `epilog` is the public value. Never throws.
 JAX_EPILOG_EXPORT int jax_epilog_query_support(int device, int epilog, int dtype,
+                                               int dtype_b, int dtype_d, int amax,
                                                int transpose_a, int transpose_b,
                                                int64_t batch, int64_t batch_b,
                                                int64_t batch_bias, int64_t m, int64_t n,
@@ -83,9 +98,9 @@ JAX_EPILOG_EXPORT int jax_epilog_query_support(int device, int epilog, int dtype
   CopyMessage("", message, message_len);
   try {
     std::string text;
-    const int answer = QuerySupport(device, epilog, dtype, transpose_a, transpose_b, batch,
-                                    batch_b, batch_bias, m, n, k, allow_tf32,
-                                    workspace_bytes, &text);
+    const int answer = QuerySupport(device, epilog, dtype, dtype_b, dtype_d, amax, transpose_a,
+                                    transpose_b, batch, batch_b, batch_bias, m, n, k,
+                                    allow_tf32, workspace_bytes, &text);
     CopyMessage(text, message, message_len);
     return answer;
   } catch (const std::exception& e) {  // e.g. std::bad_alloc; must not cross into C

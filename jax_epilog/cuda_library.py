@@ -84,7 +84,8 @@ class _Library:
         lib.jax_epilog_cublaslt_version.restype = ctypes.c_size_t
         lib.jax_epilog_query_support.restype = ctypes.c_int
         lib.jax_epilog_query_support.argtypes = [
-            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+            ctypes.c_int, ctypes.c_int,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t,
@@ -136,26 +137,39 @@ def cublaslt_version() -> Optional[int]:
     return int(lib.handle.jax_epilog_cublaslt_version()) if lib.handle is not None else None
 
 
-_DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2}
+_DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float8_e4m3fn": 3, "float8_e5m2": 4}
+
+
+def supports_fp8() -> bool:
+    """Whether the loaded library takes FP8 operands (False without the library)."""
+    lib = library()
+    return lib.handle is not None and hasattr(lib.handle, "jax_epilog_supports_fp8") and \
+        bool(lib.handle.jax_epilog_supports_fp8())
 
 
 @functools.lru_cache(maxsize=4096)
 def query_support(epilog: int, dtype: str, transpose_a: bool, transpose_b: bool, batch: int,
                   b_batch: int, bias_batch: int, m: int, n: int, k: int, allow_tf32: bool,
-                  workspace_bytes: int, device: int = 0) -> tuple[Optional[bool], str]:
+                  workspace_bytes: int, device: int = 0, b_dtype: Optional[str] = None,
+                  result_dtype: Optional[str] = None,
+                  result_amax: bool = False) -> tuple[Optional[bool], str]:
     """Whether cuBLASLt has a kernel for this problem on `device`.
 
-    Returns (True|False, message), or (None, reason) when it cannot tell (no library, no GPU
-    on this machine: e.g. exporting for CUDA from a CPU host). Building the answer also builds
-    and caches the plan, so the first execution does no planning.
+    `dtype` is a's; `b_dtype` and `result_dtype` (y's) default to it (they differ only for
+    FP8 operands, as may `result_amax`). Returns (True|False, message), or (None, reason)
+    when it cannot tell (no library, no GPU on this machine: e.g. exporting for CUDA from a
+    CPU host). Building the answer also builds and caches the plan, so the first execution
+    does no planning.
     """
     lib = library()
     if lib.handle is None:
         return None, lib.error or "library unavailable"
     message = ctypes.create_string_buffer(512)
     status = lib.handle.jax_epilog_query_support(
-        device, epilog, _DTYPE_CODES[dtype], int(transpose_a), int(transpose_b), batch, b_batch,
-        bias_batch, m, n, k, int(allow_tf32), workspace_bytes, message, len(message))
+        device, epilog, _DTYPE_CODES[dtype], _DTYPE_CODES[b_dtype or dtype],
+        _DTYPE_CODES[result_dtype or dtype], int(result_amax), int(transpose_a),
+        int(transpose_b), batch, b_batch, bias_batch, m, n, k, int(allow_tf32), workspace_bytes,
+        message, len(message))
     text = message.value.decode(errors="replace")
     if status < 0:
         return None, text

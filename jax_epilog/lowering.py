@@ -93,7 +93,7 @@ def _kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
     bias_batch = avals_in[2].shape[0] if Epilog(params.epilog).has_bias else 1
     extra = {}
     if is_fp8(a.dtype):
-        if not getattr(cuda_library, "supports_fp8", lambda: False)():
+        if not cuda_library.supports_fp8():
             return False, "this build of the jax_epilog library has no FP8 support"
         extra = dict(b_dtype=np.dtype(b.dtype).name,
                      result_dtype=result_dtype_of(params, a.dtype).name,

@@ -586,3 +586,16 @@ def test_problem_helpers_cover_every_pair_and_result():
                                   ("float8_e5m2", "float8_e4m3fn"),
                                   ("float8_e4m3fn", "float8_e5m2")}
     assert fp8_reference.aux_dtype("float8_e5m2") == "bfloat16"
+
+
+def test_the_library_takes_fp8_and_answers_without_a_gpu():
+    """Where the CUDA library loads (an installed package), it says it takes FP8 operands and
+    answers a support query for them: yes/no on a GPU, "cannot tell" (None) without one."""
+    from jax_epilog import cuda_library
+    if not cuda_library.available():
+        pytest.skip(f"the CUDA library is not loaded: {cuda_library.unavailable_reason()}")
+    assert cuda_library.supports_fp8()
+    supported, message = cuda_library.query_support(
+        int(Epilog.RELU_AUX_BIAS), "float8_e4m3fn", False, True, 1, 1, 1, 64, 64, 64, False,
+        1 << 22, b_dtype="float8_e5m2", result_dtype="float8_e4m3fn", result_amax=True)
+    assert supported in (None, True, False) and isinstance(message, str)

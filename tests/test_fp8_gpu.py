@@ -205,3 +205,17 @@ def test_backend_xla_runs_xlas_fp8_gemm():
     found = mismatches(Epilog.RELU_BIAS, got, a, b, inputs, qs, result_dtype="bfloat16", n=256,
                        exact=False, rtol=1e-2, transpose_b=True)
     assert not found, found
+
+
+def test_query_says_no_to_e5m2_x_e5m2_and_yes_to_the_measured_pairs():
+    common = (False, True, 1, 1, 1, 256, 256, 256, False, 1 << 25)
+    supported, message = cuda_library.query_support(
+        int(Epilog.RELU_BIAS), "float8_e5m2", *common, b_dtype="float8_e5m2",
+        result_dtype="bfloat16")
+    assert supported is False, message
+    for a_dtype, b_dtype in PAIRS:
+        supported, message = cuda_library.query_support(
+            int(Epilog.RELU_AUX_BIAS), a_dtype, *common, b_dtype=b_dtype,
+            result_dtype="bfloat16")
+        assert supported is True, (a_dtype, b_dtype, message)
+
