@@ -141,6 +141,29 @@ def test_every_layout_runs_the_k_major_kernel(transpose_a, transpose_b):
     assert used_kernel, fell_back
 
 
+@pytest.mark.parametrize("layout", ["lead_shared_b", "batched_b", "batched_bias"])
+@pytest.mark.parametrize("epilog", [Epilog.RELU_AUX_BIAS, Epilog.DRELU_BGRAD], ids=_ids)
+def test_leading_dims_match_the_model(epilog, layout):
+    """Leading dims: folded into M (shared b) or a strided batch (batched b or bias), right
+    whichever way they run (the kernel where cuBLASLt takes the batch, listed otherwise)."""
+    lead, b_batched, bias_batched = {"lead_shared_b": ((2, 3), False, False),
+                                     "batched_b": ((3,), True, False),
+                                     "batched_bias": ((2,), False, True)}[layout]
+    if bias_batched and not epilog.has_bias:
+        pytest.skip("no bias")
+    rng = np.random.default_rng(8)
+    a, b, inputs, qs = make(rng, epilog, m=33, n=144, k=64, lead=lead, b_batched=b_batched,
+                            bias_batched=bias_batched, transpose_b=True, integers=True,
+                            result_dtype="float8_e4m3fn")
+    got, used_kernel, fell_back = _run(epilog, a, b, inputs, qs, result_dtype="float8_e4m3fn")
+    found = mismatches(epilog, got, a, b, inputs, qs, result_dtype="float8_e4m3fn", n=144,
+                       exact=False, rtol=1e-6, transpose_b=True, sum_rtol=SUM_RTOL)
+    assert not found, (layout, used_kernel, found)
+    if not used_kernel:
+        warnings.warn(f"no cuBLASLt FP8 kernel for {epilog.name} {layout}: {fell_back}",
+                      UserWarning)
+
+
 @pytest.mark.parametrize("epilog", [Epilog.RELU_AUX_BIAS, Epilog.DRELU_BGRAD, Epilog.BIAS],
                          ids=_ids)
 def test_random_operands_within_fp8_rounding(epilog):
