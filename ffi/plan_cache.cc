@@ -212,6 +212,13 @@ ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
   std::vector<cublasLtMatmulHeuristicResult_t> results;
   JAX_EPILOG_RETURN_IF_ERROR(HeuristicCandidates(*plan, 1, &results));
   plan->algo = results[0].algo;
+  // cuBLASLt documents unsupported FP8 scale / amax / type combinations as rejected by
+  // cublasLtMatmul (CUBLAS_STATUS_INVALID_VALUE); checking the chosen algorithm against the
+  // whole descriptor now turns such a problem into "unsupported" at lowering time (the
+  // reference, with a warning) rather than a failure at run time.
+  if (IsFp8(p.dtype) && !AlgoFits(*plan, plan->algo))
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      "cublasLtMatmulAlgoCheck rejects the heuristic's algorithm for " + problem);
   return ffi::Error::Success();
 }
 
