@@ -200,7 +200,7 @@ def _check_scale(key: str, x):
     label = f"quantization_scales[{key!r}]"
     if isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{label}: expected a float32 scalar or a Python float, got {x!r}")
-    if isinstance(x, (int, float)) and not hasattr(x, "shape"):
+    if isinstance(x, (int, float)) and not isinstance(x, np.ndarray):  # np.float64 is a float
         return jnp.asarray(x, jnp.float32)
     dtype = getattr(x, "dtype", None)
     shape = getattr(x, "shape", None)

@@ -77,7 +77,8 @@ def test_every_result_type(epilog, result_dtype):
                                                      (True, True)])
 @pytest.mark.parametrize("layout", ["2d", "lead_shared_b", "batched_b", "batched_bias"])
 def test_layouts_and_transposes(layout, transpose_a, transpose_b):
-    lead, b_batched, bias_batched = {"2d": ((), False, False), "lead_shared_b": ((2, 3), False, False),
+    lead, b_batched, bias_batched = {"2d": ((), False, False),
+                                     "lead_shared_b": ((2, 3), False, False),
                                      "batched_b": ((3,), True, False),
                                      "batched_bias": ((2,), False, True)}[layout]
     for epilog in (Epilog.RELU_AUX_BIAS, Epilog.DRELU_BGRAD):
@@ -178,6 +179,16 @@ def test_aux_dtypes_follow_the_result(result_dtype, aux):
 
 
 # --- traced scales, jit, vmap, export ------------------------------------------------------------
+
+def test_python_and_numpy_scalar_scales():
+    """Python numbers and NumPy scalars (np.float64 is a Python float) are scales too."""
+    rng = np.random.default_rng(18)
+    a, b, _, _ = make(rng, Epilog.DEFAULT, m=4, n=16, k=16, integers=True)
+    want = jax_epilog.matmul(a, b, quantization_scales={"a": jnp.float32(0.5), "b": jnp.float32(2)})
+    for sa, sb in [(0.5, 2), (np.float64(0.5), np.float32(2.0)), (np.float32(0.5), 2.0)]:
+        got = jax_epilog.matmul(a, b, quantization_scales={"a": sa, "b": sb})
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
 
 def test_traced_scales_do_not_retrace():
     rng = np.random.default_rng(9)
@@ -323,7 +334,8 @@ def test_export_for_cuda_has_the_custom_call_with_scales_on_k_major_operands(
                                      disabled_checks=list(jax_epilog.EXPORT_SAFETY_CHECKS))(
             a, b, inputs["bias"], qs["a"], qs["b"], qs["d"])
     text = exported.mlir_module()
-    calls = [line for line in text.splitlines() if "stablehlo.custom_call @jax_epilog_matmul" in line]
+    calls = [line for line in text.splitlines()
+             if "stablehlo.custom_call @jax_epilog_matmul" in line]
     assert len(calls) == 1, text
     call = calls[0]
     signature = call.rsplit(" : ", 1)[1]
@@ -410,7 +422,8 @@ def test_backend_xla_is_the_direct_fp8_dot(monkeypatch):
     text = jax.export.export(jax.jit(f), platforms=("cuda",))(a, b, inputs["bias"]).mlir_module()
     assert "@jax_epilog_matmul" not in text
     dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
-    assert dots and all("xf8E4M3FN>" in line.split(" : ", 1)[1].split("->")[0] for line in dots), dots
+    operand_types = [line.split(" : ", 1)[1].split("->")[0] for line in dots]
+    assert dots and all("xf8E4M3FN>" in types for types in operand_types), dots
 
 
 # --- the automatic backend choice ------------------------------------------------------------
@@ -517,7 +530,8 @@ BAD = {  # name: (call arguments, error, message regex: it starts with the argum
                                       epilog_inputs={"bias": np.ones(16, ml_dtypes.bfloat16)},
                                       preferred_element_type=jnp.float32), TypeError,
                                  r"^epilog_inputs\['bias'\]: expected dtype float32"),
-    "gelu_aux_fp8": (dict(epilog="dgelu", epilog_inputs={"gelu_aux": np.ones((4, 16), ml_dtypes.float8_e4m3fn)},
+    "gelu_aux_fp8": (dict(epilog="dgelu",
+                          epilog_inputs={"gelu_aux": np.ones((4, 16), ml_dtypes.float8_e4m3fn)},
                           quantization_scales={**S, "d": 1.0}, preferred_element_type=E4M3),
                      TypeError, r"^epilog_inputs\['gelu_aux'\]: expected dtype bfloat16"),
     "fp8_k_mismatch": (dict(b=np.ones((8, 16), ml_dtypes.float8_e4m3fn)), ValueError,
@@ -552,7 +566,8 @@ _SHARDED = textwrap.dedent("""
     bias = jnp.asarray(rng.integers(-4, 4, 256) / 2, jnp.bfloat16)
     def f(x, w, bias, s):
         return jax_epilog.matmul(x, w, epilog="relu_aux_bias", epilog_inputs={"bias": bias},
-                                 transpose_b=True, quantization_scales={"a": s, "b": 0.5, "d": 0.25},
+                                 transpose_b=True,
+                                 quantization_scales={"a": s, "b": 0.5, "d": 0.25},
                                  preferred_element_type=jnp.float8_e4m3fn, result_amax=True)
     want = f(x, w, bias, jnp.float32(2.0))
     for xs, ws, bs in [(P("data", None), P(), P()), (P(), P("model", None), P("model")),
@@ -560,7 +575,8 @@ _SHARDED = textwrap.dedent("""
                        (P("data", None), P("model", None), P("model"))]:
         shard = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
         got = jax.jit(f)(shard(x, xs), shard(w, ws), shard(bias, bs), jnp.float32(2.0))
-        np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
+        np.testing.assert_array_equal(np.asarray(got[0], np.float32),
+                                      np.asarray(want[0], np.float32))
         np.testing.assert_array_equal(got[1]["relu_aux"], want[1]["relu_aux"])
         assert float(got[1]["result_amax"]) == float(want[1]["result_amax"]), (xs, ws)
     print("ok")
