@@ -57,7 +57,9 @@ def _epilog(p, inputs, epilog: Epilog, aux_dtype):
     n = p.shape[-1]
     named = dict(zip(epilog.input_names, inputs))
     z = p + named["bias"].astype(p.dtype)[:, None, :] if epilog.has_bias else p
-    if epilog.activation:
+    if epilog.activation == "relu" and z.dtype != jnp.float32:
+        y = jax.nn.relu(z)  # XLA's way: the form XLA's GEMM rewriter fuses into the GEMM
+    elif epilog.activation:
         y = ACTIVATIONS[epilog.activation].fn(z)
     elif epilog.derivative:
         y = ACTIVATIONS[epilog.derivative].derivative(p, named[epilog.aux_input], n)
