@@ -266,3 +266,20 @@ def test_xla_way_is_the_plain_expression_in_the_operand_dtype():
     dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
     assert [d.outvars[0].aval.dtype for d in dots] == [jnp.bfloat16]
     assert all(v.aval.dtype != jnp.float32 for e in jaxpr.eqns for v in e.outvars)
+
+
+def test_nvmath_matmul_epilog_members_are_accepted_by_name():
+    """nvmath-python's `MatmulEpilog` members name the same epilogs (checked by module and name,
+    so nvmath need not be installed here: a stand-in enum from an `nvmath` module)."""
+    import enum
+    from jax_epilog.epilogs import as_epilog
+    members = {e.name: e.value + 1000 for e in Epilog}  # values need not match; names do
+    members["ALPHA_SCALE"] = 1
+    stand_in = enum.IntEnum("MatmulEpilog", members, module="nvmath.bindings.cublasLt")
+    for e in Epilog:
+        assert as_epilog(stand_in[e.name]) is e
+    with pytest.raises(ValueError, match="^epilog: nvmath-python's ALPHA_SCALE has no"):
+        as_epilog(stand_in.ALPHA_SCALE)
+    a = jnp.ones((4, 8), jnp.float32)
+    y = jax_epilog.matmul(a, a.T, epilog=stand_in.RELU)
+    np.testing.assert_allclose(np.asarray(y), np.full((4, 4), 8.0))
