@@ -44,7 +44,8 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from . import config, dispatch
-from .epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
+from .epilogs import Epilog, gelu_aux_columns, is_fp8, relu_mask_bytes
+from .epilogs import aux_dtype as aux_dtype_of
 from .layers import mlp
 from .matmul import matmul
 from .primitive import epilog_matmul_p, problem_of
@@ -89,6 +90,9 @@ class Problem(NamedTuple):
     b_batch: int = 1
     bias_batch: int = 1
     allow_tf32: bool = False  # float32 only: TF32 allowed (precision DEFAULT/HIGH)
+    b_dtype: Optional[str] = None  # FP8 calls: b's format where it differs from a's
+    result_dtype: Optional[str] = None  # FP8 calls: y's dtype (SPEC §5)
+    result_amax: bool = False
 
     @property
     def table_key(self) -> tuple:
@@ -133,9 +137,12 @@ def _problem_of_eqn(eqn) -> Problem:
     a, b = eqn.invars[0].aval, eqn.invars[1].aval
     p = problem_of(a.shape, b.shape, params["transpose_a"], params["transpose_b"])
     bias_batch = eqn.invars[2].aval.shape[0] if epilog.has_bias else 1
-    return Problem(epilog.name, jnp.dtype(a.dtype).name, bool(params["transpose_a"]),
+    a_dtype, b_dtype = jnp.dtype(a.dtype).name, jnp.dtype(b.dtype).name
+    return Problem(epilog.name, a_dtype, bool(params["transpose_a"]),
                    bool(params["transpose_b"]), p.batch, p.m, p.n, p.k, b.shape[0], bias_batch,
-                   bool(params.get("allow_tf32", False)))
+                   bool(params.get("allow_tf32", False)),
+                   b_dtype if b_dtype != a_dtype else None, params.get("result_dtype"),
+                   bool(params.get("result_amax", False)))
 
 
 def problems_of(fn: Callable, *args, **kwargs) -> list[Problem]:
@@ -263,38 +270,49 @@ def load_callable(target: str) -> Callable:
 # --- 2. timing ----------------------------------------------------------------------------------
 
 def random_operands(p: Problem, seed: int = 0) -> tuple:
-    """Random normal (a, b, epilog inputs...) for `jax_epilog.matmul`, shaped so that it makes
-    exactly the normalised call `p` (a random bit mask for relu_aux)."""
+    """Random normal (a, b, epilog inputs, FP8 scales) for `jax_epilog.matmul`, shaped so that
+    it makes exactly the normalised call `p` (a random bit mask for relu_aux; FP8 operands are
+    rounded normal values with unit scales)."""
     epilog = Epilog[p.epilog]
     dtype = jnp.dtype(p.dtype)
+    b_dtype = jnp.dtype(p.b_dtype or p.dtype)
+    aux_dtype = aux_dtype_of(p.result_dtype or dtype) if is_fp8(dtype) else dtype
     keys = iter(jax.random.split(jax.random.key(seed), 4))
     lead = (p.batch,) if p.batch > 1 or p.b_batch > 1 or p.bias_batch > 1 else ()
     a_shape = (*lead, *((p.k, p.m) if p.transpose_a else (p.m, p.k)))
     b_lead = lead if p.b_batch > 1 else ()
     b_shape = (*b_lead, *((p.n, p.k) if p.transpose_b else (p.k, p.n)))
-    a = jax.random.normal(next(keys), a_shape, dtype)
-    b = (jax.random.normal(next(keys), b_shape, jnp.float32) / math.sqrt(max(p.k, 1))).astype(dtype)
+    a = jax.random.normal(next(keys), a_shape, jnp.float32).astype(dtype)
+    b = (jax.random.normal(next(keys), b_shape, jnp.float32) / math.sqrt(max(p.k, 1))).astype(b_dtype)
     inputs = {}
     if epilog.has_bias:
         bias_shape = (*lead, p.n) if p.bias_batch > 1 else (p.n,)
-        inputs["bias"] = jax.random.normal(next(keys), bias_shape, dtype)
+        inputs["bias"] = jax.random.normal(next(keys), bias_shape, aux_dtype)
     if epilog.aux_input == "relu_aux":
         inputs["relu_aux"] = jax.random.bits(next(keys), (*lead, p.m, relu_mask_bytes(p.n)),
                                              jnp.uint8)
     elif epilog.aux_input == "gelu_aux":
         inputs["gelu_aux"] = jax.random.normal(next(keys), (*lead, p.m, gelu_aux_columns(p.n)),
-                                               dtype)
-    return a, b, inputs
+                                               aux_dtype)
+    scales = {}
+    if is_fp8(dtype):
+        scales = {"a": jnp.float32(1), "b": jnp.float32(1)}
+        if p.result_dtype and is_fp8(p.result_dtype):
+            scales["d"] = jnp.float32(1)
+    return a, b, inputs, scales
 
 
 def call_fn(p: Problem, backend: str) -> Callable:
-    """(a, b, epilog inputs) -> `jax_epilog.matmul` of `p` on `backend`."""
+    """(a, b, epilog inputs, FP8 scales) -> `jax_epilog.matmul` of `p` on `backend`."""
     precision = None if p.allow_tf32 or p.dtype != "float32" else jax.lax.Precision.HIGHEST
+    fp8 = dict(quantization_scales=None, preferred_element_type=p.result_dtype,
+               result_amax=p.result_amax)
 
-    def call(a, b, inputs):
+    def call(a, b, inputs, scales=None):
+        kwargs = {**fp8, "quantization_scales": scales} if scales else {}
         return matmul(a, b, epilog=Epilog[p.epilog], epilog_inputs=inputs or None,
                       transpose_a=p.transpose_a, transpose_b=p.transpose_b, precision=precision,
-                      backend=backend)
+                      backend=backend, **kwargs)
     return call
 
 

@@ -121,6 +121,13 @@ PROBLEMS = [
     tune.Problem("BGRADB", "float32", True, False, 1, 12, 20, 40, allow_tf32=True),
     tune.Problem("BIAS", "float32", False, False, 3, 5, 8, 16, 3, 3),
     tune.Problem("GELU_BIAS", "bfloat16", True, False, 2, 6, 8, 16),
+    # FP8 operands (SPEC §5): unit scales, the result type and amax carried through
+    tune.Problem("RELU_AUX_BIAS", "float8_e4m3fn", False, True, 1, 16, 32, 32,
+                 result_dtype="bfloat16"),
+    tune.Problem("DRELU_BGRAD", "float8_e4m3fn", False, True, 1, 16, 32, 32,
+                 b_dtype="float8_e5m2", result_dtype="bfloat16"),
+    tune.Problem("BIAS", "float8_e5m2", False, True, 1, 16, 32, 32, b_dtype="float8_e4m3fn",
+                 result_dtype="float8_e4m3fn", result_amax=True),
 ]
 
 
