@@ -67,7 +67,16 @@ ARRAYS = {
     "scale_b": Array((), "float32", "b's dequantization scale"),
     "scale_d": Array((), "float32", "the FP8 result's quantization scale"),
     "result_amax": Array((), "float32", "max |R| before the d scale and the cast"),
+    # Calls with a C matrix only (SPEC §6): R = epilog(alpha · P + beta · C); after the scales
+    # (`operand_names`). C has y's shape and dtype (the 16/32-bit result's: an FP8 result
+    # with C is refused), folded like y.
+    "c": Array(("batch", "m", "n"), None, "the matrix C added as beta · C (y's shape)"),
+    "alpha": Array((), "float32", "the product's scale alpha"),
+    "beta": Array((), "float32", "C's scale beta"),
 }
+
+#: The operands a call with a C matrix adds, after the FP8 scales (SPEC §6).
+C_NAMES = ("c", "alpha", "beta")
 
 # --- dtypes (SPEC §1 and §5) -------------------------------------------------------------------
 
@@ -103,9 +112,12 @@ def scale_names(operand_dtype, result_dtype) -> tuple[str, ...]:
     return ("scale_a", "scale_b", "scale_d") if is_fp8(result_dtype) else ("scale_a", "scale_b")
 
 
-def operand_names(epilog: "Epilog", operand_dtype, result_dtype) -> tuple[str, ...]:
-    """A call's operands in the kernel's order: a, b, the epilog's inputs, the scales."""
-    return ("a", "b", *epilog.input_names, *scale_names(operand_dtype, result_dtype))
+def operand_names(epilog: "Epilog", operand_dtype, result_dtype,
+                  has_c: bool = False) -> tuple[str, ...]:
+    """A call's operands in the kernel's order: a, b, the epilog's inputs, the scales, and
+    with a C matrix c, alpha, beta (SPEC §6)."""
+    return ("a", "b", *epilog.input_names, *scale_names(operand_dtype, result_dtype),
+            *(C_NAMES if has_c else ()))
 
 
 def result_names(epilog: "Epilog", result_amax: bool = False) -> tuple[str, ...]:
@@ -282,7 +294,8 @@ def as_epilog(epilog) -> Epilog:
         raise ValueError(f"epilog: unknown value {epilog}; expected one of {values}") from None
 
 
-__all__ = ["ACTIVATIONS", "ARRAYS", "AUX_DIM_COLUMNS", "Activation", "Array", "DEFAULT_FP8_RESULT",
+__all__ = ["ACTIVATIONS", "ARRAYS", "AUX_DIM_COLUMNS", "Activation", "Array", "C_NAMES",
+           "DEFAULT_FP8_RESULT",
            "Epilog", "FP8_DTYPES", "FP8_RESULT_DTYPES", "Row", "TABLE", "WIDE_DTYPES",
            "array_dtype", "as_epilog", "aux_dtype", "dim_sizes", "gelu_aux_columns", "is_fp8",
            "operand_names", "relu_mask_bytes", "result_names", "scale_names"]

@@ -8,6 +8,8 @@ elsewhere. Every choice between the two is made here, at lowering time, in `_way
 - CUDA, `backend="xla"` (asked for, set by JAX_EPILOG_BACKEND, or chosen by `dispatch` as the
   faster way for this problem on this GPU): the reference in XLA's way (`exact=False`), so XLA
   runs its own GEMM and fusions;
+- CUDA, a call with a C matrix (`c`, `alpha`, `beta`; SPEC §6): the reference, exact, with a
+  `RuntimeWarning` (the C++ handler does not take them yet; docs/c_alpha_beta.md);
 - CUDA, FP8 operands not both K-major (cuBLASLt's FP8 kernels take only a `(M, K)` and b
   `(N, K)`, i.e. transpose_a=False, transpose_b=True): the operand(s) transposed in XLA (a
   transpose XLA fuses into the operand's producer, typically the quantizing convert), then the
@@ -42,19 +44,33 @@ def _lower_reference(ctx, *args, exact: bool = True, **params):
     fn = functools.partial(reference.epilog_matmul, epilog=params.epilog,
                            transpose_a=params.transpose_a, transpose_b=params.transpose_b,
                            allow_tf32=params.allow_tf32, exact=exact,
-                           result_dtype=params.result_dtype, result_amax=params.result_amax)
+                           result_dtype=params.result_dtype, result_amax=params.result_amax,
+                           has_c=params.has_c)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _sizes(avals_in, params: Params) -> str:
+    a = avals_in[0]
+    p = problem_of(a.shape, avals_in[1].shape, params.transpose_a, params.transpose_b)
+    return f"batch={p.batch}, M={p.m}, N={p.n}, K={p.k}"
 
 
 def _warn_fp8_reference(avals_in, params: Params, why: str) -> None:
     a = avals_in[0]
-    p = problem_of(a.shape, avals_in[1].shape, params.transpose_a, params.transpose_b)
     warnings.warn(
         f"jax_epilog: cuBLASLt runs no FP8 kernel for epilog {Epilog(params.epilog).name} with "
         f"{a.dtype} x {avals_in[1].dtype} -> {result_dtype_of(params, a.dtype)}"
-        f"{' and result_amax' if params.result_amax else ''} (batch={p.batch}, M={p.m}, "
-        f"N={p.n}, K={p.k}): {why}; this call runs the plain-XLA reference instead (same "
-        "results, slower)", RuntimeWarning, stacklevel=2)
+        f"{' and result_amax' if params.result_amax else ''} ({_sizes(avals_in, params)}): "
+        f"{why}; this call runs the plain-XLA reference instead (same results, slower)",
+        RuntimeWarning, stacklevel=2)
+
+
+def _warn_c_reference(avals_in, params: Params) -> None:
+    warnings.warn(
+        f"jax_epilog: the cuBLASLt kernel path for a call with c, alpha and beta is not built "
+        f"yet (epilog {Epilog(params.epilog).name}, {avals_in[0].dtype}, "
+        f"{_sizes(avals_in, params)}); this call runs the exact plain-XLA reference instead "
+        "(same results, slower; docs/c_alpha_beta.md)", RuntimeWarning, stacklevel=2)
 
 
 @functools.cache
@@ -119,6 +135,9 @@ def _way(avals_in, params: Params) -> str:
         return "reference"
     if _backend(params, avals_in) == "xla":
         return "xla"
+    if params.has_c:  # SPEC §6: the C++ handler does not take c, alpha, beta yet
+        _warn_c_reference(avals_in, params)
+        return "reference"
     fp8 = is_fp8(avals_in[0].dtype)
     if fp8 and not _k_major(params):
         return "k_major"

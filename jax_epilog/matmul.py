@@ -196,8 +196,8 @@ def _as_dtype(x) -> np.dtype:
                         f"jnp.float8_e4m3fn), got {x!r}") from None
 
 
-def _check_scale(key: str, x):
-    label = f"quantization_scales[{key!r}]"
+def _check_scale(key: str, x, label: Optional[str] = None):
+    label = label or f"quantization_scales[{key!r}]"
     if isinstance(x, (bool, np.bool_)):
         raise TypeError(f"{label}: expected a float32 scalar or a Python float, got {x!r}")
     if isinstance(x, (int, float)) and not isinstance(x, np.ndarray):  # np.float64 is a float
@@ -253,9 +253,36 @@ def _check_scales(fp8: bool, out, quantization_scales, result_amax) -> tuple:
     return tuple(scales)
 
 
+def _check_c(c, alpha, beta, out, lead, m: int, n: int):
+    """(c, alpha, beta) as checked operands, or () for a call without C (SPEC §6)."""
+    if c is None:
+        if beta is not None:
+            raise TypeError("beta: only with c (the matrix added as beta · c); pass c too, "
+                            "e.g. matmul(a, b, c, beta=1.0)")
+        if alpha is not None:
+            raise TypeError("alpha: only with c (the matrix added as beta · c); pass c and "
+                            "beta too, or scale a or b instead")
+        return ()
+    if beta is None:
+        raise TypeError("beta: required when c is given (R = epilog(alpha · a@b + beta · c)); "
+                        "e.g. beta=1.0 for a residual add")
+    if is_fp8(out):
+        raise TypeError(f"c: an FP8 result ({out.name}) with c is not supported; ask for a "
+                        "16/32-bit preferred_element_type (c then has that dtype)")
+    want = array_dtype("c", out)
+    got = _raw_dtype(c)
+    if got != want:
+        raise TypeError(f"c: expected dtype {want} (y's dtype), got {got}")
+    c = jnp.asarray(c)
+    if tuple(c.shape) != (*lead, m, n):
+        raise ValueError(f"c: expected shape {(*lead, m, n)} (y's shape), got {tuple(c.shape)}")
+    alpha = jnp.ones((), jnp.float32) if alpha is None else _check_scale("alpha", alpha, "alpha")
+    return (c, alpha, _check_scale("beta", beta, "beta"))
+
+
 def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
              backend="auto", quantization_scales=None, preferred_element_type=None,
-             result_amax=False) -> _Call:
+             result_amax=False, c=None, alpha=None, beta=None) -> _Call:
     epilog = as_epilog(epilog)
     a = _as_operand("a", a)
     b = _as_operand("b", b)
@@ -280,6 +307,7 @@ def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
     if not b_shared and tuple(b.shape[:-2]) != lead:
         raise ValueError(f"b: leading dims {tuple(b.shape[:-2])} must equal a's leading dims "
                          f"{lead} (or b must be 2-D to be shared)")
+    c_operands = _check_c(c, alpha, beta, out, lead, m, n)
     checked = {name: _check_input(name, inputs[name], dtype=array_dtype(name, out),
                                   shapes=_user_shapes(name, lead, m, n), n=n)
                for name in epilog.input_names}
@@ -297,9 +325,13 @@ def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
         checked[name].reshape(batch if bias_per_batch else 1, n) if name == "bias"
         else checked[name].reshape(kernel_batch, kernel_m, checked[name].shape[-1])
         for name in epilog.input_names) + scales
+    if c_operands:  # c folds like y
+        c3 = c_operands[0].reshape(kernel_batch, kernel_m, n)
+        kernel_inputs += (c3, *c_operands[1:])
     params = Params(int(epilog), bool(transpose_a), bool(transpose_b),
                     allow_tf32_for(precision, a.dtype), backend,
-                    result_dtype=out.name if fp8 else None, result_amax=bool(result_amax))
+                    result_dtype=out.name if fp8 else None, result_amax=bool(result_amax),
+                    has_c=bool(c_operands))
     return _Call(a3, b3, kernel_inputs, params, lead, m, n, b_shared)
 
 
@@ -358,11 +390,12 @@ def _forward_fwd(params: Params, a, b, *inputs):
     residual = outputs[1] if epilog.activation else None
     visible = outputs if epilog.aux_output or not epilog.activation else outputs[:1]
     bias = inputs[0] if epilog.has_bias else None
-    return visible, (a, b, residual, bias)
+    c_args = tuple(inputs[-3:]) if params.has_c else None  # (c, alpha, beta)
+    return visible, (a, b, residual, bias, c_args)
 
 
 def _forward_bwd(params: Params, saved, cotangents):
-    a, b, residual, bias = saved
+    a, b, residual, bias, c_args = saved
     epilog = Epilog(params.epilog)
     dy = cotangents[0].astype(jnp.float32)
     n = dy.shape[-1]
@@ -379,6 +412,13 @@ def _forward_bwd(params: Params, saved, cotangents):
     b_spec = "ckn" if b.shape[0] == 1 else "bkn"
     da = jnp.einsum(f"bmn,{b_spec}->bmk", dz, b_kn.astype(jnp.float32), precision=precision)
     db = jnp.einsum("bmk,bmn->bkn", a_mk.astype(jnp.float32), dz, precision=precision)
+    if c_args is not None:  # Z = alpha · P + beta · C (+ bias): dP = alpha · dZ
+        c, alpha, beta = c_args
+        dc = (beta * dz).astype(c.dtype)
+        dbeta = jnp.sum(dz * c.astype(jnp.float32))
+        # d alpha = sum(dZ ⊙ P) = sum((dZ @ op(b)ᵀ) ⊙ op(a)): no extra product
+        dalpha = jnp.sum(da * a_mk.astype(jnp.float32))
+        da, db = alpha * da, alpha * db
     if b.shape[0] == 1:
         db = db.sum(axis=0, keepdims=True)
     da = jnp.swapaxes(da, 1, 2) if params.transpose_a else da
@@ -389,23 +429,31 @@ def _forward_bwd(params: Params, saved, cotangents):
         if bias.shape[0] == 1:
             dbias = dbias.sum(axis=0, keepdims=True)
         grads.append(dbias.astype(a.dtype))
+    if c_args is not None:
+        grads += [dc, dalpha, dbeta]
     return tuple(grads)
 
 
 _forward.defvjp(_forward_fwd, _forward_bwd)
 
 
-def matmul(a, b, *, epilog=Epilog.DEFAULT, epilog_inputs: Optional[Mapping[str, Any]] = None,
+def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
+           epilog_inputs: Optional[Mapping[str, Any]] = None,
            transpose_a: bool = False, transpose_b: bool = False, precision=None,
            backend: str = "auto", quantization_scales: Optional[Mapping[str, Any]] = None,
            preferred_element_type=None, result_amax: bool = False):
-    """`a @ b` with a cuBLASLt epilog fused into the same kernel (SPEC §1, §5).
+    """`a @ b` with a cuBLASLt epilog fused into the same kernel (SPEC §1, §5, §6).
 
     Args:
       a: `(..., M, K)`, or `(..., K, M)` with `transpose_a`; float16, bfloat16 or float32, or
         FP8 (float8_e4m3fn / float8_e5m2, with `quantization_scales`).
       b: `(K, N)` shared by every leading index of `a`, or `(..., K, N)` with the same leading
         dims (`(…, N, K)` with `transpose_b`); same dtype as `a` (FP8: both FP8, not both e5m2).
+      c: optional, y's shape `(..., M, N)` and dtype (with FP8 operands the 16/32-bit result's;
+        an FP8 result with c is refused): the result is R = epilog(alpha · a@b + beta · c), the
+        bias (if any) added after beta · c (SPEC §6, docs/c_alpha_beta.md).
+      alpha, beta: with c only; beta is required, alpha defaults to 1. Python numbers or
+        float32 0-d arrays (traced values work under `jit`; arrays are differentiable).
       epilog: an `Epilog`, its value, its name (e.g. ``"relu_aux_bias"``), or nvmath-python's
         `MatmulEpilog` member of that name.
       epilog_inputs: ``{"bias": (N,) | (..., N)}`` for the bias epilogs,
@@ -439,7 +487,7 @@ def matmul(a, b, *, epilog=Epilog.DEFAULT, epilog_inputs: Optional[Mapping[str, 
     `TypeError` under `jax.grad` (FP8 training: `dense` / `mlp` with ``fp8=``).
     """
     call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision, backend,
-                    quantization_scales, preferred_element_type, result_amax)
+                    quantization_scales, preferred_element_type, result_amax, c, alpha, beta)
     axes = manual_axes.varying_axes((call.a, call.b, *call.inputs))  # inside shard_map
     operands = [manual_axes.vary(x, axes) for x in (call.a, call.b, *call.inputs)]
     differentiable = not (Epilog(call.params.epilog).is_backward or is_fp8(call.a.dtype))
@@ -447,14 +495,14 @@ def matmul(a, b, *, epilog=Epilog.DEFAULT, epilog_inputs: Optional[Mapping[str, 
     return _finish(call, run(call.params, *operands))
 
 
-def reference_matmul(a, b, *, epilog=Epilog.DEFAULT, epilog_inputs=None, transpose_a=False,
-                     transpose_b=False, precision=None, quantization_scales=None,
-                     preferred_element_type=None, result_amax=False):
+def reference_matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
+                     epilog_inputs=None, transpose_a=False, transpose_b=False, precision=None,
+                     quantization_scales=None, preferred_element_type=None, result_amax=False):
     """`matmul` computed by the plain-JAX reference on any device (same checks, same results)."""
     call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision, "auto",
-                    quantization_scales, preferred_element_type, result_amax)
+                    quantization_scales, preferred_element_type, result_amax, c, alpha, beta)
     p = call.params
     return _finish(call, reference_kernel(call.a, call.b, *call.inputs, epilog=p.epilog,
                                           transpose_a=p.transpose_a, transpose_b=p.transpose_b,
                                           allow_tf32=p.allow_tf32, result_dtype=p.result_dtype,
-                                          result_amax=p.result_amax))
+                                          result_amax=p.result_amax, has_c=p.has_c))

@@ -44,6 +44,7 @@ class Params(NamedTuple):
     backend: str = "auto"  # "cublaslt", "xla", or "auto": per problem (dispatch.py)
     result_dtype: Optional[str] = None  # y's dtype name; None: the operands' dtype
     result_amax: bool = False  # FP8 calls: also return max |R| (SPEC §5)
+    has_c: bool = False  # operands c, alpha, beta follow (SPEC §6): R = epilog(αP + βC)
 
 
 def result_dtype_of(params, operand_dtype) -> np.dtype:
@@ -57,7 +58,8 @@ def names_of(params, operand_dtype) -> tuple[tuple[str, ...], tuple[str, ...]]:
     and "a", "b", "y")."""
     get = params.get if isinstance(params, dict) else functools.partial(getattr, params)
     epilog = Epilog(get("epilog"))
-    return (operand_names(epilog, operand_dtype, result_dtype_of(params, operand_dtype)),
+    return (operand_names(epilog, operand_dtype, result_dtype_of(params, operand_dtype),
+                          bool(get("has_c", False))),
             result_names(epilog, bool(get("result_amax", False))))
 
 
@@ -83,10 +85,11 @@ def array_shape(name: str, p: Problem, bias_batch: int = 1) -> tuple[int, ...]:
 
 
 def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, backend,
-                   result_dtype=None, result_amax=False):
+                   result_dtype=None, result_amax=False, has_c=False):
     del allow_tf32, backend
     epilog = Epilog(epilog)
-    params = dict(epilog=epilog, result_dtype=result_dtype, result_amax=result_amax)
+    params = dict(epilog=epilog, result_dtype=result_dtype, result_amax=result_amax,
+                  has_c=has_c)
     out = result_dtype_of(params, a.dtype)
     # `matmul` has already given readable errors; these guard direct binds.
     if a.ndim != 3 or b.ndim != 3:
@@ -111,6 +114,8 @@ def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, ba
             raise ValueError(f"epilog_matmul: {name} has shape {x.shape}, expected {expected}")
         if ARRAYS[name].dtype == "float32" and x.dtype != jnp.float32:
             raise TypeError(f"epilog_matmul: {name} must be float32, got {x.dtype}")
+        if name == "c" and x.dtype != array_dtype("c", out):
+            raise TypeError(f"epilog_matmul: c must be {array_dtype('c', out)}, got {x.dtype}")
     return [ShapedArray((p.batch, p.m, p.n), out)] + [
         ShapedArray(array_shape(name, p), array_dtype(name, out)) for name in output_names[1:]]
 
@@ -157,7 +162,8 @@ _jax_dispatch.prim_requires_devices_during_lowering.add(epilog_matmul_p)
 # amax per example, where a folded GEMM gives one for all: those calls run one GEMM for all
 # examples too, the plain product in float32 with unit scales (`plain_product`), and then the
 # reference's `finish` (scales, epilog, amax, cast) vmapped over the examples, elementwise work
-# that XLA fuses. Never a loop over examples.
+# that XLA fuses. Never a loop over examples. A call with a C matrix (SPEC §6) whose alpha or
+# beta is mapped does the same with the exact float32 product (one batched dot).
 
 _SHAREABLE = ("b", "bias")
 
@@ -180,7 +186,7 @@ def plain_product(primitive, params: Params, a, b):
     """`primitive` (either of the two) computing only the plain product P = a @ b of a call, as
     float32 for FP8 operands (unit scales: the caller applies the real ones), else in the
     operands' dtype."""
-    plain = params._replace(epilog=int(Epilog.DEFAULT), result_amax=False,
+    plain = params._replace(epilog=int(Epilog.DEFAULT), result_amax=False, has_c=False,
                             result_dtype="float32" if is_fp8(a.dtype) else None)
     ones = [jnp.ones((), jnp.float32)] * (2 if is_fp8(a.dtype) else 0)
     return primitive.bind(a, b, *ones, **plain._asdict())[0]
@@ -191,7 +197,8 @@ def _batch_rule(args, dims, **params):
     names, _ = names_of(params, args[0].dtype)
     a, a_dim = args[0], dims[0]
     batch = a.shape[0] if a_dim is None else a.shape[1 if a_dim == 0 else 0]
-    scale_mapped = any(d is not None for name, d in zip(names, dims) if name.startswith("scale_"))
+    scale_mapped = any(d is not None for name, d in zip(names, dims)
+                       if ARRAYS.get(name) is not None and ARRAYS[name].dims == ())
     if scale_mapped or params.get("result_amax", False):
         return _batch_unfolded(args, dims, size, batch, Params(**params))
     folded = [_fold_batch_axis(x, d, name, size, batch) for x, d, name in zip(args, dims, names)]
@@ -201,16 +208,20 @@ def _batch_rule(args, dims, **params):
 
 
 def _batch_unfolded(args, dims, size: int, batch: int, params: Params):
-    """A vmapped FP8 call with per-example scales or amax (see above)."""
+    """A vmapped call with per-example scales, alpha or beta, or an amax (see above)."""
     from . import reference  # reference imports this module's neighbours, not this one
     a, b = (_fold_batch_axis(x, d, name, size, batch)
             for x, d, name in zip(args[:2], dims[:2], ("a", "b")))
-    product = plain_product(epilog_matmul_p, params, a, b)
+    if is_fp8(a.dtype):
+        product = plain_product(epilog_matmul_p, params, a, b)
+    else:  # per-example alpha/beta (SPEC §6): the float32 product, exact, as one batched dot
+        product = reference._product(a, b, params.transpose_a, params.transpose_b,
+                                     params.allow_tf32, jnp.float32)
     product = product.reshape(size, batch, *product.shape[1:])
     finish = functools.partial(reference.finish, epilog=params.epilog,
                                transpose_a=params.transpose_a, transpose_b=params.transpose_b,
                                result_dtype=params.result_dtype,
-                               result_amax=params.result_amax)
+                               result_amax=params.result_amax, has_c=params.has_c)
     outs = jax.vmap(finish, in_axes=(0, *dims))(product, *args)
     return list(outs), [0] * len(outs)
 

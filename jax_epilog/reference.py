@@ -77,23 +77,30 @@ def _epilog(p, inputs, epilog: Epilog, aux_dtype):
 
 
 def finish(p, a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
-           result_dtype=None, result_amax: bool = False) -> tuple:
+           result_dtype=None, result_amax: bool = False, has_c: bool = False) -> tuple:
     """A call's outputs from its float32 product `p` `(batch, M, N)`, before any scale.
 
     `args` are the call's operands after a and b (the epilog's inputs, then the FP8 scales).
     With FP8 operands P = (sa · sb) · p; the epilog gives R; y is R rounded to a 16/32-bit
     result, or sd · R rounded and saturated to an FP8 one; `result_amax` is max |R| (SPEC §5).
+    With a C matrix (`has_c`: the last three operands are c, alpha, beta; SPEC §6) the epilog
+    runs on alpha · P + beta · C, computed in `p`'s dtype (float32 when exact).
     Shared by the reference, the sharded path (after a psum over K) and vmap with per-example
     scales."""
     epilog = Epilog(epilog)
     out = jnp.dtype(result_dtype or a.dtype)
     n_inputs = len(epilog.input_names)
     inputs = args[:n_inputs]
+    n_scales = len(scale_names(a.dtype, out))
     scales = dict(zip(scale_names(a.dtype, out), (jnp.asarray(s, jnp.float32)
-                                                  for s in args[n_inputs:])))
+                                                  for s in args[n_inputs:n_inputs + n_scales])))
     aux = array_dtype("bias", out)  # the floating aux dtype
     if scales:
         p = p * (scales["scale_a"] * scales["scale_b"])  # cuBLASLt's alpha · sa · sb
+    if has_c:  # R = epilog(alpha · P + beta · C): C added before the bias (SPEC §6)
+        c, alpha, beta = args[n_inputs + n_scales:n_inputs + n_scales + 3]
+        p = (jnp.asarray(alpha, jnp.float32).astype(p.dtype) * p
+             + jnp.asarray(beta, jnp.float32).astype(p.dtype) * c.astype(p.dtype))
     r, outputs = _epilog(p, inputs, epilog, aux)
     if is_fp8(out):
         y = saturating_cast(r * scales["scale_d"], out)
@@ -114,12 +121,12 @@ def finish(p, a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
 
 def epilog_matmul(a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
                   allow_tf32: bool = False, exact: bool = True, result_dtype=None,
-                  result_amax: bool = False):
+                  result_amax: bool = False, has_c: bool = False):
     """The kernel's outputs (y[, aux][, bias gradient][, amax]) for normalised rank-3 operands.
 
     `args` are the epilog's inputs in `Epilog.input_names` order: bias `(batch|1, N)`,
     then `relu_aux` / `gelu_aux` `(batch, M, ·)`; then, with FP8 operands, the scales
-    (`epilogs.scale_names`).
+    (`epilogs.scale_names`); then, with `has_c`, c `(batch, M, N)`, alpha and beta (SPEC §6).
     """
     out = jnp.dtype(result_dtype or a.dtype)
     if is_fp8(a.dtype):
@@ -132,4 +139,5 @@ def epilog_matmul(a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool
     else:  # XLA's way keeps the product in the operands' dtype, as `x @ w + b` does
         p = _product(a, b, transpose_a, transpose_b, allow_tf32, jnp.float32 if exact else a.dtype)
     return finish(p, a, b, *args, epilog=epilog, transpose_a=transpose_a,
-                  transpose_b=transpose_b, result_dtype=out, result_amax=result_amax)
+                  transpose_b=transpose_b, result_dtype=out, result_amax=result_amax,
+                  has_c=has_c)

@@ -16,6 +16,8 @@ gathering the operands:
   product and the epilog is applied after the psum by the reference's `finish`. With FP8
   operands the partial products are float32 with unit scales, and `finish` applies the scales;
   an FP8 result or an amax is never linear in K.
+- A C matrix (SPEC §6) is sharded like y (batch, M, N); alpha and beta are replicated scalars.
+  With K sharded, beta · C is added once, by `finish` after the psum, never per shard.
 - FP8 scales are replicated scalars; `result_amax` is a pmax over the mesh axes that split
   batch, M or N.
 
@@ -147,7 +149,8 @@ def _linear_in_k(params: Params, dtype) -> bool:
     linear and so is the store (no FP8 result's scale and saturation, no amax)."""
     fp8_result = params.result_dtype is not None and is_fp8(params.result_dtype)
     del dtype
-    return Epilog(params.epilog).linear_in_k and not fp8_result and not params.result_amax
+    return (Epilog(params.epilog).linear_in_k and not fp8_result and not params.result_amax
+            and not params.has_c)  # beta · C must be added once, after the psum
 
 
 def _local_kernel(params: Params, lay: _Layout, a, b, *args):
@@ -159,7 +162,7 @@ def _local_kernel(params: Params, lay: _Layout, a, b, *args):
         outputs = list(reference.finish(
             summed, a, b, *args, epilog=params.epilog, transpose_a=params.transpose_a,
             transpose_b=params.transpose_b, result_dtype=params.result_dtype,
-            result_amax=params.result_amax))
+            result_amax=params.result_amax, has_c=params.has_c))
         # (an operand's sum over K, BGRADA/BGRADB, is local: add the shards')
         for i, name in enumerate(result_names[1:], start=1):
             if ARRAYS[name].sums in ("a", "b"):

@@ -41,14 +41,19 @@ def unpack_bits(mask, n):
 
 
 def matmul(a, b, *, epilog="DEFAULT", bias=None, relu_aux=None, gelu_aux=None,
-           transpose_a=False, transpose_b=False):
-    """Returns (y, aux_dict) in float64 (masks as uint8)."""
+           transpose_a=False, transpose_b=False, c=None, alpha=1.0, beta=0.0):
+    """Returns (y, aux_dict) in float64 (masks as uint8).
+
+    With `c` (SPEC §6) the epilog runs on alpha · a@b + beta · c (the bias added after);
+    the operand sums of BGRADA / BGRADB are a's and b's, unscaled."""
     name = epilog.upper() if isinstance(epilog, str) else epilog.name
     a = np.asarray(a, np.float64)
     b = np.asarray(b, np.float64)
     op_a = np.swapaxes(a, -1, -2) if transpose_a else a
     op_b = np.swapaxes(b, -1, -2) if transpose_b else b
     p = np.matmul(op_a, op_b)
+    if c is not None:
+        p = float(alpha) * p + float(beta) * np.asarray(c, np.float64)
     n = p.shape[-1]
     z = p + np.asarray(bias, np.float64)[..., None, :] if bias is not None else p
     aux = {}
