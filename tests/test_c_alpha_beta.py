@@ -384,3 +384,40 @@ def test_sharded_on_8_host_cpu_devices():
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert re.search(r"\d+ passed", summary) and "skipped" not in summary, summary
+
+
+# --- edge cases -------------------------------------------------------------------------------
+
+def test_empty_problems():
+    y = jax_epilog.matmul(jnp.ones((0, 3)), jnp.ones((3, 5)), jnp.ones((0, 5)), beta=1.0)
+    assert y.shape == (0, 5)
+    # K = 0: P = 0, so R = relu(beta · c)
+    y = jax_epilog.matmul(jnp.ones((4, 0)), jnp.ones((0, 5)), jnp.full((4, 5), -2.0),
+                          beta=-1.5, epilog="relu")
+    np.testing.assert_array_equal(y, np.full((4, 5), 3.0))
+
+
+def test_per_batch_bias_with_a_shared_b():
+    rng = np.random.default_rng(12)
+    a = jnp.asarray(rng.standard_normal((2, 3, 4)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((2, 3, 5)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((2, 5)), jnp.float32)
+    y = jax_epilog.matmul(a, b, c, alpha=0.5, beta=2.0, epilog="bias",
+                          epilog_inputs={"bias": bias}, precision=HIGHEST)
+    want = 0.5 * _f64(a) @ _f64(b) + 2 * _f64(c) + _f64(bias)[:, None, :]
+    assert _rel(y, want) <= TOL["float32"]
+    dbias, dc = jax.grad(lambda bias, c: jax_epilog.matmul(
+        a, b, c, beta=2.0, epilog="bias", epilog_inputs={"bias": bias}).sum(),
+        argnums=(0, 1))(bias, c)
+    np.testing.assert_allclose(dbias, np.full((2, 5), 3.0))
+    np.testing.assert_allclose(dc, np.full((2, 3, 5), 2.0))
+
+
+def test_grad_of_per_example_alpha_through_vmap():
+    rng = np.random.default_rng(13)
+    a, b, c, _ = _problem(rng, Epilog.DEFAULT, m=3, n=5, k=4)
+    alphas = jnp.asarray([1.0, 2.0], jnp.float32)
+    g = jax.grad(lambda al: jax.vmap(lambda x: jax_epilog.matmul(
+        a, b, c, alpha=x, beta=1.0, precision=HIGHEST).sum())(al).sum())(alphas)
+    np.testing.assert_allclose(g, np.full(2, (_f64(a) @ _f64(b)).sum()), rtol=1e-5)
