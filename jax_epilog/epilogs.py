@@ -10,10 +10,12 @@ and the C++ table in `ffi/epilogs.h`; nothing else restates it (docs/architectur
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 from typing import Callable, NamedTuple, Optional
 
 import jax.numpy as jnp
+import jax
 import numpy as np
 
 from . import activations
@@ -23,17 +25,18 @@ from .activations import gelu_aux_columns, relu_mask_bytes
 class Activation(NamedTuple):
     """An activation, what the forward keeps of it, and how the backward applies its derivative."""
 
-    fn: Callable          # z -> act(z)
+    fn: Callable          # z -> act(z), as cuBLASLt computes it
+    plain: Callable       # z -> act(z), as a user writes it (XLA fuses this form into its GEMM)
     residual: str         # the array the forward keeps for the backward (an `ARRAYS` key)
     keep: Callable        # (z, dtype) -> that array
     derivative: Callable  # (dy, residual, n) -> dy * act'(z)
 
 
 ACTIVATIONS = {
-    "relu": Activation(activations.relu, "relu_aux", activations._keep_relu,
+    "relu": Activation(activations.relu, jax.nn.relu, "relu_aux", activations._keep_relu,
                        activations._apply_relu),
-    "gelu": Activation(activations.gelu, "gelu_aux", activations._keep_gelu,
-                       activations._apply_gelu),
+    "gelu": Activation(activations.gelu, functools.partial(jax.nn.gelu, approximate=True),
+                       "gelu_aux", activations._keep_gelu, activations._apply_gelu),
 }
 
 

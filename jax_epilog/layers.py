@@ -192,11 +192,10 @@ def _plain_is_faster(stack: Stack, rows: int, widths, dtype) -> bool:
 
 
 def _plain_stack(stack: Stack, h, params):
-    act = {None: lambda z: z, "relu": jax.nn.relu,
-           "gelu": functools.partial(jax.nn.gelu, approximate=True)}
     for layer, (kernel, bias) in zip(stack.layers, params):
         z = jnp.matmul(h, kernel, precision=stack.precision)
-        h = act[layer.activation](z if bias is None else z + bias)
+        z = z if bias is None else z + bias
+        h = epilogs.ACTIVATIONS[layer.activation].plain(z) if layer.activation else z
     return h
 
 

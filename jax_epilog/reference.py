@@ -50,17 +50,16 @@ def saturating_cast(x, dtype):
     return jnp.clip(x, -largest, largest).astype(dtype)  # clip keeps NaN
 
 
-def _epilog(p, inputs, epilog: Epilog, aux_dtype):
+def _epilog(p, inputs, epilog: Epilog, aux_dtype, exact: bool):
     """(R, the epilog's other outputs stored as `aux_dtype`) for the product `p`: float32, or
-    in XLA's way the operands' 16-bit dtype, so that the epilog is the plain expression XLA
-    fuses into its own GEMM."""
+    in XLA's way (not `exact`) the operands' 16-bit dtype and the activation as a user writes
+    it, so that the epilog is the plain expression XLA fuses into its own GEMM."""
     n = p.shape[-1]
     named = dict(zip(epilog.input_names, inputs))
     z = p + named["bias"].astype(p.dtype)[:, None, :] if epilog.has_bias else p
-    if epilog.activation == "relu" and z.dtype != jnp.float32:
-        y = jax.nn.relu(z)  # XLA's way: the form XLA's GEMM rewriter fuses into the GEMM
-    elif epilog.activation:
-        y = ACTIVATIONS[epilog.activation].fn(z)
+    if epilog.activation:
+        activation = ACTIVATIONS[epilog.activation]
+        y = (activation.fn if exact else activation.plain)(z)
     elif epilog.derivative:
         y = ACTIVATIONS[epilog.derivative].derivative(p, named[epilog.aux_input], n)
     else:
@@ -77,7 +76,8 @@ def _epilog(p, inputs, epilog: Epilog, aux_dtype):
 
 
 def finish(p, a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
-           result_dtype=None, result_amax: bool = False, has_c: bool = False) -> tuple:
+           result_dtype=None, result_amax: bool = False, has_c: bool = False,
+           exact: bool = True) -> tuple:
     """A call's outputs from its float32 product `p` `(batch, M, N)`, before any scale.
 
     `args` are the call's operands after a and b (the epilog's inputs, then the FP8 scales).
@@ -101,7 +101,7 @@ def finish(p, a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
         c, alpha, beta = args[n_inputs + n_scales:n_inputs + n_scales + 3]
         p = (jnp.asarray(alpha, jnp.float32).astype(p.dtype) * p
              + jnp.asarray(beta, jnp.float32).astype(p.dtype) * c.astype(p.dtype))
-    r, outputs = _epilog(p, inputs, epilog, aux)
+    r, outputs = _epilog(p, inputs, epilog, aux, exact)
     if is_fp8(out):
         y = saturating_cast(r * scales["scale_d"], out)
     else:
@@ -140,4 +140,4 @@ def epilog_matmul(a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool
         p = _product(a, b, transpose_a, transpose_b, allow_tf32, jnp.float32 if exact else a.dtype)
     return finish(p, a, b, *args, epilog=epilog, transpose_a=transpose_a,
                   transpose_b=transpose_b, result_dtype=out, result_amax=result_amax,
-                  has_c=has_c)
+                  has_c=has_c, exact=exact)
