@@ -57,7 +57,7 @@ BACKENDS = ("auto", "cublaslt", "xla")
 # Kept for callers of the earlier API.
 AUTOTUNE_ENV = "JAX_EPILOG_AUTOTUNE"
 AUTOTUNE_CACHE_ENV = "JAX_EPILOG_AUTOTUNE_CACHE"
-AUTOTUNE_DEFAULT = True
+AUTOTUNE_DEFAULT = _DEFAULTS["JAX_EPILOG_AUTOTUNE"] == "1"
 
 
 def _raw(variable: str) -> Optional[str]:

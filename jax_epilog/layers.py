@@ -115,9 +115,20 @@ def _activation_grad(dy, residual, activation: Optional[str]):
     return dz.astype(dy.dtype)
 
 
+def _weight_grad_epilog(with_bias_grad: bool) -> Epilog:
+    return Epilog.BGRADB if with_bias_grad else Epilog.DEFAULT
+
+
+def _data_grad_epilog(previous: Optional[Layer]) -> Epilog:
+    """DRELU_BGRAD and friends where the previous layer is activated, else a plain GEMM."""
+    if previous is None or previous.activation is None:
+        return Epilog.DEFAULT
+    return Epilog.find_derivative(previous.activation, bias_gradient=previous.has_bias)
+
+
 def _weight_grad(h, dz, with_bias_grad: bool, stack: Stack):
     """(dW = hᵀ dZ, its layer's bias gradient (BGRADB: dZ summed over the rows) or None)."""
-    epilog = Epilog.BGRADB if with_bias_grad else Epilog.DEFAULT
+    epilog = _weight_grad_epilog(with_bias_grad)
     out = matmul(h, dz, transpose_a=True, epilog=epilog, precision=stack.precision,
                  backend=stack.backward)
     return (out[0], out[1]["bgradb"]) if with_bias_grad else (out, None)
@@ -129,13 +140,20 @@ def _data_grad(dz, kernel, previous: Optional[Layer], residual, stack: Stack):
     The bias gradient is None where the previous layer has no bias or no activation (its
     weight-gradient GEMM then gives it through BGRADB).
     """
-    if previous is None or previous.activation is None:
+    epilog = _data_grad_epilog(previous)
+    if epilog == Epilog.DEFAULT:
         return matmul(dz, kernel, transpose_b=True, precision=stack.precision,
                       backend=stack.backward), None
-    epilog = Epilog.find_derivative(previous.activation, bias_gradient=previous.has_bias)
     out = matmul(dz, kernel, transpose_b=True, epilog=epilog, precision=stack.precision,
                  backend=stack.backward, epilog_inputs={epilog.aux_input: residual})
     return (out[0], out[1][epilog.reduction_output]) if previous.has_bias else (out, None)
+
+
+def _weight_grad_gives_bias_grad(layers, i: int) -> bool:
+    """Whether layer i's bias gradient comes from its weight-gradient GEMM (BGRADB): it has a
+    bias that the data-gradient GEMM of layer i + 1 does not reduce (DRELU_BGRAD and friends)."""
+    given_above = i + 1 < len(layers) and _data_grad_epilog(layers[i]).reduction_output
+    return layers[i].has_bias and not given_above
 
 
 def _stack_bwd(stack: Stack, saved, dy):
@@ -145,7 +163,7 @@ def _stack_bwd(stack: Stack, saved, dy):
     dbias = None  # the current layer's bias gradient, when the step above has given it
     grads = []
     for i in reversed(range(len(layers))):
-        need_bias_grad = layers[i].has_bias and dbias is None
+        need_bias_grad = _weight_grad_gives_bias_grad(layers, i)
         dkernel, fused_dbias = _weight_grad(inputs[i], dz, need_bias_grad, stack)
         grads.append((dkernel, fused_dbias if need_bias_grad else dbias))
         previous = layers[i - 1] if i > 0 else None
@@ -159,18 +177,17 @@ _stack.defvjp(_stack_fwd, _stack_bwd)
 # --- where every GEMM runs XLA's way: the plain expression -----------------------------------
 
 def _gemms(layers, rows: int, widths) -> list:
-    """(epilog, batch, M, N, K, transpose_a, transpose_b) of every GEMM of a training step."""
+    """(direction, (epilog, batch, M, N, K, transpose_a, transpose_b)) of every GEMM of a
+    training step, as `_stack_fwd` and `_stack_bwd` issue them."""
     gemms = []
     for i, layer in enumerate(layers):
         k, n = widths[i], widths[i + 1]
-        gemms.append((Epilog.find(layer.activation, layer.has_bias, True), 1, rows, n, k,
-                       False, False))
-        gemms.append((Epilog.BGRADB if layer.has_bias else Epilog.DEFAULT, 1, k, n, rows,
-                       True, False))
-        previous = layers[i - 1] if i else None
-        data = Epilog.find_derivative(previous.activation, previous.has_bias) \
-            if previous is not None and previous.activation else Epilog.DEFAULT
-        gemms.append((data, 1, rows, k, n, False, True))
+        forward = Epilog.find(layer.activation, layer.has_bias, keep_residual=True)
+        weight = _weight_grad_epilog(_weight_grad_gives_bias_grad(layers, i))
+        data = _data_grad_epilog(layers[i - 1] if i else None)
+        gemms += [("forward", (forward, 1, rows, n, k, False, False)),
+                  ("backward", (weight, 1, k, n, rows, True, False)),
+                  ("backward", (data, 1, rows, k, n, False, True))]
     return gemms
 
 
@@ -187,8 +204,9 @@ def _plain_is_faster(stack: Stack, rows: int, widths, dtype) -> bool:
             return choice
         return config.backend_override() or dispatch.choose(epilog, dtype, *problem)
 
-    return all(backend(stack.forward if i % 3 == 0 else stack.backward, *gemm) == "xla"
-               for i, gemm in enumerate(_gemms(stack.layers, rows, widths)))
+    choices = {"forward": stack.forward, "backward": stack.backward}
+    return all(backend(choices[direction], *gemm) == "xla"
+               for direction, gemm in _gemms(stack.layers, rows, widths))
 
 
 def _plain_stack(stack: Stack, h, params):
