@@ -175,9 +175,15 @@ def test_random_operands_within_fp8_rounding(epilog):
 
 
 def test_traced_scales_reach_the_kernel():
-    """The scales are device buffers: new values, no recompilation, right results."""
+    """The scales are device buffers: new values, no recompilation, right results.
+
+    Integer operands make every product, sum and scaling exact in float32, so a scale that did
+    not reach the kernel shows as a wrong value, not as a rounding. (Random normal operands
+    are judged in `test_random_operands_within_fp8_rounding` and
+    `test_scales_multiply_the_accumulator_exactly`: Hopper's FP8 accumulation is not exact.)"""
     rng = np.random.default_rng(5)
-    a, b, inputs, _ = make(rng, Epilog.RELU_BIAS, m=64, n=128, k=64, transpose_b=True)
+    a, b, inputs, _ = make(rng, Epilog.RELU_BIAS, m=64, n=128, k=64, transpose_b=True,
+                           integers=True)
     f = jax.jit(lambda a, b, bias, sa, sb: jax_epilog.matmul(
         a, b, epilog="relu_bias", epilog_inputs={"bias": bias}, transpose_b=True,
         quantization_scales={"a": sa, "b": sb}))
@@ -190,6 +196,35 @@ def test_traced_scales_reach_the_kernel():
                            n=128, exact=False, rtol=1e-6, transpose_b=True)
         assert not found, (sa, sb, found)
     assert f._cache_size() == 1
+
+
+def test_scales_multiply_the_accumulator_exactly():
+    """Random normal operands, a float32 result: scales whose product is 1 give the unscaled
+    result bit for bit, and a power-of-two product scales it exactly. So the scales reach the
+    kernel as one exact factor on the accumulator, and what differs from the float64 model is
+    the accumulation itself, which is bounded here by 2^-10 of sum |a||b| (Hopper's FP8 tensor
+    cores accumulate in fewer bits than float32 within a block of K; the bound is loose)."""
+    rng = np.random.default_rng(5)
+    a, b, inputs, _ = make(rng, Epilog.BIAS, m=64, n=128, k=64, transpose_b=True)
+    f = jax.jit(lambda a, b, bias, sa, sb: jax_epilog.matmul(
+        a, b, epilog="bias", epilog_inputs={"bias": bias}, transpose_b=True,
+        quantization_scales={"a": sa, "b": sb}, preferred_element_type=jnp.float32))
+    args = jax.device_put((a, b, jnp.zeros_like(inputs["bias"])), _gpu())
+    unscaled = np.asarray(f(*args, jnp.float32(1), jnp.float32(1)))
+    for sa, sb in [(0.5, 2.0), (4.0, 0.25)]:
+        np.testing.assert_array_equal(np.asarray(f(*args, jnp.float32(sa), jnp.float32(sb))),
+                                      unscaled)
+    np.testing.assert_array_equal(np.asarray(f(*args, jnp.float32(0.5), jnp.float32(0.25))),
+                                  unscaled * np.float32(0.125))
+    a64 = np.asarray(a, np.float32).astype(np.float64)
+    b64 = np.asarray(b, np.float32).astype(np.float64)
+    exact = a64 @ b64.T
+    magnitude = np.abs(a64) @ np.abs(b64).T
+    error = np.abs(unscaled - exact) / magnitude
+    print(f"FP8 accumulation: max |y - exact| / sum|a||b| = {error.max():.3g} "
+          f"(2^{np.log2(error.max()):.1f}); values off by more than 2^-20: "
+          f"{np.count_nonzero(error > 2.0**-20)} of {error.size}")
+    assert error.max() <= 2.0**-10
 
 
 def test_vmap_with_per_example_scales_runs_one_kernel():
