@@ -4,18 +4,24 @@ A jitted `lax.scan` runs 1,000 layers back to back, each feeding the next (a squ
 output is the next input; otherwise it overwrites the first min(K, N) columns of the input, the
 same small update for every variant), so XLA can neither hoist nor drop any layer. Compared:
   - `x @ W` (XLA's own GEMM call),
-  - XLA on `relu(x @ W + b)` (XLA's fused BIAS_RELU GEMM),
-  - `jax_epilog.matmul(x, W, epilog=RELU_BIAS)`,
-each as a rolled loop and unrolled by 10 (less loop control per layer). Reported: µs per layer
-(loop time / layers). Results go to `<out>/overhead.{json,md,png}`.
+  - XLA on the plain layer `relu(x @ W + b)` (XLA's fused BIAS_RELU GEMM),
+  - `jax_epilog.matmul(x, W, epilog=RELU_BIAS, backend="cublaslt")`,
+  - `jax_epilog.dense(x, W, b, activation="relu", forward="fused")` (the layer users call),
+each as a rolled loop and unrolled by 10 (less loop control per layer). Ours are forced onto the
+cuBLASLt kernel: on "auto" the per-problem choice may give these small problems to XLA, and the
+question is what the custom call costs. Reported: µs per layer (loop time / layers). Results go
+to `<out>/overhead.{json,md,png}`, with XLA's command-buffer setting as XLA_FLAGS gave it (run
+once as is and once with `XLA_FLAGS=--xla_gpu_enable_command_buffer=`, CUDA graphs off).
 
     python benchmarks/overhead_bench.py --out benchmarks/results
+    XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/overhead_bench.py --out DIR
     python benchmarks/overhead_bench.py --smoke --out /tmp/smoke
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +31,7 @@ from jax import lax
 import forward_bench
 import plot
 import timing
+import jax_epilog
 from jax_epilog import Epilog
 
 ROWS = ("G6", "G7")
@@ -37,8 +44,24 @@ ROUNDS = 5
 LAYER_FUNCTIONS = {
     "gemm": lambda x, w, b: forward_bench.plain_gemm(x, w),
     "xla": forward_bench.xla_layer(Epilog.RELU_BIAS),
-    "jax_epilog": forward_bench.epilog_layer(Epilog.RELU_BIAS),
+    "jax_epilog": lambda x, w, b: jax_epilog.matmul(
+        x, w, epilog=Epilog.RELU_BIAS, epilog_inputs={"bias": b}, backend="cublaslt"),
+    "dense": lambda x, w, b: jax_epilog.dense(x, w, b, activation="relu", forward="fused"),
 }
+OURS = ("jax_epilog", "dense")  # the variants that should run the custom call
+COMMAND_BUFFER_FLAG = "--xla_gpu_enable_command_buffer"
+
+
+def command_buffers(xla_flags: str) -> str:
+    """XLA's command-buffer (CUDA graph) setting in `xla_flags`: "off" when the flag is given
+    empty, its value when given one, else "XLA's default"."""
+    value = None
+    for flag in xla_flags.split():
+        if flag.startswith(COMMAND_BUFFER_FLAG + "="):
+            value = flag.split("=", 1)[1]  # the last one wins, as in XLA's parser
+    if value is None:
+        return "XLA's default"
+    return value or "off"
 
 
 def layer_loop(layer: Callable, layers: int, unroll: int) -> Callable:
@@ -80,7 +103,7 @@ def run(grid: dict, rows: list[str], dtypes: list[str], layers: int,
                         text = jitted.lower(*args).compile().as_text()
                         dump_hlo.mkdir(parents=True, exist_ok=True)
                         (dump_hlo / f"{row}_{dtype}_unroll{unroll}_{name}.txt").write_text(text)
-                    if name == "jax_epilog":
+                    if name in OURS:
                         record["results"][name]["lowering"] = (
                             "custom call" if timing.uses_custom_call(jitted, *args)
                             else "reference lowering")
@@ -91,9 +114,11 @@ def run(grid: dict, rows: list[str], dtypes: list[str], layers: int,
                     result["extra_us_vs_gemm"] = result["us_per_layer"] - gemm_us
                     result["speedup_vs_xla"] = xla_us / result["us_per_layer"]
                 records.append(record)
+    xla_flags = os.environ.get("XLA_FLAGS", "")
     return {"benchmark": "overhead", "metadata": timing.run_metadata(),
             "method": {"layers": layers, "rounds": ROUNDS, "unrolls": list(UNROLLS),
-                       "layer": "RELU_BIAS (gemm: x @ W only)",
+                       "layer": "RELU_BIAS (gemm: x @ W only); ours forced onto cuBLASLt",
+                       "xla_flags": xla_flags, "command_buffers": command_buffers(xla_flags),
                        "speedup_vs_xla": "XLA time / this time (> 1: faster than XLA)"},
             "records": records}
 
@@ -108,22 +133,29 @@ def markdown(report: dict[str, Any]) -> str:
         f"{meta['driver_version']} · jax {meta['jax']} / jaxlib {meta['jaxlib']} · cuBLASLt "
         f"{meta['cublaslt_version']} · custom call active: {meta['custom_call_active']}",
         "",
-        f"µs per layer in a jitted `lax.scan` of {layers} layers (median of rounds); "
-        "'+µs' is the extra time per layer over XLA's plain GEMM `x @ W` in the same loop.",
+        f"µs per layer in a jitted `lax.scan` of {layers} layers (median of "
+        f"{report['method']['rounds']} rounds); XLA command buffers (CUDA graphs): "
+        f"{report['method']['command_buffers']} (XLA_FLAGS={report['method']['xla_flags']!r}). "
+        "'+µs' is the extra time per layer over XLA's plain GEMM `x @ W` in the same loop; "
+        "'vs XLA' is XLA's plain layer time / ours (> 1: ours faster). Ours run cuBLASLt "
+        "(forced), RELU_BIAS.",
         "",
         "| row | dtype | B×K×N | loop | x @ W µs | XLA relu(x@W+b) µs | +µs | "
-        "jax_epilog RELU_BIAS µs | +µs | vs XLA |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "matmul µs | +µs | vs XLA | dense µs | +µs | vs XLA |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["records"]:
         res = r["results"]
-        ours = res["jax_epilog"]
-        label = "" if ours["lowering"] == "custom call" else " (reference lowering)"
+        ours = ""
+        for name in OURS:
+            result = res[name]
+            label = "" if result["lowering"] == "custom call" else " (reference lowering)"
+            ours += (f" {result['us_per_layer']:.2f}{label} | {result['extra_us_vs_gemm']:+.2f} | "
+                     f"{result['speedup_vs_xla']:.3f} |")
         lines.append(
             f"| {r['row']} | {r['dtype']} | {'×'.join(map(str, r['shape']))} | {r['loop']} | "
             f"{res['gemm']['us_per_layer']:.2f} | {res['xla']['us_per_layer']:.2f} | "
-            f"{res['xla']['extra_us_vs_gemm']:+.2f} | {ours['us_per_layer']:.2f}{label} | "
-            f"{ours['extra_us_vs_gemm']:+.2f} | {ours['speedup_vs_xla']:.3f} |")
+            f"{res['xla']['extra_us_vs_gemm']:+.2f} |{ours}")
     return "\n".join(lines) + "\n"
 
 

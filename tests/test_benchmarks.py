@@ -57,9 +57,17 @@ def test_overhead_smoke_report(tmp_path):
     report = json.loads((tmp_path / "overhead.json").read_text())
     assert len(report["records"]) == len(overhead_bench.UNROLLS)
     for record in report["records"]:
-        assert set(record["results"]) == {"gemm", "xla", "jax_epilog"}
+        assert set(record["results"]) == {"gemm", "xla", "jax_epilog", "dense"}
         assert all(r["us_per_layer"] > 0 for r in record["results"].values())
     assert (tmp_path / "overhead.png").stat().st_size > 0
+    assert "XLA command buffers (CUDA graphs): " in (tmp_path / "overhead.md").read_text()
+
+
+def test_overhead_reads_the_command_buffer_setting():
+    assert overhead_bench.command_buffers("") == "XLA's default"
+    assert overhead_bench.command_buffers("--xla_gpu_enable_command_buffer= --x=1") == "off"
+    assert overhead_bench.command_buffers(
+        "--xla_gpu_enable_command_buffer= --xla_gpu_enable_command_buffer=FUSION") == "FUSION"
 
 
 def test_layer_loop_matches_unrolled_layers():
