@@ -1,6 +1,7 @@
 #include "autotune.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cctype>
 #include <cmath>
@@ -67,7 +68,8 @@ ffi::Error GpuIdentity(int device, std::string* identity) {
 }
 
 // Everything a tuned algorithm depends on: the GPU model, cuBLASLt's version and the
-// whole problem except the device ordinal. dtype is support_query's number.
+// whole problem except the device ordinal. dtype is support_query's number. A problem
+// with c adds " c=1" and c's alignment, so the keys of problems without c stay as they were.
 ffi::Error StoreKey(const Problem& p, std::string* key) {
   std::string gpu;
   JAX_EPILOG_RETURN_IF_ERROR(GpuIdentity(p.device, &gpu));
@@ -81,7 +83,8 @@ ffi::Error StoreKey(const Problem& p, std::string* key) {
          " m=" + number(p.m) + " n=" + number(p.n) + " k=" + number(p.k) +
          " workspace=" + number(static_cast<int64_t>(p.workspace_bytes)) +
          " align=" + align(p.align_a) + "," + align(p.align_b) + "," + align(p.align_y) +
-         "," + align(p.align_bias) + "," + align(p.align_aux);
+         "," + align(p.align_bias) + "," + align(p.align_aux) +
+         (p.has_c ? " c=1 align_c=" + align(p.align_c) : std::string());
   return ffi::Error::Success();
 }
 
@@ -92,10 +95,12 @@ int64_t AuxBytes(Aux aux, const Problem& p) {
 
 // Scratch stand-ins for every buffer of a call, parts of one allocation at `base`, each
 // 256-byte aligned: the inputs first (`input_bytes` of them, filled by FillInputs), then
-// the outputs and the workspace; `bytes` in all.
+// alpha and beta of a problem with c (`scalars`, set by SetScalars), then the outputs and
+// the workspace; `bytes` in all.
 struct ScratchLayout {
   CallBuffers buffers;
   size_t input_bytes = 0;
+  void* scalars = nullptr;
   size_t bytes = 0;
 };
 
@@ -113,7 +118,13 @@ ScratchLayout LayOut(const Problem& p, uintptr_t base) {
   scratch.b = take(p.batch_b * p.n * p.k * elem);
   if (epilog.bias_in) scratch.bias = take(p.batch_bias * p.n * elem);
   if (epilog.aux_in != Aux::kNone) scratch.aux = take(AuxBytes(epilog.aux_in, p));
+  if (p.has_c) scratch.c = take(p.batch * p.m * p.n * elem);
   layout.input_bytes = layout.bytes;
+  if (p.has_c) {
+    layout.scalars = take(2 * sizeof(float));
+    scratch.alpha = layout.scalars;
+    scratch.beta = static_cast<const float*>(layout.scalars) + 1;
+  }
   scratch.y = take(p.batch * p.m * p.n * elem);
   if (epilog.aux_out != Aux::kNone) scratch.aux = take(AuxBytes(epilog.aux_out, p));
   if (epilog.bias_grad != BiasGrad::kNone)
@@ -190,6 +201,22 @@ ffi::Error FillInputs(DType dtype, uintptr_t base, size_t bytes, cudaStream_t st
     JAX_EPILOG_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(base + filled), start,
                                     std::min(filled, bytes - filled),
                                     cudaMemcpyDeviceToDevice, stream), what);
+  return ffi::Error::Success();
+}
+
+// alpha and beta of a problem with c, so that both terms of alpha P + beta C are of the
+// inputs' order of magnitude and a candidate that mishandles either fails the check:
+// beta = 1, alpha = 2^-ceil(log2(K) / 2), about 1/sqrt(K) (P, a sum of K terms of random
+// sign, grows as sqrt(K)), exact in float32. `host` holds them until the stream is
+// synchronised, as FillInputs' pattern.
+ffi::Error SetScalars(const Problem& p, void* scalars, cudaStream_t stream,
+                      std::array<float, 2>* host) {
+  int half_log2_k = 0;
+  while ((int64_t{1} << (2 * half_log2_k)) < p.k) ++half_log2_k;
+  *host = {std::ldexp(1.0f, -half_log2_k), 1.0f};
+  JAX_EPILOG_CUDA(cudaMemcpyAsync(scalars, host->data(), sizeof(*host), cudaMemcpyHostToDevice,
+                                  stream),
+                  "setting alpha and beta for autotuning");
   return ffi::Error::Success();
 }
 
@@ -444,6 +471,9 @@ ffi::Error TunePlan(Plan& plan, cudaStream_t stream) {
   std::vector<uint8_t> pattern;
   JAX_EPILOG_RETURN_IF_ERROR(
       FillInputs(plan.problem.dtype, scratch.base(), layout.input_bytes, stream, &pattern));
+  std::array<float, 2> scalars;
+  if (plan.problem.has_c)
+    JAX_EPILOG_RETURN_IF_ERROR(SetScalars(plan.problem, layout.scalars, stream, &scalars));
   JAX_EPILOG_RETURN_IF_ERROR(SetCallPointers(plan, layout.buffers));
 
   std::vector<bool> ok;

@@ -3,7 +3,11 @@
 // cuBLASLt's column-major one (plan_cache.cc) and runs the cached plan on XLA's
 // stream.
 //
-// Two stages are exported. JaxEpilogMatmulInitialize runs in XLA's initialize
+// Two targets share this code: jax_epilog_matmul, and jax_epilog_matmul_c for calls
+// with a C matrix (R = alpha P + beta C), whose last three operands are c, alpha and
+// beta; a call without c is exactly what it was before c existed.
+//
+// Two stages are exported for each. JaxEpilogMatmulInitialize runs in XLA's initialize
 // stage, before execution and outside any command-buffer capture, with the same
 // buffers (their addresses are assigned; their contents must not be relied on): it
 // builds and caches the plan and, with autotuning on, tunes it (autotune.h).
@@ -196,19 +200,39 @@ ffi::Error DecodeAux(const ffi::AnyBuffer& buffer, Aux aux, Call* call) {
   return ffi::Error::Success();
 }
 
+// c, alpha and beta, the last three operands of a call with a C matrix (from `first`):
+// c has y's shape and type, alpha and beta are float32 device scalars.
+ffi::Error DecodeC(const ffi::RemainingArgs& args, size_t first, Call* call) {
+  Problem& p = call->problem;
+  if (IsFp8(p.dtype_d))
+    return ffi::Error::InvalidArgument(
+        "jax_epilog_matmul_c: an FP8 y takes no c (cuBLASLt's C would be 16-bit)");
+  auto c = args.get<ffi::AnyBuffer>(first);
+  if (!c.has_value()) return c.error();
+  JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(c.value(), "c", ToXla(p.dtype_d), {p.batch, p.m, p.n}));
+  call->buffers.c = c.value().untyped_data();
+  p.align_c = AlignmentLog2(call->buffers.c,
+                            BatchStrideBytes(p.batch, p.m * p.n, ElementBytes(p.dtype_d)));
+  JAX_EPILOG_RETURN_IF_ERROR(DecodeScalar(args, first + 1, "alpha", &call->buffers.alpha));
+  return DecodeScalar(args, first + 2, "beta", &call->buffers.beta);
+}
+
 // The operands after a and b: the bias or the aux input when the epilog reads one, then
-// the FP8 scales (a's and b's with FP8 operands, then d's for an FP8 y).
+// the FP8 scales (a's and b's with FP8 operands, then d's for an FP8 y), then c, alpha
+// and beta for a call with a C matrix. DecodeResultType has run: c's type is y's.
 ffi::Error DecodeInput(const ffi::RemainingArgs& args, Call* call) {
   const EpilogInfo& epilog = *call->epilog;
   Problem& p = call->problem;
   const size_t want = (epilog.bias_in || epilog.aux_in != Aux::kNone) ? 1 : 0;
   const size_t scales = IsFp8(p.dtype) ? (IsFp8(p.dtype_d) ? 3 : 2) : 0;
-  if (args.size() != want + scales)
+  const size_t c_operands = p.has_c ? 3 : 0;
+  if (args.size() != want + scales + c_operands)
     return ffi::Error::InvalidArgument(
         std::string("jax_epilog_matmul: epilog ") + epilog.name + " takes " +
-        std::to_string(2 + want + scales) + " operands" +
+        std::to_string(2 + want + scales + c_operands) + " operands" +
         (scales ? " (with " + std::to_string(scales) + " FP8 scales)" : std::string()) +
-        ", got " + std::to_string(2 + args.size()));
+        (p.has_c ? " (with c, alpha, beta)" : "") + ", got " + std::to_string(2 + args.size()));
+  if (p.has_c) JAX_EPILOG_RETURN_IF_ERROR(DecodeC(args, want + scales, call));
   if (scales > 0) {
     JAX_EPILOG_RETURN_IF_ERROR(DecodeScalar(args, want, "scale_a", &call->buffers.scale_a));
     JAX_EPILOG_RETURN_IF_ERROR(DecodeScalar(args, want + 1, "scale_b", &call->buffers.scale_b));
@@ -298,11 +322,12 @@ ffi::Error DecodeResults(const ffi::RemainingRets& rets, Call* call) {
   return DecodeWorkspace(*results[want - 1], call);
 }
 
-ffi::Error Decode(int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::RemainingArgs args,
-                  ffi::RemainingRets rets, int32_t epilog, bool transpose_a, bool transpose_b,
-                  bool allow_tf32, Call* call) {
+ffi::Error Decode(int32_t xla_device, bool has_c, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                  ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t epilog,
+                  bool transpose_a, bool transpose_b, bool allow_tf32, Call* call) {
   Problem& p = call->problem;
   p.epilog = epilog;
+  p.has_c = has_c;
   p.transpose_a = transpose_a;
   p.transpose_b = transpose_b;
   JAX_EPILOG_RETURN_IF_ERROR(DecodeOperands(a, b, &p));
@@ -349,15 +374,17 @@ ffi::Error NoThrow(Body body) {
 }
 
 // Both stages start alike: decode and check the call, then find (or build) its plan.
-ffi::Error PlanCall(int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+ffi::Error PlanCall(int32_t xla_device, bool has_c, ffi::AnyBuffer a, ffi::AnyBuffer b,
                     ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t epilog,
                     bool transpose_a, bool transpose_b, bool allow_tf32, Call* call,
                     std::shared_ptr<Plan>* plan) {
-  JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, a, b, args, rets, epilog, transpose_a,
+  JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, has_c, a, b, args, rets, epilog, transpose_a,
                                     transpose_b, allow_tf32, call));
   return GetPlan(call->problem, plan);
 }
 
+// kHasC: the target with a C matrix (jax_epilog_matmul_c).
+template <bool kHasC>
 ffi::Error MatmulInitialize(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a,
                             ffi::AnyBuffer b, ffi::RemainingArgs args, ffi::RemainingRets rets,
                             int32_t epilog, bool transpose_a, bool transpose_b,
@@ -365,21 +392,22 @@ ffi::Error MatmulInitialize(cudaStream_t stream, int32_t xla_device, ffi::AnyBuf
   return NoThrow([&] {
     Call call;
     std::shared_ptr<Plan> plan;
-    JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, a, b, args, rets, epilog, transpose_a,
-                                        transpose_b, allow_tf32, &call, &plan));
+    JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, kHasC, a, b, args, rets, epilog,
+                                        transpose_a, transpose_b, allow_tf32, &call, &plan));
     if (!AutotuneEnabled()) return ffi::Error::Success();
     return TunePlan(*plan, stream);
   });
 }
 
+template <bool kHasC>
 ffi::Error MatmulExecute(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a,
                          ffi::AnyBuffer b, ffi::RemainingArgs args, ffi::RemainingRets rets,
                          int32_t epilog, bool transpose_a, bool transpose_b, bool allow_tf32) {
   return NoThrow([&] {
     Call call;
     std::shared_ptr<Plan> plan;
-    JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, a, b, args, rets, epilog, transpose_a,
-                                        transpose_b, allow_tf32, &call, &plan));
+    JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, kHasC, a, b, args, rets, epilog,
+                                        transpose_a, transpose_b, allow_tf32, &call, &plan));
     return RunPlan(*plan, call.buffers, stream);
   });
 }
@@ -392,7 +420,7 @@ auto Binding() {
       .template Ctx<ffi::DeviceOrdinal>()
       .template Arg<ffi::AnyBuffer>()  // a
       .template Arg<ffi::AnyBuffer>()  // b
-      .RemainingArgs()                 // bias or aux input, FP8 scales
+      .RemainingArgs()                 // bias or aux input, FP8 scales, c, alpha, beta
       .RemainingRets()                 // y, aux output, bias gradient, FP8 amax, workspace
       .template Attr<int32_t>("epilog")
       .template Attr<bool>("transpose_a")
@@ -405,15 +433,26 @@ auto Binding() {
 
 JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmul(XLA_FFI_CallFrame* call_frame);
 JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulInitialize(XLA_FFI_CallFrame* call_frame);
+JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulC(XLA_FFI_CallFrame* call_frame);
+JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulCInitialize(XLA_FFI_CallFrame* call_frame);
 
 // Command-buffer compatible: a call always enqueues exactly one cublasLtMatmul (after
 // one memset of its amax, when it has one), with no allocation and no synchronisation,
 // so it can be captured into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpilogMatmul, jax_epilog::MatmulExecute,
+    JaxEpilogMatmul, jax_epilog::MatmulExecute<false>,
     jax_epilog::Binding<xla::ffi::ExecutionStage::kExecute>(),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpilogMatmulInitialize, jax_epilog::MatmulInitialize,
+    JaxEpilogMatmulInitialize, jax_epilog::MatmulInitialize<false>,
+    jax_epilog::Binding<xla::ffi::ExecutionStage::kInitialize>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpilogMatmulC, jax_epilog::MatmulExecute<true>,
+    jax_epilog::Binding<xla::ffi::ExecutionStage::kExecute>(),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpilogMatmulCInitialize, jax_epilog::MatmulInitialize<true>,
     jax_epilog::Binding<xla::ffi::ExecutionStage::kInitialize>());

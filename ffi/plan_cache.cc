@@ -89,6 +89,9 @@ ffi::Error CheckProblem(const Problem& p) {
     return ffi::Error::InvalidArgument(
         "a, b and y types: 16/32-bit operands of one type give that type (and no amax); FP8 "
         "operands are both FP8, not both e5m2: " + p.ToString());
+  if (p.has_c && IsFp8(p.dtype_d))
+    return ffi::Error::InvalidArgument(
+        "a C matrix with an FP8 y: cuBLASLt's C would be 16-bit, not y's type: " + p.ToString());
   return ffi::Error::Success();
 }
 
@@ -207,16 +210,23 @@ ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
   JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue,
                                      "CUBLASLT_MATMUL_DESC_EPILOGUE", problem));
   JAX_EPILOG_RETURN_IF_ERROR(SetEpilogAttributes(p, epilog, plan));
+  // A call with c passes alpha and beta as device pointers (its traced operands), so new
+  // values need no new plan; calls without c keep the host constants 1 and 0 (Enqueue).
+  if (p.has_c)
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_POINTER_MODE,
+                                       int32_t{CUBLASLT_POINTER_MODE_DEVICE},
+                                       "CUBLASLT_MATMUL_DESC_POINTER_MODE", problem));
   JAX_EPILOG_RETURN_IF_ERROR(MakeLayouts(p, plan));
 
   std::vector<cublasLtMatmulHeuristicResult_t> results;
   JAX_EPILOG_RETURN_IF_ERROR(HeuristicCandidates(*plan, 1, &results));
   plan->algo = results[0].algo;
   // cuBLASLt documents unsupported FP8 scale / amax / type combinations as rejected by
-  // cublasLtMatmul (CUBLAS_STATUS_INVALID_VALUE); checking the chosen algorithm against the
-  // whole descriptor now turns such a problem into "unsupported" at lowering time (the
-  // reference, with a warning) rather than a failure at run time.
-  if (IsFp8(p.dtype) && !AlgoFits(*plan, plan->algo))
+  // cublasLtMatmul (CUBLAS_STATUS_INVALID_VALUE), and an algorithm need not take device
+  // pointers for alpha and beta (CUBLASLT_ALGO_CAP_POINTER_MODE_MASK); checking the chosen
+  // algorithm against the whole descriptor now turns such a problem into "unsupported" at
+  // lowering time (the reference) rather than a failure at run time.
+  if ((IsFp8(p.dtype) || p.has_c) && !AlgoFits(*plan, plan->algo))
     return ffi::Error(ffi::ErrorCode::kUnimplemented,
                       "cublasLtMatmulAlgoCheck rejects the heuristic's algorithm for " + problem);
   return ffi::Error::Success();
@@ -269,10 +279,10 @@ uint8_t AlignmentLog2(const void* ptr, int64_t batch_stride_bytes) {
 
 bool Problem::operator==(const Problem& o) const {
   auto fields = [](const Problem& p) {
-    return std::tie(p.device, p.epilog, p.dtype, p.dtype_b, p.dtype_d, p.amax, p.transpose_a,
-                    p.transpose_b, p.allow_tf32, p.batch, p.batch_b, p.batch_bias, p.m, p.n, p.k,
-                    p.workspace_bytes, p.align_a, p.align_b, p.align_y, p.align_bias,
-                    p.align_aux);
+    return std::tie(p.device, p.epilog, p.dtype, p.dtype_b, p.dtype_d, p.amax, p.has_c,
+                    p.transpose_a, p.transpose_b, p.allow_tf32, p.batch, p.batch_b, p.batch_bias,
+                    p.m, p.n, p.k, p.workspace_bytes, p.align_a, p.align_b, p.align_y,
+                    p.align_bias, p.align_aux, p.align_c);
   };
   return fields(*this) == fields(o);
 }
@@ -284,7 +294,7 @@ std::string Problem::ToString() const {
          (IsFp8(dtype) ? std::string(" x ") + DTypeName(dtype_b) + " -> " + DTypeName(dtype_d) +
                              (amax ? " with amax" : "")
                        : std::string()) +
-         (allow_tf32 ? " (tf32)" : "") +
+         (allow_tf32 ? " (tf32)" : "") + (has_c ? ", with C (device alpha, beta)" : "") +
          ", batch=" + std::to_string(batch) + " batch_b=" + std::to_string(batch_b) +
          " batch_bias=" + std::to_string(batch_bias) + ", M=" + std::to_string(m) +
          " N=" + std::to_string(n) + " K=" + std::to_string(k) +
@@ -293,6 +303,7 @@ std::string Problem::ToString() const {
          ", workspace=" + std::to_string(workspace_bytes) +
          " bytes, alignment a/b/y/bias/aux=" + align(align_a) + "/" + align(align_b) + "/" +
          align(align_y) + "/" + align(align_bias) + "/" + align(align_aux) +
+         (has_c ? ", alignment c=" + align(align_c) : std::string()) +
          ", CUDA device " + std::to_string(device);
 }
 
@@ -304,7 +315,7 @@ size_t ProblemHash::operator()(const Problem& p) const {
   mix(static_cast<uint64_t>(p.device));
   mix(static_cast<uint64_t>(p.epilog));
   mix(static_cast<uint64_t>(p.dtype_b) | uint64_t{static_cast<uint8_t>(p.dtype_d)} << 8 |
-      uint64_t{p.amax} << 16);
+      uint64_t{p.amax} << 16 | uint64_t{p.has_c} << 17 | uint64_t{p.align_c} << 24);
   mix(static_cast<uint64_t>(p.dtype) | uint64_t{p.transpose_a} << 8 |
       uint64_t{p.transpose_b} << 9 | uint64_t{p.allow_tf32} << 10 |
       uint64_t{p.align_a} << 16 | uint64_t{p.align_b} << 24 | uint64_t{p.align_y} << 32 |
@@ -364,7 +375,7 @@ ffi::Error HeuristicCandidates(Plan& plan, int max_count,
     uint8_t log2;
   } alignments[] = {{CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, p.align_b},
                     {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, p.align_a},
-                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, p.align_y},
+                    {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, p.has_c ? p.align_c : p.align_y},
                     {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, p.align_y}};
   for (const auto& alignment : alignments) {
     const uint32_t bytes = uint32_t{1} << alignment.log2;
@@ -448,13 +459,17 @@ ffi::Error SetCallPointers(Plan& plan, const CallBuffers& buffers) {
 
 cublasStatus_t Enqueue(Plan& plan, const CallBuffers& buffers, const cublasLtMatmulAlgo_t& algo,
                        cudaStream_t stream) {
-  const float alpha = 1.0f;
-  const float beta = 0.0f;
-  // beta = 0, so C is never read; it aliases D as cuBLASLt allows, except for an FP8 y,
-  // whose C has another type: then it is null (as TransformerEngine passes it).
-  const void* c = plan.layout_c ? nullptr : buffers.y;
-  return cublasLtMatmul(plan.handle, plan.desc.get(), &alpha, buffers.b, plan.layout_a.get(),
-                        buffers.a, plan.layout_b.get(), &beta, c, plan.c_layout(), buffers.y,
+  static const float kOne = 1.0f;
+  static const float kZero = 0.0f;
+  // With c: the call's c and its device alpha and beta (the plan's pointer mode). Without:
+  // host 1 and 0, so C is never read; it aliases D as cuBLASLt allows, except for an FP8
+  // y, whose C has another type: then it is null (as TransformerEngine passes it).
+  const bool has_c = plan.problem.has_c;
+  const void* alpha = has_c ? buffers.alpha : &kOne;
+  const void* beta = has_c ? buffers.beta : &kZero;
+  const void* c = has_c ? buffers.c : plan.layout_c ? nullptr : buffers.y;
+  return cublasLtMatmul(plan.handle, plan.desc.get(), alpha, buffers.b, plan.layout_a.get(),
+                        buffers.a, plan.layout_b.get(), beta, c, plan.c_layout(), buffers.y,
                         plan.layout_cd.get(), &algo, buffers.workspace, buffers.workspace_bytes,
                         stream);
 }

@@ -39,6 +39,9 @@ struct Problem {
   DType dtype_b = DType::kF32;  // b's (FP8 operands may differ: e4m3 x e5m2)
   DType dtype_d = DType::kF32;  // y's (FP8 operands: 16/32-bit or FP8)
   bool amax = false;            // FP8 only: max |R| written (AMAX_D_POINTER)
+  // A C matrix of its own (R = alpha P + beta C; the target jax_epilog_matmul_c): alpha and
+  // beta are device scalars (CUBLASLT_POINTER_MODE_DEVICE), C has D's layout and type.
+  bool has_c = false;
   bool transpose_a = false;
   bool transpose_b = false;
   bool allow_tf32 = false;  // normalised to false unless dtype is kF32
@@ -46,6 +49,7 @@ struct Problem {
   int64_t m = 0, n = 0, k = 0;
   uint64_t workspace_bytes = 0;
   uint8_t align_a = 8, align_b = 8, align_y = 8, align_bias = 8, align_aux = 8;
+  uint8_t align_c = 8;  // has_c only
 
   bool operator==(const Problem& o) const;
   std::string ToString() const;
@@ -76,9 +80,10 @@ struct Plan {
   cublasLtHandle_t handle = nullptr;  // per device, lives as long as the process
   MatmulDesc desc;
   // cuBLASLt's A is our b and its B our a (row-major Y = A B is column-major
-  // Y^T = B^T A^T). C and D share one layout: beta is 0 and C aliases D. An FP8 y is
-  // the exception: cuBLASLt has no FP8 C type, so its C (never read: beta is 0, the
-  // pointer is null) has a layout of its own, of type AuxDType(y) = bfloat16.
+  // Y^T = B^T A^T). C and D share one layout (C is the call's c, or without one aliases
+  // D with beta = 0). An FP8 y is the exception: cuBLASLt has no FP8 C type, so its C
+  // (never read: beta is 0, the pointer is null; never with c) has a layout of its own,
+  // of type AuxDType(y) = bfloat16.
   MatrixLayout layout_a;
   MatrixLayout layout_b;
   MatrixLayout layout_cd;
@@ -135,6 +140,10 @@ struct CallBuffers {
   const void* scale_b = nullptr;
   const void* scale_d = nullptr;  // an FP8 y only
   void* amax = nullptr;           // with result_amax only
+  // Calls with a C matrix: c (y's shape and type) and the float32 scalars alpha, beta.
+  const void* c = nullptr;
+  const void* alpha = nullptr;
+  const void* beta = nullptr;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

@@ -22,7 +22,7 @@ void CopyMessage(const std::string& text, char* message, size_t message_len) {
 }
 
 int QuerySupport(int device, int epilog, int dtype, int dtype_b, int dtype_d, int amax,
-                 int transpose_a, int transpose_b, int64_t batch, int64_t batch_b,
+                 int has_c, int transpose_a, int transpose_b, int64_t batch, int64_t batch_b,
                  int64_t batch_bias, int64_t m, int64_t n, int64_t k, int allow_tf32,
                  uint64_t workspace_bytes, std::string* message) {
   using jax_epilog::DType;
@@ -50,6 +50,7 @@ int QuerySupport(int device, int epilog, int dtype, int dtype_b, int dtype_d, in
   p.dtype_b = static_cast<DType>(dtype_b);
   p.dtype_d = static_cast<DType>(dtype_d);
   p.amax = amax != 0;
+  p.has_c = has_c != 0;
   p.transpose_a = transpose_a != 0;
   p.transpose_b = transpose_b != 0;
   p.allow_tf32 = allow_tf32 != 0;
@@ -60,8 +61,8 @@ int QuerySupport(int device, int epilog, int dtype, int dtype_b, int dtype_d, in
   p.n = n;
   p.k = k;
   p.workspace_bytes = workspace_bytes;
-  // The pointer alignments keep Problem's default, 256 bytes, what XLA's buffers
-  // normally have; a call with less aligned buffers gets its own plan at run time.
+  // The pointer alignments (c's included) keep Problem's default, 256 bytes, what XLA's
+  // buffers normally have; a call with less aligned buffers gets its own plan at run time.
   std::shared_ptr<jax_epilog::Plan> plan;
   const xla::ffi::Error error = jax_epilog::GetPlan(p, &plan);
   if (error.success()) return 1;
@@ -86,9 +87,10 @@ JAX_EPILOG_EXPORT int jax_epilog_supports_fp8(void) { return 1; }
 // could not be answered (no driver or device, bad argument, a cuBLASLt failure),
 // `message` says why. `dtype` (a's), `dtype_b`, `dtype_d` (y's): 0 float16, 1 bfloat16,
 // 2 float32, 3 float8_e4m3fn, 4 float8_e5m2; `amax`: an FP8 call's result_amax.
-// `epilog` is the public value. Never throws.
+// `has_c`: a call with a C matrix (device alpha and beta, the plan jax_epilog_matmul_c
+// builds). `epilog` is the public value. Never throws.
 JAX_EPILOG_EXPORT int jax_epilog_query_support(int device, int epilog, int dtype,
-                                               int dtype_b, int dtype_d, int amax,
+                                               int dtype_b, int dtype_d, int amax, int has_c,
                                                int transpose_a, int transpose_b,
                                                int64_t batch, int64_t batch_b,
                                                int64_t batch_bias, int64_t m, int64_t n,
@@ -98,8 +100,8 @@ JAX_EPILOG_EXPORT int jax_epilog_query_support(int device, int epilog, int dtype
   CopyMessage("", message, message_len);
   try {
     std::string text;
-    const int answer = QuerySupport(device, epilog, dtype, dtype_b, dtype_d, amax, transpose_a,
-                                    transpose_b, batch, batch_b, batch_bias, m, n, k,
+    const int answer = QuerySupport(device, epilog, dtype, dtype_b, dtype_d, amax, has_c,
+                                    transpose_a, transpose_b, batch, batch_b, batch_bias, m, n, k,
                                     allow_tf32, workspace_bytes, &text);
     CopyMessage(text, message, message_len);
     return answer;

@@ -23,6 +23,8 @@ from typing import Optional
 import jax
 
 TARGET_NAME = "jax_epilog_matmul"
+# Calls with a C matrix (SPEC §6): the same handler, c, alpha and beta as its last operands.
+TARGET_NAME_C = "jax_epilog_matmul_c"
 _LIBRARY_FILE = "libjax_epilog_ffi.so"
 _PRELOAD = ("libcudart.so.13", "libcublasLt.so.13")
 
@@ -85,7 +87,7 @@ class _Library:
         lib.jax_epilog_query_support.restype = ctypes.c_int
         lib.jax_epilog_query_support.argtypes = [
             ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-            ctypes.c_int, ctypes.c_int,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t,
@@ -105,9 +107,12 @@ class _Library:
         self.handle.jax_epilog_set_autotune_cache_path(_path_bytes(config.autotune_cache_path()))
 
     def register(self) -> None:
-        stages = {"execute": jax.ffi.pycapsule(self.handle.JaxEpilogMatmul),
-                  "initialize": jax.ffi.pycapsule(self.handle.JaxEpilogMatmulInitialize)}
-        jax.ffi.register_ffi_target(TARGET_NAME, stages, platform="CUDA")
+        for target, execute in ((TARGET_NAME, "JaxEpilogMatmul"),
+                                (TARGET_NAME_C, "JaxEpilogMatmulC")):
+            handle = self.handle
+            stages = {"execute": jax.ffi.pycapsule(getattr(handle, execute)),
+                      "initialize": jax.ffi.pycapsule(getattr(handle, execute + "Initialize"))}
+            jax.ffi.register_ffi_target(target, stages, platform="CUDA")
 
 
 def _path_bytes(path: Optional[os.PathLike]) -> bytes:
@@ -151,15 +156,16 @@ def supports_fp8() -> bool:
 def query_support(epilog: int, dtype: str, transpose_a: bool, transpose_b: bool, batch: int,
                   b_batch: int, bias_batch: int, m: int, n: int, k: int, allow_tf32: bool,
                   workspace_bytes: int, device: int = 0, b_dtype: Optional[str] = None,
-                  result_dtype: Optional[str] = None,
-                  result_amax: bool = False) -> tuple[Optional[bool], str]:
+                  result_dtype: Optional[str] = None, result_amax: bool = False,
+                  has_c: bool = False) -> tuple[Optional[bool], str]:
     """Whether cuBLASLt has a kernel for this problem on `device`.
 
     `dtype` is a's; `b_dtype` and `result_dtype` (y's) default to it (they differ only for
-    FP8 operands, as may `result_amax`). Returns (True|False, message), or (None, reason)
-    when it cannot tell (no library, no GPU on this machine: e.g. exporting for CUDA from a
-    CPU host). Building the answer also builds and caches the plan, so the first execution
-    does no planning.
+    FP8 operands, as may `result_amax`). `has_c`: a call with a C matrix (alpha and beta
+    device pointers, the plan `TARGET_NAME_C` runs). Returns (True|False, message), or
+    (None, reason) when it cannot tell (no library, no GPU on this machine: e.g. exporting for
+    CUDA from a CPU host). Building the answer also builds and caches the plan, so the first
+    execution does no planning.
     """
     lib = library()
     if lib.handle is None:
@@ -167,7 +173,7 @@ def query_support(epilog: int, dtype: str, transpose_a: bool, transpose_b: bool,
     message = ctypes.create_string_buffer(512)
     status = lib.handle.jax_epilog_query_support(
         device, epilog, _DTYPE_CODES[dtype], _DTYPE_CODES[b_dtype or dtype],
-        _DTYPE_CODES[result_dtype or dtype], int(result_amax), int(transpose_a),
+        _DTYPE_CODES[result_dtype or dtype], int(result_amax), int(has_c), int(transpose_a),
         int(transpose_b), batch, b_batch, bias_batch, m, n, k, int(allow_tf32), workspace_bytes,
         message, len(message))
     text = message.value.decode(errors="replace")

@@ -8,25 +8,27 @@ elsewhere. Every choice between the two is made here, at lowering time, in `_way
 - CUDA, `backend="xla"` (asked for, set by JAX_EPILOG_BACKEND, or chosen by `dispatch` as the
   faster way for this problem on this GPU): the reference in XLA's way (`exact=False`), so XLA
   runs its own GEMM and fusions;
-- CUDA, a call with a C matrix (`c`, `alpha`, `beta`; SPEC §6): the reference, exact, with a
-  `RuntimeWarning` (the C++ handler does not take them yet; docs/c_alpha_beta.md);
-- CUDA, FP8 operands not both K-major (cuBLASLt's FP8 kernels take only a `(M, K)` and b
-  `(N, K)`, i.e. transpose_a=False, transpose_b=True): the operand(s) transposed in XLA (a
-  transpose XLA fuses into the operand's producer, typically the quantizing convert), then the
-  kernel on the K-major problem;
+- CUDA, operands in a layout cuBLASLt has no kernel for, where it has one for another layout
+  (`_kernel_layout`): the operand(s) transposed in XLA (a transpose XLA fuses into the
+  operand's producer where it can), then the kernel in that layout. FP8 operands must be
+  K-major (cuBLASLt's FP8 kernels take only a `(M, K)` and b `(N, K)`), decided before
+  padding without asking; for other problems cuBLASLt is asked, e.g. on the H200 BGRADA and
+  BGRADB have kernels only with the summed operand stored K by rows (a `(K, M)`, b `(K, N)`);
 - CUDA, K or N not a multiple of 16 bytes: zero-padded (`padding.py`), then the kernel;
-- CUDA, a problem cuBLASLt has no kernel for (it says so when asked): the reference, exact
-  (for FP8 operands with a `RuntimeWarning`: SPEC §5);
-- otherwise the XLA FFI custom call `jax_epilog_matmul` (`ffi/README.md`) on XLA's stream, with
-  cuBLASLt's workspace as an extra result buffer that XLA allocates (so the handler never
-  allocates and is safe inside command buffers). Lowering for CUDA on a host without a CUDA
-  device (`jax.export` from a CPU host) emits the custom call.
+- CUDA, a problem cuBLASLt has no kernel for in any layout (it says so when asked): the
+  reference, exact (for FP8 operands with a `RuntimeWarning`: SPEC §5);
+- otherwise the XLA FFI custom call `jax_epilog_matmul` (`ffi/README.md`), or for a call with a
+  C matrix (`c`, `alpha`, `beta`: SPEC §6, docs/c_alpha_beta.md) `jax_epilog_matmul_c`, on
+  XLA's stream, with cuBLASLt's workspace as an extra result buffer that XLA allocates (so the
+  handler never allocates and is safe inside command buffers). Lowering for CUDA on a host
+  without a CUDA device (`jax.export` from a CPU host) emits the custom call.
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -63,14 +65,6 @@ def _warn_fp8_reference(avals_in, params: Params, why: str) -> None:
         f"{' and result_amax' if params.result_amax else ''} ({_sizes(avals_in, params)}): "
         f"{why}; this call runs the plain-XLA reference instead (same results, slower)",
         RuntimeWarning, stacklevel=2)
-
-
-def _warn_c_reference(avals_in, params: Params) -> None:
-    warnings.warn(
-        f"jax_epilog: the cuBLASLt kernel path for a call with c, alpha and beta is not built "
-        f"yet (epilog {Epilog(params.epilog).name}, {avals_in[0].dtype}, "
-        f"{_sizes(avals_in, params)}); this call runs the exact plain-XLA reference instead "
-        "(same results, slower; docs/c_alpha_beta.md)", RuntimeWarning, stacklevel=2)
 
 
 @functools.cache
@@ -117,48 +111,72 @@ def _kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
     supported, message = cuda_library.query_support(
         params.epilog, np.dtype(a.dtype).name, params.transpose_a, params.transpose_b, p.batch,
         b.shape[0], bias_batch, p.m, p.n, p.k, params.allow_tf32, config.workspace_bytes(),
-        **extra)
+        has_c=bool(params.has_c), **extra)
     return supported is not False, message
 
 
-def _k_major(params: Params) -> bool:
-    """The layout cuBLASLt's FP8 kernels take: a (M, K) and b (N, K), both K contiguous."""
-    return not params.transpose_a and params.transpose_b
+Layout = tuple[bool, bool]  # (transpose_a, transpose_b)
+K_MAJOR: Layout = (False, True)  # a (M, K), b (N, K): the only layout of cuBLASLt's FP8 kernels
 
 
-def _way(avals_in, params: Params) -> str:
-    """'reference', 'xla', 'k_major', 'padded' or 'kernel' (see the module docstring)."""
+def _transposed(aval, flip: bool):
+    """`aval` (a rank-3 operand) with its last two axes swapped when `flip`."""
+    return aval.update(shape=(*aval.shape[:-2], aval.shape[-1], aval.shape[-2])) if flip else aval
+
+
+def _kernel_layout(avals_in, params: Params) -> Optional[Layout]:
+    """Another layout for a call whose own cuBLASLt has no kernel for: the one with the fewest
+    bytes to transpose that cuBLASLt says it has a kernel for, or None (no other layout helps).
+    On the H200 (cuBLASLt 13.1) BGRADA runs only with a stored (K, M) and BGRADB with b stored
+    (K, N): the summed operand with K by rows."""
+    own = (params.transpose_a, params.transpose_b)
+    a, b = avals_in[0], avals_in[1]
+    cost = {(ta, tb): (ta != own[0]) * a.size * a.dtype.itemsize +
+            (tb != own[1]) * b.size * b.dtype.itemsize
+            for ta in (False, True) for tb in (False, True) if (ta, tb) != own}
+    for ta, tb in sorted(cost, key=cost.get):
+        avals = [_transposed(a, ta != own[0]), _transposed(b, tb != own[1]), *avals_in[2:]]
+        if _kernel_supports(avals, params._replace(transpose_a=ta, transpose_b=tb))[0]:
+            return ta, tb
+    return None
+
+
+def _way(avals_in, params: Params) -> tuple[str, Optional[Layout]]:
+    """'reference', 'xla', 'relayout', 'padded' or 'kernel' (see the module docstring), and
+    for 'relayout' the layout the kernel runs in."""
     if any(0 in x.shape for x in avals_in[:2]):
-        return "reference"
+        return "reference", None
     if not cuda_library.available() and _has_cuda_devices():
         _warn_unavailable(cuda_library.unavailable_reason())
-        return "reference"
+        return "reference", None
     if _backend(params, avals_in) == "xla":
-        return "xla"
-    if params.has_c:  # SPEC §6: the C++ handler does not take c, alpha, beta yet
-        _warn_c_reference(avals_in, params)
-        return "reference"
+        return "xla", None
     fp8 = is_fp8(avals_in[0].dtype)
-    if fp8 and not _k_major(params):
-        return "k_major"
+    if fp8 and (params.transpose_a, params.transpose_b) != K_MAJOR:
+        return "relayout", K_MAJOR
     if padding.needed(avals_in, params.transpose_a, params.transpose_b):
-        return "padded"
+        return "padded", None
     if cuda_library.available():
         supported, why = _kernel_supports(avals_in, params)
         if not supported:
+            layout = None if fp8 else _kernel_layout(avals_in, params)
+            if layout is not None:
+                return "relayout", layout
             if fp8:
                 _warn_fp8_reference(avals_in, params, why)
-            return "reference"
-    return "kernel"
+            return "reference", None
+    return "kernel", None
 
 
-def _as_k_major(params: Params):
-    """The inner call on K-major operands: a (batch, M, K), b (batch|1, N, K)."""
-    inner = params._replace(transpose_a=False, transpose_b=True, backend="cublaslt")
+def _relaid_out(params: Params, layout: Layout):
+    """The inner call on operands transposed in XLA to `layout`; the results do not depend on
+    the operands' layout."""
+    transpose_a, transpose_b = layout
+    inner = params._replace(transpose_a=transpose_a, transpose_b=transpose_b, backend="cublaslt")
 
     def call(a, b, *rest):
-        a = jnp.swapaxes(a, 1, 2) if params.transpose_a else a
-        b = b if params.transpose_b else jnp.swapaxes(b, 1, 2)
+        a = jnp.swapaxes(a, 1, 2) if transpose_a != params.transpose_a else a
+        b = jnp.swapaxes(b, 1, 2) if transpose_b != params.transpose_b else b
         return kernel_p.bind(a, b, *rest, **inner._asdict())
 
     return call
@@ -166,17 +184,18 @@ def _as_k_major(params: Params):
 
 def _lower_cuda(ctx, *args, **params):
     params = Params(**params)
-    way = _way(ctx.avals_in, params)
+    way, layout = _way(ctx.avals_in, params)
     if way in ("reference", "xla"):
         return _lower_reference(ctx, *args, exact=way == "reference", **params._asdict())
-    if way == "k_major":  # lowered again on K-major operands
-        return mlir.lower_fun(_as_k_major(params), multiple_results=True)(ctx, *args)
+    if way == "relayout":  # lowered again on the transposed operands
+        return mlir.lower_fun(_relaid_out(params, layout), multiple_results=True)(ctx, *args)
     if way == "padded":  # lowered again with aligned K and N: the inner call takes the kernel
         bind = functools.partial(kernel_p.bind, **params._replace(backend="cublaslt")._asdict())
         fn = padding.padded(bind, params)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
     workspace = ShapedArray((config.workspace_bytes(),), np.uint8)
-    call = jax.ffi.ffi_lowering(cuda_library.TARGET_NAME)
+    call = jax.ffi.ffi_lowering(cuda_library.TARGET_NAME_C if params.has_c
+                                else cuda_library.TARGET_NAME)
     results = call(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *args,
                    epilog=np.int32(params.epilog), transpose_a=bool(params.transpose_a),
                    transpose_b=bool(params.transpose_b), allow_tf32=bool(params.allow_tf32))

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import cuda_library
 from . import lowering  # noqa: F401  (registers the lowerings)
 from . import manual_axes
 from .epilogs import (ACTIVATIONS, ARRAYS, DEFAULT_FP8_RESULT, FP8_DTYPES, FP8_RESULT_DTYPES,
@@ -35,8 +36,9 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(j
 OPERAND_DTYPES = SUPPORTED_DTYPES + tuple(jnp.dtype(d) for d in FP8_DTYPES)
 
 #: Pass as `jax.export.export(..., disabled_checks=EXPORT_SAFETY_CHECKS)` when exporting for
-#: CUDA: the exported module calls our custom call, which JAX does not know to be stable.
-EXPORT_SAFETY_CHECKS = (jax.export.DisabledSafetyCheck.custom_call("jax_epilog_matmul"),)
+#: CUDA: the exported module calls our custom calls, which JAX does not know to be stable.
+EXPORT_SAFETY_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(target) for target in
+                             (cuda_library.TARGET_NAME, cuda_library.TARGET_NAME_C))
 
 
 # --- argument checks --------------------------------------------------------------------------

@@ -330,7 +330,7 @@ def _export_for_cuda(f, *args):
                              disabled_checks=list(jax_epilog.EXPORT_SAFETY_CHECKS))(*args)
 
 
-def test_export_for_cuda_runs_the_reference_with_a_warning_and_round_trips_on_cpu():
+def test_export_for_cuda_has_the_c_custom_call_and_round_trips_on_cpu():
     rng = np.random.default_rng(10)
     a, b, c, inputs = _problem(rng, Epilog.RELU_BIAS, m=12, n=130, k=9)
 
@@ -339,15 +339,21 @@ def test_export_for_cuda_runs_the_reference_with_a_warning_and_round_trips_on_cp
                                  epilog_inputs={"bias": bias}, precision=HIGHEST)
 
     args = (a, b, c, inputs["bias"], jnp.float32(0.5), jnp.float32(2.0))
-    with pytest.warns(RuntimeWarning, match="c, alpha and beta is not built yet"):
-        exported = _export_for_cuda(f, *args)
-    text = exported.mlir_module()
-    assert "jax_epilog_matmul" not in text  # the kernel path does not take c yet
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        text = _export_for_cuda(f, *args).mlir_module()
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert len(calls) == 1 and "@jax_epilog_matmul_c(" in calls[0], calls
+    # K 9 -> 12 and N 130 -> 132 (float32 pads to 4): c is padded like y; alpha and beta are
+    # the function's own arguments (traced, so a new value does not recompile).
+    signature = calls[0].rsplit(" : ", 1)[1]
+    assert ("(tensor<1x12x12xf32>, tensor<1x12x132xf32>, tensor<1x132xf32>, "
+            "tensor<1x12x132xf32>, tensor<f32>, tensor<f32>) -> (tensor<1x12x132xf32>, "
+            "tensor<") in signature, signature
+    assert re.search(r"custom_call @jax_epilog_matmul_c\(.*%arg4, %arg5\)", calls[0]), calls[0]
     both = jax.export.export(jax.jit(f), platforms=("cpu", "cuda"),
                              disabled_checks=list(jax_epilog.EXPORT_SAFETY_CHECKS))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        restored = jax.export.deserialize(both(*args).serialize())
+    restored = jax.export.deserialize(both(*args).serialize())
     np.testing.assert_allclose(restored.call(*args), f(*args), rtol=1e-6, atol=1e-6)
 
 
@@ -366,6 +372,10 @@ def test_calls_without_c_still_lower_to_the_same_custom_call():
     # a, b, bias: three operands, as before (no c, alpha, beta)
     operands = re.search(r"stablehlo.custom_call @jax_epilog_matmul\((.*?)\)", calls[0])
     assert operands and len(operands.group(1).split(",")) == 3, calls[0]
+    # the same attributes as before c existed
+    attributes = re.search(r"backend_config = \{(.*?)\}", calls[0])
+    assert attributes and attributes.group(1) == (
+        "allow_tf32 = true, epilog = 134 : i32, transpose_a = false, transpose_b = false"), calls[0]
 
 
 # --- sharding on 8 CPU devices ---------------------------------------------------------------
