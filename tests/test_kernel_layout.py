@@ -49,7 +49,8 @@ def _export(f, *args) -> str:
 
 
 def _custom_calls(text: str) -> list[str]:
-    return [line for line in text.splitlines() if "stablehlo.custom_call @jax_epilog_matmul" in line]
+    return [line for line in text.splitlines()
+            if "stablehlo.custom_call @jax_epilog_matmul" in line]
 
 
 @pytest.mark.parametrize("transpose_a,transpose_b", LAYOUTS)

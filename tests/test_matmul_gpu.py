@@ -73,6 +73,27 @@ def test_kernel_matches_float64_model(epilog, dtype_name, transpose_a, transpose
                          **kw)
 
 
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3]], ids=lambda s: "x".join(map(str, s[:3])))
+@pytest.mark.parametrize("transpose_a,transpose_b", TRANSPOSES)
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+@pytest.mark.parametrize("epilog", [Epilog.BGRADA, Epilog.BGRADB], ids=lambda e: e.name)
+def test_bias_gradients_run_the_kernel_in_every_layout(epilog, dtype_name, transpose_a,
+                                                       transpose_b, shape):
+    """cuBLASLt 13.1 on the H200 has BGRADA only with a stored (K, M) and BGRADB only with b
+    stored (K, N); the lowering transposes the summed operand in XLA (`lowering._kernel_layout`)
+    rather than running the reference."""
+    m, n, k, lead, b_batched, _ = shape
+    dtype, precision, tol_key = DTYPES[dtype_name]
+    rng = np.random.default_rng(hash((epilog, dtype_name, transpose_a, transpose_b)) % 2**32)
+    kw = dict(transpose_a=transpose_a, transpose_b=transpose_b)
+    a, b, inputs = make_problem(rng, epilog, m=m, n=n, k=k, lead=lead, b_batched=b_batched,
+                                dtype=dtype, **kw)
+    got, used_kernel = _run_on_gpu(epilog, a, b, inputs, precision=precision, **kw)
+    assert used_kernel, f"cuBLASLt has no kernel for {epilog.name} {dtype_name} {kw} in any layout"
+    assert_matches_model(epilog, jax.device_get(got), a, b, inputs, tol=TOLERANCE[tol_key], n=n,
+                         **kw)
+
+
 @pytest.mark.parametrize("epilog,kw", [
     (Epilog.RELU_AUX_BIAS, {}),
     (Epilog.RELU_BIAS, {}),
