@@ -107,3 +107,34 @@ def test_small_soak_keeps_the_cache_bounded(restore_settings):
     assert max(s["most_cached"] for s in tight["samples"]) == 256
     assert all(s["plan_cache_size"] <= 256 for s in tight["samples"])
     assert tight["verdict"]["flat"] is not None
+
+
+def test_run_records_every_chunk_and_judges(monkeypatch, restore_settings):
+    """run()'s flow on the CPU, with a stand-in for the library: a cache that fills to its
+    capacity and a device whose memory stays put."""
+    from jax_epilog import cuda_library
+
+    cache = {"plans": 0}
+
+    class FakeSoak:
+        def __init__(self, device):
+            assert device == 0
+
+        def run_chunk(self, seed, first, count, max_dim, workspace_bytes):
+            cache["plans"] = min(128, cache["plans"] + count)
+            return {"ran": count, "unsupported": 0, "most_cached": cache["plans"]}
+
+        def device_bytes(self):
+            return 700 * MIB
+
+    monkeypatch.setattr(soak, "Soak", FakeSoak)
+    monkeypatch.setattr(cuda_library, "plan_cache_size", lambda: cache["plans"])
+    monkeypatch.setattr(cuda_library, "clear_plan_cache", lambda: cache.update(plans=0))
+    report = soak.run(shapes=400, chunks=8, max_dim=32, seed=0, device=0, warmup=0.25,
+                      capacity=128, budget_s=60)
+    assert [s["shapes_done"] for s in report["samples"]] == [50 * i for i in range(1, 9)]
+    assert report["settings"]["plan_cache_capacity"] == 128
+    assert report["verdict"]["warmup_chunks"] == 3  # the cache is full after chunk 3, not 2
+    assert report["verdict"]["device_bytes"]["growth"] == 0
+    assert report["verdict"]["flat"] in (True, False)  # RSS is this process's, whatever it is
+    assert "Verdict:" in soak.markdown(report)
