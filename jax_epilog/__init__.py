@@ -5,12 +5,14 @@ and friends) in one cuBLASLt kernel on CUDA, and the same semantics in plain JAX
 else. `dense` and `mlp` are differentiable layers built on it; `jax_epilog.nnx` and
 `jax_epilog.linen` wrap them as Flax modules (those need Flax installed, and are imported only
 when first used, so `import jax_epilog` never imports Flax). `pack_relu_mask` and
-`unpack_relu_mask` convert between a boolean array and cuBLASLt's packed ReLU mask.
+`unpack_relu_mask` convert between a boolean array and cuBLASLt's packed ReLU mask. `Fp8`
+configures FP8 training in the layers (`fp8=`).
 """
 
 import importlib
 
 from .epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
+from .fp8 import Fp8
 from .layers import dense, mlp
 from .matmul import EXPORT_SAFETY_CHECKS, matmul, reference_matmul
 from .reference import pack_relu_mask, unpack_relu_mask
@@ -20,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "EXPORT_SAFETY_CHECKS",
     "Epilog",
+    "Fp8",
     "dense",
     "gelu_aux_columns",
     "matmul",

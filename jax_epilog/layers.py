@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from . import config, cuda_library, epilogs, manual_axes
+from . import fp8 as fp8_training  # FP8 training (SPEC §5); it builds on this module's helpers
 from .epilogs import Epilog
 from .matmul import SUPPORTED_DTYPES, matmul
 
@@ -302,7 +303,8 @@ def _backend(name: str, value, choices: dict) -> str:
     return choices[value]
 
 
-def _run(x, params, activations, *, precision, forward, backward, dtype):
+def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=None):
+    fp8 = fp8_training.as_fp8(fp8)
     stack_backends = (_backend("forward", forward, FORWARD_CHOICES),
                       _backend("backward", backward, BACKWARD_CHOICES))
     params = _check_params(x, params)
@@ -320,7 +322,9 @@ def _run(x, params, activations, *, precision, forward, backward, dtype):
                    for kernel, bias in params)
     stack = Stack(layers, precision, *stack_backends)
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
-    if _plain_is_faster(stack, rows.shape[0], widths, dtype):
+    if fp8 is not None and any(fp8.quantized_layers(rows.shape[0], widths)):
+        y = fp8_training.stack(stack, fp8, rows, params)
+    elif _plain_is_faster(stack, rows.shape[0], widths, dtype):
         y = _plain_stack(stack, rows, params)
     else:
         y = _stack(stack, rows, params)
@@ -328,7 +332,7 @@ def _run(x, params, activations, *, precision, forward, backward, dtype):
 
 
 def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="auto",
-          backward="auto", dtype=None):
+          backward="auto", dtype=None, fp8=None):
     """`act(x @ kernel + bias)` in one cuBLASLt epilog GEMM, with a fused backward.
 
     Args:
@@ -343,17 +347,22 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="aut
         "xla".
       backward: likewise for the backward GEMMs: "auto", "fused" or "unfused" (XLA).
       dtype: the computation dtype; None: `jnp.result_type(x, kernel, bias)`, like Flax.
+      fp8: None or False (no FP8), True (`jax_epilog.Fp8()`) or a `jax_epilog.Fp8(...)`: train
+        with FP8 GEMMs, per-tensor current scaling, e4m3 activations and weights, e5m2
+        gradients, results in the computation dtype (`jax_epilog.fp8`, docs/fp8.md).
+        `Fp8()` runs FP8 only where the GEMM is large enough to gain (`fp8.fp8_pays`);
+        `Fp8(layers="all")` always.
 
     Returns:
       `(..., N)` in the computation dtype. Differentiable in reverse mode w.r.t. all three.
     """
     activation = _check_activation("activation", activation)
     return _run(x, [(kernel, bias)], [activation], precision=precision, forward=forward,
-                backward=backward, dtype=dtype)
+                backward=backward, dtype=dtype, fp8=fp8)
 
 
 def mlp(x, layers, *, activation="relu", final_activation=None, precision=None,
-        forward="auto", backward="auto", dtype=None):
+        forward="auto", backward="auto", dtype=None, fp8=None):
     """A stack of `dense` layers as ONE custom VJP, its backward fused across layer boundaries.
 
     Args:
@@ -363,7 +372,8 @@ def mlp(x, layers, *, activation="relu", final_activation=None, precision=None,
       activation: None, "relu" or "gelu" (or `jax.nn.relu` / `jax.nn.gelu`) after every layer
         but the last.
       final_activation: the same, after the last layer.
-      precision, forward, backward, dtype: as for `dense`.
+      precision, forward, backward, dtype, fp8: as for `dense` (with FP8, each layer is
+        quantized on its own scales, and `Fp8()` decides per layer).
 
     Returns:
       `(..., K_last)` in the computation dtype.
@@ -373,4 +383,4 @@ def mlp(x, layers, *, activation="relu", final_activation=None, precision=None,
     n_layers = len(layers) if isinstance(layers, Sequence) else 0
     activations = [activation] * (n_layers - 1) + [final_activation]
     return _run(x, layers, activations, precision=precision, forward=forward,
-                backward=backward, dtype=dtype)
+                backward=backward, dtype=dtype, fp8=fp8)

@@ -25,6 +25,7 @@ try:
 except ImportError as error:
     raise ImportError(f"jax_epilog.linen needs Flax: {_install_hint('flax')}") from error
 
+from .fp8 import as_fp8
 from .layers import activation_name, dense, mlp
 
 
@@ -37,6 +38,8 @@ class Dense(linen.Module):
         `jax.nn.relu` / `jax.nn.gelu` for the same; checked on construction.
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as for `linen.Dense`;
         `kernel_init=linen.with_partitioning(init, names)` annotates the kernel for sharding.
+      fp8: None, True or `jax_epilog.Fp8(...)`: FP8 training as `jax_epilog.dense`'s `fp8=`;
+        checked on construction. The parameters are the same with or without it.
     """
 
     features: int
@@ -47,9 +50,11 @@ class Dense(linen.Module):
     precision: Any = None
     kernel_init: Any = linen.initializers.lecun_normal()
     bias_init: Any = linen.initializers.zeros_init()
+    fp8: Any = None
 
     def __post_init__(self):
         activation_name(self.activation)
+        as_fp8(self.fp8)
         super().__post_init__()
 
     @linen.compact
@@ -70,7 +75,7 @@ class Dense(linen.Module):
         kernel, bias = self.kernel_and_bias(jnp.shape(inputs)[-1])
         inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         return dense(inputs, kernel, bias, activation=activation_name(self.activation),
-                     precision=self.precision)
+                     precision=self.precision, fp8=self.fp8)
 
 
 class MLP(linen.Module):
@@ -78,7 +83,7 @@ class MLP(linen.Module):
 
     `activation` follows every layer but the last, `final_activation` the last; both are
     checked on construction, as `Dense`'s is. The other attributes are `linen.Dense`'s and
-    apply to every layer.
+    apply to every layer; `fp8` is `Dense`'s (chosen per layer by `jax_epilog.Fp8()`).
     """
 
     features: Sequence[int]
@@ -90,6 +95,7 @@ class MLP(linen.Module):
     precision: Any = None
     kernel_init: Any = linen.initializers.lecun_normal()
     bias_init: Any = linen.initializers.zeros_init()
+    fp8: Any = None
 
     def __post_init__(self):
         if isinstance(self.features, (str, bytes)) or not isinstance(self.features, Iterable):
@@ -99,6 +105,7 @@ class MLP(linen.Module):
             raise ValueError("features: expected at least one layer size, got []")
         activation_name(self.activation, "activation")
         activation_name(self.final_activation, "final_activation")
+        as_fp8(self.fp8)
         super().__post_init__()
 
     @linen.compact
@@ -118,4 +125,4 @@ class MLP(linen.Module):
             params.extend(layer.kernel_and_bias(sizes[i]))
         inputs, *params = promote_dtype(inputs, *params, dtype=self.dtype)
         return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=activation,
-                   final_activation=final_activation, precision=self.precision)
+                   final_activation=final_activation, precision=self.precision, fp8=self.fp8)

@@ -27,6 +27,7 @@ try:
 except ImportError as error:
     raise ImportError(f"jax_epilog.nnx needs Flax: {_install_hint('flax')}") from error
 
+from .fp8 import as_fp8
 from .layers import activation_name, dense, mlp
 
 # Flax >= 0.12 wants lists of modules wrapped so it can see their state; older Flax takes lists.
@@ -50,6 +51,8 @@ class Dense(nnx.Module):
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init, rngs, kernel_metadata,
         bias_metadata: as for `nnx.Linear`. Sharding annotations such as
         `kernel_init=nnx.with_partitioning(init, ("data", "model"))` carry over to the params.
+      fp8: None, True or `jax_epilog.Fp8(...)`: FP8 training as `jax_epilog.dense`'s `fp8=`.
+        The parameters are the same with or without it, so checkpoints interchange.
     """
 
     def __init__(self, in_features: int, out_features: int, *,
@@ -60,8 +63,10 @@ class Dense(nnx.Module):
                  bias_init: Any = nnx.initializers.zeros_init(),
                  rngs: nnx.Rngs,
                  kernel_metadata: Mapping[str, Any] = MappingProxyType({}),
-                 bias_metadata: Mapping[str, Any] = MappingProxyType({})):
+                 bias_metadata: Mapping[str, Any] = MappingProxyType({}),
+                 fp8: Any = None):
         activation = activation_name(activation)
+        fp8 = as_fp8(fp8)
         # Same draws, same order as nnx.Linear: identical weights from identical Rngs.
         self.kernel = nnx.Param(
             kernel_init(rngs.params(), (in_features, out_features), param_dtype),
@@ -75,6 +80,7 @@ class Dense(nnx.Module):
         self.dtype = dtype
         self.param_dtype = param_dtype
         self.precision = precision
+        self.fp8 = fp8
 
     def kernel_and_bias(self) -> tuple[Any, Optional[Any]]:
         return self.kernel[...], (self.bias[...] if self.bias is not None else None)
@@ -82,7 +88,8 @@ class Dense(nnx.Module):
     def __call__(self, inputs):
         _check_in_features(inputs, self.in_features, "Dense")
         inputs, kernel, bias = promote_dtype(inputs, *self.kernel_and_bias(), dtype=self.dtype)
-        return dense(inputs, kernel, bias, activation=self.activation, precision=self.precision)
+        return dense(inputs, kernel, bias, activation=self.activation, precision=self.precision,
+                     fp8=self.fp8)
 
 
 class MLP(nnx.Module):
@@ -92,7 +99,7 @@ class MLP(nnx.Module):
     `nnx.List([nnx.Linear(64, 128), nnx.Linear(128, 128), nnx.Linear(128, 10)])` stored as
     `layers`; `activation` follows every layer but the last, `final_activation` the last.
     The activations are checked as `Dense`'s are. The other arguments are `nnx.Linear`'s and
-    apply to every layer.
+    apply to every layer; `fp8` is `Dense`'s (chosen per layer by `jax_epilog.Fp8()`).
     """
 
     def __init__(self, in_features: int, features: Sequence[int], *,
@@ -101,7 +108,7 @@ class MLP(nnx.Module):
                  param_dtype: Any = jnp.float32, precision: Any = None,
                  kernel_init: Any = nnx.initializers.lecun_normal(),
                  bias_init: Any = nnx.initializers.zeros_init(),
-                 rngs: nnx.Rngs):
+                 rngs: nnx.Rngs, fp8: Any = None):
         if isinstance(features, (str, bytes)) or not isinstance(features, Iterable):
             raise TypeError(f"features: expected a sequence of layer sizes such as [512, 10] "
                             f"(the last is the output size), got {features!r}")
@@ -110,21 +117,25 @@ class MLP(nnx.Module):
             raise ValueError("features: expected at least one layer size, got []")
         activation = activation_name(activation, "activation")
         final_activation = activation_name(final_activation, "final_activation")
+        fp8 = as_fp8(fp8)
         sizes = [in_features, *features]
         self.layers = _ModuleList([
             Dense(sizes[i], sizes[i + 1],
                   activation=activation if i < len(features) - 1 else final_activation,
                   use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                  precision=precision, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs)
+                  precision=precision, kernel_init=kernel_init, bias_init=bias_init, rngs=rngs,
+                  fp8=fp8)
             for i in range(len(features))])
         self.activation = activation
         self.final_activation = final_activation
         self.dtype = dtype
         self.precision = precision
+        self.fp8 = fp8
 
     def __call__(self, inputs):
         _check_in_features(inputs, self.layers[0].in_features, "MLP")
         params = [p for layer in self.layers for p in layer.kernel_and_bias()]
         inputs, *params = promote_dtype(inputs, *params, dtype=self.dtype)
         return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=self.activation,
-                   final_activation=self.final_activation, precision=self.precision)
+                   final_activation=self.final_activation, precision=self.precision,
+                   fp8=self.fp8)

@@ -1,0 +1,261 @@
+"""FP8 training in the layers (SPEC §5): the `Fp8` config and the FP8 stack's custom VJP.
+
+`dense(..., fp8=...)` and `mlp(..., fp8=...)` run each chosen layer's three GEMMs with FP8
+operands, per-tensor *current* scaling: a tensor's scale comes from its own amax in the same
+step (no history). One `jax.custom_vjp` covers the whole stack, as `layers._stack` does:
+
+- Forward, layer i: the input h and the kernel W are quantized to the forward format (e4m3),
+  `q = largest / 2**margin / amax`, a saturating cast of `q·x`. Then ONE `matmul` with FP8
+  operands, the bias/ReLU/GELU epilog, the dequantization scales `1/q`, the result in the
+  compute dtype and `result_amax=True` where the next layer is FP8 too: the next amax comes
+  out of this GEMM's epilog, so quantizing h_{i+1} reads it once, for the cast.
+- Residuals: h in FP8 and its scale, W in FP8 and its scale, the 1-bit ReLU mask (the GELU
+  pre-activation); never a 16/32-bit copy of an FP8 layer's input, which is where FP8 saves
+  memory.
+- Backward: dZ is quantized to the gradient format (e5m2), its amax from the data-gradient
+  GEMM above (`result_amax`) or, for the last layer, one reduction that XLA fuses with the
+  last layer's bias gradient (a sum of dZ: FP8 GEMMs have no BGRADB). dW = h8ᵀ dZ8 (e4m3 ×
+  e5m2) and dZ_{i-1} = dZ8 W8ᵀ with DRELU_BGRAD / DGELU_BGRAD for the previous layer (e5m2 ×
+  e4m3), which also gives its bias gradient, both with results in the compute dtype.
+
+Which layers run FP8: `Fp8(layers="all")` every one; `"auto"` (what `fp8=True` means) only
+those whose GEMM is large enough for FP8 to pay for its quantization passes (`fp8_pays`),
+decided from the shapes alone, so every platform computes the same thing. The other layers
+are the bf16 (compute dtype) layers of `layers.py`, inside the same custom VJP.
+
+On a CPU the FP8 `matmul` runs the exact reference (FP8 values widened to float32, float32
+sums), so the layer computes exactly the quantized math; against the unquantized layer it
+differs by FP8 rounding (about 2**-4 relative per e4m3 value, 2**-3 per e5m2 one).
+
+Delayed scaling (an amax history kept between steps) is not built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from . import layers
+from .epilogs import FP8_DTYPES, Epilog
+from .matmul import matmul
+from .reference import saturating_cast
+
+#: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`.
+#: Measured on the H200 (BENCHMARK.md, XLA's FP8 step): M1's 65536×4096×4096 layers (2.2e12)
+#: gain 1.46×, M2's 16384×1024×1024 layers (3.4e10) lose (0.72×). The crossover between them
+#: is what `benchmarks/fp8_bench.py --sweep` measures; until then this sits conservatively
+#: near M1's size.
+FP8_MIN_FLOPS = 2**40
+#: FP8 GEMMs want K and N in multiples of 16 elements; others would be padded (a copy) first.
+FP8_ALIGNMENT = 16
+LAYER_CHOICES = ("auto", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8:
+    """How the layers train in FP8 (`dense(..., fp8=Fp8(...))`; `fp8=True` is `Fp8()`).
+
+    Attributes:
+      forward: the format of the activations and weights (the forward GEMM's two operands):
+        "float8_e4m3fn" (or `jnp.float8_e4m3fn`). e5m2 is refused: the forward GEMM would be
+        e5m2 × e5m2, which cuBLASLt lacks.
+      gradient: the format of the gradients dZ: "float8_e5m2" (default, the wider range
+        gradients need) or "float8_e4m3fn".
+      margin: a non-negative int; scales are `largest / 2**margin / amax` (TransformerEngine's
+        margin), leaving headroom of `2**margin` below the format's largest value.
+      layers: "auto" (FP8 only where `fp8_pays` says the layer's GEMM is large enough) or
+        "all" (every layer).
+    """
+
+    forward: Any = "float8_e4m3fn"
+    gradient: Any = "float8_e5m2"
+    margin: int = 0
+    layers: str = "auto"
+
+    def __post_init__(self):
+        for name in ("forward", "gradient"):
+            object.__setattr__(self, name, _format(name, getattr(self, name)))
+        if self.forward == "float8_e5m2":
+            raise ValueError("forward: float8_e5m2 for activations and weights would make the "
+                             "forward GEMM e5m2 × e5m2, which cuBLASLt has no kernel for; use "
+                             "float8_e4m3fn (and e5m2 for gradient=)")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"margin: expected a non-negative int (scales are largest / "
+                             f"2**margin / amax), got {self.margin!r}")
+        if self.layers not in LAYER_CHOICES:
+            raise ValueError(f"layers: expected one of {LAYER_CHOICES}, got {self.layers!r}")
+
+    def quantized_layers(self, rows: int, widths) -> tuple[bool, ...]:
+        """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8."""
+        return tuple(self.layers == "all" or fp8_pays(rows, k, n)
+                     for k, n in zip(widths, widths[1:]))
+
+
+def _format(name: str, value) -> str:
+    try:
+        dtype = jnp.dtype(value).name
+    except TypeError:
+        dtype = None
+    if dtype not in FP8_DTYPES:
+        raise ValueError(f"{name}: expected an FP8 format, {' or '.join(FP8_DTYPES)}, got "
+                         f"{value!r}")
+    return dtype
+
+
+def as_fp8(fp8) -> Optional[Fp8]:
+    """The layers' `fp8=` argument as a config: None/False -> None, True -> `Fp8()`."""
+    if fp8 is None or fp8 is False:
+        return None
+    if fp8 is True:
+        return Fp8()
+    if isinstance(fp8, Fp8):
+        return fp8
+    raise TypeError(f"fp8: expected None, a bool or jax_epilog.Fp8(...), got "
+                    f"{type(fp8).__name__} {fp8!r}")
+
+
+def fp8_pays(rows: int, k: int, n: int) -> bool:
+    """Whether `Fp8(layers="auto")` runs a layer `(rows, k) @ (k, n)` in FP8: its GEMM has at
+    least `FP8_MIN_FLOPS` FLOPs, and K and N are multiples of 16 (no padding copy). Below
+    that, the amax and cast passes over the activations cost more than the faster FP8 GEMMs
+    save (the single place this is decided)."""
+    aligned = k % FP8_ALIGNMENT == 0 and n % FP8_ALIGNMENT == 0
+    return aligned and 2 * rows * k * n >= FP8_MIN_FLOPS
+
+
+# --- quantization ---------------------------------------------------------------------------
+
+def amax(x):
+    """max |x| in float32 (0 for an empty x)."""
+    return jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)
+
+
+def quantize(x, x_amax, dtype: str, margin: int):
+    """(x in FP8, the float32 scale that dequantizes it): `q·x` rounded and saturated, with
+    `q = largest / 2**margin / amax`; q = 1 where amax is 0 or not finite (or q would not be)."""
+    q = float(jnp.finfo(dtype).max) / 2.0**margin / x_amax
+    ok = (x_amax > 0) & jnp.isfinite(x_amax) & jnp.isfinite(q)
+    q = jnp.where(ok, q, 1.0).astype(jnp.float32)
+    return saturating_cast(x.astype(jnp.float32) * q, dtype), 1.0 / q
+
+
+def _matmul8(a8, sa, b8, sb, dtype, backend, *, epilog=Epilog.DEFAULT, inputs=None,
+             want_amax=False, **transposes):
+    """(y in `dtype`, aux dict) of one FP8 GEMM, `(sa·a8) @ (sb·b8)` with `epilog`."""
+    out = matmul(a8, b8, epilog=epilog, epilog_inputs=inputs, backend=backend,
+                 quantization_scales={"a": sa, "b": sb}, preferred_element_type=dtype,
+                 result_amax=want_amax, **transposes)
+    return out if isinstance(out, tuple) else (out, {})
+
+
+# --- the custom VJP over a stack --------------------------------------------------------------
+
+class Plan(NamedTuple):
+    """Static description of an FP8 stack (hashable: the custom_vjp's non-differentiable
+    argument): the bf16 stack, the config, and which layers run FP8."""
+
+    stack: layers.Stack
+    fp8: Fp8
+    quantized: tuple[bool, ...]
+
+
+class Saved(NamedTuple):
+    """What the backward keeps of one layer: its input (FP8 with `input_scale`, or in the
+    compute dtype with None), its kernel (likewise) and its activation's residual."""
+
+    input: Any
+    input_scale: Any
+    kernel: Any
+    kernel_scale: Any
+    residual: Any
+
+
+def _forward(plan: Plan, x, params, keep_residuals: bool):
+    stack, fp8, quantized = plan
+    h, h_amax, saved = x, None, []
+    for i, (layer, (kernel, bias)) in enumerate(zip(stack.layers, params)):
+        if not quantized[i]:
+            layer_input = checkpoint_name(h, layers.LAYER_INPUT_NAME)
+            h, residual = layers._layer_forward(stack, layer, h, kernel, bias, keep_residuals)
+            saved.append(Saved(layer_input, None, kernel, None, residual))
+            h_amax = None
+            continue
+        h8, h_scale = quantize(h, amax(h) if h_amax is None else h_amax, fp8.forward,
+                               fp8.margin)
+        w8, w_scale = quantize(kernel, amax(kernel), fp8.forward, fp8.margin)
+        epilog = Epilog.find(layer.activation, layer.has_bias, keep_residuals)
+        next_is_fp8 = i + 1 < len(quantized) and quantized[i + 1]
+        h, aux = _matmul8(h8, h_scale, w8, w_scale, h.dtype, stack.forward, epilog=epilog,
+                          inputs={"bias": bias} if layer.has_bias else None,
+                          want_amax=next_is_fp8)
+        h_amax = aux.get("result_amax")
+        residual = aux.get(epilog.aux_output) if epilog.aux_output else None
+        if residual is not None:
+            residual = checkpoint_name(residual, layers.RELU_MASK_NAME if layer.activation ==
+                                       "relu" else layers.GELU_PRE_ACTIVATION_NAME)
+        saved.append(Saved(checkpoint_name(h8, layers.LAYER_INPUT_NAME), h_scale, w8, w_scale,
+                           residual))
+    return h, tuple(saved)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_stack(plan: Plan, x, params):
+    return _forward(plan, x, params, keep_residuals=False)[0]
+
+
+def _fp8_stack_fwd(plan: Plan, x, params):
+    return _forward(plan, x, params, keep_residuals=True)
+
+
+def _fp8_stack_bwd(plan: Plan, saved, dy):
+    stack, fp8, quantized = plan
+    stack_layers = stack.layers
+    dz = layers._activation_grad(dy, saved[-1].residual, stack_layers[-1].activation)
+    dz_amax = None  # of dz, where the GEMM that made it gave it
+    dbias = None  # the current layer's bias gradient, when the step above has given it
+    grads = []
+    for i in reversed(range(len(stack_layers))):
+        s = saved[i]
+        previous = stack_layers[i - 1] if i else None
+        previous_residual = saved[i - 1].residual if i else None
+        need_bias_grad = layers._weight_grad_gives_bias_grad(stack_layers, i)
+        if not quantized[i]:
+            dkernel, own_dbias = layers._weight_grad(s.input, dz, need_bias_grad, stack)
+            dz, next_dbias = layers._data_grad(dz, s.kernel, previous, previous_residual,
+                                               stack)
+            dz_amax = None
+        else:
+            dz8, dz_scale = quantize(dz, amax(dz) if dz_amax is None else dz_amax,
+                                     fp8.gradient, fp8.margin)
+            dkernel, _ = _matmul8(s.input, s.input_scale, dz8, dz_scale, dz.dtype,
+                                  stack.backward, transpose_a=True)
+            # FP8 GEMMs have no BGRADB: the bias gradient is a sum of dZ, which XLA fuses with
+            # the amax above.
+            own_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \
+                if need_bias_grad else None
+            epilog = layers._data_grad_epilog(previous)
+            dz, aux = _matmul8(
+                dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype, stack.backward,
+                epilog=epilog, transpose_b=True, want_amax=i > 0 and quantized[i - 1],
+                inputs={epilog.aux_input: previous_residual} if epilog.aux_input else None)
+            next_dbias = aux.get(epilog.reduction_output) if previous is not None and \
+                previous.has_bias and epilog.reduction_output else None
+            dz_amax = aux.get("result_amax")
+        grads.append((dkernel, own_dbias if need_bias_grad else dbias))
+        dbias = next_dbias
+    return dz, tuple(reversed(grads))
+
+
+_fp8_stack.defvjp(_fp8_stack_fwd, _fp8_stack_bwd)
+
+
+def stack(stack: layers.Stack, fp8: Fp8, rows, params):
+    """The stack on `rows` `(M, K)` with FP8 where `fp8` chooses (called by `layers._run`)."""
+    widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
+    return _fp8_stack(Plan(stack, fp8, fp8.quantized_layers(rows.shape[0], widths)), rows,
+                      params)
