@@ -39,7 +39,8 @@ import jax.numpy as jnp
 
 import timing
 from jax_epilog import config, cuda_library, dispatch
-from jax_epilog.tune import Workload, epilog_stack, forward_fn, grid_workloads, step_fn
+from jax_epilog.tune import (Workload, epilog_eqns, epilog_stack, forward_fn, grid_workloads,
+                             step_fn)
 
 DTYPE = jnp.bfloat16
 ROUNDS = 7
@@ -92,6 +93,13 @@ def _temp_mib(compiled) -> Optional[float]:
     return memory["temp_size_in_bytes"] / 2**20 if memory else None
 
 
+def path_taken(fn, args: tuple) -> str:
+    """"fused" where jax_epilog's side runs the layers' custom VJP (epilog GEMMs in its jaxpr,
+    whichever backend each lowers to), "plain" where it is the plain expression."""
+    return "fused" if any(True for _ in epilog_eqns(jax.make_jaxpr(fn)(*args).jaxpr)) \
+        else "plain"
+
+
 def measure_row(w: Workload, mode: str, arg_sets: list[tuple], budget: timing.Budget):
     """Both sides of one row jitted (as a user calls them), then timed in both harnesses."""
     sides = {}
@@ -108,6 +116,7 @@ def measure_row(w: Workload, mode: str, arg_sets: list[tuple], budget: timing.Bu
         if side == "jax_epilog":
             record["cublaslt_calls"] = compiled.as_text().count(
                 f'custom_call_target="{cuda_library.TARGET_NAME}"')
+            record["path"] = path_taken(MODES[mode](w, stack), arg_sets[0])
     record["max_abs_diff"] = _max_abs_diff(record.pop("xla_outputs"),
                                            record.pop("jax_epilog_outputs"))
     for harness in HARNESSES:
@@ -225,19 +234,21 @@ def markdown(report: dict[str, Any]) -> str:
         "Ratio = XLA's time / jax_epilog's (> 1: faster than XLA). Times: median ms per call of "
         f"{method['rounds']} rounds, the two sides interleaved. careful: rotated inputs; user: "
         "the same inputs every call. Step: `jax.value_and_grad` of a squared error (grid rows "
-        "also differentiate x). cuBLASLt calls: custom calls in jax_epilog's compiled module "
-        "(the rest ran XLA's lowering); temp MiB: `memory_analysis().temp_size_in_bytes`.",
+        "also differentiate x). path: the layer as the plain expression or as the fused stack "
+        "(its custom VJP; per stack from the table's stack entries, else per GEMM). cuBLASLt "
+        "calls: custom calls in jax_epilog's compiled module (the rest ran XLA's lowering); "
+        "temp MiB: `memory_analysis().temp_size_in_bytes`.",
         "",
         "| row | B × widths | careful XLA ms | careful ours ms | careful ratio | user XLA ms "
-        "| user ours ms | user ratio | cuBLASLt calls | temp MiB XLA / ours |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| user ours ms | user ratio | path | cuBLASLt calls | temp MiB XLA / ours |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in report["rows"]:
         c, u = r["careful"], r["user"]
         lines.append(
             f"| {r['name']} | {r['batch']} × {'→'.join(map(str, r['widths']))} | "
             f"{_ms(c['xla'])} | {_ms(c['jax_epilog'])} | {c['ratio']:.3f} | {_ms(u['xla'])} | "
-            f"{_ms(u['jax_epilog'])} | {u['ratio']:.3f} | {r['cublaslt_calls']} | "
+            f"{_ms(u['jax_epilog'])} | {u['ratio']:.3f} | {r['path']} | {r['cublaslt_calls']} | "
             f"{_mib(r['xla_temp_mib'])} / {_mib(r['jax_epilog_temp_mib'])} |")
     lines += ["", "## Summary", "",
               "| harness | rows | min ratio (row) | geomean | every row ≥ 0.98 | geomean ≥ 1.05 "

@@ -33,6 +33,17 @@ goal:
 - **Override**: ``JAX_EPILOG_BACKEND=cublaslt|xla`` (``config.backend_override()``) replaces the
   automatic choice for every call that asked for ``"auto"``.
 
+GEMM choices measured one by one do not add up to the fastest layer (H200, G1's training step:
+the fused RELU_AUX_BIAS forward beat XLA computing the same mask, but the plain layer computes
+no mask at all and won the step by 8%). So a table also holds **stack entries**: a whole
+`dense`/`mlp` stack (dtype, rows, widths, activations, biases), as a training step (forward and
+backward through `jax.vjp`) or as an inference forward, timed as the plain expression under XLA
+(``"plain"``) and as the fused stack (``"fused"``, each GEMM chosen as above). `stack_decision`
+finds the nearest entry of the same stack and mode within a factor of `NEAREST_WITHIN` in rows
+(user before shipped); ``"fused"`` must win by `MARGIN` (tune times real calls of the stack, so
+its custom calls' own cost is in the times). Without an entry, or under the override, the
+layers fall back to the per-GEMM rule.
+
 `choose` is called at lowering time on a host that sees a CUDA GPU; tables are loaded once and
 decisions are cached, so a process reads a table written by another process at its next start
 (or after `clear_cache()`).
@@ -68,7 +79,10 @@ CALL_COST_S = 8e-6
 NEAREST_WITHIN = 2.0
 REFERENCE_DEVICE = "NVIDIA H200"
 TABLES_DIR = Path(__file__).with_name("tables")
-FORMAT = "jax_epilog.decisions/1"
+FORMAT = "jax_epilog.decisions/2"  # 2: sections may hold stack entries
+READABLE_FORMATS = ("jax_epilog.decisions/1", FORMAT)
+STACK_CANDIDATES = ("fused", "plain")
+STACK_MODES = ("step", "forward")
 
 
 class Entry(NamedTuple):
@@ -92,21 +106,78 @@ class Entry(NamedTuple):
         return self._asdict()
 
 
+class StackKey(NamedTuple):
+    """One `dense`/`mlp` stack as the layers run it: rows = the leading dims' product."""
+
+    dtype: str
+    rows: int
+    widths: tuple[int, ...]  # K of the first layer, then each layer's N
+    activations: tuple[Optional[str], ...]
+    biases: tuple[bool, ...]
+    mode: str  # "step": forward + backward (jax.vjp); "forward": inference
+
+    @property
+    def kind(self) -> tuple:
+        """Everything but the rows: what must match for an entry to decide."""
+        return (self.dtype, self.widths, self.activations, self.biases, self.mode)
+
+    @property
+    def order(self) -> tuple:
+        """A sort key (None cannot be compared with a string)."""
+        return (*self.kind[:2], tuple(a or "" for a in self.activations), *self.kind[3:],
+                self.rows)
+
+    def __str__(self) -> str:
+        layers = "".join(f" →{n}{'+b' if bias else ''}{' ' + act if act else ''}"
+                         for n, act, bias in zip(self.widths[1:], self.activations, self.biases))
+        return f"stack {self.mode} {self.dtype} {self.rows}×{self.widths[0]}{layers}"
+
+
+def make_stack_key(dtype, rows: int, widths, activations, biases, mode: str) -> StackKey:
+    if mode not in STACK_MODES:
+        raise ValueError(f"mode: expected one of {STACK_MODES}, got {mode!r}")
+    widths, activations, biases = tuple(widths), tuple(activations), tuple(biases)
+    if not len(widths) - 1 == len(activations) == len(biases) > 0:
+        raise ValueError(f"widths, activations, biases: expected L + 1, L and L items, got "
+                         f"{len(widths)}, {len(activations)} and {len(biases)}")
+    return StackKey(jnp.dtype(dtype).name, int(rows), tuple(int(w) for w in widths),
+                    activations, tuple(bool(b) for b in biases), mode)
+
+
+class StackEntry(NamedTuple):
+    """One measured stack: seconds per call of "fused" and "plain" (None: failed), the choice."""
+
+    key: StackKey
+    seconds: dict
+    choice: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.key._asdict(), "seconds": self.seconds, "choice": self.choice}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StackEntry:
+        key = make_stack_key(d["dtype"], d["rows"], d["widths"], d["activations"], d["biases"],
+                             d["mode"])
+        return cls(key, dict(d["seconds"]), decide_stack_from_times(d["seconds"]))
+
+
 class Table(NamedTuple):
     """The measurements of one GPU model with one cuBLASLt version."""
 
     device: str
     cublaslt_version: Optional[int]
     entries: tuple[Entry, ...]
+    stacks: tuple[StackEntry, ...] = ()
 
 
 class Decision(NamedTuple):
-    """A choice and why it was made (`source`: override, user, shipped, fp8, reference-gpu,
-    none)."""
+    """A choice and why it was made (`source`: override, measuring, user, shipped, fp8,
+    reference-gpu, none) and the entry that made it (an `Entry`, or a `StackEntry` for
+    `stack_decision`)."""
 
     choice: str
     source: str
-    entry: Optional[Entry] = None
+    entry: Optional[Any] = None
 
 
 def decide_from_times(seconds: dict) -> str:
@@ -118,6 +189,21 @@ def decide_from_times(seconds: dict) -> str:
     if xla is None:  # XLA's lowering failed where cuBLASLt ran: nothing else to take
         return "cublaslt"
     return "cublaslt" if fused < min(xla * (1.0 - MARGIN), xla - CALL_COST_S) else "xla"
+
+
+def decide_stack_from_times(seconds: dict) -> str:
+    """'fused' where the fused stack beat the plain expression by more than `MARGIN`; 'plain'
+    otherwise (or where the fused stack failed)."""
+    fused, plain = seconds.get("fused"), seconds.get("plain")
+    if fused is None:
+        return "plain"
+    if plain is None:
+        return "fused"
+    return "fused" if fused < plain * (1.0 - MARGIN) else "plain"
+
+
+def make_stack_entry(key: StackKey, seconds: dict) -> StackEntry:
+    return StackEntry(key, dict(seconds), decide_stack_from_times(seconds))
 
 
 def make_entry(epilog, dtype, transpose_a: bool, transpose_b: bool, m: int, n: int, k: int,
@@ -136,11 +222,14 @@ def slug(device_kind: str) -> str:
 
 def _parse(text: str, path: Path) -> tuple[Table, ...]:
     data = json.loads(text)
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{path}: not a jax_epilog decisions table (expected format {FORMAT!r})")
+    found = data.get("format") if isinstance(data, dict) else type(data).__name__
+    if found not in READABLE_FORMATS:
+        raise ValueError(f"{path}: not a jax_epilog decisions table (expected format "
+                         f"{' or '.join(map(repr, READABLE_FORMATS))}, got {found!r})")
     return tuple(Table(t["device"], t.get("cublaslt_version"),
                        tuple(Entry(**{**e, "choice": decide_from_times(e["seconds"])})
-                             for e in t["entries"]))
+                             for e in t["entries"]),
+                       tuple(StackEntry.from_dict(e) for e in t.get("stacks", ())))
                  for t in data["tables"])
 
 
@@ -171,12 +260,16 @@ def _section(tables: Iterable[Table], device: str, version: Optional[int]) -> Op
 
 def _dump(tables: Iterable[Table]) -> str:
     """JSON with one entry per line, sorted, so that a table's changes read well in a diff."""
+    def listed(entries, order) -> str:
+        lines = ",\n".join("    " + json.dumps(e.as_dict()) for e in sorted(entries, key=order))
+        return f"[\n{lines}\n  ]" if lines else "[]"
+
     sections = []
     for t in tables:
-        entries = ",\n".join("    " + json.dumps(e.as_dict())
-                             for e in sorted(t.entries, key=lambda e: e.key))
         sections.append(f'  {{"device": {json.dumps(t.device)}, "cublaslt_version": '
-                        f'{json.dumps(t.cublaslt_version)}, "entries": [\n{entries}\n  ]}}')
+                        f'{json.dumps(t.cublaslt_version)}, '
+                        f'"entries": {listed(t.entries, lambda e: e.key)}, '
+                        f'"stacks": {listed(t.stacks, lambda e: e.key.order)}}}')
     return f'{{"format": {json.dumps(FORMAT)}, "tables": [\n' + ",\n".join(sections) + "\n]}\n"
 
 
@@ -193,18 +286,21 @@ def _locked(folder: Path):
 
 
 def merge_into(path: Path, device: str, cublaslt_version: Optional[int],
-               entries: Iterable[Entry]) -> tuple[Table, ...]:
-    """Add `entries` to `path`'s table for (device, cuBLASLt version), replacing entries of the
-    same problem, keeping everything else; written atomically (temp file + rename)."""
+               entries: Iterable[Entry], stacks: Iterable[StackEntry] = ()) -> tuple[Table, ...]:
+    """Add `entries` (and stack entries) to `path`'s table for (device, cuBLASLt version),
+    replacing entries of the same problem or stack, keeping everything else; written atomically
+    (temp file + rename), in the current format."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path.parent):
         tables = list(read_tables(path))
         index = next((i for i, t in enumerate(tables)
                       if t.device == device and t.cublaslt_version == cublaslt_version), None)
-        merged = {e.key: e for e in (tables[index].entries if index is not None else ())}
-        merged.update((e.key, e) for e in entries)
-        table = Table(device, cublaslt_version, tuple(merged.values()))
+        old = tables[index] if index is not None else Table(device, cublaslt_version, ())
+        merged = {e.key: e for e in (*old.entries, *entries)}
+        merged_stacks = {e.key: e for e in (*old.stacks, *stacks)}
+        table = Table(device, cublaslt_version, tuple(merged.values()),
+                      tuple(merged_stacks.values()))
         if index is None:
             tables.append(table)
         else:
@@ -241,6 +337,17 @@ def nearby(table: Optional[Table], problem: tuple) -> list[Entry]:
     return [e for d, e in sorted(close, key=lambda c: c[0]) if d <= limit]
 
 
+def nearby_stacks(table: Optional[Table], key: StackKey) -> list[StackEntry]:
+    """Stack entries of `table` of the same kind with rows within `NEAREST_WITHIN`, nearest
+    first."""
+    if table is None:
+        return []
+    limit = math.log(NEAREST_WITHIN) + 1e-9
+    close = [(abs(math.log(max(e.key.rows, 1) / max(key.rows, 1))), e) for e in table.stacks
+             if e.key.kind == key.kind]
+    return [e for d, e in sorted(close, key=lambda c: c[0]) if d <= limit]
+
+
 @functools.cache
 def device_identity() -> tuple[Optional[str], Optional[int]]:
     """(GPU model as JAX names it, cuBLASLt version) of this host's first CUDA device."""
@@ -255,18 +362,25 @@ def shipped_table_path(device: str) -> Path:
     return TABLES_DIR / f"{slug(device)}.json"
 
 
-def _decide(problem: tuple, user_path: Optional[Path]) -> Decision:
+def _sources(user_path: Optional[Path]) -> tuple[tuple[str, Optional[Table]], ...]:
+    """(source, this GPU's section) in the order they decide: what tune is measuring right now,
+    the user's table, the shipped one."""
     device, version = device_identity()
     user = _section(load_tables(user_path), device, version) if user_path else None
     shipped = _section(load_tables(shipped_table_path(device)), device, version) \
         if device else None
-    for source, table in (("user", user), ("shipped", shipped)):
+    return (("measuring", _measuring), ("user", user), ("shipped", shipped))
+
+
+def _decide(problem: tuple, user_path: Optional[Path]) -> Decision:
+    sources = _sources(user_path)
+    for source, table in sources:
         close = nearby(table, problem)
         if close:
             return Decision(close[0].choice, source, close[0])
     if is_fp8(problem[1]):
         return Decision("cublaslt", "fp8")
-    if user is not None or shipped is not None:
+    if any(table is not None for _, table in sources):
         return Decision("xla", "none")
     reference = _section(load_tables(shipped_table_path(REFERENCE_DEVICE)), REFERENCE_DEVICE,
                          None)
@@ -299,7 +413,48 @@ def choose(epilog: Epilog, dtype, batch: int, m: int, n: int, k: int, transpose_
     return decision(epilog, dtype, batch, m, n, k, transpose_a, transpose_b).choice
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_stack_decision(key: StackKey, user_path: Optional[Path]) -> Optional[Decision]:
+    for source, table in _sources(user_path):
+        close = nearby_stacks(table, key)
+        if close:
+            return Decision(close[0].choice, source, close[0])
+    return None
+
+
+def stack_decision(key: StackKey) -> Optional[Decision]:
+    """"fused" or "plain" for a whole `dense`/`mlp` stack left to "auto", from the nearest
+    measured stack entry; None where there is none nearby, under the override
+    (``JAX_EPILOG_BACKEND``), or while tune measures stacks (each candidate is timed as
+    itself): the layers then fall back to the per-GEMM rule."""
+    if config.backend_override() is not None or _measuring_stacks:
+        return None
+    return _cached_stack_decision(key, config.decisions_path())
+
+
+# While tune times the stacks: the GEMM entries it has just measured decide first (as they will
+# once written), and stack entries are not read.
+_measuring: Optional[Table] = None
+_measuring_stacks = False
+
+
+@contextlib.contextmanager
+def measuring(table: Table):
+    """Within the block (tune timing the candidates of a stack): `table`'s GEMM entries decide
+    before the user's and the shipped ones, and `stack_decision` answers None."""
+    global _measuring, _measuring_stacks
+    previous = _measuring, _measuring_stacks
+    _measuring, _measuring_stacks = table, True
+    clear_cache()
+    try:
+        yield
+    finally:
+        _measuring, _measuring_stacks = previous
+        clear_cache()
+
+
 def clear_cache() -> None:
     """Forget loaded tables and decisions (after a table was written, or in tests)."""
     load_tables.cache_clear()
     _cached_decision.cache_clear()
+    _cached_stack_decision.cache_clear()

@@ -34,6 +34,7 @@ differentiate a `custom_vjp` in forward mode, and a `custom_jvp` would give up t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections.abc import Sequence
@@ -92,6 +93,10 @@ def _layer_forward(stack: Stack, layer: Layer, h, kernel, bias, keep_residual: b
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _stack(stack: Stack, x, params):
+    # The primal runs only where nothing differentiates the stack: the inference forward.
+    _record(stack, x, params, "forward")
+    if _measured_path(stack, *_problem(x, params), "forward") == "plain":
+        return _plain_expression(stack, x, params)
     h = x
     for layer, (kernel, bias) in zip(stack.layers, params):
         h, _ = _layer_forward(stack, layer, h, kernel, bias, keep_residual=False)
@@ -99,6 +104,7 @@ def _stack(stack: Stack, x, params):
 
 
 def _stack_fwd(stack: Stack, x, params):
+    _record(stack, x, params, "step")
     h, inputs, residuals = x, [], []
     for layer, (kernel, bias) in zip(stack.layers, params):
         inputs.append(checkpoint_name(h, LAYER_INPUT_NAME))
@@ -175,7 +181,7 @@ def _stack_bwd(stack: Stack, saved, dy):
 _stack.defvjp(_stack_fwd, _stack_bwd)
 
 
-# --- where every GEMM runs XLA's way: the plain expression -----------------------------------
+# --- per stack: the plain expression or the fused stack, whichever was faster ---------------
 
 def _gemms(layers, rows: int, widths) -> list:
     """(direction, (epilog, batch, M, N, K, transpose_a, transpose_b)) of every GEMM of a
@@ -192,12 +198,73 @@ def _gemms(layers, rows: int, widths) -> list:
     return gemms
 
 
+def _on_cuda_gpu() -> bool:
+    # Other platforms run the reference: the layer is the same code whichever path it takes.
+    return jax.default_backend() == "gpu" and cuda_library.available()
+
+
+def _problem(x, params) -> tuple:
+    """(rows, widths, dtype) of a stack called on the rows `x`, as `_run` computes them."""
+    return x.shape[0], [x.shape[1]] + [kernel.shape[1] for kernel, _ in params], x.dtype
+
+
+def _stack_key(stack: Stack, rows: int, widths, dtype, mode: str):
+    from . import dispatch
+    layers = stack.layers
+    return dispatch.make_stack_key(dtype, rows, widths, [layer.activation for layer in layers],
+                                   [layer.has_bias for layer in layers], mode)
+
+
+def _left_to_auto(stack: Stack) -> bool:
+    return stack.forward == "auto" and stack.backward == "auto"
+
+
+_recorded: Optional[list] = None  # while `recording_stacks()` collects
+
+
+@contextlib.contextmanager
+def recording_stacks():
+    """Collects (in the list it yields) the `dispatch.StackKey` of every stack left to "auto"
+    whose fused form is traced in the block: its custom VJP's forward as a training step, its
+    primal as an inference forward. `python -m jax_epilog.tune` finds a program's stacks so."""
+    global _recorded
+    previous, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = previous
+
+
+def _record(stack: Stack, x, params, mode: str) -> None:
+    if _recorded is not None and _left_to_auto(stack):
+        _recorded.append(_stack_key(stack, *_problem(x, params), mode))
+
+
+def _measured_path(stack: Stack, rows: int, widths, dtype, mode: str) -> Optional[str]:
+    """"plain" or "fused": what the stack's nearest measured entry for `mode` ("step" or
+    "forward") chose on this CUDA GPU (`dispatch.stack_decision`); None without one, or where
+    forward=/backward= asked for a backend (the GEMMs then run as asked)."""
+    if not _on_cuda_gpu() or not _left_to_auto(stack):
+        return None
+    from . import dispatch
+    decision = dispatch.stack_decision(_stack_key(stack, rows, widths, dtype, mode))
+    return decision.choice if decision is not None else None
+
+
 def _plain_is_faster(stack: Stack, rows: int, widths, dtype) -> bool:
-    """Whether every GEMM of the stack's training step runs XLA's way on this CUDA GPU (asked
-    for, or chosen per problem by `dispatch`): then the layer is the plain expression, which
-    XLA compiles exactly as it does a user's own (no bit mask to keep, nothing to pack)."""
-    if jax.default_backend() != "gpu" or not cuda_library.available():
-        return False  # other platforms run the reference: the layer is always the same code
+    """Whether the stack's training step runs as the plain expression on this CUDA GPU: where
+    its measured stack entry chose "plain", else (no entry) where every GEMM of the step runs
+    XLA's way (asked for, or chosen per problem by `dispatch`). The plain expression is
+    compiled by XLA exactly as a user's own (no bit mask to keep, nothing to pack).
+
+    The layer cannot know here whether it will be differentiated, so this follows the training
+    step, which users optimise; the inference forward follows its own entry where it has one
+    (in `_stack`'s primal and in `_plain_stack`)."""
+    if not _on_cuda_gpu():
+        return False
+    measured = _measured_path(stack, rows, widths, dtype, "step")
+    if measured is not None:
+        return measured == "plain"
     from . import dispatch
 
     def backend(choice, epilog, *problem):
@@ -210,12 +277,36 @@ def _plain_is_faster(stack: Stack, rows: int, widths, dtype) -> bool:
                for direction, gemm in _gemms(stack.layers, rows, widths))
 
 
-def _plain_stack(stack: Stack, h, params):
+def _plain_expression(stack: Stack, h, params):
     for layer, (kernel, bias) in zip(stack.layers, params):
         z = jnp.matmul(h, kernel, precision=stack.precision)
         z = z if bias is None else z + bias
         h = epilogs.ACTIVATIONS[layer.activation].plain(z) if layer.activation else z
     return h
+
+
+def _plain_stack(stack: Stack, h, params):
+    """The plain expression under JAX's autodiff; where the stack's inference entry chose the
+    fused stack, that is what runs when nothing differentiates it."""
+    if _measured_path(stack, *_problem(h, params), "forward") == "fused":
+        return _plain_step(stack, h, params)
+    return _plain_expression(stack, h, params)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _plain_step(stack: Stack, x, params):
+    return _stack(stack, x, params)  # the primal: the inference forward
+
+
+def _plain_step_fwd(stack: Stack, x, params):
+    return jax.vjp(functools.partial(_plain_expression, stack), x, params)  # (y, pullback)
+
+
+def _plain_step_bwd(stack: Stack, pullback, dy):
+    return pullback(dy)
+
+
+_plain_step.defvjp(_plain_step_fwd, _plain_step_bwd)
 
 
 # --- the public layers: argument checks, dtypes, leading dims ------------------------------

@@ -7,13 +7,20 @@ actually runs:
 
 1. It traces functions (`jax.make_jaxpr`, walking nested jaxprs: jit, custom_vjp/custom_jvp,
    scan, cond, remat, custom_partitioning) and collects every `epilog_matmul` call left to
-   ``backend="auto"``: epilog, dtype, transposes and the normalised problem (batch, M, N, K).
+   ``backend="auto"``: epilog, dtype, transposes and the normalised problem (batch, M, N, K);
+   and every `dense`/`mlp` stack left to "auto" (`layers.recording_stacks`: dtype, rows,
+   widths, activations, biases; a training step where its custom VJP's forward was traced, an
+   inference forward where its primal was).
 2. It times each distinct problem with ``backend="cublaslt"`` and ``backend="xla"``:
    `jax_epilog.matmul` jitted on random operands of those shapes (a random bit mask for the
    DRELU epilogs), wall-clock rounds of back-to-back calls with one `block_until_ready` each,
    median over rounds after a warm-up, about `SECONDS_PER_CANDIDATE` of GPU time per candidate.
    Small problems run several independent copies per call so that host dispatch does not hide
-   the kernels (as inside a real network).
+   the kernels (as inside a real network). Then each distinct stack, as the layer is used
+   (inference: the forward; training step: forward and backward through `jax.vjp`), as the
+   plain expression under XLA ("plain") and as the fused stack ("fused", each GEMM choosing by
+   the GEMM entries just measured): one real call after another, rotating inputs through
+   enough copies to leave L2, so the custom calls' own cost is in the times.
 3. It merges the decisions into the table (atomic write; other entries are kept).
 
     python -m jax_epilog.tune --grid                       # the benchmark grid G1-G7, M1-M3
@@ -43,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from . import config, dispatch
+from . import config, dispatch, layers
 from .epilogs import Epilog, gelu_aux_columns, is_fp8, relu_mask_bytes
 from .epilogs import aux_dtype as aux_dtype_of
 from .layers import mlp
@@ -121,14 +128,14 @@ def _sub_jaxprs(params: dict) -> Iterable[Jaxpr]:
                 yield item
 
 
-def _walk(jaxpr: Jaxpr, found: list[Problem]) -> None:
+def epilog_eqns(jaxpr: Jaxpr) -> Iterable:
+    """Every `epilog_matmul` equation of `jaxpr` and of the jaxprs nested in it."""
     for eqn in jaxpr.eqns:
         if eqn.primitive is epilog_matmul_p:
-            if eqn.params.get("backend", "auto") == "auto":
-                found.append(_problem_of_eqn(eqn))
+            yield eqn
             continue
         for sub in _sub_jaxprs(eqn.params):
-            _walk(sub, found)
+            yield from epilog_eqns(sub)
 
 
 def _problem_of_eqn(eqn) -> Problem:
@@ -145,14 +152,29 @@ def _problem_of_eqn(eqn) -> Problem:
                    bool(params.get("result_amax", False)))
 
 
-def problems_of(fn: Callable, *args, **kwargs) -> list[Problem]:
-    """Every `epilog_matmul` call of `fn(*args, **kwargs)` left to ``backend="auto"``, in trace
-    order, repeats included. `args` may be arrays or `jax.ShapeDtypeStruct`s."""
-    found: list[Problem] = []
-    with config.backend_forced("cublaslt"):  # the layers' epilog path, whatever the tables say
+def traced(fn: Callable, *args, **kwargs) -> tuple[list[Problem], list[dispatch.StackKey]]:
+    """(every `epilog_matmul` call left to ``backend="auto"``, every `dense`/`mlp` stack left to
+    "auto") of `fn(*args, **kwargs)`, in trace order, repeats included. `args` may be arrays or
+    `jax.ShapeDtypeStruct`s."""
+    # A function traced before (by jit, or a custom VJP's cached trace) would not run the
+    # layers' Python again: no stack recorded, and the path of that trace, not the fused one.
+    jax.clear_caches()
+    # The layers' fused path, whatever the tables say, so every GEMM and stack is seen.
+    with config.backend_forced("cublaslt"), layers.recording_stacks() as stacks:
         jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
-    _walk(jaxpr, found)
-    return found
+    problems = [_problem_of_eqn(eqn) for eqn in epilog_eqns(jaxpr)
+                if eqn.params.get("backend", "auto") == "auto"]
+    return problems, list(stacks)
+
+
+def problems_of(fn: Callable, *args, **kwargs) -> list[Problem]:
+    """The `epilog_matmul` calls of `traced`."""
+    return traced(fn, *args, **kwargs)[0]
+
+
+def stacks_of(fn: Callable, *args, **kwargs) -> list[dispatch.StackKey]:
+    """The `dense`/`mlp` stacks of `traced`."""
+    return traced(fn, *args, **kwargs)[1]
 
 
 def distinct(problems: Iterable[Problem]) -> list[Problem]:
@@ -161,6 +183,17 @@ def distinct(problems: Iterable[Problem]) -> list[Problem]:
     for p in problems:
         unique.setdefault(p.table_key, p)
     return sorted(unique.values(), key=lambda p: (-p.flops, p.table_key))
+
+
+def stack_flops(key: dispatch.StackKey) -> int:
+    """1 GEMM per layer forward, 3 per layer for a training step (dX of the first included)."""
+    forward = sum(2 * key.rows * k * n for k, n in zip(key.widths, key.widths[1:]))
+    return forward if key.mode == "forward" else 3 * forward
+
+
+def distinct_stacks(stacks: Iterable[dispatch.StackKey]) -> list[dispatch.StackKey]:
+    """Each stack once, largest first."""
+    return sorted(set(stacks), key=lambda key: (-stack_flops(key), key.order))
 
 
 # --- the grid's functions ----------------------------------------------------------------------
@@ -316,39 +349,108 @@ def call_fn(p: Problem, backend: str) -> Callable:
     return call
 
 
+def _copies(nbytes: int) -> int:
+    """Copies of `nbytes` of operands that touch twice the L2 (at most `MAX_COPIES`)."""
+    return max(1, min(MAX_COPIES, math.ceil(2 * L2_BYTES / max(nbytes, 1))))
+
+
 def copies_for(p: Problem) -> int:
-    """Independent copies per timed call: enough to touch twice the L2 (at most `MAX_COPIES`)."""
+    """Independent copies per timed call: enough to touch twice the L2."""
     size = jnp.dtype(p.dtype).itemsize
-    per_call = size * p.batch * (p.m * p.k + p.m * p.n) + size * p.b_batch * p.k * p.n
-    return max(1, min(MAX_COPIES, math.ceil(2 * L2_BYTES / max(per_call, 1))))
+    return _copies(size * p.batch * (p.m * p.k + p.m * p.n) + size * p.b_batch * p.k * p.n)
 
 
-def time_problem(p: Problem, backend: str, *, seconds: float = SECONDS_PER_CANDIDATE,
-                 rounds: int = ROUNDS) -> float:
-    """Seconds per call of `p` on `backend`: the median of `rounds` wall-clock rounds of
-    back-to-back calls (one `block_until_ready` per round) after a warm-up, about `seconds` in
-    all. Each call runs `copies_for(p)` independent problems; the result is per problem."""
-    operands = _operand_sets(p)
-    call = call_fn(p, backend)
-    run_all = jax.jit(lambda sets: [call(*s) for s in sets])
-    jax.block_until_ready(run_all(operands))  # compile, plan, autotune
-
+def _seconds_per_call(call: Callable[[int], Any], seconds: float, rounds: int) -> float:
+    """`call(i)` makes the i-th call: the median of `rounds` wall-clock rounds of back-to-back
+    calls (one `block_until_ready` per round) after a warm-up, about `seconds` in all."""
     def timed(calls: int) -> float:
         start = time.perf_counter()
         out = None
-        for _ in range(calls):
-            out = run_all(operands)
+        for i in range(calls):
+            out = call(i)
         jax.block_until_ready(out)
         return time.perf_counter() - start
 
     estimate = min(timed(1), timed(1))
     calls = max(1, min(10_000, round(seconds / rounds / max(estimate, 1e-7))))
-    return statistics.median(timed(calls) / calls for _ in range(rounds)) / len(operands)
+    return statistics.median(timed(calls) / calls for _ in range(rounds))
+
+
+def time_problem(p: Problem, backend: str, *, seconds: float = SECONDS_PER_CANDIDATE,
+                 rounds: int = ROUNDS) -> float:
+    """Seconds per call of `p` on `backend` (`_seconds_per_call`). Each call runs
+    `copies_for(p)` independent problems; the result is per problem."""
+    operands = _operand_sets(p)
+    call = call_fn(p, backend)
+    run_all = jax.jit(lambda sets: [call(*s) for s in sets])
+    jax.block_until_ready(run_all(operands))  # compile, plan, autotune
+    return _seconds_per_call(lambda i: run_all(operands), seconds, rounds) / len(operands)
 
 
 @functools.lru_cache(maxsize=1)  # both candidates of a problem time the same arrays
 def _operand_sets(p: Problem) -> list[tuple]:
     return jax.block_until_ready([random_operands(p, seed) for seed in range(copies_for(p))])
+
+
+def stack_of(key: dispatch.StackKey) -> layers.Stack:
+    """The `layers.Stack` of a stack entry, every GEMM left to "auto"."""
+    return layers.Stack(layers=tuple(layers.Layer(act, bias)
+                                     for act, bias in zip(key.activations, key.biases)),
+                        precision=None, forward="auto", backward="auto")
+
+
+def stack_fn(key: dispatch.StackKey, candidate: str) -> Callable:
+    """The stack as `candidate` runs it: "plain" (the plain expression, which XLA compiles as
+    a user's own) or "fused" (the layers' custom VJP). Inference: (x, params) -> y; training
+    step: (x, params, dy) -> (y, (dx, dparams)) through `jax.vjp`, as the layer is used."""
+    run = {"plain": layers._plain_expression, "fused": layers._stack}[candidate]
+    forward = functools.partial(run, stack_of(key))
+    if key.mode == "forward":
+        return forward
+
+    def step(x, params, dy):
+        y, pullback = jax.vjp(forward, x, params)
+        return y, pullback(dy)
+    return step
+
+
+def stack_operands(key: dispatch.StackKey, seed: int = 0) -> tuple:
+    """Random normal (x, params[, dy]) for `stack_fn(key, ...)`: kernels scaled by 1/sqrt(K),
+    small biases (None where the layer has none)."""
+    dtype = jnp.dtype(key.dtype)
+    keys = iter(jax.random.split(jax.random.key(seed), 2 * len(key.biases) + 2))
+    params = tuple(
+        ((jax.random.normal(next(keys), (k, n), jnp.float32) / math.sqrt(k)).astype(dtype),
+         (0.1 * jax.random.normal(next(keys), (n,), jnp.float32)).astype(dtype) if bias
+         else None)
+        for k, n, bias in zip(key.widths, key.widths[1:], key.biases))
+    x = jax.random.normal(next(keys), (key.rows, key.widths[0]), dtype)
+    if key.mode == "forward":
+        return x, params
+    return x, params, jax.random.normal(next(keys), (key.rows, key.widths[-1]), dtype)
+
+
+def _stack_copies(key: dispatch.StackKey) -> int:
+    outer = key.widths[0] + key.widths[-1] * (1 if key.mode == "forward" else 2)
+    weights = sum(k * n + n for k, n in zip(key.widths, key.widths[1:]))
+    return _copies(jnp.dtype(key.dtype).itemsize * (key.rows * outer + weights))
+
+
+@functools.lru_cache(maxsize=1)  # both candidates of a stack time the same arrays
+def _stack_operand_sets(key: dispatch.StackKey) -> list[tuple]:
+    return jax.block_until_ready([stack_operands(key, seed)
+                                 for seed in range(_stack_copies(key))])
+
+
+def time_stack(key: dispatch.StackKey, candidate: str, *,
+               seconds: float = SECONDS_PER_CANDIDATE, rounds: int = ROUNDS) -> float:
+    """Seconds per call of the stack as `candidate` (`_seconds_per_call`): one jitted call per
+    step, each on the next copy of the inputs (so the inputs come from HBM, and each call pays
+    its custom calls' own cost, as in a real program). Call it inside `dispatch.measuring`."""
+    sets = _stack_operand_sets(key)
+    fn = jax.jit(stack_fn(key, candidate))
+    jax.block_until_ready([fn(*s) for s in sets])  # compile, plan, autotune
+    return _seconds_per_call(lambda i: fn(*sets[i % len(sets)]), seconds, rounds)
 
 
 # --- 3. the run ---------------------------------------------------------------------------------
@@ -382,21 +484,39 @@ def has_cuda_gpu() -> bool:
     return dispatch.device_identity()[0] is not None
 
 
-def _as_problems(fns_or_problems) -> list[Problem]:
-    problems = []
-    for item in fns_or_problems:
+def _collect(items) -> tuple[list[Problem], list[dispatch.StackKey]]:
+    """The distinct problems and stacks of `tune`'s items."""
+    problems, stacks = [], []
+    for item in items:
         if isinstance(item, Problem):
             problems.append(item)
+        elif isinstance(item, dispatch.StackKey):
+            stacks.append(item)
         elif isinstance(item, tuple) and len(item) == 2 and callable(item[0]):
             fn, args = item
-            problems += problems_of(fn, *args)
+            found = traced(fn, *args)
+            problems += found[0]
+            stacks += found[1]
         elif callable(item):
             raise TypeError("fns_or_problems: give a function with its example arguments, as "
                             f"(fn, args), got the bare callable {item!r}")
         else:
-            raise TypeError(f"fns_or_problems: expected Problem or (fn, args) items, got "
-                            f"{type(item).__name__}")
-    return distinct(problems)
+            raise TypeError(f"fns_or_problems: expected Problem, dispatch.StackKey or (fn, args) "
+                            f"items, got {type(item).__name__}")
+    return distinct(problems), distinct_stacks(stacks)
+
+
+def _timed(measure: Callable, what, candidates: Sequence[str], seconds: float,
+           failures: list[str]) -> dict:
+    """{candidate: seconds per call, None where it failed (noted in `failures`)}."""
+    times = {}
+    for candidate in candidates:
+        try:
+            times[candidate] = float(measure(what, candidate, seconds=seconds))
+        except Exception as e:  # noqa: BLE001  (one failure costs one candidate)
+            times[candidate] = None
+            failures.append(f"{what} on {candidate}: {type(e).__name__}: {e}")
+    return times
 
 
 def _us(seconds: Optional[float]) -> str:
@@ -405,59 +525,69 @@ def _us(seconds: Optional[float]) -> str:
 
 def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
          seconds: float = SECONDS_PER_CANDIDATE, measure: Optional[Callable] = None,
-         progress: bool = True, write: bool = True) -> dispatch.Table:
-    """Time every distinct problem of `fns_or_problems` on both backends and merge the
-    decisions into `output` (default: `config.decisions_path()`).
+         measure_stack: Optional[Callable] = None, progress: bool = True,
+         write: bool = True) -> dispatch.Table:
+    """Time every distinct problem of `fns_or_problems` on both backends, then every distinct
+    stack as "fused" and "plain", and merge the decisions into `output` (default:
+    `config.decisions_path()`).
 
     Args:
-      fns_or_problems: `Problem`s and/or `(fn, args)` pairs (args: a tuple of pytrees of arrays
-        or `jax.ShapeDtypeStruct`s), traced with `problems_of`.
+      fns_or_problems: `Problem`s, `dispatch.StackKey`s and/or `(fn, args)` pairs (args: a
+        tuple of pytrees of arrays or `jax.ShapeDtypeStruct`s), traced with `traced`.
       output: the table file; None: the user's table.
-      seconds: GPU time per candidate and problem (rounds of back-to-back calls).
+      seconds: GPU time per candidate and problem or stack (rounds of back-to-back calls).
       measure: `measure(problem, backend, seconds=...) -> seconds per call`; `time_problem` by
         default (tests inject their own).
+      measure_stack: `measure_stack(stack_key, candidate, seconds=...) -> seconds per call`;
+        `time_stack` by default. It runs inside `dispatch.measuring` with this run's GEMM
+        entries.
       progress: show a progress bar (plain lines without tqdm).
       write: merge the results into the file (False: only return them).
 
     Returns:
-      The `dispatch.Table` of this run's measurements (device, cuBLASLt version, entries).
+      The `dispatch.Table` of this run's measurements (device, cuBLASLt version, entries,
+      stack entries).
     """
     if not has_cuda_gpu():
         raise RuntimeError("jax_epilog.tune needs a CUDA GPU: JAX sees none on this machine")
     device, version = dispatch.device_identity()
-    problems = _as_problems(fns_or_problems)
-    measure = measure or time_problem
+    problems, stacks = _collect(fns_or_problems)
+    measure, measure_stack = measure or time_problem, measure_stack or time_stack
     started = time.perf_counter()
-    bar = _Progress(len(problems), progress)
-    entries, failures = [], []
+    bar = _Progress(len(problems) + len(stacks), progress)
+    entries, stack_entries, failures = [], [], []
     try:
         for p in problems:
-            times = {}
-            for backend in dispatch.CANDIDATES:
-                try:
-                    times[backend] = float(measure(p, backend, seconds=seconds))
-                except Exception as e:  # noqa: BLE001  (one failure costs one candidate)
-                    times[backend] = None
-                    failures.append(f"{p} on {backend}: {type(e).__name__}: {e}")
+            times = _timed(measure, p, dispatch.CANDIDATES, seconds, failures)
             entry = dispatch.make_entry(p.epilog, p.dtype, p.transpose_a, p.transpose_b,
                                         p.batch * p.m, p.n, p.k, times)
             entries.append(entry)
             bar.report(f"{p}: cublaslt {_us(times['cublaslt'])}, xla {_us(times['xla'])} "
                        f"-> {entry.choice}")
+        _operand_sets.cache_clear()
+        with dispatch.measuring(dispatch.Table(device, version, tuple(entries))):
+            for key in stacks:
+                times = _timed(measure_stack, key, dispatch.STACK_CANDIDATES, seconds, failures)
+                stack_entries.append(dispatch.make_stack_entry(key, times))
+                bar.report(f"{key}: fused {_us(times['fused'])}, plain {_us(times['plain'])} "
+                           f"-> {stack_entries[-1].choice}")
     finally:
         bar.close()
         _operand_sets.cache_clear()
+        _stack_operand_sets.cache_clear()
         # Whatever was measured is kept, also when a later problem stopped the run.
         path = Path(output) if output is not None else config.decisions_path()
-        if write and entries and path is not None:
-            dispatch.merge_into(path, device, version, entries)
+        if write and (entries or stack_entries) and path is not None:
+            dispatch.merge_into(path, device, version, entries, stack_entries)
     for failure in failures:
         print(f"failed: {failure}", file=sys.stderr)
     wins = sum(e.choice == "cublaslt" for e in entries)
+    fused = sum(e.choice == "fused" for e in stack_entries)
     where = f" into {path}" if write and path is not None else ""
-    print(f"tuned {len(entries)} problems in {time.perf_counter() - started:.1f} s: cublaslt "
-          f"{wins}, xla {len(entries) - wins}{where}", flush=True)
-    return dispatch.Table(device, version, tuple(entries))
+    print(f"tuned {len(entries)} problems and {len(stack_entries)} stacks in "
+          f"{time.perf_counter() - started:.1f} s: cublaslt {wins}, xla {len(entries) - wins}; "
+          f"fused {fused}, plain {len(stack_entries) - fused}{where}", flush=True)
+    return dispatch.Table(device, version, tuple(entries), tuple(stack_entries))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -476,9 +606,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="the table to merge into (default: $JAX_EPILOG_DECISIONS or "
                              "~/.cache/jax_epilog/decisions.json)")
     parser.add_argument("--seconds", type=float, default=SECONDS_PER_CANDIDATE,
-                        help="GPU time per candidate and problem (default %(default)s)")
+                        help="GPU time per candidate and problem or stack (default "
+                             "%(default)s)")
     parser.add_argument("--dry-run", action="store_true",
-                        help="list the problems without timing them (works without a GPU)")
+                        help="list the problems and stacks without timing them (works without "
+                             "a GPU)")
     parser.add_argument("--no-progress", action="store_true", help="plain lines, no bar")
     args = parser.parse_args(argv)
     if args.args and not args.fn:
@@ -504,13 +636,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("jax_epilog.tune: no CUDA GPU visible to JAX here; timing needs one (use --dry-run "
               "to list the problems)", file=sys.stderr)
         return 2
-    problems = _as_problems(targets)
+    problems, stacks = _collect(targets)
     if args.dry_run:
-        for p in problems:
-            print(p)
-        print(f"{len(problems)} distinct problems", flush=True)
+        for item in (*problems, *stacks):
+            print(item)
+        print(f"{len(problems)} distinct problems, {len(stacks)} stacks", flush=True)
         return 0
-    tune(problems, output=args.output, seconds=args.seconds, progress=not args.no_progress)
+    tune([*problems, *stacks], output=args.output, seconds=args.seconds,
+         progress=not args.no_progress)
     return 0
 
 

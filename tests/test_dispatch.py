@@ -2,10 +2,13 @@
 margin, the conservative rule for a GPU without a table, user table over shipped table, the
 environment override, and the atomic merge-write of a table. CPU only: the GPU is faked."""
 
+import functools
 import json
 import os
 import threading
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from jax_epilog import dispatch
@@ -270,3 +273,199 @@ def test_auto_lowering_follows_the_table_on_the_gpu(tmp_path, monkeypatch, fused
         .compile().as_text()
     dispatch.clear_cache()
     assert ('custom_call_target="jax_epilog_matmul"' in text) == kernel
+
+
+# --- stack entries: a whole dense/mlp stack, plain expression against the fused stack ----------
+
+M3 = ((784, 100, 100, 10), ("relu", "relu", None), (True, True, True))
+
+
+def stack_key(rows=256, shape=M3, mode="step", dtype="bfloat16"):
+    return dispatch.make_stack_key(dtype, rows, *shape, mode)
+
+
+def stack_entry(fused, plain=1.0, **key):
+    return dispatch.make_stack_entry(stack_key(**key), {"fused": fused, "plain": plain})
+
+
+def write_stacks(path, stacks, device=H200, version=VERSION):
+    dispatch.merge_into(path, device, version, [], stacks)
+
+
+def stack_choice(**key):
+    decision = dispatch.stack_decision(stack_key(**key))
+    return decision and decision.choice
+
+
+@pytest.mark.parametrize("fused, plain, expected", [
+    (0.97, 1.0, "fused"), (0.99, 1.0, "plain"), (1.5, 1.0, "plain"), (None, 1.0, "plain"),
+    (0.5, None, "fused")])
+def test_fused_stack_wins_only_by_the_margin(fused, plain, expected):
+    assert dispatch.decide_stack_from_times({"fused": fused, "plain": plain}) == expected
+
+
+def test_stack_keys_are_checked():
+    with pytest.raises(ValueError, match="mode"):
+        stack_key(mode="train")
+    with pytest.raises(ValueError, match="widths, activations, biases"):
+        dispatch.make_stack_key("bfloat16", 8, (4, 4), ("relu", None), (True,), "step")
+    assert stack_key(dtype="bfloat16") == stack_key(dtype=jnp.bfloat16)
+
+
+def test_version_1_files_without_stacks_still_load(tables):
+    entry_1 = entry(4096, 1024, 1024, fused=0.5).as_dict()
+    shipped(tables).write_text(json.dumps({"format": "jax_epilog.decisions/1", "tables": [
+        {"device": H200, "cublaslt_version": VERSION, "entries": [entry_1]}]}))
+    assert choose(4096, 1024, 1024) == "cublaslt"
+    assert dispatch.load_tables(shipped(tables))[0].stacks == ()
+    assert stack_choice() is None  # no stack entry: the layers use the per-GEMM rule
+    shipped(tables).write_text(json.dumps({"format": "jax_epilog.decisions/9", "tables": []}))
+    dispatch.clear_cache()
+    with pytest.warns(RuntimeWarning, match="decisions/9"):
+        assert choose(4096, 1024, 1024) == "xla"
+
+
+def test_stack_entries_are_written_read_and_merged(tables):
+    path = tables / "user.json"
+    write(path, [entry(4096, 1024, 1024, fused=0.5)])
+    write_stacks(path, [stack_entry(0.5), stack_entry(2.0, mode="forward")])
+    write_stacks(path, [stack_entry(1.5)])  # the same stack again: replaced
+    data = json.loads(path.read_text())
+    assert data["format"] == dispatch.FORMAT == "jax_epilog.decisions/2"
+    section = data["tables"][0]
+    assert len(section["entries"]) == 1
+    assert sorted((s["mode"], s["choice"]) for s in section["stacks"]) == [
+        ("forward", "plain"), ("step", "plain")]
+    assert section["stacks"][0]["activations"] == ["relu", "relu", None]
+    table = dispatch.load_tables(path)[0]
+    assert {s.key for s in table.stacks} == {stack_key(), stack_key(mode="forward")}
+
+
+def test_stack_lookup_exact_then_nearest_within_twice_the_rows(tables):
+    write_stacks(shipped(tables), [stack_entry(0.5, rows=256), stack_entry(2.0, rows=4096)])
+    assert stack_choice(rows=256) == "fused"
+    assert stack_choice(rows=512) == "fused"  # exactly 2x is still near
+    assert stack_choice(rows=3000) == "plain"  # nearer the large one
+    assert stack_choice(rows=127) is None  # just over 2x from every entry
+    decision = dispatch.stack_decision(stack_key(rows=300))
+    assert decision.source == "shipped" and decision.entry.key.rows == 256
+
+
+def test_stack_lookup_needs_the_same_stack_and_mode(tables):
+    write_stacks(shipped(tables), [stack_entry(0.5)])
+    widths, activations, biases = M3
+    assert stack_choice(mode="forward") is None
+    assert stack_choice(dtype="float16") is None
+    assert stack_choice(shape=((784, 100, 100, 20), activations, biases)) is None
+    assert stack_choice(shape=(widths, ("gelu", "relu", None), biases)) is None
+    assert stack_choice(shape=(widths, activations, (True, False, True))) is None
+
+
+def test_user_stack_entry_decides_before_the_shipped_one(tables):
+    write_stacks(shipped(tables), [stack_entry(0.5), stack_entry(0.5, rows=8192)])
+    write_stacks(tables / "user.json", [stack_entry(2.0)])
+    dispatch.clear_cache()
+    assert stack_choice() == "plain" and dispatch.stack_decision(stack_key()).source == "user"
+    assert stack_choice(rows=8192) == "fused"
+
+
+def test_override_and_measuring_leave_stacks_to_the_per_gemm_rule(tables, monkeypatch):
+    write_stacks(shipped(tables), [stack_entry(0.5)])
+    monkeypatch.setenv("JAX_EPILOG_BACKEND", "xla")
+    assert stack_choice() is None
+    monkeypatch.delenv("JAX_EPILOG_BACKEND")
+    assert stack_choice() == "fused"
+    measured = dispatch.Table(H200, VERSION, (entry(4096, 1024, 1024, fused=0.5),))
+    with dispatch.measuring(measured):
+        assert stack_choice() is None  # each candidate is timed as itself
+        assert choose(4096, 1024, 1024) == "cublaslt"  # the GEMMs tune has just measured
+        assert dispatch.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 1024, False,
+                                 True).source == "measuring"
+    assert choose(4096, 1024, 1024) == "xla" and stack_choice() == "fused"
+
+
+# --- the layers follow the stack entries (on a faked CUDA GPU: only what is traced) -------------
+
+@pytest.fixture
+def layer_gpu(tables, monkeypatch):
+    from jax_epilog import layers
+    monkeypatch.setattr(layers, "_on_cuda_gpu", lambda: True)
+    return tables
+
+
+def epilog_gemms(fn, *args):
+    from jax_epilog import tune
+    return len(list(tune.epilog_eqns(jax.make_jaxpr(fn)(*args).jaxpr)))
+
+
+def m3_paths(**kwargs):
+    """(GEMMs of the inference forward, GEMMs of the training step) as the layer is traced:
+    0 where it took the plain expression."""
+    import jax_epilog
+    widths = M3[0]
+    params = [(jnp.ones((k, n), jnp.bfloat16), jnp.ones((n,), jnp.bfloat16))
+              for k, n in zip(widths, widths[1:])]
+    x = jnp.ones((2, 128, widths[0]), jnp.bfloat16)  # leading dims: 256 rows
+
+    def forward(x, params):
+        return jax_epilog.mlp(x, params, **kwargs)
+
+    def step(x, params):
+        return jax.grad(lambda p: forward(x, p).astype(jnp.float32).sum())(params)
+    return epilog_gemms(forward, x, params), epilog_gemms(step, x, params)
+
+
+@pytest.mark.parametrize("step, forward, expected", [
+    ("plain", "plain", (0, 0)),
+    ("fused", "fused", (3, 9)),
+    ("plain", "fused", (3, 0)),  # inference fused, the training step the plain expression's
+    ("fused", "plain", (0, 9)),
+])
+def test_layers_take_each_mode_as_its_stack_entry_chose(layer_gpu, step, forward, expected):
+    seconds = {"fused": 0.5, "plain": 1.0}, {"fused": 2.0, "plain": 1.0}
+    write_stacks(shipped(layer_gpu), [
+        dispatch.make_stack_entry(stack_key(mode="step"), seconds[step == "plain"]),
+        dispatch.make_stack_entry(stack_key(mode="forward"), seconds[forward == "plain"])])
+    assert m3_paths() == expected
+
+
+def test_without_a_stack_entry_the_per_gemm_rule_decides(layer_gpu):
+    # No tables: every GEMM chooses XLA, so the step is the plain expression; the inference
+    # forward follows the training step.
+    assert m3_paths() == (0, 0)
+    write(shipped(layer_gpu), [entry(256, 100, 784, fused=0.5, epilog=Epilog.RELU_AUX_BIAS,
+                                     tb=False)])
+    dispatch.clear_cache()
+    assert m3_paths() == (3, 9)
+
+
+def test_forced_backends_and_the_override_ignore_stack_entries(layer_gpu, monkeypatch):
+    write_stacks(shipped(layer_gpu), [stack_entry(2.0), stack_entry(2.0, mode="forward")])
+    assert m3_paths() == (0, 0)
+    assert m3_paths(forward="fused") == (3, 9)
+    assert m3_paths(backward="fused") == (3, 9)
+    monkeypatch.setenv("JAX_EPILOG_BACKEND", "cublaslt")
+    assert m3_paths() == (3, 9)
+
+
+def test_mixed_path_gives_the_plain_expressions_gradients(layer_gpu):
+    import jax_epilog
+    write_stacks(shipped(layer_gpu), [
+        dispatch.make_stack_entry(stack_key(rows=8, shape=((6, 5), ("relu",), (True,))),
+                                  {"fused": 2.0, "plain": 1.0}),
+        dispatch.make_stack_entry(stack_key(rows=8, shape=((6, 5), ("relu",), (True,)),
+                                            mode="forward"), {"fused": 0.5, "plain": 1.0})])
+    keys = jax.random.split(jax.random.key(0), 3)
+    x, w, b = (jax.random.normal(k, s, jnp.float32).astype(jnp.bfloat16)
+               for k, s in zip(keys, ((8, 6), (6, 5), (5,))))
+
+    def loss(layer, x, w, b):
+        return layer(x, w, b).astype(jnp.float32).sum()
+
+    ours = jax.grad(functools.partial(loss, lambda x, w, b: jax_epilog.dense(
+        x, w, b, activation="relu")), argnums=(0, 1, 2))(x, w, b)
+    plain = jax.grad(functools.partial(loss, lambda x, w, b: jax.nn.relu(x @ w + b)),
+                     argnums=(0, 1, 2))(x, w, b)
+    for a, e in zip(ours, plain):
+        assert jnp.array_equal(a, e)
+    assert epilog_gemms(lambda x: jax_epilog.dense(x, w, b, activation="relu"), x) == 1

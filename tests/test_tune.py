@@ -4,6 +4,7 @@ GPU (timing on the CPU backend, or an injected clock), including partial results
 
 import inspect
 import json
+import re
 import sys
 
 import jax
@@ -113,6 +114,69 @@ def test_distinct_keeps_one_problem_per_table_key_largest_first():
     assert tune.distinct([small, big, folded, small]) == [big, small]
 
 
+def network(x, params):
+    """A user's function: a dense layer, then an mlp, on 3-D inputs (leading dims 4 x 8)."""
+    (w0, b0), *rest = params
+    h = jax_epilog.dense(x, w0, b0, activation="gelu")
+    return jax_epilog.mlp(h, rest, activation="relu")
+
+
+def network_args():
+    widths = (16, 24, 32, 8)
+    params = tuple((jax.ShapeDtypeStruct((k, n), BF16), jax.ShapeDtypeStruct((n,), BF16))
+                   for k, n in zip(widths, widths[1:]))
+    return jax.ShapeDtypeStruct((4, 8, 16), BF16), params
+
+
+def network_step(x, params):
+    return jax.grad(lambda p: network(x, p).astype(jnp.float32).sum())(params)
+
+
+DENSE_KEY = dispatch.make_stack_key("bfloat16", 32, (16, 24), ("gelu",), (True,), "step")
+MLP_KEY = dispatch.make_stack_key("bfloat16", 32, (24, 32, 8), ("relu", None), (True, True),
+                                  "step")
+
+
+def test_stacks_of_a_traced_function_with_a_dense_and_an_mlp():
+    x, params = network_args()
+    assert tune.stacks_of(network_step, x, params) == [DENSE_KEY, MLP_KEY]  # rows = 4 x 8
+    assert tune.stacks_of(network, x, params) == [DENSE_KEY._replace(mode="forward"),
+                                                  MLP_KEY._replace(mode="forward")]
+    assert tune.stacks_of(network_step, x, params) == [DENSE_KEY, MLP_KEY]  # traced again
+    jitted = jax.jit(network_step)
+    jax.make_jaxpr(jitted)(x, params)  # a trace cached by jit would skip the layers' Python
+    assert tune.stacks_of(jitted, x, params) == [DENSE_KEY, MLP_KEY]
+    # jitted, then differentiated (jax versions differ on whether the primal is traced too)
+    found = set(tune.stacks_of(jax.grad(lambda p: jax.jit(network)(x, p).sum().astype(
+        jnp.float32)), params))
+    assert {DENSE_KEY, MLP_KEY} <= found
+
+
+def test_stacks_with_a_forced_backend_are_not_collected():
+    x, params = network_args()
+    forced = tune.stacks_of(lambda x, p: jax_epilog.mlp(x, p, forward="xla"), x, params)
+    assert forced == []
+
+
+def test_grid_stack_keys_normalise_like_the_layers():
+    names = {name: (fn, args) for name, fn, args in tune.grid_functions(["M3"])}
+    fn, args = names["M3 step"]
+    assert tune.stacks_of(fn, *args) == [dispatch.make_stack_key(
+        "bfloat16", 256, (784, 100, 100, 10), ("relu", "relu", None), (True,) * 3, "step")]
+
+
+@pytest.mark.parametrize("mode", ["forward", "step"])
+def test_stack_candidates_compute_the_same(mode):
+    key = MLP_KEY._replace(mode=mode)
+    operands = tune.stack_operands(key)
+    plain = tune.stack_fn(key, "plain")(*operands)
+    fused = tune.stack_fn(key, "fused")(*operands)
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(fused)):
+        assert a.shape == b.shape
+        assert jnp.allclose(a.astype(jnp.float32), b.astype(jnp.float32), atol=0.1, rtol=0.05)
+    assert len(jax.tree.leaves(plain)) == (1 if mode == "forward" else 1 + 1 + 4)
+
+
 PROBLEMS = [
     tune.Problem("DEFAULT", "bfloat16", False, False, 1, 24, 16, 8),
     tune.Problem("RELU_AUX_BIAS", "bfloat16", False, False, 1, 24, 130, 8),
@@ -150,19 +214,27 @@ def test_grid_covers_every_row_and_network():
 
 # --- the command line ----------------------------------------------------------------------
 
-def test_dry_run_lists_the_grid_problems(capsys):
+def test_dry_run_lists_the_grid_problems_and_stacks(capsys):
     assert tune.main(["--grid", "--rows", "G7,M3", "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[-1].endswith("distinct problems") and int(out[-1].split()[0]) == len(out) - 1
+    problems, stacks = (int(n) for n in re.fullmatch(r"(\d+) distinct problems, (\d+) stacks",
+                                                     out[-1]).groups())
+    assert problems + stacks == len(out) - 1 and stacks == 4
     assert "RELU_BIAS bfloat16 NN 256x100x784" in out  # G7's inference forward
     assert "RELU_AUX_BIAS bfloat16 NN 256x100x784" in out  # its training forward
+    assert out[problems:-1] == [  # largest first
+        "stack step bfloat16 256×784 →100+b relu →100+b relu →10+b",
+        "stack step bfloat16 256×784 →100+b relu",
+        "stack forward bfloat16 256×784 →100+b relu →100+b relu →10+b",
+        "stack forward bfloat16 256×784 →100+b relu"]
 
 
 def test_dry_run_of_a_function(capsys):
     assert tune.main(["--fn", "jax_epilog.layers:dense", "--args", "bf16[64,32]",
                       "bf16[32,16]", "bf16[16]", "--dry-run"]) == 0
     assert capsys.readouterr().out.splitlines() == ["BIAS bfloat16 NN 64x16x32",
-                                                    "1 distinct problems"]
+                                                    "stack forward bfloat16 64×32 →16+b",
+                                                    "1 distinct problems, 1 stacks"]
 
 
 def test_without_a_gpu_timing_exits_2_with_one_line(capsys, monkeypatch):
@@ -200,14 +272,53 @@ def test_tune_times_every_problem_on_the_cpu_and_writes_the_user_table(fake_gpu,
     assert len(table.entries) == len(expected) and table.device == "Fake GPU"
     for e in table.entries:
         assert e.seconds["cublaslt"] > 0 and e.seconds["xla"] > 0
+    assert [e.key for e in table.stacks] == tune.stacks_of(fn, *args)  # the one step stack
     out = capsys.readouterr().out
-    assert f"[{len(expected)}/{len(expected)}]" in out and f"tuned {len(expected)} problems" in out
+    total = len(expected) + 1
+    assert f"[{total}/{total}] stack step" in out
+    assert f"tuned {len(expected)} problems and 1 stacks" in out
     data = json.loads(fake_gpu.read_text())
     assert len(data["tables"][0]["entries"]) == len(expected)
     # `auto` reads what was written
     p = expected[0]
     assert dispatch.choose(Epilog[p.epilog], p.dtype, p.batch, p.m, p.n, p.k, p.transpose_a,
                            p.transpose_b) == table.entries[0].choice
+
+
+def test_tune_times_the_stacks_of_a_function_after_its_gemms(fake_gpu, capsys):
+    x, params = network_args()
+    seen = []
+
+    def measure_stack(key, candidate, seconds):
+        seen.append((key, candidate, dispatch.stack_decision(key), dispatch._measuring))
+        if key == MLP_KEY and candidate == "fused":
+            raise RuntimeError("out of memory")
+        return {"fused": 0.5, "plain": 1.0}[candidate]
+
+    table = tune.tune([(network_step, (x, params))], measure=lambda *a, **k: 1e-5,
+                      measure_stack=measure_stack, progress=False)
+    assert {(e.key, e.choice) for e in table.stacks} == {(DENSE_KEY, "fused"),
+                                                        (MLP_KEY, "plain")}
+    # timed while the GEMM entries of this run decide and no stack entry does
+    assert all(decision is None and measuring.entries == table.entries
+               for _, _, decision, measuring in seen)
+    assert dispatch._measuring is None
+    assert "out of memory" in capsys.readouterr().err
+    dispatch.clear_cache()
+    stored = dispatch.load_tables(fake_gpu)[0]
+    assert sorted(stored.stacks, key=lambda e: e.key.order) == sorted(
+        table.stacks, key=lambda e: e.key.order)
+    assert {e.key for e in stored.entries} == {e.key for e in table.entries}
+    decision = dispatch.stack_decision(DENSE_KEY)
+    assert decision.choice == "fused" and decision.source == "user"
+
+
+def test_stacks_are_timed_for_real_on_the_cpu(fake_gpu):
+    table = tune.tune([DENSE_KEY, DENSE_KEY._replace(mode="forward")], seconds=0.005,
+                      progress=False)
+    assert len(table.stacks) == 2
+    for e in table.stacks:
+        assert e.seconds["fused"] > 0 and e.seconds["plain"] > 0
 
 
 def test_injected_clock_decides_and_a_failure_costs_one_candidate(fake_gpu, tmp_path, capsys):
