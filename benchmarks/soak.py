@@ -244,8 +244,9 @@ def main(argv=None) -> None:
     parser.add_argument("--budget-s", type=float, default=100.0,
                         help="stop after the chunk that passes this many seconds")
     args = parser.parse_args(argv)
-    try:
+    try:  # the arguments are checked before the soak, not after it
         chunk_bounds(args.shapes, args.chunks)
+        warmup_chunks([], args.warmup, capacity=1)
     except ValueError as e:
         parser.error(str(e))
     # So the device figures are the soak's own memory and the CUDA context's, not a pool that
