@@ -201,18 +201,17 @@ ffi::Error DecodeAux(const ffi::AnyBuffer& buffer, Aux aux, Call* call) {
 }
 
 // c, alpha and beta, the last three operands of a call with a C matrix (from `first`):
-// c has y's shape and type, alpha and beta are float32 device scalars.
+// c has y's shape and cuBLASLt's C type for y (y's own; an FP8 y, which GetPlan refuses
+// with c, would have a 16-bit C), alpha and beta are float32 device scalars.
 ffi::Error DecodeC(const ffi::RemainingArgs& args, size_t first, Call* call) {
   Problem& p = call->problem;
-  if (IsFp8(p.dtype_d))
-    return ffi::Error::InvalidArgument(
-        "jax_epilog_matmul_c: an FP8 y takes no c (cuBLASLt's C would be 16-bit)");
   auto c = args.get<ffi::AnyBuffer>(first);
   if (!c.has_value()) return c.error();
-  JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(c.value(), "c", ToXla(p.dtype_d), {p.batch, p.m, p.n}));
+  JAX_EPILOG_RETURN_IF_ERROR(
+      CheckBuffer(c.value(), "c", ToXla(AuxDType(p.dtype_d)), {p.batch, p.m, p.n}));
   call->buffers.c = c.value().untyped_data();
-  p.align_c = AlignmentLog2(call->buffers.c,
-                            BatchStrideBytes(p.batch, p.m * p.n, ElementBytes(p.dtype_d)));
+  p.align_c = AlignmentLog2(call->buffers.c, BatchStrideBytes(p.batch, p.m * p.n,
+                                                              ElementBytes(AuxDType(p.dtype_d))));
   JAX_EPILOG_RETURN_IF_ERROR(DecodeScalar(args, first + 1, "alpha", &call->buffers.alpha));
   return DecodeScalar(args, first + 2, "beta", &call->buffers.beta);
 }

@@ -89,9 +89,10 @@ ffi::Error CheckProblem(const Problem& p) {
     return ffi::Error::InvalidArgument(
         "a, b and y types: 16/32-bit operands of one type give that type (and no amax); FP8 "
         "operands are both FP8, not both e5m2: " + p.ToString());
+  // The C of an FP8 y is 16-bit (AuxDType), a type the public API does not offer for c.
   if (p.has_c && IsFp8(p.dtype_d))
-    return ffi::Error::InvalidArgument(
-        "a C matrix with an FP8 y: cuBLASLt's C would be 16-bit, not y's type: " + p.ToString());
+    return ffi::Error::InvalidArgument("a C matrix with an FP8 y is not supported: " +
+                                       p.ToString());
   return ffi::Error::Success();
 }
 
