@@ -3,7 +3,7 @@
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu probe
-#           tune never_slower
+#           tune never_slower soak fp8
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files).
@@ -142,6 +142,14 @@ print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c
         ${NEVER_SLOWER_ARGS:-} 2>&1) > "$OUT/never_slower.log"
       note "never_slower: rc=$? ($((SECONDS - start)) s)"
       cat "$OUT/never_slower/never_slower.md" 2>/dev/null | head -60 ;;
+    soak)
+      # 20,000 distinct shapes through the plan cache in one process (issue 15 part 3): host
+      # and device memory after warm-up, the cache at its capacity; then its GPU tests.
+      (cd "$ROOT/benchmarks" && runs --cap "${SOAK_CAP:-110}" "$PY" soak.py --out "$OUT/soak" 2>&1) > "$OUT/soak.log"
+      note "soak: rc=$? ($((SECONDS - start)) s): $(grep -i verdict "$OUT/soak.log" | tail -n 1)"
+      (cd /tmp && runs --cap 60 "$PY" -m pytest "$ROOT/tests/test_soak.py" -q -p no:cacheprovider -m gpu 2>&1) >> "$OUT/soak.log"
+      note "soak GPU tests: $(tail -n 1 "$OUT/soak.log")"
+      tail -n 50 "$OUT/soak.log" ;;
     probe)
       (cd /tmp && runs "$PY" "$ROOT/scripts/probe_special_values.py" 2>&1) | tee "$OUT/probe.log"
       note "special-value probe: see probe.log" ;;
