@@ -1,0 +1,346 @@
+"""FP8 training steps (issue 13 part 2): jax_epilog's `fp8=` layers against XLA, bf16 and FP8.
+
+For M1 (4 ReLU layers 4096 wide, batch 65536), G1 (one dense ReLU layer 65536×4096→4096, its
+input differentiated too) and M2 (8 layers 1024 wide, batch 16384) of ../../shared/BENCHMARK.md,
+one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
+
+- xla_bf16: the plain-JAX expression `relu(x @ W + b)` in bf16 (what users have);
+- ours_bf16: `jax_epilog.mlp` in bf16, every choice on "auto";
+- ours_fp8: `jax_epilog.mlp(..., fp8=True)`: FP8 where `jax_epilog.fp8.fp8_pays` says so;
+- ours_fp8_all: `fp8=Fp8(layers="all")`: FP8 in every layer;
+- xla_fp8: what a user writes for FP8 under XLA (Flax's fp8_ops style): per layer a
+  `custom_vjp` dot with per-tensor current scaling, a direct FP8 `dot_general` with
+  `preferred_element_type`, e5m2 gradients; bias and ReLU by JAX's autodiff.
+
+All variants are compiled and timed in one process on the same inputs, in both harnesses of
+BENCHMARK.md (careful: rotated inputs; user: the same inputs every call), their rounds
+interleaved. Reported per row: ms, TFLOP/s, the ratios against xla_bf16 and xla_fp8, the
+compiled step's temporaries (`memory_analysis().temp_size_in_bytes`), and how far each
+variant's loss and gradients are from xla_bf16's (FP8 rounding). Then the issue's targets.
+
+`--sweep` also times one dense layer step of a few square sizes (rows × n × n) for ours_bf16,
+xla_bf16 and ours_fp8_all: the FLOPs from which FP8 pays, for `fp8.FP8_MIN_FLOPS`.
+
+    python benchmarks/fp8_bench.py --out benchmarks/results            # H200: ~3 minutes
+    python benchmarks/fp8_bench.py --sweep --out benchmarks/results    # plus the sweep
+    python benchmarks/fp8_bench.py --smoke --sweep --out /tmp/smoke    # tiny shapes, any CPU
+
+Writes `<out>/fp8.json` and `<out>/fp8.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+import never_slower
+import timing
+from jax_epilog import Fp8, cuda_library, fp8, mlp
+from jax_epilog.tune import GRID, NETWORKS, Workload, step_fn
+
+ROUNDS = 7
+HARNESSES = ("careful", "user")
+ROWS = {"M1": Workload("M1", *NETWORKS["M1"], "relu", None, False),
+        "G1": Workload("G1", GRID["G1"][0], GRID["G1"][1:], None, "relu", True),
+        "M2": Workload("M2", *NETWORKS["M2"], "relu", None, False)}
+SMOKE_ROWS = {"S1": Workload("S1", 64, (32, 48, 48, 16), "relu", None, False),
+              "S2": Workload("S2", 33, (48, 32), None, "relu", True)}
+SWEEP = [(4096, 1024), (16384, 1024), (16384, 2048), (16384, 4096), (65536, 2048),
+         (65536, 4096), (16384, 8192)]  # (rows, n): one n×n layer
+SMOKE_SWEEP = [(32, 16), (64, 32)]
+# The issue's targets: (row, variant, against, at least) on the careful harness's ratios.
+TARGETS = [("M1", "ours_fp8", "xla_bf16", 1.5), ("M1", "ours_fp8", "xla_fp8", 1.05),
+           ("G1", "ours_fp8", "xla_bf16", 1.45), ("M2", "ours_fp8", "xla_bf16", 0.98)]
+MAX_TEMP_RATIO = ("M1", "ours_fp8", "xla_bf16", 0.6)  # temporaries at most this share
+
+
+# --- the user's FP8 step under XLA -----------------------------------------------------------
+
+def _user_quantize(x, dtype):
+    """(x in FP8, dequantization scale) with the scale from x's own amax."""
+    largest = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    scale = jnp.where(amax > 0, largest / amax, 1.0)
+    return jnp.clip(x.astype(jnp.float32) * scale, -largest, largest).astype(dtype), 1.0 / scale
+
+
+def _f8_dot(a8, b8, contract, scale, dtype):
+    """A direct FP8 dot_general (XLA rewrites it to its cuBLASLt FP8 GEMM), dequantized as
+    Flax's fp8_ops does: the result times the scale cast to the result's dtype."""
+    y = jax.lax.dot_general(a8, b8, (contract, ((), ())), preferred_element_type=dtype)
+    return y * scale.astype(dtype)
+
+
+@jax.custom_vjp
+def user_fp8_dot(x, kernel):
+    return _user_fp8_dot_fwd(x, kernel)[0]
+
+
+def _user_fp8_dot_fwd(x, kernel):
+    x8, sx = _user_quantize(x, jnp.float8_e4m3fn)
+    w8, sw = _user_quantize(kernel, jnp.float8_e4m3fn)
+    return _f8_dot(x8, w8, ((1,), (0,)), sx * sw, x.dtype), (x8, sx, w8, sw)
+
+
+def _user_fp8_dot_bwd(saved, dy):
+    x8, sx, w8, sw = saved
+    g8, sg = _user_quantize(dy, jnp.float8_e5m2)
+    dx = _f8_dot(g8, w8, ((1,), (1,)), sg * sw, dy.dtype)
+    dw = _f8_dot(x8, g8, ((0,), (0,)), sx * sg, dy.dtype)
+    return dx, dw
+
+
+user_fp8_dot.defvjp(_user_fp8_dot_fwd, _user_fp8_dot_bwd)
+
+
+def xla_fp8_stack(x, params, activation, final_activation):
+    for i, (kernel, bias) in enumerate(params):
+        act = activation if i < len(params) - 1 else final_activation
+        x = never_slower.ACTIVATION[act](user_fp8_dot(x, kernel) + bias)
+    return x
+
+
+def epilog_stack(fp8_config):
+    def stack(x, params, activation, final_activation):
+        return mlp(x, params, activation=activation, final_activation=final_activation,
+                   fp8=fp8_config)
+    return stack
+
+
+VARIANTS = {"xla_bf16": never_slower.xla_stack, "ours_bf16": epilog_stack(None),
+            "ours_fp8": epilog_stack(True), "ours_fp8_all": epilog_stack(Fp8(layers="all")),
+            "xla_fp8": xla_fp8_stack}
+SWEEP_VARIANTS = ("xla_bf16", "ours_bf16", "ours_fp8_all")
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+def _relative_diff(expected, received) -> float:
+    """Largest |difference| over the loss and every gradient, relative to that leaf's largest
+    value in `expected`."""
+    return max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                     / max(float(jnp.max(jnp.abs(a.astype(jnp.float32)))), 1e-30))
+               for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(received)))
+
+
+def _f8_gemms(hlo: str) -> int:
+    """FP8 GEMMs in a compiled module: our custom calls with f8 operands, XLA's f8 GEMMs."""
+    ours = sum(1 for line in hlo.splitlines() if cuda_library.TARGET_NAME in line and "f8e" in line)
+    return ours + hlo.count("__cublas$lt$matmul$f8")
+
+
+def measure(w: Workload, variants, budget: timing.Budget) -> dict[str, Any]:
+    """One row: every variant's step compiled, checked against xla_bf16, timed."""
+    arg_sets = [never_slower.random_inputs(w, seed)
+                for seed in range(never_slower.input_copies(w))]
+    compiled, record = {}, {"variants": {}}
+    for name in variants:
+        lowered = jax.jit(step_fn(w, VARIANTS[name])).lower(*arg_sets[0])
+        compiled[name] = lowered.compile()
+        hlo = compiled[name].as_text()
+        outputs = jax.block_until_ready(compiled[name](*arg_sets[0]))
+        if name == "xla_bf16":
+            reference = outputs
+        record["variants"][name] = {
+            "temp_mib": never_slower._temp_mib(compiled[name]),
+            "relative_diff_vs_xla_bf16": _relative_diff(reference, outputs),
+            "cublaslt_calls": hlo.count(f'custom_call_target="{cuda_library.TARGET_NAME}"'),
+            "fp8_gemms": _f8_gemms(hlo)}
+        del outputs
+    flops = w.flops("step")
+    for harness in HARNESSES:
+        sets = arg_sets if harness == "careful" else arg_sets[:1]
+        times = timing.time_interleaved({name: (compiled[name], sets) for name in variants},
+                                        rounds=ROUNDS, round_seconds=budget.round_seconds())
+        for name, t in times.items():
+            result = record["variants"][name].setdefault(harness, t.as_dict())
+            result["tflops"] = timing.tflops(flops, t.seconds)
+            for base in ("xla_bf16", "xla_fp8", "ours_bf16"):
+                if base in times:
+                    result[f"ratio_vs_{base}"] = times[base].seconds / t.seconds
+    return record
+
+
+def targets(rows: dict[str, dict]) -> list[dict[str, Any]]:
+    """The issue's targets, from the careful harness, where the rows were measured."""
+    found = []
+    for row, variant, against, least in TARGETS:
+        if row in rows and "careful" in rows[row]["variants"].get(variant, {}):
+            value = rows[row]["variants"][variant]["careful"][f"ratio_vs_{against}"]
+            found.append({"target": f"{row} {variant} / {against} speed >= {least}",
+                          "value": value, "met": value >= least})
+    row, variant, against, most = MAX_TEMP_RATIO
+    if row in rows:
+        temps = {v: rows[row]["variants"][v]["temp_mib"] for v in (variant, against)}
+        if None not in temps.values() and temps[against]:
+            value = temps[variant] / temps[against]
+            found.append({"target": f"{row} {variant} / {against} temporaries <= {most}",
+                          "value": value, "met": value <= most})
+    return found
+
+
+def crossover(sweep: list[dict[str, Any]]) -> Optional[float]:
+    """The smallest FLOPs per layer GEMM from which FP8 beat the faster bf16 step at every
+    larger measured size (None if it never did)."""
+    wins = sorted((r["gemm_flops"], r["fp8_vs_best_bf16"] > 1.0) for r in sweep
+                  if "fp8_vs_best_bf16" in r)
+    smallest = None
+    for flops, won in reversed(wins):
+        if not won:
+            break
+        smallest = flops
+    return smallest
+
+
+def run_sweep(sizes, budget: timing.Budget) -> list[dict[str, Any]]:
+    records = []
+    for rows_, n in sizes:
+        w = Workload(f"{rows_}x{n}x{n}", rows_, (n, n), None, "relu", True)
+        record = {"rows": rows_, "n": n, "gemm_flops": timing.gemm_flops(rows_, n, n),
+                  "fp8_pays": fp8.fp8_pays(rows_, n, n)}
+        try:
+            careful = measure(w, SWEEP_VARIANTS, budget)["variants"]
+            seconds = {v: careful[v]["careful"]["seconds"] for v in SWEEP_VARIANTS}
+            record["ms"] = {v: s * 1e3 for v, s in seconds.items()}
+            record["fp8_vs_best_bf16"] = min(seconds["xla_bf16"], seconds["ours_bf16"]) / \
+                seconds["ours_fp8_all"]
+        except Exception as e:  # noqa: BLE001  (one size failing must not end the sweep)
+            record["error"] = f"{type(e).__name__}: {e}"
+        records.append(record)
+    return records
+
+
+def run(rows: dict[str, Workload], sweep_sizes, budget_seconds: float,
+        out: Path) -> dict[str, Any]:
+    started = time.perf_counter()
+    budget = timing.Budget(budget_seconds, len(HARNESSES) * (len(rows) + len(sweep_sizes)),
+                           rounds=len(VARIANTS) * ROUNDS)
+    report: dict[str, Any] = {
+        "benchmark": "fp8", "metadata": timing.run_metadata(),
+        "method": {"rounds": ROUNDS, "budget_seconds": budget_seconds,
+                   "fp8_min_flops": fp8.FP8_MIN_FLOPS, "tables": never_slower.tables_used(),
+                   "step": "jax.value_and_grad of a squared error (tune.step_fn)",
+                   "ratio": "the other variant's time / this variant's (> 1: faster)",
+                   "careful": "rotated inputs, back-to-back calls, one block_until_ready per "
+                              "round, median; variants interleaved round by round",
+                   "user": "the same inputs every call, otherwise as careful"},
+        "rows": {}, "errors": [], "sweep": []}
+    with timing.progress_bar(len(rows) + bool(sweep_sizes), "fp8") as bar:
+        for name, w in rows.items():
+            bar.set_postfix_str(name, refresh=False)
+            try:
+                report["rows"][name] = {"batch": w.batch, "widths": list(w.widths),
+                                        "flops": w.flops("step"),
+                                        **measure(w, tuple(VARIANTS), budget)}
+            except Exception as e:  # noqa: BLE001  (e.g. out of memory: the next row may fit)
+                report["errors"].append({"name": name, "error": f"{type(e).__name__}: {e}",
+                                         "traceback": traceback.format_exc(limit=8)})
+            report["targets"] = targets(report["rows"])
+            report["elapsed_seconds"] = time.perf_counter() - started
+            write(report, out)
+            bar.update()
+        if sweep_sizes:
+            report["sweep"] = run_sweep(sweep_sizes, budget)
+            report["crossover_gemm_flops"] = crossover(report["sweep"])
+            bar.update()
+    report["targets"] = targets(report["rows"])
+    report["elapsed_seconds"] = time.perf_counter() - started
+    write(report, out)
+    return report
+
+
+# --- report ------------------------------------------------------------------------------------
+
+def _cell(value: Optional[float], fmt: str = ".3f") -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta = report["metadata"]
+    lines = [
+        "# FP8 training steps: jax_epilog fp8= against XLA (bf16 and a user's FP8)", "",
+        f"{meta['date']} · {meta['gpu_name'] or meta['device']} · driver "
+        f"{meta['driver_version']} · jax {meta['jax']} / jaxlib {meta['jaxlib']} · cuBLASLt "
+        f"{meta['cublaslt_version']} · custom call active: {meta['custom_call_active']} · "
+        f"{report.get('elapsed_seconds', 0):.0f} s · FP8_MIN_FLOPS "
+        f"{report['method']['fp8_min_flops']:.3g}", "",
+        "One training step (`value_and_grad` of a squared error). Ratios: the other variant's "
+        "time / this one's (> 1: this one is faster), careful harness (user harness in "
+        "brackets). temp MiB: `memory_analysis().temp_size_in_bytes`. diff: largest |Δ| over "
+        "loss and gradients against xla_bf16, relative to each leaf's largest value. FP8 "
+        "GEMMs: FP8 custom calls and XLA FP8 GEMMs in the compiled step.", "",
+        "| row | variant | ms | TFLOP/s | vs xla_bf16 | vs xla_fp8 | temp MiB | diff | "
+        "FP8 GEMMs |", "|---|---|---|---|---|---|---|---|---|"]
+    for row, r in report["rows"].items():
+        for name, v in r["variants"].items():
+            c, u = v.get("careful", {}), v.get("user", {})
+            ratios = [f"{_cell(c.get(k))} ({_cell(u.get(k))})"
+                      for k in ("ratio_vs_xla_bf16", "ratio_vs_xla_fp8")]
+            lines.append(f"| {row} | {name} | {_cell(c.get('seconds', 0) * 1e3)} | "
+                         f"{_cell(c.get('tflops'), '.0f')} | {ratios[0]} | {ratios[1]} | "
+                         f"{_cell(v['temp_mib'], '.0f')} | {v['relative_diff_vs_xla_bf16']:.3g} "
+                         f"| {v['fp8_gemms']} |")
+    if report.get("targets"):
+        lines += ["", "## Targets", "", "| target | value | met |", "|---|---|---|"]
+        lines += [f"| {t['target']} | {t['value']:.3f} | {'yes' if t['met'] else 'NO'} |"
+                  for t in report["targets"]]
+    if report.get("sweep"):
+        lines += ["", "## Sweep: one dense ReLU layer step, rows × n × n", "",
+                  "| rows × n × n | GEMM FLOPs | fp8_pays | ms xla_bf16 / ours_bf16 / "
+                  "ours_fp8_all | FP8 vs best bf16 |", "|---|---|---|---|---|"]
+        for s in report["sweep"]:
+            ms = " / ".join(_cell(s["ms"][v]) for v in SWEEP_VARIANTS) if "ms" in s \
+                else s.get("error", "–")
+            lines.append(f"| {s['rows']} × {s['n']} × {s['n']} | {s['gemm_flops']:.3g} | "
+                         f"{s['fp8_pays']} | {ms} | {_cell(s.get('fp8_vs_best_bf16'))} |")
+        lines += ["", f"FP8 faster than the best bf16 from {_cell(report.get('crossover_gemm_flops'), '.3g')} "
+                  "GEMM FLOPs up (every larger measured size)."]
+    if report["errors"]:
+        lines += ["", "## Errors", ""] + [f"- {e['name']}: {e['error']}"
+                                          for e in report["errors"]]
+    lines += timing.footnotes(meta, [])
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fp8.json").write_text(json.dumps(report, indent=1))
+    (out / "fp8.md").write_text(markdown(report))
+
+
+def main(argv=None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--rows", help="comma-separated: M1,G1,M2 (default: all; smoke: S1,S2)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time square dense layers to find FP8's crossover")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="wall-clock seconds for the timed rounds (default 180; smoke 20)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on a CPU)")
+    args = parser.parse_args(argv)
+    table = SMOKE_ROWS if args.smoke else ROWS
+    wanted = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else list(table)
+    unknown = sorted(set(wanted) - set(table))
+    if unknown:
+        parser.error(f"--rows: unknown {unknown}; expected some of {', '.join(table)}")
+    sweep = (SMOKE_SWEEP if args.smoke else SWEEP) if args.sweep else []
+    budget = args.budget_s if args.budget_s is not None else (20.0 if args.smoke else 180.0)
+    report = run({name: table[name] for name in wanted}, sweep, budget, args.out)
+    for t in report["targets"]:
+        print(f"{t['target']}: {t['value']:.3f} {'met' if t['met'] else 'MISSED'}")
+    if args.sweep:
+        print(f"FP8 crossover: {report.get('crossover_gemm_flops')} GEMM FLOPs "
+              f"(FP8_MIN_FLOPS is {fp8.FP8_MIN_FLOPS:.3g})")
+    print(f"wrote {args.out}/fp8.json, fp8.md ({len(report['errors'])} errors)")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""benchmarks/fp8_bench.py runs end to end on tiny shapes and writes a complete report.
+
+Timings are never asserted (BENCHMARK.md): what is checked is that every variant ran, computed
+the same step as XLA's bf16 one (to FP8 rounding), and was reported, and that the user's FP8
+step written in the script is a correct FP8 step.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import fp8_bench  # noqa: E402
+
+
+def test_fp8_smoke_report(tmp_path):
+    fp8_bench.main(["--smoke", "--rows", "S2", "--sweep", "--budget-s", "1",
+                    "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "fp8.json").read_text())
+    assert report["metadata"]["jax"] and not report["errors"]
+    variants = report["rows"]["S2"]["variants"]
+    assert set(variants) == set(fp8_bench.VARIANTS)
+    for name, v in variants.items():
+        for harness in fp8_bench.HARNESSES:
+            assert v[harness]["seconds"] > 0 and v[harness]["ratio_vs_xla_bf16"] > 0
+        # FP8 steps differ from bf16 by FP8 rounding (e5m2 gradients: up to ~1/8), not more
+        assert v["relative_diff_vs_xla_bf16"] < (0.3 if "fp8" in name else 0.05), name
+    assert variants["xla_bf16"]["relative_diff_vs_xla_bf16"] == 0
+    assert [(s["rows"], s["n"]) for s in report["sweep"]] == fp8_bench.SMOKE_SWEEP
+    assert all(s["fp8_vs_best_bf16"] > 0 for s in report["sweep"])
+    table = (tmp_path / "fp8.md").read_text()
+    assert "| S2 | ours_fp8_all |" in table and "## Sweep" in table
+
+
+def test_crossover_is_where_fp8_wins_from_then_on():
+    sweep = [{"gemm_flops": f, "fp8_vs_best_bf16": r}
+             for f, r in [(1e9, 0.5), (1e10, 1.1), (1e11, 0.9), (1e12, 1.2), (1e13, 1.4)]]
+    assert fp8_bench.crossover(sweep) == 1e12
+    assert fp8_bench.crossover(sweep[:3]) is None
+
+
+def test_user_fp8_dot_is_a_scaled_fp8_product():
+    """The script's XLA FP8 step: forward and both gradients equal the products of the
+    quantized operands (e4m3 forward, e5m2 gradient), current scaling."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((17, 24)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((24, 9)), jnp.float32)
+    dy = jnp.asarray(rng.standard_normal((17, 9)), jnp.float32)
+    y, vjp = jax.vjp(fp8_bench.user_fp8_dot, x, w)
+    dx, dw = vjp(dy)
+
+    def dequantized(v, dtype):
+        v8, scale = fp8_bench._user_quantize(v, dtype)
+        return np.asarray(v8, np.float64) * float(scale)
+
+    xq, wq = dequantized(x, jnp.float8_e4m3fn), dequantized(w, jnp.float8_e4m3fn)
+    gq = dequantized(dy, jnp.float8_e5m2)
+    for got, want in ((y, xq @ wq), (dx, gq @ wq.T), (dw, xq.T @ gq)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
+    assert not np.allclose(y, np.asarray(x) @ np.asarray(w), rtol=1e-3)
