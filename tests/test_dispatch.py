@@ -469,3 +469,41 @@ def test_mixed_path_gives_the_plain_expressions_gradients(layer_gpu):
     for a, e in zip(ours, plain):
         assert jnp.array_equal(a, e)
     assert epilog_gemms(lambda x: jax_epilog.dense(x, w, b, activation="relu"), x) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("step, forward", [("plain", "fused"), ("fused", "plain")])
+def test_layers_follow_the_stack_entries_on_the_gpu(tmp_path, monkeypatch, step, forward):
+    import jax_epilog
+
+    monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "user.json"))
+    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
+    device, version = dispatch.device_identity()
+    shape = ((256, 128), ("relu",), (True,))
+    times = {"fused": {"fused": 0.5, "plain": 1.0}, "plain": {"fused": 2.0, "plain": 1.0}}
+    # every GEMM wins on cuBLASLt, so the fused stack issues custom calls
+    gemms = [dispatch.make_entry(e, "bfloat16", ta, tb, m, n, k, {"cublaslt": 0.5, "xla": 1.0})
+             for e, ta, tb, m, n, k in (("RELU_BIAS", False, False, 512, 128, 256),
+                                        ("RELU_AUX_BIAS", False, False, 512, 128, 256),
+                                        ("BGRADB", True, False, 256, 128, 512),
+                                        ("DEFAULT", False, True, 512, 256, 128))]
+    dispatch.merge_into(tmp_path / "user.json", device, version, gemms, [
+        dispatch.make_stack_entry(stack_key(512, shape, "step"), times[step]),
+        dispatch.make_stack_entry(stack_key(512, shape, "forward"), times[forward])])
+    dispatch.clear_cache()
+    x, w, b = (jnp.ones(s, jnp.bfloat16) for s in ((512, 256), (256, 128), (128,)))
+
+    def layer(x, w, b):
+        return jax_epilog.dense(x, w, b, activation="relu")
+
+    def step(x, w, b):
+        return jax.grad(lambda *a: layer(*a).astype(jnp.float32).sum(), (0, 1, 2))(x, w, b)
+
+    def kernel_calls(fn):
+        return jax.jit(fn).lower(x, w, b).compile().as_text().count(
+            'custom_call_target="jax_epilog_matmul"')
+    try:
+        assert (kernel_calls(layer) > 0) == (forward == "fused")
+        assert (kernel_calls(step) > 0) == (step == "fused")
+    finally:
+        dispatch.clear_cache()

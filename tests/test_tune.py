@@ -401,3 +401,18 @@ def test_tune_times_both_backends_on_the_gpu(tmp_path):
     assert len(table.entries) == len(GPU_PROBLEMS)
     for e in table.entries:
         assert e.seconds["cublaslt"] > 0 and e.seconds["xla"] > 0
+
+
+@pytest.mark.gpu
+def test_stack_candidates_on_the_gpu(tmp_path, monkeypatch):
+    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
+    key = dispatch.make_stack_key("bfloat16", 512, (256, 128), ("relu",), (True,), "step")
+    device, version = dispatch.device_identity()
+    gemm = dispatch.make_entry("RELU_AUX_BIAS", "bfloat16", False, False, 512, 128, 256,
+                               {"cublaslt": 0.5, "xla": 1.0})
+    operands = tune.stack_operands(key)
+    with dispatch.measuring(dispatch.Table(device, version, (gemm,))):
+        for candidate, kernel in (("fused", True), ("plain", False)):
+            text = jax.jit(tune.stack_fn(key, candidate)).lower(*operands).compile().as_text()
+            assert ('custom_call_target="jax_epilog_matmul"' in text) == kernel, candidate
+            assert tune.time_stack(key, candidate, seconds=0.02) > 0
