@@ -261,6 +261,26 @@ def test_jit_vmap_and_checkpoint():
             np.testing.assert_allclose(a, b[i], rtol=1e-5, atol=1e-6)
 
 
+def test_exported_for_cuda_every_gemm_is_one_fp8_custom_call():
+    """The step as the CUDA lowering builds it (exported from this CPU host): per layer one
+    forward, one weight-gradient and one data-gradient custom call, all on FP8 operands."""
+    x, params = make_stack(12, (64, 128, 96, 32), lead=(256,))
+    x, params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, params))
+
+    def step(x, params, dy):
+        y, vjp = jax.vjp(lambda x, p: jax_epilog.mlp(x, p, fp8=ALL), x, params)
+        return (y, *vjp(dy))
+
+    exported = jax.export.export(jax.jit(step), platforms=["cuda"],
+                                 disabled_checks=list(jax_epilog.EXPORT_SAFETY_CHECKS))(
+        x, params, jnp.ones((256, 32), jnp.bfloat16))
+    calls = [line for line in exported.mlir_module().splitlines()
+             if "@jax_epilog_matmul(" in line]
+    assert len(calls) == 9
+    operand_types = [line.split(" : (", 1)[1].split(")", 1)[0] for line in calls]
+    assert all(t.count("xf8E") == 2 for t in operand_types), operand_types
+
+
 def test_auto_chooses_by_size():
     assert fp8.fp8_pays(65536, 4096, 4096)  # M1's layers, measured to gain
     assert not fp8.fp8_pays(16384, 1024, 1024)  # M2's, measured to lose
