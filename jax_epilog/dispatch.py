@@ -124,8 +124,8 @@ class StackKey(NamedTuple):
     @property
     def order(self) -> tuple:
         """A sort key (None cannot be compared with a string)."""
-        return (*self.kind[:2], tuple(a or "" for a in self.activations), *self.kind[3:],
-                self.rows)
+        return (self.dtype, self.widths, tuple(a or "" for a in self.activations), self.biases,
+                self.mode, self.rows)
 
     def __str__(self) -> str:
         layers = "".join(f" →{n}{'+b' if bias else ''}{' ' + act if act else ''}"
