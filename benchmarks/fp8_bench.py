@@ -8,6 +8,8 @@ one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
 - ours_bf16: `jax_epilog.mlp` in bf16, every choice on "auto";
 - ours_fp8: `jax_epilog.mlp(..., fp8=True)`: FP8 where `jax_epilog.fp8.fp8_pays` says so;
 - ours_fp8_all: `fp8=Fp8(layers="all")`: FP8 in every layer;
+- ours_fp8_fused: the same with `backward="fused"`: cuBLASLt's FP8 DRELU_BGRAD for the data
+  gradients where "auto" runs XLA's FP8 GEMM and fusions (`fp8.data_grad_backend`);
 - xla_fp8: what a user writes for FP8 under XLA (Flax's fp8_ops style): per layer a
   `custom_vjp` dot with per-tensor current scaling, a direct FP8 `dot_general` with
   `preferred_element_type`, e5m2 gradients; bias and ReLU by JAX's autodiff.
@@ -107,15 +109,16 @@ def xla_fp8_stack(x, params, activation, final_activation):
     return x
 
 
-def epilog_stack(fp8_config):
+def epilog_stack(fp8_config, backward="auto"):
     def stack(x, params, activation, final_activation):
         return mlp(x, params, activation=activation, final_activation=final_activation,
-                   fp8=fp8_config)
+                   fp8=fp8_config, backward=backward)
     return stack
 
 
 VARIANTS = {"xla_bf16": never_slower.xla_stack, "ours_bf16": epilog_stack(None),
             "ours_fp8": epilog_stack(True), "ours_fp8_all": epilog_stack(Fp8(layers="all")),
+            "ours_fp8_fused": epilog_stack(Fp8(layers="all"), backward="fused"),
             "xla_fp8": xla_fp8_stack}
 SWEEP_VARIANTS = ("xla_bf16", "ours_bf16", "ours_fp8_all")
 

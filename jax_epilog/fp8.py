@@ -16,7 +16,9 @@ step (no history). One `jax.custom_vjp` covers the whole stack, as `layers._stac
   GEMM above (`result_amax`) or, for the last layer, one reduction that XLA fuses with the
   last layer's bias gradient (a sum of dZ: FP8 GEMMs have no BGRADB). dW = h8ᵀ dZ8 (e4m3 ×
   e5m2) and dZ_{i-1} = dZ8 W8ᵀ with DRELU_BGRAD / DGELU_BGRAD for the previous layer (e5m2 ×
-  e4m3), which also gives its bias gradient, both with results in the compute dtype.
+  e4m3), which also gives its bias gradient, both with results in the compute dtype. Under
+  `backward="auto"` that GEMM runs XLA's way (`data_grad_backend`: measured faster on the
+  H200 than cuBLASLt's FP8 DRELU_BGRAD).
 
 Which layers run FP8: `Fp8(layers="all")` every one; `"auto"` (what `fp8=True` means) only
 those whose GEMM is large enough for FP8 to pay for its quantization passes (`fp8_pays`),
@@ -144,6 +146,19 @@ def quantize(x, x_amax, dtype: str, margin: int):
     return saturating_cast(x.astype(jnp.float32) * q, dtype), 1.0 / q
 
 
+def data_grad_backend(backward: str, epilog: Epilog) -> str:
+    """The backend of an FP8 data-gradient GEMM under the stack's `backward` backend.
+
+    Under "auto", a GEMM that applies an activation's derivative (DRELU_BGRAD and friends)
+    runs XLA's way: XLA's FP8 GEMM, then the derivative, the bias gradient and the amax as
+    fusions. On the H200 cuBLASLt's FP8 DRELU_BGRAD ran at 672 TFLOP/s on G1 where its plain
+    FP8 GEMM ran at 1283 and XLA's at 1234 (BENCHMARK.md): ~1.5 ms lost per M1 layer against
+    ~0.5 ms of elementwise passes. `backward="fused"` keeps the kernel (fp8_bench's
+    ours_fp8_fused row measures both).
+    """
+    return "xla" if backward == "auto" and epilog.derivative else backward
+
+
 def _matmul8(a8, sa, b8, sb, dtype, backend, *, epilog=Epilog.DEFAULT, inputs=None,
              want_amax=False, **transposes):
     """(y in `dtype`, aux dict) of one FP8 GEMM, `(sa·a8) @ (sb·b8)` with `epilog`."""
@@ -240,7 +255,8 @@ def _fp8_stack_bwd(plan: Plan, saved, dy):
                 if need_bias_grad else None
             epilog = layers._data_grad_epilog(previous)
             dz, aux = _matmul8(
-                dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype, stack.backward,
+                dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype,
+                data_grad_backend(stack.backward, epilog),
                 epilog=epilog, transpose_b=True, want_amax=i > 0 and quantized[i - 1],
                 inputs={epilog.aux_input: previous_residual} if epilog.aux_input else None)
             next_dbias = aux.get(epilog.reduction_output) if previous is not None and \

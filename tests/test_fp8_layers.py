@@ -261,24 +261,30 @@ def test_jit_vmap_and_checkpoint():
             np.testing.assert_allclose(a, b[i], rtol=1e-5, atol=1e-6)
 
 
-def test_exported_for_cuda_every_gemm_is_one_fp8_custom_call():
-    """The step as the CUDA lowering builds it (exported from this CPU host): per layer one
-    forward, one weight-gradient and one data-gradient custom call, all on FP8 operands."""
+@pytest.mark.parametrize("backward, custom_calls", [("fused", 9), ("auto", 7)])
+def test_exported_for_cuda_the_gemms_are_fp8(backward, custom_calls):
+    """The step as the CUDA lowering builds it (exported from this CPU host). Fused: per layer
+    one forward, one weight-gradient and one data-gradient custom call, all on FP8 operands.
+    auto: the two data-gradient GEMMs that apply ReLU's derivative are XLA's FP8 dots."""
     x, params = make_stack(12, (64, 128, 96, 32), lead=(256,))
     x, params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, params))
 
     def step(x, params, dy):
-        y, vjp = jax.vjp(lambda x, p: jax_epilog.mlp(x, p, fp8=ALL), x, params)
+        y, vjp = jax.vjp(lambda x, p: jax_epilog.mlp(x, p, fp8=ALL, backward=backward),
+                         x, params)
         return (y, *vjp(dy))
 
     exported = jax.export.export(jax.jit(step), platforms=["cuda"],
                                  disabled_checks=list(jax_epilog.EXPORT_SAFETY_CHECKS))(
         x, params, jnp.ones((256, 32), jnp.bfloat16))
-    calls = [line for line in exported.mlir_module().splitlines()
-             if "@jax_epilog_matmul(" in line]
-    assert len(calls) == 9
-    operand_types = [line.split(" : (", 1)[1].split(")", 1)[0] for line in calls]
-    assert all(t.count("xf8E") == 2 for t in operand_types), operand_types
+    text = exported.mlir_module().splitlines()
+    operand_types = lambda lines: [line.split(" : (", 1)[1].split(")", 1)[0] for line in lines]
+    calls = [line for line in text if "@jax_epilog_matmul(" in line]
+    assert len(calls) == custom_calls
+    assert all(t.count("xf8E") == 2 for t in operand_types(calls)), operand_types(calls)
+    dots = [line for line in text if "stablehlo.dot_general" in line]
+    assert len(dots) == 9 - custom_calls
+    assert all(t.count("xf8E") == 2 for t in operand_types(dots)), operand_types(dots)
 
 
 def test_auto_chooses_by_size():

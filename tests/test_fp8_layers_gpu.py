@@ -27,24 +27,24 @@ def _gpu():
     return jax.devices("cuda")[0]
 
 
-def _step(activation):
+def _step(activation, backward="auto"):
     def step(x, params, dy):
-        y, vjp = jax.vjp(lambda x, p: jax_epilog.mlp(x, p, activation=activation, fp8=ALL),
-                         x, params)
+        y, vjp = jax.vjp(lambda x, p: jax_epilog.mlp(x, p, activation=activation, fp8=ALL,
+                                                     backward=backward), x, params)
         return (y, *vjp(dy))
     return jax.jit(step)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
 def test_every_gemm_of_the_step_is_an_fp8_kernel(activation):
-    """bf16 compute (FP8 GEMMs to bf16: what the H200 was measured to run)."""
+    """bf16 compute (FP8 GEMMs to bf16: what the H200 was measured to run), fused backward."""
     x, params = make_stack(0, (256, 512, 384, 128), lead=(1024,), dtype=np.float32)
     x, params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), (x, params))
     dy = jnp.ones((1024, 128), jnp.bfloat16)
     args = jax.device_put((x, params, dy), _gpu())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hlo = _step(activation).lower(*args).as_text()
+        hlo = _step(activation, "fused").lower(*args).as_text()
     fell_back = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert not fell_back, fell_back
     calls = [line for line in hlo.splitlines() if f"@{cuda_library.TARGET_NAME}" in line]
@@ -52,7 +52,22 @@ def test_every_gemm_of_the_step_is_an_fp8_kernel(activation):
     # 3 layers × (forward, weight gradient, data gradient)
     assert len(fp8_calls) == 9 == len(calls), calls
     assert all(np.all(np.isfinite(np.asarray(v, np.float32)))
-               for v in jax.tree.leaves(_step(activation)(*args)))
+               for v in jax.tree.leaves(_step(activation, "fused")(*args)))
+
+
+def test_auto_backward_runs_xla_fp8_gemms_for_the_derivatives():
+    """Under "auto" the data gradients through ReLU are XLA's own FP8 GEMMs (cuBLASLt's
+    `__cublas$lt$matmul$f8`, never a bf16 dot of dequantized values), the rest our kernels."""
+    x, params = make_stack(5, (256, 512, 384, 128), lead=(1024,), dtype=np.float32)
+    x, params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), (x, params))
+    args = jax.device_put((x, params, jnp.ones((1024, 128), jnp.bfloat16)), _gpu())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = _step("relu").lower(*args).compile()
+    assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    hlo = compiled.as_text()
+    assert hlo.count("__cublas$lt$matmul$f8") == 2, hlo.count("__cublas$lt$matmul$f8")
+    assert hlo.count(f'custom_call_target="{cuda_library.TARGET_NAME}"') == 7
 
 
 @pytest.mark.parametrize("widths, lead", [((64, 129, 48, 10), (127,)), ((32, 64, 1), (1,))])
