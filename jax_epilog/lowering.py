@@ -125,10 +125,9 @@ def _transposed(aval, flip: bool):
 
 
 def _kernel_layout(avals_in, params: Params) -> Optional[Layout]:
-    """Another layout for a call whose own cuBLASLt has no kernel for: the one with the fewest
-    bytes to transpose that cuBLASLt says it has a kernel for, or None (no other layout helps).
-    On the H200 (cuBLASLt 13.1) BGRADA runs only with a stored (K, M) and BGRADB with b stored
-    (K, N): the summed operand with K by rows."""
+    """For a call in a layout cuBLASLt has no kernel for: the other layout it has one for with
+    the fewest bytes to transpose, or None. On the H200 (cuBLASLt 13.1) BGRADA runs only with a
+    stored (K, M) and BGRADB only with b stored (K, N): the summed operand with K by rows."""
     own = (params.transpose_a, params.transpose_b)
     a, b = avals_in[0], avals_in[1]
     cost = {(ta, tb): (ta != own[0]) * a.size * a.dtype.itemsize +

@@ -18,6 +18,7 @@ import pytest
 
 import jax_epilog
 from jax_epilog import Epilog, lowering
+from jax_epilog.primitive import Params, kernel_p
 from problems import make_problem
 
 LAYOUTS = list(itertools.product([False, True], repeat=2))
@@ -51,6 +52,32 @@ def _export(f, *args) -> str:
 def _custom_calls(text: str) -> list[str]:
     return [line for line in text.splitlines()
             if "stablehlo.custom_call @jax_epilog_matmul" in line]
+
+
+@pytest.mark.parametrize("has_c", [False, True], ids=["", "with_c"])
+@pytest.mark.parametrize("own,target", [(o, t) for o in LAYOUTS for t in LAYOUTS if o != t],
+                         ids=lambda t: "%d%d" % t)
+@pytest.mark.parametrize("epilog", [Epilog.BGRADA, Epilog.BGRADB, Epilog.DRELU_BGRAD,
+                                    Epilog.GELU_AUX_BIAS], ids=lambda e: e.name)
+def test_the_relaid_out_call_gives_the_call_s_results(epilog, own, target, has_c):
+    """The re-laid-out inner call (run here by the reference, in the new layout) against the
+    call itself: the transposes are right and no output depends on the operands' layout."""
+    m, n, k = (127, 129, 1) if own[0] else (1, 127, 129)
+    rng = np.random.default_rng(hash((epilog, own, target, has_c)) % 2**32)
+    a, b, inputs = make_problem(rng, epilog, m=m, n=n, k=k, transpose_a=own[0],
+                                transpose_b=own[1], dtype="float32")
+    args = [a[None], b[None], *(jnp.asarray(inputs[name])[None] for name in epilog.input_names)]
+    if has_c:
+        args += [jnp.asarray(rng.standard_normal((1, m, n)), jnp.float32), jnp.float32(0.75),
+                 jnp.float32(-1.5)]
+    params = Params(int(epilog), *own, allow_tf32=False, has_c=has_c)
+    want = jax.jit(lambda *args: kernel_p.bind(*args, **params._asdict()))(*args)
+    got = jax.jit(lowering._relaid_out(params, target))(*args)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float64), np.asarray(w, np.float64),
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("transpose_a,transpose_b", LAYOUTS)
