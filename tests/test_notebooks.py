@@ -2,7 +2,8 @@
 
 Notebooks 1 and 2 compute everything they show (each checks its fused results against the
 naive ones with asserts, so a wrong result fails here); notebook 3 only reads the committed
-benchmark results. The kernel is the `python3` kernelspec, which jupyter_client starts with
+benchmark results; notebook 4 trains in bf16 and FP8 (asserting the accuracies agree) and
+reads the FP8 benchmark's results where they are committed. The kernel is the `python3` kernelspec, which jupyter_client starts with
 this interpreter.
 """
 
@@ -15,7 +16,7 @@ nbformat = pytest.importorskip("nbformat")
 NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["01_epilogs.ipynb", "02_flax_mlp.ipynb", "03_performance.ipynb"]
+NAMES = ["01_epilogs.ipynb", "02_flax_mlp.ipynb", "03_performance.ipynb", "04_fp8.ipynb"]
 
 
 @pytest.mark.parametrize("name", NAMES)
