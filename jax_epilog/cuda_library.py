@@ -82,6 +82,10 @@ class _Library:
         except OSError as e:  # e.g. no cuBLASLt on this machine: CUDA path unavailable
             self.error = f"could not load {path.name}: {e}"
             return
+        if not hasattr(self.handle, "JaxEpilogMatmulC"):  # its entry points take other arguments
+            self.handle = None
+            self.error = f"{path} was built from older sources: reinstall jax-epilog"
+            return
         lib = self.handle
         lib.jax_epilog_cublaslt_version.restype = ctypes.c_size_t
         lib.jax_epilog_query_support.restype = ctypes.c_int
