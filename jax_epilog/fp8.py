@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from . import layers
+from . import config, layers
 from .epilogs import FP8_DTYPES, Epilog
 from .matmul import matmul
 from .reference import saturating_cast
@@ -154,9 +154,12 @@ def data_grad_backend(backward: str, epilog: Epilog) -> str:
     fusions. On the H200 cuBLASLt's FP8 DRELU_BGRAD ran at 672 TFLOP/s on G1 where its plain
     FP8 GEMM ran at 1283 and XLA's at 1234 (BENCHMARK.md): ~1.5 ms lost per M1 layer against
     ~0.5 ms of elementwise passes. `backward="fused"` keeps the kernel (fp8_bench's
-    ours_fp8_fused row measures both).
+    ours_fp8_fused row measures both), and so does JAX_EPILOG_BACKEND=cublaslt, which
+    replaces every automatic choice.
     """
-    return "xla" if backward == "auto" and epilog.derivative else backward
+    if backward == "auto" and epilog.derivative:
+        return config.backend_override() or "xla"
+    return backward
 
 
 def _matmul8(a8, sa, b8, sb, dtype, backend, *, epilog=Epilog.DEFAULT, inputs=None,

@@ -262,10 +262,11 @@ def test_jit_vmap_and_checkpoint():
 
 
 @pytest.mark.parametrize("backward, custom_calls", [("fused", 9), ("auto", 7)])
-def test_exported_for_cuda_the_gemms_are_fp8(backward, custom_calls):
+def test_exported_for_cuda_the_gemms_are_fp8(backward, custom_calls, monkeypatch):
     """The step as the CUDA lowering builds it (exported from this CPU host). Fused: per layer
     one forward, one weight-gradient and one data-gradient custom call, all on FP8 operands.
     auto: the two data-gradient GEMMs that apply ReLU's derivative are XLA's FP8 dots."""
+    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     x, params = make_stack(12, (64, 128, 96, 32), lead=(256,))
     x, params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, params))
 

@@ -55,9 +55,10 @@ def test_every_gemm_of_the_step_is_an_fp8_kernel(activation):
                for v in jax.tree.leaves(_step(activation, "fused")(*args)))
 
 
-def test_auto_backward_runs_xla_fp8_gemms_for_the_derivatives():
+def test_auto_backward_runs_xla_fp8_gemms_for_the_derivatives(monkeypatch):
     """Under "auto" the data gradients through ReLU are XLA's own FP8 GEMMs (cuBLASLt's
     `__cublas$lt$matmul$f8`, never a bf16 dot of dequantized values), the rest our kernels."""
+    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)  # conftest's, for the kernel tests
     x, params = make_stack(5, (256, 512, 384, 128), lead=(1024,), dtype=np.float32)
     x, params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), (x, params))
     args = jax.device_put((x, params, jnp.ones((1024, 128), jnp.bfloat16)), _gpu())
