@@ -202,22 +202,20 @@ def crossover(sweep: list[dict[str, Any]]) -> Optional[float]:
     return smallest
 
 
-def run_sweep(sizes, budget: timing.Budget) -> list[dict[str, Any]]:
-    records = []
-    for rows_, n in sizes:
-        w = Workload(f"{rows_}x{n}x{n}", rows_, (n, n), None, "relu", True)
-        record = {"rows": rows_, "n": n, "gemm_flops": timing.gemm_flops(rows_, n, n),
-                  "fp8_pays": fp8.fp8_pays(rows_, n, n)}
-        try:
-            careful = measure(w, SWEEP_VARIANTS, budget)["variants"]
-            seconds = {v: careful[v]["careful"]["seconds"] for v in SWEEP_VARIANTS}
-            record["ms"] = {v: s * 1e3 for v, s in seconds.items()}
-            record["fp8_vs_best_bf16"] = min(seconds["xla_bf16"], seconds["ours_bf16"]) / \
-                seconds["ours_fp8_all"]
-        except Exception as e:  # noqa: BLE001  (one size failing must not end the sweep)
-            record["error"] = f"{type(e).__name__}: {e}"
-        records.append(record)
-    return records
+def sweep_record(rows: int, n: int, budget: timing.Budget) -> dict[str, Any]:
+    """One dense ReLU layer step rows × n × n: FP8 in every layer against the faster bf16."""
+    w = Workload(f"{rows}x{n}x{n}", rows, (n, n), None, "relu", True)
+    record = {"rows": rows, "n": n, "gemm_flops": timing.gemm_flops(rows, n, n),
+              "fp8_pays": fp8.fp8_pays(rows, n, n)}
+    try:
+        measured = measure(w, SWEEP_VARIANTS, budget)["variants"]
+        seconds = {v: measured[v]["careful"]["seconds"] for v in SWEEP_VARIANTS}
+        record["ms"] = {v: s * 1e3 for v, s in seconds.items()}
+        record["fp8_vs_best_bf16"] = min(seconds["xla_bf16"], seconds["ours_bf16"]) / \
+            seconds["ours_fp8_all"]
+    except Exception as e:  # noqa: BLE001  (one size failing must not end the sweep)
+        record["error"] = f"{type(e).__name__}: {e}"
+    return record
 
 
 def run(rows: dict[str, Workload], sweep_sizes, budget_seconds: float,
@@ -235,7 +233,7 @@ def run(rows: dict[str, Workload], sweep_sizes, budget_seconds: float,
                               "round, median; variants interleaved round by round",
                    "user": "the same inputs every call, otherwise as careful"},
         "rows": {}, "errors": [], "sweep": []}
-    with timing.progress_bar(len(rows) + bool(sweep_sizes), "fp8") as bar:
+    with timing.progress_bar(len(rows) + len(sweep_sizes), "fp8") as bar:
         for name, w in rows.items():
             bar.set_postfix_str(name, refresh=False)
             try:
@@ -249,9 +247,12 @@ def run(rows: dict[str, Workload], sweep_sizes, budget_seconds: float,
             report["elapsed_seconds"] = time.perf_counter() - started
             write(report, out)
             bar.update()
-        if sweep_sizes:
-            report["sweep"] = run_sweep(sweep_sizes, budget)
+        for rows_, n in sweep_sizes:  # the report is rewritten after every size too
+            bar.set_postfix_str(f"sweep {rows_}x{n}x{n}", refresh=False)
+            report["sweep"].append(sweep_record(rows_, n, budget))
             report["crossover_gemm_flops"] = crossover(report["sweep"])
+            report["elapsed_seconds"] = time.perf_counter() - started
+            write(report, out)
             bar.update()
     report["targets"] = targets(report["rows"])
     report["elapsed_seconds"] = time.perf_counter() - started
@@ -303,8 +304,9 @@ def markdown(report: dict[str, Any]) -> str:
                 else s.get("error", "–")
             lines.append(f"| {s['rows']} × {s['n']} × {s['n']} | {s['gemm_flops']:.3g} | "
                          f"{s['fp8_pays']} | {ms} | {_cell(s.get('fp8_vs_best_bf16'))} |")
-        lines += ["", f"FP8 faster than the best bf16 from {_cell(report.get('crossover_gemm_flops'), '.3g')} "
-                  "GEMM FLOPs up (every larger measured size)."]
+        crossover_flops = _cell(report.get("crossover_gemm_flops"), ".3g")
+        lines += ["", f"FP8 faster than the best bf16 from {crossover_flops} GEMM FLOPs up "
+                  "(at every larger measured size)."]
     if report["errors"]:
         lines += ["", "## Errors", ""] + [f"- {e['name']}: {e['error']}"
                                           for e in report["errors"]]
