@@ -259,6 +259,13 @@ def test_jit_vmap_and_checkpoint():
         one = jax.grad(loss, argnums=(0, 1))(x[i], params)
         for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(per_example)):
             np.testing.assert_allclose(a, b[i], rtol=1e-5, atol=1e-6)
+    # and over kernels: each set of weights on its own scales
+    kernels = jax.tree.map(lambda a: jnp.stack([a, -2 * a]), params)
+    per_kernel = jax.vmap(jax.grad(loss, argnums=1), in_axes=(None, 0))(x, kernels)
+    for i in range(2):
+        one = jax.grad(loss, argnums=1)(x, jax.tree.map(lambda a: a[i], kernels))
+        for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(per_kernel)):
+            np.testing.assert_allclose(a, b[i], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("backward, custom_calls", [("fused", 9), ("auto", 7)])
