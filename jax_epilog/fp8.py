@@ -9,9 +9,9 @@ step (no history). One `jax.custom_vjp` covers the whole stack, as `layers._stac
   operands, the bias/ReLU/GELU epilog, the dequantization scales `1/q`, the result in the
   compute dtype and `result_amax=True` where the next layer is FP8 too: the next amax comes
   out of this GEMM's epilog, so quantizing h_{i+1} reads it once, for the cast.
-- Residuals: h in FP8 and its scale, W in FP8 and its scale, the 1-bit ReLU mask (the GELU
-  pre-activation); never a 16/32-bit copy of an FP8 layer's input, which is where FP8 saves
-  memory.
+- Residuals: h in FP8 (transposed, as the weight gradient's GEMM reads it) and its scale, W
+  in FP8 and its scale, the 1-bit ReLU mask (the GELU pre-activation); never a 16/32-bit copy
+  of an FP8 layer's input, which is where FP8 saves memory.
 - Backward: dZ is quantized to the gradient format (e5m2), its amax from the data-gradient
   GEMM above (`result_amax`) or, for the last layer, one reduction that XLA fuses with the
   last layer's bias gradient (a sum of dZ: FP8 GEMMs have no BGRADB). dW = h8ᵀ dZ8 (e4m3 ×
@@ -183,8 +183,9 @@ class Plan(NamedTuple):
 
 
 class Saved(NamedTuple):
-    """What the backward keeps of one layer: its input (FP8 with `input_scale`, or in the
-    compute dtype with None), its kernel (likewise) and its activation's residual."""
+    """What the backward keeps of one layer: its input (FP8 and transposed, `(K, M)`, with
+    `input_scale`; or `(M, K)` in the compute dtype with None), its kernel (likewise, `(K, N)`)
+    and its activation's residual."""
 
     input: Any
     input_scale: Any
@@ -216,8 +217,10 @@ def _forward(plan: Plan, x, params, keep_residuals: bool):
         if residual is not None:
             residual = checkpoint_name(residual, layers.RELU_MASK_NAME if layer.activation ==
                                        "relu" else layers.GELU_PRE_ACTIVATION_NAME)
-        saved.append(Saved(checkpoint_name(h8, layers.LAYER_INPUT_NAME), h_scale, w8, w_scale,
-                           residual))
+        # Kept as h8ᵀ: the weight gradient's FP8 GEMM contracts over M and takes its operands
+        # K-major, so the transpose is made here, while h8 is fresh, not in the backward.
+        saved.append(Saved(checkpoint_name(h8.T, layers.LAYER_INPUT_NAME), h_scale, w8,
+                           w_scale, residual))
     return h, tuple(saved)
 
 
@@ -251,7 +254,7 @@ def _fp8_stack_bwd(plan: Plan, saved, dy):
             dz8, dz_scale = quantize(dz, amax(dz) if dz_amax is None else dz_amax,
                                      fp8.gradient, fp8.margin)
             dkernel, _ = _matmul8(s.input, s.input_scale, dz8, dz_scale, dz.dtype,
-                                  stack.backward, transpose_a=True)
+                                  stack.backward)
             # FP8 GEMMs have no BGRADB: the bias gradient is a sum of dZ, which XLA fuses with
             # the amax above.
             own_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \

@@ -234,7 +234,8 @@ def test_bfloat16_compute_and_float32_params():
 def test_residuals_are_fp8():
     x, params = make_stack(7, (33, 129, 10), lead=(5,), dtype=np.float32)
     residuals = saved_residuals(lambda x, p: jax_epilog.mlp(x, p, fp8=ALL), x, params)
-    assert ("f8_e4m3fn", (5, 33)) in residuals and ("f8_e4m3fn", (5, 129)) in residuals
+    # the layer inputs transposed, as the weight gradient's FP8 GEMM reads them
+    assert ("f8_e4m3fn", (33, 5)) in residuals and ("f8_e4m3fn", (129, 5)) in residuals
     assert ("f8_e4m3fn", (33, 129)) in residuals and ("f8_e4m3fn", (129, 10)) in residuals
     assert ("u8", (5, jax_epilog.relu_mask_bytes(129))) in residuals
     wide = [r for r in residuals if not r[0].startswith(("f8", "u8")) and r[1] != ()]
