@@ -150,6 +150,14 @@ print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c
       (cd /tmp && runs --cap 60 "$PY" -m pytest "$ROOT/tests/test_soak.py" -q -p no:cacheprovider -m gpu 2>&1) >> "$OUT/soak.log"
       note "soak GPU tests: $(tail -n 1 "$OUT/soak.log")"
       tail -n 50 "$OUT/soak.log" ;;
+    fp8)
+      # FP8 training steps (M1, G1, M2) against XLA bf16 and a user-written XLA FP8 step, and the
+      # FP8 crossover sweep; results rewritten after every row, so a cut run keeps what it has.
+      (cd "$ROOT/benchmarks" && runs --cap "${FP8_CAP:-300}" "$PY" fp8_bench.py ${FP8_ARGS:---sweep} \
+        --out "$OUT/fp8" 2>&1) > "$OUT/fp8.log"
+      note "fp8 benchmark: rc=$? ($((SECONDS - start)) s)"
+      grep -iE "met|missed|crossover" "$OUT/fp8.log" | tail -n 12 | tee -a "$SUMMARY"
+      cat "$OUT/fp8/fp8.md" 2>/dev/null | head -50 ;;
     probe)
       (cd /tmp && runs "$PY" "$ROOT/scripts/probe_special_values.py" 2>&1) | tee "$OUT/probe.log"
       note "special-value probe: see probe.log" ;;
