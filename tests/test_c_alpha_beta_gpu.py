@@ -146,9 +146,13 @@ def test_new_alpha_and_beta_values_need_no_new_trace_or_plan():
     assert cuda_library.plan_cache_size() == plans
 
 
-@pytest.mark.parametrize("result", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("epilog", [Epilog.DEFAULT, Epilog.RELU_BIAS, Epilog.GELU_AUX_BIAS],
-                         ids=lambda e: e.name)
+# FP8 operands on the H200 (cuBLASLt 13.1, measured by test_fp8_gpu): a 16-bit result runs
+# every FP8 epilog; a float32 result runs no epilog with a bias (those take the reference).
+FP8_WITH_C = [(e, r) for e in (Epilog.DEFAULT, Epilog.RELU_BIAS, Epilog.GELU_AUX_BIAS)
+              for r in ("bfloat16", "float16")] + [(Epilog.DEFAULT, "float32")]
+
+
+@pytest.mark.parametrize("epilog,result", FP8_WITH_C, ids=lambda x: getattr(x, "name", x))
 def test_fp8_operands_with_c_run_the_kernel(epilog, result):
     """a (M, K), b (K, N) e4m3: re-laid out K-major in XLA, c (the result's dtype) as is."""
     rng = np.random.default_rng(5)
@@ -165,7 +169,8 @@ def test_fp8_operands_with_c_run_the_kernel(epilog, result):
     assert y.dtype == jnp.dtype(result)
     # The model on the scaled operands: P = (sa a) @ (sb b), then alpha P + beta c.
     want_y, want_aux = _model(epilog, 2.0 * _f64(a), 0.5 * _f64(b), c, inputs, ALPHA, BETA)
-    tol = 1e-2 if result != "float32" else 1e-4
+    # float32: Hopper's FP8 accumulation (measured 2e-4 of the largest value here), not float32's
+    tol = 1e-2 if result != "float32" else 1e-3
     assert _rel(y, want_y) <= tol, _rel(y, want_y)
     for name, w in want_aux.items():
         assert _rel(got[1][name][..., :n], w[..., :n]) <= 4 * tol, name

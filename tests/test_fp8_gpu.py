@@ -205,11 +205,12 @@ def test_scales_multiply_the_accumulator_exactly():
     the accumulation itself, which is bounded here by 2^-10 of sum |a||b| (Hopper's FP8 tensor
     cores accumulate in fewer bits than float32 within a block of K; the bound is loose)."""
     rng = np.random.default_rng(5)
-    a, b, inputs, _ = make(rng, Epilog.BIAS, m=64, n=128, k=64, transpose_b=True)
-    f = jax.jit(lambda a, b, bias, sa, sb: jax_epilog.matmul(
-        a, b, epilog="bias", epilog_inputs={"bias": bias}, transpose_b=True,
-        quantization_scales={"a": sa, "b": sb}, preferred_element_type=jnp.float32))
-    args = jax.device_put((a, b, jnp.zeros_like(inputs["bias"])), _gpu())
+    a, b, _, _ = make(rng, Epilog.DEFAULT, m=64, n=128, k=64, transpose_b=True)
+    f = jax.jit(lambda a, b, sa, sb: jax_epilog.matmul(
+        a, b, transpose_b=True, quantization_scales={"a": sa, "b": sb},
+        preferred_element_type=jnp.float32))
+    args = jax.device_put((a, b), _gpu())
+    assert "jax_epilog_matmul" in f.lower(*args, jnp.float32(1), jnp.float32(1)).as_text()
     unscaled = np.asarray(f(*args, jnp.float32(1), jnp.float32(1)))
     for sa, sb in [(0.5, 2.0), (4.0, 0.25)]:
         np.testing.assert_array_equal(np.asarray(f(*args, jnp.float32(sa), jnp.float32(sb))),
