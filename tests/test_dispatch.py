@@ -496,7 +496,7 @@ def test_layers_follow_the_stack_entries_on_the_gpu(tmp_path, monkeypatch, step,
     def layer(x, w, b):
         return jax_epilog.dense(x, w, b, activation="relu")
 
-    def step(x, w, b):
+    def train(x, w, b):
         return jax.grad(lambda *a: layer(*a).astype(jnp.float32).sum(), (0, 1, 2))(x, w, b)
 
     def kernel_calls(fn):
@@ -504,6 +504,6 @@ def test_layers_follow_the_stack_entries_on_the_gpu(tmp_path, monkeypatch, step,
             'custom_call_target="jax_epilog_matmul"')
     try:
         assert (kernel_calls(layer) > 0) == (forward == "fused")
-        assert (kernel_calls(step) > 0) == (step == "fused")
+        assert (kernel_calls(train) > 0) == (step == "fused")
     finally:
         dispatch.clear_cache()
