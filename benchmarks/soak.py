@@ -12,7 +12,11 @@ and the number of cached plans are recorded.
 Verdict: "flat" when, after the warm-up, neither memory grows by more than FLAT_BOUND_MIB over
 its value at the end of the warm-up. The warm-up is the first --warmup fraction of the chunks
 (default 25%), and lasts at least until the cache is full: while it fills, memory rightly grows
-by the plans it keeps.
+by the plans it keeps. With --passes N (default 2) the soak runs N times --shapes problems,
+every one distinct (pass p takes the problems after pass p-1's), and the whole first pass is
+warm-up: it meets the kinds of problem the later passes meet, so what cuBLASLt loads once per
+kind (kernel modules, its own heuristics cache of bounded size) is loaded by then, and growth
+in the later passes would be per problem, i.e. unbounded.
 
 Autotuning is off: with it on, each plan built would also look its problem up in the on-disk
 file of tuned algorithms, and in a real program each new shape would be tuned once (3–250 ms
@@ -35,6 +39,7 @@ from typing import Any, Optional
 
 SHAPES = 20_000
 CHUNKS = 40
+PASSES = 2
 MAX_DIM = 512  # small problems: 20,000 plans and runs take seconds, not minutes
 WARMUP = 0.25
 # Growth allowed after the warm-up, for the process and for the device alike: well above the
@@ -141,7 +146,7 @@ class Soak:
 
 
 def run(shapes: int, chunks: int, max_dim: int, seed: int, device: int, warmup: float,
-        capacity: Optional[int], budget_s: float) -> dict[str, Any]:
+        capacity: Optional[int], budget_s: float, passes: int = 1) -> dict[str, Any]:
     from jax_epilog import config, cuda_library
 
     config.set_autotune(False)
@@ -150,7 +155,10 @@ def run(shapes: int, chunks: int, max_dim: int, seed: int, device: int, warmup: 
     capacity = config.plan_cache_capacity()
     soak = Soak(device)
     cuda_library.clear_plan_cache()
-    bounds = chunk_bounds(shapes, chunks)
+    if passes < 1:
+        raise ValueError(f"passes: expected at least 1, got {passes}")
+    bounds = [(p * shapes + first, count) for p in range(passes)
+              for first, count in chunk_bounds(shapes, chunks)]
     samples = []
     start = time.perf_counter()
     before = {"rss_bytes": rss_bytes(), "device_bytes": soak.device_bytes()}
@@ -158,7 +166,8 @@ def run(shapes: int, chunks: int, max_dim: int, seed: int, device: int, warmup: 
         chunk_start = time.perf_counter()
         counts = soak.run_chunk(seed, first, count, max_dim, config.workspace_bytes())
         seconds = time.perf_counter() - chunk_start
-        samples.append({"chunk": i, "shapes_done": first + count, **counts,
+        samples.append({"chunk": i, "pass": i // chunks + 1, "shapes_done": first + count,
+                        **counts,
                         "plan_cache_size": cuda_library.plan_cache_size(),
                         "rss_bytes": rss_bytes(), "device_bytes": soak.device_bytes(),
                         "us_per_shape": 1e6 * seconds / count})
@@ -171,13 +180,15 @@ def run(shapes: int, chunks: int, max_dim: int, seed: int, device: int, warmup: 
     import timing  # its run_metadata starts JAX's backend: only once the soak is done
 
     return {"benchmark": "soak", "metadata": timing.run_metadata(),
-            "settings": {"shapes": shapes, "chunks": chunks, "max_dim": max_dim, "seed": seed,
+            "settings": {"shapes": shapes * passes, "passes": passes, "chunks": chunks * passes,
+                         "max_dim": max_dim, "seed": seed,
                          "device": device, "plan_cache_capacity": capacity,
                          "workspace_bytes": config.workspace_bytes(), "autotune": False,
                          "warmup_fraction": warmup, "budget_s": budget_s},
             "before": before, "samples": samples, "seconds": time.perf_counter() - start,
             "shapes_done": samples[-1]["shapes_done"],
-            "verdict": judge_flat(samples, warmup_chunks(samples, warmup, capacity))}
+            "verdict": judge_flat(samples, max(warmup_chunks(samples, warmup, capacity),
+                                               chunks if passes > 1 else 0))}
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -201,11 +212,12 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['before']['rss_bytes'] / MIB:.1f} MiB, device "
         f"{report['before']['device_bytes'] / MIB:.1f} MiB.",
         "",
-        "| chunk | shapes | plans cached (most) | RSS MiB | device MiB | µs per shape |",
-        "|---|---|---|---|---|---|",
+        "| chunk | pass | shapes | plans cached (most) | RSS MiB | device MiB | µs per shape |",
+        "|---|---|---|---|---|---|---|",
     ]
     for s in samples:
-        lines.append(f"| {s['chunk'] + 1} | {s['shapes_done']} | {s['plan_cache_size']} "
+        lines.append(f"| {s['chunk'] + 1} | {s.get('pass', 1)} | {s['shapes_done']} | "
+                     f"{s['plan_cache_size']} "
                      f"({s['most_cached']}) | {s['rss_bytes'] / MIB:.1f} | "
                      f"{s['device_bytes'] / MIB:.1f} | {s['us_per_shape']:.0f} |")
     lines.append("")
@@ -213,8 +225,10 @@ def markdown(report: dict[str, Any]) -> str:
     if verdict["flat"] is None:
         lines.append(f"Flatness not judged: {verdict['why']}.")
     else:
+        first_pass = (" and the whole first pass" if settings.get("passes", 1) > 1 else "")
         lines.append(f"After the warm-up ({verdict['warmup_chunks']} chunks: at least "
-                     f"{settings['warmup_fraction']:.0%} of them, and until the cache was full):")
+                     f"{settings['warmup_fraction']:.0%} of them, until the cache was full"
+                     f"{first_pass}):")
         for name, what in MEMORIES.items():
             v = verdict[name]
             lines.append(f"- {what}: {v['after_warmup'] / MIB:.1f} MiB after the warm-up, at "
@@ -231,8 +245,10 @@ def markdown(report: dict[str, Any]) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--shapes", type=int, default=SHAPES)
-    parser.add_argument("--chunks", type=int, default=CHUNKS)
+    parser.add_argument("--shapes", type=int, default=SHAPES, help="problems per pass")
+    parser.add_argument("--chunks", type=int, default=CHUNKS, help="chunks per pass")
+    parser.add_argument("--passes", type=int, default=PASSES,
+                        help="passes of --shapes new problems each; the first is warm-up")
     parser.add_argument("--max-dim", type=int, default=MAX_DIM, help="m, n, k in [1, this]")
     parser.add_argument("--seed", type=int, default=0, help="orders the problems")
     parser.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
@@ -247,13 +263,15 @@ def main(argv=None) -> None:
     try:  # the arguments are checked before the soak, not after it
         chunk_bounds(args.shapes, args.chunks)
         warmup_chunks([], args.warmup, capacity=1)
+        if args.passes < 1:
+            raise ValueError(f"--passes: expected at least 1, got {args.passes}")
     except ValueError as e:
         parser.error(str(e))
     # So the device figures are the soak's own memory and the CUDA context's, not a pool that
     # JAX's backend (started for the metadata, at the end) would reserve up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     report = run(args.shapes, args.chunks, args.max_dim, args.seed, args.device, args.warmup,
-                 args.capacity, args.budget_s)
+                 args.capacity, args.budget_s, args.passes)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1))
     (args.out / "soak.md").write_text(markdown(report))

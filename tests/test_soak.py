@@ -70,7 +70,7 @@ def test_report_states_settings_and_verdict():
         "verdict": soak.judge_flat(chunks, soak.warmup_chunks(chunks, 0.25, 64))}
     text = soak.markdown(report)
     assert "400 of 400 distinct problems" in text and "360 planned and run, 40 without" in text
-    assert "| 4 | 400 | 64 (64) | 560.0 | 720.0 | 123 |" in text
+    assert "| 4 | 1 | 400 | 64 (64) | 560.0 | 720.0 | 123 |" in text
     assert "(+50.0 MiB; bound 32 MiB): GROWS" in text and "Verdict: NOT flat." in text
 
 
@@ -138,3 +138,15 @@ def test_run_records_every_chunk_and_judges(monkeypatch, restore_settings):
     assert report["verdict"]["device_bytes"]["growth"] == 0
     assert report["verdict"]["flat"] in (True, False)  # RSS is this process's, whatever it is
     assert "Verdict:" in soak.markdown(report)
+
+    firsts = []
+    monkeypatch.setattr(FakeSoak, "run_chunk", lambda self, seed, first, count, *rest: (
+        firsts.append(first), cache.update(plans=128),  # full after the first chunk
+        {"ran": count, "unsupported": 0, "most_cached": 128})[2])
+    report = soak.run(shapes=400, chunks=4, max_dim=32, seed=0, device=0, warmup=0.25,
+                      capacity=128, budget_s=60, passes=3)
+    assert firsts == [0, 100, 200, 300, 400, 500, 600, 700, 800, 900, 1000, 1100]  # all new
+    assert [s["pass"] for s in report["samples"]] == [1] * 4 + [2] * 4 + [3] * 4
+    assert report["verdict"]["warmup_chunks"] == 4  # the whole first pass
+    assert report["settings"]["shapes"] == 1200 and "and the whole first pass" in \
+        soak.markdown(report)
