@@ -108,6 +108,15 @@ def time_interleaved(calls: dict[str, tuple[Callable[..., Any], Sequence[tuple]]
                          calls_per_round=counts[name]) for name, values in per_call.items()}
 
 
+def ratio_spread(numerator: Timing, denominator: Timing) -> tuple[float, float]:
+    """(min, max) over rounds of numerator's round time / denominator's, rounds paired by index
+    (`time_interleaved` runs round i of each back to back, under the same drift)."""
+    ratios = [a / b for a, b in zip(numerator.rounds, denominator.rounds)]
+    if not ratios:
+        raise ValueError("ratio_spread: expected timings with at least one round each")
+    return min(ratios), max(ratios)
+
+
 class Budget:
     """Spreads a total time budget (compilation included) over the remaining measurements:
     each round lasts (remaining time) / (remaining measurements × (rounds + 3 for warm-up)),

@@ -82,6 +82,10 @@ TABLES_DIR = Path(__file__).with_name("tables")
 FORMAT = "jax_epilog.decisions/2"  # 2: sections may hold stack entries
 READABLE_FORMATS = ("jax_epilog.decisions/1", FORMAT)
 STACK_CANDIDATES = ("fused", "plain")
+#: In a stack entry's "seconds": how many of the fused candidate's GEMMs ran cuBLASLt when tune
+#: timed it. 0: the fused stack was our own backward around XLA's GEMMs, and "plain" (XLA's own
+#: program of the user's expression) is chosen whatever the times.
+FUSED_CUBLASLT_GEMMS = "fused_cublaslt_gemms"
 STACK_MODES = ("step", "forward")
 
 
@@ -192,10 +196,11 @@ def decide_from_times(seconds: dict) -> str:
 
 
 def decide_stack_from_times(seconds: dict) -> str:
-    """'fused' where the fused stack beat the plain expression by more than `MARGIN`; 'plain'
-    otherwise (or where the fused stack failed)."""
+    """'fused' where the fused stack beat the plain expression by more than `MARGIN` and ran at
+    least one cuBLASLt GEMM (`FUSED_CUBLASLT_GEMMS`, where recorded); 'plain' otherwise (or
+    where the fused stack failed)."""
     fused, plain = seconds.get("fused"), seconds.get("plain")
-    if fused is None:
+    if fused is None or seconds.get(FUSED_CUBLASLT_GEMMS) == 0:
         return "plain"
     if plain is None:
         return "fused"

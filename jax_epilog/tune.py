@@ -17,10 +17,15 @@ actually runs:
    median over rounds after a warm-up, about `SECONDS_PER_CANDIDATE` of GPU time per candidate.
    Small problems run several independent copies per call so that host dispatch does not hide
    the kernels (as inside a real network). Then each distinct stack, as the layer is used
-   (inference: the forward; training step: forward and backward through `jax.vjp`), as the
+   (inference: the forward; training step: forward and backward of a loss), as the
    plain expression under XLA ("plain") and as the fused stack ("fused", each GEMM choosing by
    the GEMM entries just measured): one real call after another, rotating inputs through
-   enough copies to leave L2, so the custom calls' own cost is in the times.
+   enough copies to leave L2, so the custom calls' own cost is in the times. A training step
+   is `jax.value_and_grad` of `squared_error` (the loss `benchmarks/never_slower.py` times)
+   w.r.t. x and the parameters. "fused" must win by `dispatch.MARGIN`, and it is recorded
+   only where at least one of its GEMMs runs cuBLASLt: with every GEMM on XLA it is our own
+   backward around XLA's GEMMs, while "plain" is exactly the program XLA makes of the user's
+   expression, so "plain" is recorded (never slower than XLA by construction).
 3. It merges the decisions into the table (atomic write; other entries are kept).
 
     python -m jax_epilog.tune --grid                       # the benchmark grid G1-G7, M1-M3
@@ -250,11 +255,19 @@ def forward_fn(w: Workload, stack: Callable) -> Callable:
     return lambda params, x, target: stack(x, params, w.activation, w.final_activation)
 
 
+def squared_error(y, target):
+    """The training loss of every measured step: 0.5 · mean((y - target)²) in float32. The grid's
+    steps (`step_fn`, which `benchmarks/never_slower.py` times) and tune's stack steps
+    (`stack_fn`) both use this one definition, so tune decides on the step that is checked."""
+    error = y.astype(jnp.float32) - target
+    return 0.5 * jnp.mean(error * error)
+
+
 def step_fn(w: Workload, stack: Callable) -> Callable:
-    """A training step: (params, x, target) -> (loss, grads) by `jax.value_and_grad`."""
+    """A training step: (params, x, target) -> (loss, grads) by `jax.value_and_grad` of
+    `squared_error`."""
     def loss(params, x, target):
-        error = stack(x, params, w.activation, w.final_activation).astype(jnp.float32) - target
-        return 0.5 * jnp.mean(error * error)
+        return squared_error(stack(x, params, w.activation, w.final_activation), target)
     return jax.value_and_grad(loss, argnums=(0, 1) if w.grad_x else 0)
 
 
@@ -402,21 +415,38 @@ def stack_of(key: dispatch.StackKey) -> layers.Stack:
 def stack_fn(key: dispatch.StackKey, candidate: str) -> Callable:
     """The stack as `candidate` runs it: "plain" (the plain expression, which XLA compiles as
     a user's own) or "fused" (the layers' custom VJP). Inference: (x, params) -> y; training
-    step: (x, params, dy) -> (y, (dx, dparams)) through `jax.vjp`, as the layer is used."""
+    step: (x, params, target) -> (loss, (dx, dparams)), `jax.value_and_grad` of
+    `squared_error` w.r.t. x and the parameters, as a training step uses the layer (the loss
+    gradient's elementwise work is then in the step, as it is in the user's)."""
     run = {"plain": layers._plain_expression, "fused": layers._stack}[candidate]
     forward = functools.partial(run, stack_of(key))
     if key.mode == "forward":
         return forward
 
-    def step(x, params, dy):
-        y, pullback = jax.vjp(forward, x, params)
-        return y, pullback(dy)
-    return step
+    def loss(x, params, target):
+        return squared_error(forward(x, params), target)
+    return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def fused_gemm_backends(key: dispatch.StackKey) -> list[str]:
+    """"cublaslt" or "xla" for each GEMM the fused candidate of `key` issues (the training
+    step's forward and backward GEMMs, or the inference forward's), as "auto" chooses them now:
+    inside `dispatch.measuring`, by this run's GEMM entries."""
+    stack = stack_of(key)
+    if key.mode == "forward":
+        gemms = [(Epilog.find(layer.activation, layer.has_bias, keep_residual=False),
+                  1, key.rows, n, k, False, False)
+                 for layer, k, n in zip(stack.layers, key.widths, key.widths[1:])]
+    else:
+        gemms = [gemm for _, gemm in layers._gemms(stack.layers, key.rows, key.widths)]
+    return [config.backend_override() or dispatch.choose(epilog, key.dtype, *problem)
+            for epilog, *problem in gemms]
 
 
 def stack_operands(key: dispatch.StackKey, seed: int = 0) -> tuple:
-    """Random normal (x, params[, dy]) for `stack_fn(key, ...)`: kernels scaled by 1/sqrt(K),
-    small biases (None where the layer has none)."""
+    """Random normal (x, params[, target]) for `stack_fn(key, ...)`: kernels scaled by
+    1/sqrt(K), small biases (None where the layer has none), a float32 target as
+    `benchmarks/never_slower.py` draws it."""
     dtype = jnp.dtype(key.dtype)
     keys = iter(jax.random.split(jax.random.key(seed), 2 * len(key.biases) + 2))
     params = tuple(
@@ -427,13 +457,14 @@ def stack_operands(key: dispatch.StackKey, seed: int = 0) -> tuple:
     x = jax.random.normal(next(keys), (key.rows, key.widths[0]), dtype)
     if key.mode == "forward":
         return x, params
-    return x, params, jax.random.normal(next(keys), (key.rows, key.widths[-1]), dtype)
+    return x, params, jax.random.normal(next(keys), (key.rows, key.widths[-1]), jnp.float32)
 
 
 def _stack_copies(key: dispatch.StackKey) -> int:
-    outer = key.widths[0] + key.widths[-1] * (1 if key.mode == "forward" else 2)
+    size = jnp.dtype(key.dtype).itemsize
+    outer = size * key.widths[0] + (size if key.mode == "forward" else 4) * key.widths[-1]
     weights = sum(k * n + n for k, n in zip(key.widths, key.widths[1:]))
-    return _copies(jnp.dtype(key.dtype).itemsize * (key.rows * outer + weights))
+    return _copies(key.rows * outer + size * weights)
 
 
 @functools.lru_cache(maxsize=1)  # both candidates of a stack time the same arrays
@@ -568,9 +599,13 @@ def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
         with dispatch.measuring(dispatch.Table(device, version, tuple(entries))):
             for key in stacks:
                 times = _timed(measure_stack, key, dispatch.STACK_CANDIDATES, seconds, failures)
+                # Stored with the times: with 0, "plain" is chosen (`dispatch`, module doc).
+                gemms = fused_gemm_backends(key).count("cublaslt")
+                times[dispatch.FUSED_CUBLASLT_GEMMS] = gemms
                 stack_entries.append(dispatch.make_stack_entry(key, times))
+                note = "" if gemms else " (fused runs no cuBLASLt GEMM)"
                 bar.report(f"{key}: fused {_us(times['fused'])}, plain {_us(times['plain'])} "
-                           f"-> {stack_entries[-1].choice}")
+                           f"-> {stack_entries[-1].choice}{note}")
     finally:
         bar.close()
         _operand_sets.cache_clear()

@@ -95,8 +95,55 @@ def test_never_slower_smoke_report(tmp_path):
     for row in report["rows"]:
         assert row["careful"]["ratio"] > 0 and row["user"]["ratio"] > 0
         assert row["max_abs_diff"] < 0.1  # both sides computed the same layer
+        low, high = row["careful"]["ratio_spread"]
+        assert 0 < low <= high and row["rounds"] in (never_slower.ROUNDS, never_slower.SMALL_ROUNDS)
     assert set(report["summary"]) == {"careful", "user"}
     table = (tmp_path / "never_slower.md").read_text()
     assert "| S1 step | 64 × 48→40 |" in table and "| careful |" in table
     readme = never_slower.readme_table(report)
     assert "| S1 | " in readme and "careful: min" in readme and "user: min" in readme
+
+
+def _module_text(fn, args) -> str:
+    """The lowered StableHLO of `jax.jit(fn)`, without locations, names and result info."""
+    import re
+
+    import jax
+
+    text = jax.jit(fn).lower(*args).as_text()
+    for pattern, replacement in ((r"\s*loc\([^)]*\)", ""), (r"#loc\d*( = .*)?", ""),
+                                 (r"@jit_\w+", "@jit_f"), (r'jax\.result_info = "[^"]*"', ""),
+                                 (r"mhlo\.frontend_attributes = \{[^}]*\}", "")):
+        text = re.sub(pattern, replacement, text)
+    return text
+
+
+@pytest.mark.parametrize("forward_choice", ["plain", "fused"])
+def test_the_plain_path_is_the_users_program(monkeypatch, forward_choice):
+    """Where the table chooses "plain" (G7 forward, M3 step, ...), jax_epilog's side of
+    never_slower lowers to exactly the module of the user's plain expression (`xla_stack`):
+    any ratio away from 1 on such a row is timing noise. With the inference entry on "fused"
+    (M3), the step still is (the custom VJP that keeps the fused forward for inference leaves
+    no trace in the differentiated module)."""
+    import types
+
+    import never_slower
+
+    from jax_epilog import dispatch, layers, tune
+
+    choices = {"step": "plain", "forward": forward_choice}
+    monkeypatch.setattr(layers, "_on_cuda_gpu", lambda: True)  # the CPU poses as a CUDA GPU
+    monkeypatch.setattr(dispatch, "stack_decision",
+                        lambda key: types.SimpleNamespace(choice=choices[key.mode]))
+    modes = ("forward", "step") if forward_choice == "plain" else ("step",)
+    for w in tune.grid_workloads(["G7", "G4", "M3"]):
+        for mode in modes:
+            make, args = never_slower.MODES[mode], w.shapes()
+            assert _module_text(make(w, tune.epilog_stack), args) == \
+                _module_text(make(w, never_slower.xla_stack), args), f"{w.name} {mode}"
+
+
+def test_ratio_spread_pairs_rounds_by_index():
+    a = timing.Timing(2.0, (2.0, 3.0, 1.0), 1)
+    b = timing.Timing(1.0, (1.0, 2.0, 2.0), 1)
+    assert timing.ratio_spread(a, b) == (0.5, 2.0)

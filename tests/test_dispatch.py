@@ -304,6 +304,17 @@ def test_fused_stack_wins_only_by_the_margin(fused, plain, expected):
     assert dispatch.decide_stack_from_times({"fused": fused, "plain": plain}) == expected
 
 
+def test_a_fused_stack_that_ran_no_cublaslt_gemm_is_never_chosen():
+    seconds = {"fused": 0.5, "plain": 1.0}
+    assert dispatch.decide_stack_from_times({**seconds, dispatch.FUSED_CUBLASLT_GEMMS: 1}) == \
+        "fused"
+    assert dispatch.decide_stack_from_times({**seconds, dispatch.FUSED_CUBLASLT_GEMMS: 0}) == \
+        "plain"
+    entry = dispatch.StackEntry.from_dict({**stack_key()._asdict(), "choice": "fused",
+                                           "seconds": {**seconds, "fused_cublaslt_gemms": 0}})
+    assert entry.choice == "plain"  # as stored by tune, re-derived when read
+
+
 def test_stack_keys_are_checked():
     with pytest.raises(ValueError, match="mode"):
         stack_key(mode="train")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_epilog
-from jax_epilog import dispatch, tune
+from jax_epilog import dispatch, layers, tune
 from jax_epilog.epilogs import Epilog
 
 BF16 = jnp.bfloat16
@@ -177,6 +177,48 @@ def test_stack_candidates_compute_the_same(mode):
     assert len(jax.tree.leaves(plain)) == (1 if mode == "forward" else 1 + 1 + 4)
 
 
+def test_stack_step_is_the_value_and_grad_of_the_shared_loss():
+    key = MLP_KEY._replace(mode="step")
+    x, params, target = tune.stack_operands(key)
+    assert target.dtype == jnp.float32 and target.shape == (key.rows, key.widths[-1])
+    stack = tune.stack_of(key)
+    loss, (dx, dparams) = tune.stack_fn(key, "plain")(x, params, target)
+    want_loss, (want_dx, want_dparams) = jax.value_and_grad(
+        lambda x, p: tune.squared_error(layers._plain_expression(stack, x, p), target),
+        argnums=(0, 1))(x, params)
+    assert loss.shape == () and jnp.allclose(loss, want_loss)
+    for a, b in zip(jax.tree.leaves((dx, dparams)), jax.tree.leaves((want_dx, want_dparams))):
+        assert jnp.array_equal(a, b)
+    # the grid's steps (and never_slower's) use the same loss
+    w = tune.grid_workloads(["G7"])[0]
+    step_source = inspect.getsource(tune.step_fn)
+    assert "squared_error(" in step_source and w.grad_x
+
+
+def test_fused_gemm_backends_follow_the_gemm_entries(fake_gpu):
+    step = DENSE_KEY._replace(mode="step")
+    assert tune.fused_gemm_backends(step) == ["xla"] * 3  # no entries: XLA
+    rows, (k, n) = step.rows, step.widths
+    entry = dispatch.make_entry("GELU_AUX_BIAS", step.dtype, False, False, rows, n, k,
+                                {"cublaslt": 1e-5, "xla": 1e-3})
+    with dispatch.measuring(dispatch.Table("Fake GPU", 1, (entry,))):
+        assert tune.fused_gemm_backends(step) == ["cublaslt", "xla", "xla"]
+        assert tune.fused_gemm_backends(step._replace(mode="forward")) == ["xla"]
+
+
+def test_a_fused_stack_without_cublaslt_gemms_is_recorded_plain(fake_gpu, capsys):
+    # every GEMM chose XLA: fused (custom VJP around XLA's GEMMs) measured faster, plain kept
+    table = tune.tune([DENSE_KEY], measure=lambda *a, **k: 1e-5,
+                      measure_stack=lambda key, c, **k: {"fused": 0.5, "plain": 1.0}[c],
+                      progress=False)
+    (entry,) = table.stacks
+    assert entry.choice == "plain"
+    assert entry.seconds == {"fused": 0.5, "plain": 1.0, dispatch.FUSED_CUBLASLT_GEMMS: 0}
+    assert "(fused runs no cuBLASLt GEMM)" in capsys.readouterr().out
+    dispatch.clear_cache()  # and so it reads back: the choice is re-derived from what is stored
+    assert dispatch.stack_decision(DENSE_KEY).choice == "plain"
+
+
 PROBLEMS = [
     tune.Problem("DEFAULT", "bfloat16", False, False, 1, 24, 16, 8),
     tune.Problem("RELU_AUX_BIAS", "bfloat16", False, False, 1, 24, 130, 8),
@@ -295,7 +337,9 @@ def test_tune_times_the_stacks_of_a_function_after_its_gemms(fake_gpu, capsys):
             raise RuntimeError("out of memory")
         return {"fused": 0.5, "plain": 1.0}[candidate]
 
-    table = tune.tune([(network_step, (x, params))], measure=lambda *a, **k: 1e-5,
+    # cuBLASLt wins every GEMM, so the fused candidates run it (else "plain" is recorded)
+    table = tune.tune([(network_step, (x, params))],
+                      measure=lambda p, backend, **k: 1e-5 if backend == "cublaslt" else 1e-3,
                       measure_stack=measure_stack, progress=False)
     assert {(e.key, e.choice) for e in table.stacks} == {(DENSE_KEY, "fused"),
                                                         (MLP_KEY, "plain")}
