@@ -9,7 +9,7 @@ one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
 - ours_fp8: `jax_epilog.mlp(..., fp8=True)`: FP8 where `jax_epilog.fp8.fp8_pays` says so;
 - ours_fp8_all: `fp8=Fp8(layers="all")`: FP8 in every layer;
 - ours_fp8_fused: the same with `backward="fused"`: cuBLASLt's FP8 DRELU_BGRAD for the data
-  gradients where "auto" runs XLA's FP8 GEMM and fusions (`fp8.data_grad_backend`);
+  gradients where "auto" runs XLA's FP8 GEMM and fusions (`fp8.gemm_backend`);
 - xla_fp8: what a user writes for FP8 under XLA (Flax's fp8_ops style): per layer a
   `custom_vjp` dot with per-tensor current scaling, a direct FP8 `dot_general` with
   `preferred_element_type`, e5m2 gradients; bias and ReLU by JAX's autodiff.
@@ -18,13 +18,20 @@ All variants are compiled and timed in one process on the same inputs, in both h
 BENCHMARK.md (careful: rotated inputs; user: the same inputs every call), their rounds
 interleaved. Reported per row: ms, TFLOP/s, the ratios against xla_bf16 and xla_fp8, the
 compiled step's temporaries (`memory_analysis().temp_size_in_bytes`), and how far each
-variant's loss and gradients are from xla_bf16's (FP8 rounding). Then the issue's targets.
+variant's loss and gradients are from xla_bf16's (FP8 rounding), and which GEMMs of the
+compiled step ran where: our cuBLASLt custom calls (FP8 or not), XLA's FP8 GEMMs, XLA's other
+GEMMs. A variant whose compilation warned that cuBLASLt "runs no FP8 kernel" (a GEMM fell back
+to the plain-XLA reference) is marked FALLBACK in the table and on stdout, and a target read
+from it counts as missed. Then the issue's targets, printed met/MISSED.
 
 `--sweep` also times one dense layer step of a few square sizes (rows × n × n) for ours_bf16,
 xla_bf16 and ours_fp8_all: the FLOPs from which FP8 pays, for `fp8.FP8_MIN_FLOPS`.
 
     python benchmarks/fp8_bench.py --out benchmarks/results            # H200: ~3 minutes
     python benchmarks/fp8_bench.py --sweep --out benchmarks/results    # plus the sweep
+
+`--max-s` (default 270) bounds the whole run, compilation included: a row or sweep size that
+would start too late for it (judged by the slowest one so far) is skipped and listed.
     python benchmarks/fp8_bench.py --smoke --sweep --out /tmp/smoke    # tiny shapes, any CPU
 
 Writes `<out>/fp8.json` and `<out>/fp8.md`.
@@ -34,8 +41,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -54,8 +63,7 @@ ROWS = {"M1": Workload("M1", *NETWORKS["M1"], "relu", None, False),
         "M2": Workload("M2", *NETWORKS["M2"], "relu", None, False)}
 SMOKE_ROWS = {"S1": Workload("S1", 64, (32, 48, 48, 16), "relu", None, False),
               "S2": Workload("S2", 33, (48, 32), None, "relu", True)}
-SWEEP = [(4096, 1024), (16384, 1024), (16384, 2048), (16384, 4096), (65536, 2048),
-         (65536, 4096), (16384, 8192)]  # (rows, n): one n×n layer
+SWEEP = [(16384, 1024), (16384, 2048), (16384, 4096), (65536, 4096)]  # (rows, n): one n×n layer
 SMOKE_SWEEP = [(32, 16), (64, 32)]
 # The issue's targets: (row, variant, against, at least) on the careful harness's ratios.
 TARGETS = [("M1", "ours_fp8", "xla_bf16", 1.5), ("M1", "ours_fp8", "xla_fp8", 1.05),
@@ -133,10 +141,30 @@ def _relative_diff(expected, received) -> float:
                for a, b in zip(jax.tree.leaves(expected), jax.tree.leaves(received)))
 
 
-def _f8_gemms(hlo: str) -> int:
-    """FP8 GEMMs in a compiled module: our custom calls with f8 operands, XLA's f8 GEMMs."""
-    ours = sum(1 for line in hlo.splitlines() if cuda_library.TARGET_NAME in line and "f8e" in line)
-    return ours + hlo.count("__cublas$lt$matmul$f8")
+FALLBACK_MESSAGE = "runs no FP8 kernel"  # lowering's RuntimeWarning for a reference fallback
+
+
+def gemm_counts(hlo: str) -> dict[str, int]:
+    """Where the GEMMs of a compiled module run: our cuBLASLt custom calls (with FP8 operands
+    or not), XLA's FP8 GEMMs (`__cublas$lt$matmul$f8`) and XLA's other GEMMs."""
+    ours = [line for line in hlo.splitlines()
+            if f'custom_call_target="{cuda_library.TARGET_NAME}' in line]
+    ours_fp8 = sum(1 for line in ours if "f8e" in line)
+    xla_fp8 = hlo.count('custom_call_target="__cublas$lt$matmul$f8"')
+    xla_other = hlo.count('custom_call_target="__cublas$gemm"') + \
+        hlo.count('custom_call_target="__cublas$lt$matmul"')
+    return {"ours_fp8": ours_fp8, "ours_other": len(ours) - ours_fp8, "xla_fp8": xla_fp8,
+            "xla_other": xla_other}
+
+
+def compile_without_fallbacks(fn, args) -> tuple[Any, list[str]]:
+    """(compiled fn, the messages of every reference fallback its lowering warned of)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = jax.jit(fn).lower(*args).compile()
+    return compiled, sorted({str(w.message) for w in caught
+                             if issubclass(w.category, RuntimeWarning)
+                             and FALLBACK_MESSAGE in str(w.message)})
 
 
 def measure(w: Workload, variants, budget: timing.Budget) -> dict[str, Any]:
@@ -145,8 +173,10 @@ def measure(w: Workload, variants, budget: timing.Budget) -> dict[str, Any]:
                 for seed in range(never_slower.input_copies(w))]
     compiled, record = {}, {"variants": {}}
     for name in variants:
-        lowered = jax.jit(step_fn(w, VARIANTS[name])).lower(*arg_sets[0])
-        compiled[name] = lowered.compile()
+        compiled[name], fallbacks = compile_without_fallbacks(step_fn(w, VARIANTS[name]),
+                                                              arg_sets[0])
+        for message in fallbacks:  # loud: this variant is not measuring the real path
+            print(f"FALLBACK {w.name} {name}: {message}", file=sys.stderr, flush=True)
         hlo = compiled[name].as_text()
         outputs = jax.block_until_ready(compiled[name](*arg_sets[0]))
         if name == "xla_bf16":
@@ -154,8 +184,7 @@ def measure(w: Workload, variants, budget: timing.Budget) -> dict[str, Any]:
         record["variants"][name] = {
             "temp_mib": never_slower._temp_mib(compiled[name]),
             "relative_diff_vs_xla_bf16": _relative_diff(reference, outputs),
-            "cublaslt_calls": hlo.count(f'custom_call_target="{cuda_library.TARGET_NAME}"'),
-            "fp8_gemms": _f8_gemms(hlo)}
+            "gemms": gemm_counts(hlo), "fallbacks": fallbacks}
         del outputs
     flops = w.flops("step")
     for harness in HARNESSES:
@@ -176,9 +205,13 @@ def targets(rows: dict[str, dict]) -> list[dict[str, Any]]:
     found = []
     for row, variant, against, least in TARGETS:
         if row in rows and "careful" in rows[row]["variants"].get(variant, {}):
-            value = rows[row]["variants"][variant]["careful"][f"ratio_vs_{against}"]
+            variants = rows[row]["variants"]
+            value = variants[variant]["careful"][f"ratio_vs_{against}"]
+            fell_back = bool(variants[variant].get("fallbacks") or
+                             variants[against].get("fallbacks"))
             found.append({"target": f"{row} {variant} / {against} speed >= {least}",
-                          "value": value, "met": value >= least})
+                          "value": value, "met": value >= least and not fell_back,
+                          **({"note": "reference fallback"} if fell_back else {})})
     row, variant, against, most = MAX_TEMP_RATIO
     if row in rows:
         temps = {v: rows[row]["variants"][v]["temp_mib"] for v in (variant, against)}
@@ -210,6 +243,8 @@ def sweep_record(rows: int, n: int, budget: timing.Budget) -> dict[str, Any]:
     try:
         measured = measure(w, SWEEP_VARIANTS, budget)["variants"]
         seconds = {v: measured[v]["careful"]["seconds"] for v in SWEEP_VARIANTS}
+        record["fallbacks"] = sorted({m for v in SWEEP_VARIANTS
+                                      for m in measured[v]["fallbacks"]})
         record["ms"] = {v: s * 1e3 for v, s in seconds.items()}
         record["fp8_vs_best_bf16"] = min(seconds["xla_bf16"], seconds["ours_bf16"]) / \
             seconds["ours_fp8_all"]
@@ -219,8 +254,19 @@ def sweep_record(rows: int, n: int, budget: timing.Budget) -> dict[str, Any]:
 
 
 def run(rows: dict[str, Workload], sweep_sizes, budget_seconds: float,
-        out: Path) -> dict[str, Any]:
+        out: Path, max_seconds: float = float("inf")) -> dict[str, Any]:
     started = time.perf_counter()
+    slowest = 0.0  # the longest row or sweep size so far: what the next one may take
+
+    def skip(what: str) -> bool:
+        """Whether `what` would start too late to end within max_seconds (then it is listed)."""
+        if time.perf_counter() - started + slowest <= max_seconds:
+            return False
+        report["skipped"].append(what)
+        print(f"skipped {what}: the run would pass --max-s {max_seconds:.0f}",
+              file=sys.stderr, flush=True)
+        return True
+
     budget = timing.Budget(budget_seconds, len(HARNESSES) * (len(rows) + len(sweep_sizes)),
                            rounds=len(VARIANTS) * ROUNDS)
     report: dict[str, Any] = {
@@ -232,10 +278,14 @@ def run(rows: dict[str, Workload], sweep_sizes, budget_seconds: float,
                    "careful": "rotated inputs, back-to-back calls, one block_until_ready per "
                               "round, median; variants interleaved round by round",
                    "user": "the same inputs every call, otherwise as careful"},
-        "rows": {}, "errors": [], "sweep": []}
+        "rows": {}, "errors": [], "sweep": [], "skipped": []}
     with timing.progress_bar(len(rows) + len(sweep_sizes), "fp8") as bar:
         for name, w in rows.items():
             bar.set_postfix_str(name, refresh=False)
+            item_started = time.perf_counter()
+            if skip(name):
+                bar.update()
+                continue
             try:
                 report["rows"][name] = {"batch": w.batch, "widths": list(w.widths),
                                         "flops": w.flops("step"),
@@ -245,11 +295,17 @@ def run(rows: dict[str, Workload], sweep_sizes, budget_seconds: float,
                                          "traceback": traceback.format_exc(limit=8)})
             report["targets"] = targets(report["rows"])
             report["elapsed_seconds"] = time.perf_counter() - started
+            slowest = max(slowest, time.perf_counter() - item_started)
             write(report, out)
             bar.update()
         for rows_, n in sweep_sizes:  # the report is rewritten after every size too
             bar.set_postfix_str(f"sweep {rows_}x{n}x{n}", refresh=False)
+            item_started = time.perf_counter()
+            if skip(f"sweep {rows_}x{n}x{n}"):
+                bar.update()
+                continue
             report["sweep"].append(sweep_record(rows_, n, budget))
+            slowest = max(slowest, time.perf_counter() - item_started)
             report["crossover_gemm_flops"] = crossover(report["sweep"])
             report["elapsed_seconds"] = time.perf_counter() - started
             write(report, out)
@@ -279,9 +335,13 @@ def markdown(report: dict[str, Any]) -> str:
         "time / this one's (> 1: this one is faster), careful harness (user harness in "
         "brackets). temp MiB: `memory_analysis().temp_size_in_bytes`. diff: largest |Δ| over "
         "loss and gradients against xla_bf16, relative to each leaf's largest value. FP8 "
-        "GEMMs: FP8 custom calls and XLA FP8 GEMMs in the compiled step.", "",
+        "GEMMs, where each GEMM of the compiled step ran: our cuBLASLt custom calls with FP8 / "
+        "other operands, XLA's FP8 GEMMs / XLA's other GEMMs. FALLBACK: the lowering warned "
+        "that cuBLASLt runs no FP8 kernel for a GEMM (it ran the plain-XLA reference: not the "
+        "real path; listed below).", "",
         "| row | variant | ms | TFLOP/s | vs xla_bf16 | vs xla_fp8 | temp MiB | diff | "
-        "FP8 GEMMs |", "|---|---|---|---|---|---|---|---|---|"]
+        "GEMMs cuBLASLt FP8/other · XLA FP8/other |", "|---|---|---|---|---|---|---|---|---|"]
+    fallbacks = []
     for row, r in report["rows"].items():
         for name, v in r["variants"].items():
             c, u = v.get("careful", {}), v.get("user", {})
@@ -290,10 +350,14 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {row} | {name} | {_cell(c.get('seconds', 0) * 1e3)} | "
                          f"{_cell(c.get('tflops'), '.0f')} | {ratios[0]} | {ratios[1]} | "
                          f"{_cell(v['temp_mib'], '.0f')} | {v['relative_diff_vs_xla_bf16']:.3g} "
-                         f"| {v['fp8_gemms']} |")
+                         f"| {_gemm_cell(v)} |")
+            fallbacks += [f"- {row} {name}: {m}" for m in v.get("fallbacks", [])]
+    if fallbacks:
+        lines += ["", "## FALLBACK: GEMMs that ran the reference", ""] + fallbacks
     if report.get("targets"):
         lines += ["", "## Targets", "", "| target | value | met |", "|---|---|---|"]
-        lines += [f"| {t['target']} | {t['value']:.3f} | {'yes' if t['met'] else 'NO'} |"
+        lines += [f"| {t['target']} | {t['value']:.3f} | {'yes' if t['met'] else 'NO'}"
+                  f"{' (' + t['note'] + ')' if t.get('note') else ''} |"
                   for t in report["targets"]]
     if report.get("sweep"):
         lines += ["", "## Sweep: one dense ReLU layer step, rows × n × n", "",
@@ -302,16 +366,25 @@ def markdown(report: dict[str, Any]) -> str:
         for s in report["sweep"]:
             ms = " / ".join(_cell(s["ms"][v]) for v in SWEEP_VARIANTS) if "ms" in s \
                 else s.get("error", "–")
+            flag = " FALLBACK" if s.get("fallbacks") else ""
             lines.append(f"| {s['rows']} × {s['n']} × {s['n']} | {s['gemm_flops']:.3g} | "
-                         f"{s['fp8_pays']} | {ms} | {_cell(s.get('fp8_vs_best_bf16'))} |")
+                         f"{s['fp8_pays']} | {ms} | {_cell(s.get('fp8_vs_best_bf16'))}{flag} |")
         crossover_flops = _cell(report.get("crossover_gemm_flops"), ".3g")
         lines += ["", f"FP8 faster than the best bf16 from {crossover_flops} GEMM FLOPs up "
                   "(at every larger measured size)."]
+    if report.get("skipped"):
+        lines += ["", "Skipped (the run's --max-s): " + ", ".join(report["skipped"])]
     if report["errors"]:
         lines += ["", "## Errors", ""] + [f"- {e['name']}: {e['error']}"
                                           for e in report["errors"]]
     lines += timing.footnotes(meta, [])
     return "\n".join(lines) + "\n"
+
+
+def _gemm_cell(v: dict[str, Any]) -> str:
+    g = v["gemms"]
+    cell = f"{g['ours_fp8']}/{g['ours_other']} · {g['xla_fp8']}/{g['xla_other']}"
+    return cell + (" **FALLBACK**" if v.get("fallbacks") else "")
 
 
 def write(report: dict[str, Any], out: Path) -> None:
@@ -327,7 +400,11 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--sweep", action="store_true",
                         help="also time square dense layers to find FP8's crossover")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="wall-clock seconds for the timed rounds (default 180; smoke 20)")
+                        help="seconds over which the timed rounds are spread (default 120; "
+                             "smoke 20)")
+    parser.add_argument("--max-s", type=float, default=270.0,
+                        help="wall-clock bound of the whole run, compilation included: rows "
+                             "and sweep sizes that would end later are skipped (default 270)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on a CPU)")
     args = parser.parse_args(argv)
     table = SMOKE_ROWS if args.smoke else ROWS
@@ -336,10 +413,17 @@ def main(argv=None) -> dict[str, Any]:
     if unknown:
         parser.error(f"--rows: unknown {unknown}; expected some of {', '.join(table)}")
     sweep = (SMOKE_SWEEP if args.smoke else SWEEP) if args.sweep else []
-    budget = args.budget_s if args.budget_s is not None else (20.0 if args.smoke else 180.0)
-    report = run({name: table[name] for name in wanted}, sweep, budget, args.out)
+    budget = args.budget_s if args.budget_s is not None else (20.0 if args.smoke else 120.0)
+    report = run({name: table[name] for name in wanted}, sweep, min(budget, args.max_s),
+                 args.out, args.max_s)
+    for row, r in report["rows"].items():
+        for name, v in r["variants"].items():
+            print(f"{row} {name}: GEMMs cuBLASLt FP8/other · XLA FP8/other {_gemm_cell(v)}")
     for t in report["targets"]:
-        print(f"{t['target']}: {t['value']:.3f} {'met' if t['met'] else 'MISSED'}")
+        print(f"{t['target']}: {t['value']:.3f} {'met' if t['met'] else 'MISSED'}"
+              f"{' (' + t['note'] + ')' if t.get('note') else ''}")
+    if report["skipped"]:
+        print(f"skipped (--max-s {args.max_s:.0f}): {', '.join(report['skipped'])}")
     if args.sweep:
         print(f"FP8 crossover: {report.get('crossover_gemm_flops')} GEMM FLOPs "
               f"(FP8_MIN_FLOPS is {fp8.FP8_MIN_FLOPS:.3g})")

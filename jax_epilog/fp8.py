@@ -5,20 +5,26 @@ operands, per-tensor *current* scaling: a tensor's scale comes from its own amax
 step (no history). One `jax.custom_vjp` covers the whole stack, as `layers._stack` does:
 
 - Forward, layer i: the input h and the kernel W are quantized to the forward format (e4m3),
-  `q = largest / 2**margin / amax`, a saturating cast of `q·x`. Then ONE `matmul` with FP8
-  operands, the bias/ReLU/GELU epilog, the dequantization scales `1/q`, the result in the
-  compute dtype and `result_amax=True` where the next layer is FP8 too: the next amax comes
-  out of this GEMM's epilog, so quantizing h_{i+1} reads it once, for the cast.
+  `q = largest / 2**margin / amax`, a saturating cast of `q·x`. The amax is one XLA reduction
+  of the tensor in the compute dtype, in the same jitted expression as the cast, so XLA fuses
+  it with what already reads the tensor (`quantize_current`). Then ONE `matmul` with FP8
+  operands, the bias/ReLU/GELU epilog, the dequantization scales `1/q` and the result in the
+  compute dtype. No GEMM is asked for `result_amax`: cuBLASLt gives the amax only with an FP8
+  result (measured on the H200, cuBLASLt 13.1; docs/fp8.md has the table), and the layers'
+  results are 16/32-bit.
 - Residuals: h in FP8 (transposed, as the weight gradient's GEMM reads it) and its scale, W
   in FP8 and its scale, the 1-bit ReLU mask (the GELU pre-activation); never a 16/32-bit copy
   of an FP8 layer's input, which is where FP8 saves memory.
-- Backward: dZ is quantized to the gradient format (e5m2), its amax from the data-gradient
-  GEMM above (`result_amax`) or, for the last layer, one reduction that XLA fuses with the
-  last layer's bias gradient (a sum of dZ: FP8 GEMMs have no BGRADB). dW = h8ᵀ dZ8 (e4m3 ×
-  e5m2) and dZ_{i-1} = dZ8 W8ᵀ with DRELU_BGRAD / DGELU_BGRAD for the previous layer (e5m2 ×
-  e4m3), which also gives its bias gradient, both with results in the compute dtype. Under
-  `backward="auto"` that GEMM runs XLA's way (`data_grad_backend`: measured faster on the
-  H200 than cuBLASLt's FP8 DRELU_BGRAD).
+- Backward: dZ is quantized to the gradient format (e5m2), its amax one XLA reduction fused
+  with the cast (and, for the last layer, with its bias gradient: a sum of dZ, FP8 GEMMs have
+  no BGRADB). dW = h8ᵀ dZ8 (e4m3 × e5m2) and dZ_{i-1} = dZ8 W8ᵀ with DRELU_BGRAD /
+  DGELU_BGRAD for the previous layer (e5m2 × e4m3), which also gives its bias gradient, both
+  with results in the compute dtype. Under `backward="auto"` that GEMM runs XLA's way
+  (`gemm_backend`: measured faster on the H200 than cuBLASLt's FP8 DRELU_BGRAD).
+- Compute dtype float32: cuBLASLt 13.1 has no FP8 kernel with a float32 result for any epilog
+  but DEFAULT and DRELU (no bias, no BGRAD). Those layers keep FP8, and under "auto" their
+  other GEMMs run XLA's way (XLA's FP8 GEMM to float32, the epilog as fusions; `gemm_backend`)
+  instead of the reference fallback. The default, bf16 compute, runs every GEMM as a kernel.
 
 Which layers run FP8: `Fp8(layers="all")` every one; `"auto"` (what `fp8=True` means) only
 those whose GEMM is large enough for FP8 to pay for its quantization passes (`fp8_pays`),
@@ -27,9 +33,15 @@ are the bf16 (compute dtype) layers of `layers.py`, inside the same custom VJP.
 
 On a CPU the FP8 `matmul` runs the exact reference (FP8 values widened to float32, float32
 sums), so the layer computes exactly the quantized math; against the unquantized layer it
-differs by FP8 rounding (about 2**-4 relative per e4m3 value, 2**-3 per e5m2 one).
+differs by FP8 rounding (about 2**-4 relative per e4m3 value, 2**-3 per e5m2 one). On Hopper
+the FP8 GEMMs accumulate with less than float32 precision (~2e-4 of the largest value at
+K≈96 on random data; integer-valued data is exact), and since every scale comes from the
+amax of the previous layer's result, such a difference can move later FP8 roundings by a
+quantum: compare GPU and CPU per GEMM or on data whose quantization is exact.
 
-Delayed scaling (an amax history kept between steps) is not built.
+Delayed scaling (an amax history kept between steps) is not built. It is what an FP8 result
+with its `result_amax` would serve: cuBLASLt has that only for the forward epilogs (BIAS,
+RELU_BIAS, RELU_AUX_BIAS, GELU_BIAS, GELU_AUX_BIAS to e4m3), not for the DRELU/DGELU backward.
 """
 
 from __future__ import annotations
@@ -146,6 +158,33 @@ def quantize(x, x_amax, dtype: str, margin: int):
     return saturating_cast(x.astype(jnp.float32) * q, dtype), 1.0 / q
 
 
+#: The epilogs cuBLASLt 13.1 runs with FP8 operands and a float32 result (measured on the
+#: H200: no kernel with a bias, a bias gradient or an activation's auxiliary output).
+FLOAT32_KERNEL_EPILOGS = frozenset({Epilog.DEFAULT, Epilog.DRELU})
+
+
+def quantize_current(x, dtype: str, margin: int):
+    """`quantize(x, amax(x), ...)`: current scaling, the amax and the cast in one expression
+    (XLA fuses the reduction with the producer of x or the cast's read of it)."""
+    return quantize(x, amax(x), dtype, margin)
+
+
+def gemm_backend(requested: str, epilog: Epilog, result_dtype) -> str:
+    """The backend of one FP8 GEMM of the layers, given the stack's `forward`/`backward`.
+
+    Only "auto" is changed (an explicit backend runs as asked), to XLA's FP8 GEMM and fusions
+    (or JAX_EPILOG_BACKEND, which replaces every automatic choice) where:
+
+    - the result is float32 and cuBLASLt has no FP8 kernel for the epilog
+      (`FLOAT32_KERNEL_EPILOGS`): XLA's FP8 GEMM to float32 rather than the reference fallback;
+    - the GEMM applies an activation's derivative (`data_grad_backend`).
+    """
+    if requested == "auto" and jnp.dtype(result_dtype) == jnp.float32 and \
+            epilog not in FLOAT32_KERNEL_EPILOGS:
+        return config.backend_override() or "xla"
+    return data_grad_backend(requested, epilog)
+
+
 def data_grad_backend(backward: str, epilog: Epilog) -> str:
     """The backend of an FP8 data-gradient GEMM under the stack's `backward` backend.
 
@@ -163,11 +202,14 @@ def data_grad_backend(backward: str, epilog: Epilog) -> str:
 
 
 def _matmul8(a8, sa, b8, sb, dtype, backend, *, epilog=Epilog.DEFAULT, inputs=None,
-             want_amax=False, **transposes):
-    """(y in `dtype`, aux dict) of one FP8 GEMM, `(sa·a8) @ (sb·b8)` with `epilog`."""
-    out = matmul(a8, b8, epilog=epilog, epilog_inputs=inputs, backend=backend,
+             **transposes):
+    """(y in `dtype`, aux dict) of one FP8 GEMM, `(sa·a8) @ (sb·b8)` with `epilog`, on
+    `gemm_backend(backend, ...)`. Never with `result_amax`: y is 16/32-bit, for which cuBLASLt
+    has no amax (the caller's XLA reduction gives it)."""
+    out = matmul(a8, b8, epilog=epilog, epilog_inputs=inputs,
+                 backend=gemm_backend(backend, epilog, dtype),
                  quantization_scales={"a": sa, "b": sb}, preferred_element_type=dtype,
-                 result_amax=want_amax, **transposes)
+                 **transposes)
     return out if isinstance(out, tuple) else (out, {})
 
 
@@ -196,23 +238,18 @@ class Saved(NamedTuple):
 
 def _forward(plan: Plan, x, params, keep_residuals: bool):
     stack, fp8, quantized = plan
-    h, h_amax, saved = x, None, []
+    h, saved = x, []
     for i, (layer, (kernel, bias)) in enumerate(zip(stack.layers, params)):
         if not quantized[i]:
             layer_input = checkpoint_name(h, layers.LAYER_INPUT_NAME)
             h, residual = layers._layer_forward(stack, layer, h, kernel, bias, keep_residuals)
             saved.append(Saved(layer_input, None, kernel, None, residual))
-            h_amax = None
             continue
-        h8, h_scale = quantize(h, amax(h) if h_amax is None else h_amax, fp8.forward,
-                               fp8.margin)
-        w8, w_scale = quantize(kernel, amax(kernel), fp8.forward, fp8.margin)
+        h8, h_scale = quantize_current(h, fp8.forward, fp8.margin)
+        w8, w_scale = quantize_current(kernel, fp8.forward, fp8.margin)
         epilog = Epilog.find(layer.activation, layer.has_bias, keep_residuals)
-        next_is_fp8 = i + 1 < len(quantized) and quantized[i + 1]
         h, aux = _matmul8(h8, h_scale, w8, w_scale, h.dtype, stack.forward, epilog=epilog,
-                          inputs={"bias": bias} if layer.has_bias else None,
-                          want_amax=next_is_fp8)
-        h_amax = aux.get("result_amax")
+                          inputs={"bias": bias} if layer.has_bias else None)
         residual = aux.get(epilog.aux_output) if epilog.aux_output else None
         if residual is not None:
             residual = checkpoint_name(residual, layers.RELU_MASK_NAME if layer.activation ==
@@ -237,7 +274,6 @@ def _fp8_stack_bwd(plan: Plan, saved, dy):
     stack, fp8, quantized = plan
     stack_layers = stack.layers
     dz = layers._activation_grad(dy, saved[-1].residual, stack_layers[-1].activation)
-    dz_amax = None  # of dz, where the GEMM that made it gave it
     dbias = None  # the current layer's bias gradient, when the step above has given it
     grads = []
     for i in reversed(range(len(stack_layers))):
@@ -249,25 +285,21 @@ def _fp8_stack_bwd(plan: Plan, saved, dy):
             dkernel, own_dbias = layers._weight_grad(s.input, dz, need_bias_grad, stack)
             dz, next_dbias = layers._data_grad(dz, s.kernel, previous, previous_residual,
                                                stack)
-            dz_amax = None
         else:
-            dz8, dz_scale = quantize(dz, amax(dz) if dz_amax is None else dz_amax,
-                                     fp8.gradient, fp8.margin)
+            dz8, dz_scale = quantize_current(dz, fp8.gradient, fp8.margin)
             dkernel, _ = _matmul8(s.input, s.input_scale, dz8, dz_scale, dz.dtype,
                                   stack.backward)
             # FP8 GEMMs have no BGRADB: the bias gradient is a sum of dZ, which XLA fuses with
-            # the amax above.
+            # dZ's amax above (both read dZ once).
             own_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \
                 if need_bias_grad else None
             epilog = layers._data_grad_epilog(previous)
             dz, aux = _matmul8(
-                dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype,
-                data_grad_backend(stack.backward, epilog),
-                epilog=epilog, transpose_b=True, want_amax=i > 0 and quantized[i - 1],
+                dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype, stack.backward,
+                epilog=epilog, transpose_b=True,
                 inputs={epilog.aux_input: previous_residual} if epilog.aux_input else None)
             next_dbias = aux.get(epilog.reduction_output) if previous is not None and \
                 previous.has_bias and epilog.reduction_output else None
-            dz_amax = aux.get("result_amax")
         grads.append((dkernel, own_dbias if need_bias_grad else dbias))
         dbias = next_dbias
     return dz, tuple(reversed(grads))

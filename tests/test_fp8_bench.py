@@ -26,6 +26,8 @@ def test_fp8_smoke_report(tmp_path):
     variants = report["rows"]["S2"]["variants"]
     assert set(variants) == set(fp8_bench.VARIANTS)
     for name, v in variants.items():
+        assert v["fallbacks"] == [] and set(v["gemms"]) == {"ours_fp8", "ours_other",
+                                                             "xla_fp8", "xla_other"}
         for harness in fp8_bench.HARNESSES:
             assert v[harness]["seconds"] > 0 and v[harness]["ratio_vs_xla_bf16"] > 0
         # FP8 steps differ from bf16 by FP8 rounding (e5m2 gradients: up to ~1/8), not more
@@ -35,6 +37,54 @@ def test_fp8_smoke_report(tmp_path):
     assert all(s["fp8_vs_best_bf16"] > 0 for s in report["sweep"])
     table = (tmp_path / "fp8.md").read_text()
     assert "| S2 | ours_fp8_all |" in table and "## Sweep" in table
+    assert "FALLBACK" not in table.split("| row |")[1] and report["skipped"] == []
+
+
+def test_max_s_skips_what_would_end_too_late(tmp_path, capsys):
+    report = fp8_bench.main(["--smoke", "--rows", "S2", "--sweep", "--max-s", "0",
+                             "--out", str(tmp_path)])
+    assert report["rows"] == {} and report["sweep"] == []
+    assert report["skipped"] == ["S2"] + [f"sweep {r}x{n}x{n}" for r, n in fp8_bench.SMOKE_SWEEP]
+    assert "skipped (--max-s 0): S2" in capsys.readouterr().out
+    assert "Skipped (the run's --max-s): S2" in (tmp_path / "fp8.md").read_text()
+
+
+def test_reference_fallbacks_are_caught_and_void_targets():
+    import warnings
+
+    def fn(x):
+        warnings.warn("cuBLASLt runs no FP8 kernel for epilog BIAS with ...", RuntimeWarning)
+        warnings.warn("something else", RuntimeWarning)
+        return x + 1
+
+    compiled, fallbacks = fp8_bench.compile_without_fallbacks(fn, (jnp.ones(3),))
+    assert fallbacks == ["cuBLASLt runs no FP8 kernel for epilog BIAS with ..."]
+    np.testing.assert_array_equal(compiled(jnp.ones(3)), 2 * np.ones(3))
+    _, none = fp8_bench.compile_without_fallbacks(lambda x: x * 2, (jnp.ones(3),))
+    assert none == []
+    variant = lambda ratio, fallbacks: {"careful": {"ratio_vs_xla_bf16": ratio},
+                                        "fallbacks": fallbacks}
+    rows = {"G1": {"variants": {"ours_fp8": variant(2.0, ["no kernel"]),
+                                "xla_bf16": variant(1.0, [])}},
+            "M2": {"variants": {"ours_fp8": variant(2.0, []), "xla_bf16": variant(1.0, [])}}}
+    found = {t["target"].split()[0]: t for t in fp8_bench.targets(rows)}
+    assert not found["G1"]["met"] and found["G1"]["note"] == "reference fallback"
+    assert found["M2"]["met"] and "note" not in found["M2"]
+
+
+def test_gemm_counts_tells_where_each_gemm_ran():
+    target = fp8_bench.cuda_library.TARGET_NAME
+    hlo = "\n".join([
+        f'%a = (bf16[8,8]) custom-call(f8e4m3fn[8,16] %x, f8e4m3fn[8,16] %w), '
+        f'custom_call_target="{target}"',
+        f'%b = (bf16[8,8]) custom-call(bf16[8,16] %x, bf16[8,16] %w), '
+        f'custom_call_target="{target}"',
+        '%c = (bf16[8,8]) custom-call(f8e5m2[8,16] %g, f8e4m3fn[16,8] %w), '
+        'custom_call_target="__cublas$lt$matmul$f8"',
+        '%d = (bf16[8,8]) custom-call(bf16[8,16] %g, bf16[16,8] %w), '
+        'custom_call_target="__cublas$gemm"'])
+    assert fp8_bench.gemm_counts(hlo) == {"ours_fp8": 1, "ours_other": 1, "xla_fp8": 1,
+                                          "xla_other": 1}
 
 
 def test_crossover_is_where_fp8_wins_from_then_on():

@@ -55,50 +55,86 @@ def derivative(activation, z):
     return numpy_reference.gelu_grad(z)
 
 
-def model_stack(x, params, activations, dy, quantized, config=ALL):
-    """(y, dx, [(dkernel, dbias)]) of the FP8 stack in float64, results stored as float32.
+def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.float32):
+    """(y, dx, [(dkernel, dbias)]) of the FP8 stack in float64, each result rounded to the
+    compute `dtype` (float32 or bfloat16) and returned as float32.
 
-    `quantized[i]` says which layers run FP8; the others are the plain float32 layer.
+    `quantized[i]` says which layers run FP8; the others are the plain layer. Every amax is
+    that of the tensor as stored (rounded to `dtype`): the layers take it with an XLA
+    reduction, never from a GEMM's epilog.
     """
-    f32 = lambda v: np.asarray(v, np.float32)  # the compute dtype's rounding
-    h, h_amax, saved = f32(x), None, []
+    rnd = lambda v: np.asarray(np.asarray(v, np.float32).astype(dtype), np.float32)
+    h, saved = rnd(x), []
     for (kernel, bias), act, q in zip(params, activations, quantized):
-        kernel = f32(kernel)
+        kernel = rnd(kernel)
         if q:
-            h8, sh = quantize(h, np.max(np.abs(h)) if h_amax is None else h_amax,
-                              config.forward, config.margin)
+            h8, sh = quantize(h, np.max(np.abs(h)), config.forward, config.margin)
             w8, sw = quantize(kernel, np.max(np.abs(kernel)), config.forward, config.margin)
             z = gemm(h8, sh, w8, sw)
             saved.append((h8, sh, w8, sw))
         else:
             z = h.astype(np.float64) @ kernel
             saved.append((h, None, kernel, None))
-        z = z if bias is None else z + f32(bias)
+        z = z if bias is None else z + rnd(bias)
         r = z if act is None else np.maximum(z, 0) if act == "relu" else numpy_reference.gelu(z)
         saved[-1] += (z,)
-        h_amax = np.float32(np.max(np.abs(r))) if q else None
-        h = f32(r)
+        h = rnd(r)
     y = h
-    dz = f32(dy) if activations[-1] is None else f32(dy * derivative(activations[-1],
-                                                                    saved[-1][4]))
-    dz_amax, grads = None, []
+    dz = rnd(dy) if activations[-1] is None else rnd(rnd(dy) * derivative(activations[-1],
+                                                                          saved[-1][4]))
+    grads = []
     for i in reversed(range(len(params))):
         h_in, sh, kernel, sw, _ = saved[i]
         if quantized[i]:
-            dz8, sg = quantize(dz, np.max(np.abs(dz)) if dz_amax is None else dz_amax,
-                               config.gradient, config.margin)
+            dz8, sg = quantize(dz, np.max(np.abs(dz)), config.gradient, config.margin)
             dkernel = gemm(h_in.T, sh, dz8, sg)
             dprev = gemm(dz8, sg, kernel.T, sw)
         else:
             dkernel = h_in.astype(np.float64).T @ dz
             dprev = dz.astype(np.float64) @ kernel.T
-        dbias = None if params[i][1] is None else f32(dz.astype(np.float64).sum(0))
-        grads.append((f32(dkernel), dbias))
+        dbias = None if params[i][1] is None else rnd(dz.astype(np.float64).sum(0))
+        grads.append((rnd(dkernel), dbias))
         if i and activations[i - 1] is not None:
             dprev = dprev * derivative(activations[i - 1], saved[i - 1][4])
-        dz_amax = np.float32(np.max(np.abs(dprev))) if quantized[i] else None
-        dz = f32(dprev)
+        dz = rnd(dprev)
     return y, dz, grads[::-1]
+
+
+def exact_stack(seed, widths, rows):
+    """(x, params, dy) of a two-layer ReLU stack on which every quantization and every sum is
+    exact, so any correct FP8 stack (any accumulation order, a GPU's too) computes exactly
+    what `model_stack` does, and a wrong scale, transpose, mask or bias does not.
+
+    Every tensor that is quantized (x, W1, h1, W2, dy, dZ1) has amax 7 (e4m3's 448 = 7·64,
+    e5m2's 57344 = 7·2**13: the scales are powers of two, so the order in which a GEMM applies
+    them does not matter) and integer values of at most 3 significant bits, which both formats
+    hold exactly; every GEMM then sums small integers:
+
+    - x: one ±1 per row, and x[1, 1] = 7; W1: ±1, and W1[0, 0] = 7 (row 1 does not pick it);
+      b1 in {-2, 0}: z1 is odd (no ReLU ties, a mask that matters) and h1 in {0, 1, 5, 7};
+    - W2: integers in [-7, 7], column 1 only ±1; dy: one ±1 per row, and dy[1, 1] = 7, so
+      dZ1 = (dy W2ᵀ)·mask is integers in [-7, 7], 7 at [0, 0].
+    """
+    k0, k1, k2 = widths
+    assert k0 >= 2 and k1 >= 2 and k2 >= 2 and rows >= 2
+    rng = np.random.default_rng(seed)
+    x = np.zeros((rows, k0), np.float32)
+    x[np.arange(rows), rng.integers(0, k0, rows)] = rng.choice([-1.0, 1.0], rows)
+    x[:2] = 0
+    x[0, 0], x[1, 1] = 1, 7
+    w1 = rng.choice([-1.0, 1.0], (k0, k1)).astype(np.float32)
+    w1[0, 0] = 7
+    b1 = rng.choice([-2.0, 0.0], k1).astype(np.float32)
+    b1[0] = 0  # z1[0, 0] = h1[0, 0] = 7
+    w2 = rng.integers(-7, 8, (k1, k2)).astype(np.float32)
+    w2[:, 1] = rng.choice([-1.0, 1.0], k1)
+    w2[0, 0] = 7
+    b2 = rng.integers(-3, 4, k2).astype(np.float32)
+    dy = np.zeros((rows, k2), np.float32)
+    dy[np.arange(rows), rng.integers(0, k2, rows)] = rng.choice([-1.0, 1.0], rows)
+    dy[:2] = 0
+    dy[0, 0], dy[1, 1] = 1, 7
+    return x, [(w1, b1), (w2, b2)], dy
 
 
 def run_stack(x, params, activations, dy, fp8_config, dtype=None):
@@ -159,6 +195,73 @@ def test_fp8_stack_matches_the_model(widths, activations, bias, lead):
         assert not np.allclose(p, w, rtol=1e-3, atol=1e-3 * np.max(np.abs(w)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_exact_stack_is_exact(dtype):
+    """On `exact_stack`'s data the FP8 step equals the model bit for bit, and equals the
+    unquantized layer (every quantization is exact): what the GPU test asks of the kernels.
+    The data is not degenerate: the ReLU mask and the biases change the result."""
+    x, params, dy = exact_stack(0, (33, 129, 10), 127)
+    cast = lambda t: jax.tree.map(lambda a: jnp.asarray(a, dtype), t)
+    got = run_stack(cast(x), cast(params), ("relu", None), dy, ALL)
+    want = model_stack(x, params, ("relu", None), dy, [True, True], dtype=dtype)
+    plain = run_stack(cast(x), cast(params), ("relu", None), dy, None)
+    for g, w, p in zip(leaves(*got), leaves(*want), leaves(*plain)):
+        assert g.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), w)
+        np.testing.assert_array_equal(np.asarray(p, np.float32), w)
+    no_mask = model_stack(x, params, (None, None), dy, [True, True], dtype=dtype)
+    assert not np.array_equal(no_mask[1], want[1])  # dx: the mask matters
+    no_bias = model_stack(x, [(k, None) for k, _ in params], ("relu", None), dy, [True, True],
+                          dtype=dtype)
+    assert not np.array_equal(no_bias[0], want[0])
+
+
+def gemm_calls(fn, *args):
+    """(epilog, backend, result_amax, operand dtype) of every `matmul` in fn's jaxpr."""
+    calls = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if "result_amax" in eqn.params and "backend" in eqn.params:
+                calls.append((jax_epilog.Epilog(eqn.params["epilog"]), eqn.params["backend"],
+                              eqn.params["result_amax"], eqn.invars[0].aval.dtype.name))
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else [value]:
+                    sub = getattr(sub, "jaxpr", sub)
+                    if hasattr(sub, "eqns"):
+                        walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return calls
+
+
+@pytest.mark.parametrize("dtype, backward", [(jnp.bfloat16, "fused"), (jnp.float32, "auto")])
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_no_gemm_asks_for_an_amax_and_float32_avoids_missing_kernels(dtype, backward,
+                                                                      activation, monkeypatch):
+    """No FP8 GEMM of the step asks `result_amax` (cuBLASLt has none for a 16/32-bit result:
+    the amaxes are XLA reductions). bf16 compute, fused backward: every GEMM on the kernel's
+    backend. float32 compute: the GEMMs whose epilog has no FP8 float32 kernel run XLA's way
+    (the forwards with a bias, the BGRAD data gradients), the DEFAULT ones keep "auto"."""
+    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
+    x, params = make_stack(13, (32, 48, 64, 16), lead=(8,))
+    x, params = jax.tree.map(lambda a: a.astype(dtype), (x, params))
+    loss = lambda x, p: jnp.sum(jax_epilog.mlp(x, p, activation=activation, fp8=ALL,
+                                               backward=backward).astype(jnp.float32))
+    calls = gemm_calls(jax.grad(loss, argnums=(0, 1)), x, params)
+    fp8_calls = [c for c in calls if c[3].startswith("float8")]
+    assert len(fp8_calls) == len(calls) == 9, calls
+    assert not [c for c in calls if c[2]], calls
+    moved = [(e, b) for e, b, _, _ in calls if b == "xla"]
+    if dtype == jnp.bfloat16:
+        assert not moved, calls
+    else:
+        assert len(moved) == 5 and all(e not in fp8.FLOAT32_KERNEL_EPILOGS for e, _ in moved)
+        assert all(b == "auto" for e, b, _, _ in calls if e == jax_epilog.Epilog.DEFAULT)
+    assert fp8.gemm_backend("cublaslt", jax_epilog.Epilog.BIAS, jnp.float32) == "cublaslt"
+    assert fp8.gemm_backend("auto", jax_epilog.Epilog.BIAS, jnp.bfloat16) == "auto"
+
+
 def test_mixed_fp8_and_plain_layers_match_the_model(monkeypatch):
     """`Fp8()` (auto) with a low threshold: aligned layers FP8, unaligned ones not."""
     monkeypatch.setattr(fp8, "FP8_MIN_FLOPS", 1)
@@ -187,31 +290,40 @@ def test_gradient_format_and_margin_are_used():
     assert close(got[2][0][0], default[2][0][0], 1.0) > 1e-3  # e4m3 gradients differ
 
 
-def test_fp8_against_bfloat16_layer_within_fp8_rounding():
-    """One dense layer in float32: |y8 - y| <= (two e4m3 roundings) · (|x| @ |W|) + the
-    subnormal floor; the weight gradient likewise with one e4m3 and one e5m2 rounding."""
-    x, [(kernel, bias)] = make_stack(5, (129, 127), lead=(31,))
+def check_dense_within_fp8_rounding(x, kernel, bias, accumulation=0.0):
+    """One dense ReLU layer in float32, FP8 against unquantized: |y8 - y| <= (two e4m3
+    roundings + `accumulation`) · (|x| @ |W|) + the subnormal floor; the weight gradient
+    likewise with one e4m3 and one e5m2 rounding. `accumulation`: the relative error the
+    device's FP8 accumulation may add (0 for the CPU's exact reference)."""
     fn = lambda fp8_config: lambda x, k, b: jax_epilog.dense(x, k, b, activation="relu",
                                                             fp8=fp8_config)
     y8, vjp8 = jax.vjp(fn(ALL), x, kernel, bias)
-    y, vjp = jax.vjp(fn(None), x, kernel, bias)
-    ax, ak = np.abs(np.asarray(x, np.float64)), np.abs(np.asarray(kernel, np.float64))
+    x, kernel, bias = (np.asarray(v, np.float64) for v in (x, kernel, bias))
+    y = np.maximum(x @ kernel + bias, 0)
+    ax, ak = np.abs(x), np.abs(kernel)
     e4m3, e5m2 = 2.0**-4, 2.0**-3  # half an ulp, relative
     floor = lambda amax, fmt: amax / float(ml_dtypes.finfo(FORMATS[fmt]).max) * float(
         ml_dtypes.finfo(FORMATS[fmt]).smallest_subnormal)
-    bound = (2 * e4m3 + e4m3**2) * (ax @ ak) + (
+    bound = (2 * e4m3 + e4m3**2 + accumulation) * (ax @ ak) + (
         floor(ax.max(), "float8_e4m3fn") * ak.sum(0) + ax.sum(1, keepdims=True) *
         floor(ak.max(), "float8_e4m3fn")) + 1e-6
-    assert np.all(np.abs(np.asarray(y8, np.float64) - np.asarray(y)) <= bound)
+    assert np.all(np.abs(np.asarray(y8, np.float64) - y) <= bound)
     dy = jnp.asarray(random_cotangent(6, y.shape))
     dk8 = np.asarray(vjp8(dy)[1], np.float64)
     # Against xᵀ dZ with the FP8 forward's own mask (a ReLU may flip where z is near 0).
     dz = np.asarray(dy, np.float64) * (np.asarray(y8) > 0)
     adz = np.abs(dz)
-    bound_dk = (e4m3 + e5m2 + e4m3 * e5m2) * (ax.T @ adz) + (
+    bound_dk = (e4m3 + e5m2 + e4m3 * e5m2 + accumulation) * (ax.T @ adz) + (
         floor(ax.max(), "float8_e4m3fn") * adz.sum(0) + ax.sum(0)[:, None] *
         floor(adz.max(), "float8_e5m2")) + 1e-6
-    assert np.all(np.abs(dk8 - np.asarray(x, np.float64).T @ dz) <= bound_dk)
+    assert np.all(np.abs(dk8 - x.T @ dz) <= bound_dk)
+    # and FP8 ran: the result is further from the unquantized one than float32 rounding
+    assert not np.allclose(np.asarray(y8), y, rtol=1e-4, atol=1e-4 * y.max())
+
+
+def test_fp8_against_bfloat16_layer_within_fp8_rounding():
+    x, [(kernel, bias)] = make_stack(5, (129, 127), lead=(31,))
+    check_dense_within_fp8_rounding(x, kernel, bias)
 
 
 def test_bfloat16_compute_and_float32_params():
