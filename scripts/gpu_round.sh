@@ -122,10 +122,11 @@ print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c
       note "overhead (command buffers off): rc=$? ($((SECONDS - start)) s)"
       cat "$OUT/bench/overhead.md" "$OUT/overhead_no_command_buffers/overhead.md" 2>/dev/null ;;
     multigpu)
-      (cd "$ROOT/benchmarks" && runs "$PY" multi_gpu_bench.py \
+      # MULTIGPU_ARGS, e.g. "--profile $OUT/profile" (traces and schedules of the M1 step).
+      (cd "$ROOT/benchmarks" && runs "$PY" multi_gpu_bench.py ${MULTIGPU_ARGS:-} \
         --out "$OUT/bench" 2>&1) > "$OUT/multigpu.log"
       note "multi-GPU benchmark: rc=$? ($((SECONDS - start)) s)"
-      tail -n 25 "$OUT/multigpu.log" ;;
+      tail -n 45 "$OUT/multigpu.log" ;;
     tune)
       # The per-GPU decision table: every distinct GEMM of the benchmark grid, cuBLASLt against
       # XLA (python -m jax_epilog.tune); written to $TABLE_DIR and used by never_slower.
