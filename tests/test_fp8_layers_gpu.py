@@ -29,6 +29,13 @@ from test_fp8_layers import (ALL, check_dense_within_fp8_rounding, close, exact_
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture(autouse=True)
+def _layers_choose(monkeypatch):
+    """These tests check the FP8 layers' own choice of kernel or XLA per GEMM (`backward=
+    "fused"` where a test wants every GEMM on the kernel), not conftest's forced kernel."""
+    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
+
+
 def _gpu():
     return jax.devices("cuda")[0]
 
@@ -61,20 +68,22 @@ def test_every_gemm_of_the_step_is_an_fp8_kernel(activation):
                for v in jax.tree.leaves(_step(activation, "fused")(*args)))
 
 
-def test_auto_backward_runs_xla_fp8_gemms_for_the_derivatives(monkeypatch):
-    """Under "auto" the data gradients through ReLU are XLA's own FP8 GEMMs (cuBLASLt's
-    `__cublas$lt$matmul$f8`, never a bf16 dot of dequantized values), the rest our kernels."""
-    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)  # conftest's, for the kernel tests
+def test_auto_backward_runs_xla_fp8_gemms_for_the_derivatives():
+    """Under "auto" the data gradients through ReLU are XLA's own GEMMs on the FP8 operands
+    (a dot_general of f8 types, never a bf16 dot of dequantized values; which FP8 kernel XLA
+    then runs, cuBLASLt's or its own, is XLA's choice), the rest our kernels."""
     x, params = make_stack(5, (256, 512, 384, 128), lead=(1024,), dtype=np.float32)
     x, params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), (x, params))
     args = jax.device_put((x, params, jnp.ones((1024, 128), jnp.bfloat16)), _gpu())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compiled = _step("relu").lower(*args).compile()
+        lowered = _step("relu").lower(*args)
+        compiled = lowered.compile()
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
-    hlo = compiled.as_text()
-    assert hlo.count("__cublas$lt$matmul$f8") == 2, hlo.count("__cublas$lt$matmul$f8")
-    assert hlo.count(f'custom_call_target="{cuda_library.TARGET_NAME}"') == 7
+    fp8_dots = [line for line in lowered.as_text().splitlines()
+                if "stablehlo.dot_general" in line and re.search(r"f8E5M2.*f8E4M3FN|f8E4M3FN.*f8E5M2", line)]
+    assert len(fp8_dots) == 2, fp8_dots
+    assert compiled.as_text().count(f'custom_call_target="{cuda_library.TARGET_NAME}"') == 7
 
 
 def _no_fallback(fn, *args):

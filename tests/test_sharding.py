@@ -22,7 +22,9 @@ CHECKS = Path(__file__).with_name("sharding_checks.py")
 
 
 def _run_checks(env_updates: dict[str, str]) -> None:
-    env = {**os.environ, **env_updates}
+    # No preallocation in the child: the GPU suite's pytest workers already hold their memory
+    # fractions of every GPU (a child taking its own fraction aborted, out of memory, on 2 H200s).
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **env_updates}
     # The child imports the jax_epilog this process imported (an installed one carries the
     # CUDA library; the source tree does not).
     package_root = str(Path(jax_epilog.__file__).resolve().parents[1])
