@@ -245,7 +245,11 @@ def _forward(plan: Plan, x, params, keep_residuals: bool):
             h, residual = layers._layer_forward(stack, layer, h, kernel, bias, keep_residuals)
             saved.append(Saved(layer_input, None, kernel, None, residual))
             continue
+        # The barrier: h8ᵀ is made from h8 (1 byte/elt), not from h again, so the 16-bit h
+        # can die as soon as h8 exists (XLA would otherwise fuse the transpose with the cast
+        # and keep h alive beside h8, h8ᵀ and the GEMM's result).
         h8, h_scale = quantize_current(h, fp8.forward, fp8.margin)
+        h8 = jax.lax.optimization_barrier(h8) if keep_residuals else h8
         w8, w_scale = quantize_current(kernel, fp8.forward, fp8.margin)
         epilog = Epilog.find(layer.activation, layer.has_bias, keep_residuals)
         h, aux = _matmul8(h8, h_scale, w8, w_scale, h.dtype, stack.forward, epilog=epilog,
@@ -287,8 +291,14 @@ def _fp8_stack_bwd(plan: Plan, saved, dy):
                                                stack)
         else:
             dz8, dz_scale = quantize_current(dz, fp8.gradient, fp8.margin)
-            dkernel, _ = _matmul8(s.input, s.input_scale, dz8, dz_scale, dz.dtype,
-                                  stack.backward)
+            # Memory (docs/fp8.md, "Memory"): dZ8ᵀ, the weight gradient's K-major operand, is
+            # made from dZ8 after the barrier (so the 16-bit dZ is dead by then), and the data
+            # gradient's GEMM, whose 16-bit result is the largest buffer here, waits for the
+            # weight gradient (so dZ8ᵀ and this layer's h8ᵀ are dead by then).
+            dz8 = jax.lax.optimization_barrier(dz8)
+            dkernel, _ = _matmul8(s.input, s.input_scale, dz8.T, dz_scale, dz.dtype,
+                                  stack.backward, transpose_b=True)
+            dz8, dkernel = jax.lax.optimization_barrier((dz8, dkernel))
             # FP8 GEMMs have no BGRADB: the bias gradient is a sum of dZ, which XLA fuses with
             # dZ's amax above (both read dZ once).
             own_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \

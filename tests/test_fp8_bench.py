@@ -113,3 +113,10 @@ def test_user_fp8_dot_is_a_scaled_fp8_product():
     for got, want in ((y, xq @ wq), (dx, gq @ wq.T), (dw, xq.T @ gq)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
     assert not np.allclose(y, np.asarray(x) @ np.asarray(w), rtol=1e-3)
+
+
+def test_ours_fp8_all_is_left_out_where_it_is_ours_fp8():
+    assert "ours_fp8_all" not in fp8_bench.row_variants(fp8_bench.ROWS["M1"])
+    assert "ours_fp8_all" in fp8_bench.row_variants(fp8_bench.ROWS["M2"])
+    assert fp8_bench.row_variants(fp8_bench.SMOKE_ROWS["S2"]) == tuple(fp8_bench.VARIANTS)
+    assert list(fp8_bench.ROWS)[-1] == "M1"  # the slowest row last: G1 and M2 are not skipped
