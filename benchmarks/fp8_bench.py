@@ -9,8 +9,12 @@ one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
 - ours_fp8: `jax_epilog.mlp(..., fp8=True)`: FP8 where `jax_epilog.fp8.fp8_pays` says so;
 - ours_fp8_all: `fp8=Fp8(layers="all")`: FP8 in every layer (left out of a row where ours_fp8
   already is, as in M1);
-- ours_fp8_fused: the same with `backward="fused"`: cuBLASLt's FP8 DRELU_BGRAD for the data
-  gradients where "auto" runs XLA's FP8 GEMM and fusions (`fp8.gemm_backend`);
+- ours_fp8_fused: the same with `backward="fused"`: the ReLU mask kept and cuBLASLt's FP8
+  DRELU_BGRAD for the data gradients, where "auto" keeps no mask and runs a plain FP8 GEMM,
+  the derivative (from the next layer's h8 > 0, `fp8.relu_from_next_input`) and the bias
+  gradient as XLA fusions;
+- ours_fp8_xla_fwd: ours_fp8 with `forward="xla"`: the forward FP8 GEMMs XLA's f8 dot with
+  the bias and ReLU fused by XLA, where "auto" runs cuBLASLt's FP8 RELU_BIAS;
 - xla_fp8: what a user writes for FP8 under XLA (Flax's fp8_ops style): per layer a
   `custom_vjp` dot with per-tensor current scaling, a direct FP8 `dot_general` with
   `preferred_element_type`, e5m2 gradients; bias and ReLU by JAX's autodiff.
@@ -121,16 +125,17 @@ def xla_fp8_stack(x, params, activation, final_activation):
     return x
 
 
-def epilog_stack(fp8_config, backward="auto"):
+def epilog_stack(fp8_config, backward="auto", forward="auto"):
     def stack(x, params, activation, final_activation):
         return mlp(x, params, activation=activation, final_activation=final_activation,
-                   fp8=fp8_config, backward=backward)
+                   fp8=fp8_config, forward=forward, backward=backward)
     return stack
 
 
 VARIANTS = {"xla_bf16": never_slower.xla_stack, "ours_bf16": epilog_stack(None),
             "ours_fp8": epilog_stack(True), "ours_fp8_all": epilog_stack(Fp8(layers="all")),
             "ours_fp8_fused": epilog_stack(Fp8(layers="all"), backward="fused"),
+            "ours_fp8_xla_fwd": epilog_stack(True, forward="xla"),
             "xla_fp8": xla_fp8_stack}
 SWEEP_VARIANTS = ("xla_bf16", "ours_bf16", "ours_fp8_all")
 

@@ -12,15 +12,20 @@ step (no history). One `jax.custom_vjp` covers the whole stack, as `layers._stac
   compute dtype. No GEMM is asked for `result_amax`: cuBLASLt gives the amax only with an FP8
   result (measured on the H200, cuBLASLt 13.1; docs/fp8.md has the table), and the layers'
   results are 16/32-bit.
-- Residuals: h in FP8 (transposed, as the weight gradient's GEMM reads it) and its scale, W
+- Residuals: h in FP8 (`(M, K)`; the weight gradient's K-major h8ᵀ is made in the
+  backward) and its scale, W
   in FP8 and its scale, the 1-bit ReLU mask (the GELU pre-activation); never a 16/32-bit copy
-  of an FP8 layer's input, which is where FP8 saves memory.
+  of an FP8 layer's input, which is where FP8 saves memory. Under `backward="auto"` a ReLU
+  layer followed by an FP8 layer keeps no mask: the next layer's `h8 > 0` is its derivative
+  (`relu_from_next_input`).
 - Backward: dZ is quantized to the gradient format (e5m2), its amax one XLA reduction fused
   with the cast (and, for the last layer, with its bias gradient: a sum of dZ, FP8 GEMMs have
   no BGRADB). dW = h8ᵀ dZ8 (e4m3 × e5m2) and dZ_{i-1} = dZ8 W8ᵀ with DRELU_BGRAD /
   DGELU_BGRAD for the previous layer (e5m2 × e4m3), which also gives its bias gradient, both
   with results in the compute dtype. Under `backward="auto"` that GEMM runs XLA's way
-  (`gemm_backend`: measured faster on the H200 than cuBLASLt's FP8 DRELU_BGRAD).
+  (`gemm_backend`: measured faster on the H200 than cuBLASLt's FP8 DRELU_BGRAD), or, for a
+  ReLU whose derivative comes from h8 (`relu_from_next_input`), is a plain FP8 GEMM followed
+  by XLA fusions.
 - Compute dtype float32: cuBLASLt 13.1 has no FP8 kernel with a float32 result for any epilog
   but DEFAULT and DRELU (no bias, no BGRAD). Those layers keep FP8, and under "auto" their
   other GEMMs run XLA's way (XLA's FP8 GEMM to float32, the epilog as fusions; `gemm_backend`)
@@ -225,8 +230,8 @@ class Plan(NamedTuple):
 
 
 class Saved(NamedTuple):
-    """What the backward keeps of one layer: its input (FP8 and transposed, `(K, M)`, with
-    `input_scale`; or `(M, K)` in the compute dtype with None), its kernel (likewise, `(K, N)`)
+    """What the backward keeps of one layer: its input (`(M, K)`, FP8 with `input_scale`, or
+    in the compute dtype with None), its kernel (likewise, `(K, N)`)
     and its activation's residual."""
 
     input: Any
@@ -236,31 +241,45 @@ class Saved(NamedTuple):
     residual: Any
 
 
+def relu_from_next_input(plan: Plan, i: int) -> bool:
+    """Whether layer i's ReLU derivative is taken from the next layer's FP8 input, `h8 > 0`
+    (`h8 = Q(relu(z))`, which that layer keeps anyway), so that layer i keeps no mask and its
+    forward GEMM has no aux output (RELU_BIAS, not RELU_AUX_BIAS). The one rule: a ReLU layer
+    followed by an FP8 layer, under `backward="auto"` (whose data gradients through ReLU then
+    are plain FP8 GEMMs and XLA fusions); an explicit backend keeps the packed mask (
+    `"fused"`: cuBLASLt's DRELU_BGRAD reads it; `"unfused"`: XLA's FP8 GEMM then the mask's
+    derivative, the path "auto" took before). The derivative differs from the mask's only
+    where z > 0 quantizes to 0 (`q(h)·z` under 2**-10, half e4m3's smallest subnormal: about
+    2**-19 of h's amax) and at z = ±0 (and NaN): 0 there, `jax.nn.relu`'s own convention at 0,
+    where cuBLASLt's mask bit passes the gradient."""
+    stack, _, quantized = plan
+    return stack.layers[i].activation == "relu" and i + 1 < len(quantized) and \
+        quantized[i + 1] and stack.backward == "auto"
+
+
 def _forward(plan: Plan, x, params, keep_residuals: bool):
     stack, fp8, quantized = plan
     h, saved = x, []
     for i, (layer, (kernel, bias)) in enumerate(zip(stack.layers, params)):
+        keep = keep_residuals and not relu_from_next_input(plan, i)
         if not quantized[i]:
             layer_input = checkpoint_name(h, layers.LAYER_INPUT_NAME)
-            h, residual = layers._layer_forward(stack, layer, h, kernel, bias, keep_residuals)
+            h, residual = layers._layer_forward(stack, layer, h, kernel, bias, keep)
             saved.append(Saved(layer_input, None, kernel, None, residual))
             continue
-        # The barrier: h8ᵀ is made from h8 (1 byte/elt), not from h again, so the 16-bit h
-        # can die as soon as h8 exists (XLA would otherwise fuse the transpose with the cast
-        # and keep h alive beside h8, h8ᵀ and the GEMM's result).
         h8, h_scale = quantize_current(h, fp8.forward, fp8.margin)
-        h8 = jax.lax.optimization_barrier(h8) if keep_residuals else h8
         w8, w_scale = quantize_current(kernel, fp8.forward, fp8.margin)
-        epilog = Epilog.find(layer.activation, layer.has_bias, keep_residuals)
+        epilog = Epilog.find(layer.activation, layer.has_bias, keep)
         h, aux = _matmul8(h8, h_scale, w8, w_scale, h.dtype, stack.forward, epilog=epilog,
                           inputs={"bias": bias} if layer.has_bias else None)
         residual = aux.get(epilog.aux_output) if epilog.aux_output else None
         if residual is not None:
             residual = checkpoint_name(residual, layers.RELU_MASK_NAME if layer.activation ==
                                        "relu" else layers.GELU_PRE_ACTIVATION_NAME)
-        # Kept as h8ᵀ: the weight gradient's FP8 GEMM contracts over M and takes its operands
-        # K-major, so the transpose is made here, while h8 is fresh, not in the backward.
-        saved.append(Saved(checkpoint_name(h8.T, layers.LAYER_INPUT_NAME), h_scale, w8,
+        # Kept as h8 (M, K), as the forward GEMM read it: the previous layer's ReLU derivative
+        # reads it elementwise (`relu_from_next_input`); the weight gradient's K-major h8ᵀ is
+        # made in the backward, from this one byte per element.
+        saved.append(Saved(checkpoint_name(h8, layers.LAYER_INPUT_NAME), h_scale, w8,
                            w_scale, residual))
     return h, tuple(saved)
 
@@ -291,18 +310,29 @@ def _fp8_stack_bwd(plan: Plan, saved, dy):
                                                stack)
         else:
             dz8, dz_scale = quantize_current(dz, fp8.gradient, fp8.margin)
-            # Memory (docs/fp8.md, "Memory"): dZ8ᵀ, the weight gradient's K-major operand, is
-            # made from dZ8 after the barrier (so the 16-bit dZ is dead by then), and the data
-            # gradient's GEMM, whose 16-bit result is the largest buffer here, waits for the
-            # weight gradient (so dZ8ᵀ and this layer's h8ᵀ are dead by then).
-            dz8 = jax.lax.optimization_barrier(dz8)
-            dkernel, _ = _matmul8(s.input, s.input_scale, dz8.T, dz_scale, dz.dtype,
-                                  stack.backward, transpose_b=True)
-            dz8, dkernel = jax.lax.optimization_barrier((dz8, dkernel))
+            # Memory (docs/fp8.md, "Memory"): dZ8ᵀ and h8ᵀ, the weight gradient's K-major
+            # operands, are made from dZ8 and h8 after the barrier (so the 16-bit dZ is dead by
+            # then), and the data gradient's GEMM, whose 16-bit result is the largest buffer
+            # here, waits for the weight gradient (so both transposes are dead by then).
             # FP8 GEMMs have no BGRADB: the bias gradient is a sum of dZ, which XLA fuses with
-            # dZ's amax above (both read dZ once).
+            # dZ's amax above (both read dZ once); before the barrier, so dZ dies there.
             own_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \
                 if need_bias_grad else None
+            dz8, h8, own_dbias = jax.lax.optimization_barrier((dz8, s.input, own_dbias))
+            dkernel, _ = _matmul8(h8.T, s.input_scale, dz8.T, dz_scale, dz.dtype,
+                                  stack.backward, transpose_b=True)
+            dz8, dkernel = jax.lax.optimization_barrier((dz8, dkernel))
+            if i and relu_from_next_input(plan, i - 1):
+                # ReLU's derivative from this layer's own FP8 input h8 = Q(relu(z)), as XLA
+                # fusions after a plain FP8 GEMM (also the previous layer's bias gradient).
+                p, _ = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype,
+                                stack.backward, transpose_b=True)
+                dz = jnp.where(h8 > 0, p, jnp.zeros((), p.dtype))
+                next_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \
+                    if previous.has_bias else None
+                grads.append((dkernel, own_dbias if need_bias_grad else dbias))
+                dbias = next_dbias
+                continue
             epilog = layers._data_grad_epilog(previous)
             dz, aux = _matmul8(
                 dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype, stack.backward,

@@ -216,6 +216,39 @@ def test_exact_stack_is_exact(dtype):
     assert not np.array_equal(no_bias[0], want[0])
 
 
+@pytest.mark.parametrize("widths, activations, bias, lead",
+                         [c for c in CASES if c[1][0] == "relu"])
+def test_relu_derivative_from_the_next_fp8_input_equals_the_mask(widths, activations, bias,
+                                                                 lead):
+    """backward="auto" takes ReLU's derivative from the next layer's h8 > 0 (no mask kept);
+    "fused" from the mask (DRELU_BGRAD): the same values (float32 compute) where no z is 0."""
+    x, params = make_stack(hash(widths) % 1000, widths, lead=lead, bias=bias)
+    activations = (*[activations[0]] * (len(widths) - 2), activations[-1])
+    dy = random_cotangent(2, (*lead, widths[-1]))
+    run = lambda backward: jax.vjp(lambda x, p: jax_epilog.mlp(
+        x, p, activation=activations[0], final_activation=activations[-1], fp8=ALL,
+        backward=backward), x, params)
+    (y_auto, vjp_auto), (y_fused, vjp_fused) = run("auto"), run("fused")
+    got, want = (y_auto, *vjp_auto(dy)), (y_fused, *vjp_fused(dy))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6,
+                                   atol=1e-6 * float(np.max(np.abs(w))))
+
+
+def test_relu_derivative_at_zero_is_zero_without_the_mask():
+    """The one difference (docs/fp8.md): z = 0 (here a zero row, no bias) gets derivative 0
+    from h8 > 0, jax.nn.relu's convention; the mask (fused) passes the gradient there."""
+    x, params = make_stack(3, (16, 32, 16), lead=(8,), bias=False)
+    x = np.asarray(x).copy()
+    x[0] = 0
+    dy = random_cotangent(4, (8, 16))
+    dx = {b: jax.vjp(lambda x: jax_epilog.mlp(x, params, fp8=ALL, backward=b), x)[1](dy)[0]
+          for b in ("auto", "fused")}
+    plain = jax.vjp(lambda x: jax.nn.relu(x @ params[0][0]) @ params[1][0], x)[1](dy)[0]
+    assert np.all(np.asarray(dx["auto"][0]) == 0) and np.all(np.asarray(plain[0]) == 0)
+    assert np.any(np.asarray(dx["fused"][0]) != 0)  # (other rows: dZ's amax differs too)
+
+
 def gemm_calls(fn, *args):
     """(epilog, backend, result_amax, operand dtype) of every `matmul` in fn's jaxpr."""
     calls = []
@@ -242,7 +275,8 @@ def test_no_gemm_asks_for_an_amax_and_float32_avoids_missing_kernels(dtype, back
     """No FP8 GEMM of the step asks `result_amax` (cuBLASLt has none for a 16/32-bit result:
     the amaxes are XLA reductions). bf16 compute, fused backward: every GEMM on the kernel's
     backend. float32 compute: the GEMMs whose epilog has no FP8 float32 kernel run XLA's way
-    (the forwards with a bias, the BGRAD data gradients), the DEFAULT ones keep "auto"."""
+    (the forwards with a bias, GELU's BGRAD data gradients), the DEFAULT ones keep "auto"
+    (under "auto" ReLU's data gradients are DEFAULT GEMMs: `fp8.relu_from_next_input`)."""
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     x, params = make_stack(13, (32, 48, 64, 16), lead=(8,))
     x, params = jax.tree.map(lambda a: a.astype(dtype), (x, params))
@@ -256,7 +290,7 @@ def test_no_gemm_asks_for_an_amax_and_float32_avoids_missing_kernels(dtype, back
     if dtype == jnp.bfloat16:
         assert not moved, calls
     else:
-        assert len(moved) == 5 and all(e not in fp8.FLOAT32_KERNEL_EPILOGS for e, _ in moved)
+        assert len(moved) == (3 if activation == "relu" else 5) and all(e not in fp8.FLOAT32_KERNEL_EPILOGS for e, _ in moved)
         assert all(b == "auto" for e, b, _, _ in calls if e == jax_epilog.Epilog.DEFAULT)
     assert fp8.gemm_backend("cublaslt", jax_epilog.Epilog.BIAS, jnp.float32) == "cublaslt"
     assert fp8.gemm_backend("auto", jax_epilog.Epilog.BIAS, jnp.bfloat16) == "auto"
@@ -346,12 +380,16 @@ def test_bfloat16_compute_and_float32_params():
 def test_residuals_are_fp8():
     x, params = make_stack(7, (33, 129, 10), lead=(5,), dtype=np.float32)
     residuals = saved_residuals(lambda x, p: jax_epilog.mlp(x, p, fp8=ALL), x, params)
-    # the layer inputs transposed, as the weight gradient's FP8 GEMM reads them
-    assert ("f8_e4m3fn", (33, 5)) in residuals and ("f8_e4m3fn", (129, 5)) in residuals
+    # the layer inputs (M, K), as the forward GEMM read them (h8ᵀ is made in the backward)
+    assert ("f8_e4m3fn", (5, 33)) in residuals and ("f8_e4m3fn", (5, 129)) in residuals
     assert ("f8_e4m3fn", (33, 129)) in residuals and ("f8_e4m3fn", (129, 10)) in residuals
-    assert ("u8", (5, jax_epilog.relu_mask_bytes(129))) in residuals
+    # no ReLU mask: the next layer's h8 > 0 gives the derivative (`fp8.relu_from_next_input`)
+    assert not [r for r in residuals if r[0] == "u8"], residuals
     wide = [r for r in residuals if not r[0].startswith(("f8", "u8")) and r[1] != ()]
     assert not wide, wide  # no 16/32-bit activations or kernels, only the float32 scales
+    fused = saved_residuals(lambda x, p: jax_epilog.mlp(x, p, fp8=ALL, backward="fused"),
+                            x, params)  # DRELU_BGRAD reads the packed mask
+    assert sorted(fused) == sorted(residuals + [("u8", (5, jax_epilog.relu_mask_bytes(129)))])
     gelu = saved_residuals(lambda x, p: jax_epilog.mlp(x, p, activation="gelu", fp8=ALL),
                            x, params)
     assert ("f32", (5, jax_epilog.gelu_aux_columns(129))) in gelu
@@ -381,18 +419,20 @@ def test_jit_vmap_and_checkpoint():
             np.testing.assert_allclose(a, b[i], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("backward, custom_calls", [("fused", 9), ("auto", 7)])
-def test_exported_for_cuda_the_gemms_are_fp8(backward, custom_calls, monkeypatch):
+@pytest.mark.parametrize("backward, activation, custom_calls",
+                         [("fused", "relu", 9), ("auto", "relu", 9), ("auto", "gelu", 7)])
+def test_exported_for_cuda_the_gemms_are_fp8(backward, activation, custom_calls, monkeypatch):
     """The step as the CUDA lowering builds it (exported from this CPU host). Fused: per layer
     one forward, one weight-gradient and one data-gradient custom call, all on FP8 operands.
-    auto: the two data-gradient GEMMs that apply ReLU's derivative are XLA's FP8 dots."""
+    auto: ReLU's data gradients are plain FP8 kernels (the derivative from h8 > 0, XLA's
+    fusion); GELU's two data-gradient GEMMs that apply its derivative are XLA's FP8 dots."""
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     x, params = make_stack(12, (64, 128, 96, 32), lead=(256,))
     x, params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, params))
 
     def step(x, params, dy):
-        y, vjp = jax.vjp(lambda x, p: jax_epilog.mlp(x, p, fp8=ALL, backward=backward),
-                         x, params)
+        y, vjp = jax.vjp(lambda x, p: jax_epilog.mlp(x, p, activation=activation, fp8=ALL,
+                                                     backward=backward), x, params)
         return (y, *vjp(dy))
 
     exported = jax.export.export(jax.jit(step), platforms=["cuda"],

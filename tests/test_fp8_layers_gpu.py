@@ -68,23 +68,27 @@ def test_every_gemm_of_the_step_is_an_fp8_kernel(activation):
                for v in jax.tree.leaves(_step(activation, "fused")(*args)))
 
 
-def test_auto_backward_runs_xla_fp8_gemms_for_the_derivatives():
-    """Under "auto" the data gradients through ReLU are XLA's own GEMMs on the FP8 operands
+@pytest.mark.parametrize("activation, xla_dots", [("relu", 0), ("gelu", 2)])
+def test_auto_backward_runs_xla_fp8_gemms_for_the_derivatives(activation, xla_dots):
+    """Under "auto" the data gradients through GELU are XLA's own GEMMs on the FP8 operands
     (a dot_general of f8 types, never a bf16 dot of dequantized values; which FP8 kernel XLA
-    then runs, cuBLASLt's or its own, is XLA's choice), the rest our kernels."""
+    then runs, cuBLASLt's or its own, is XLA's choice), the rest our kernels. Through ReLU
+    they are our plain FP8 kernels, the derivative (from the next layer's h8 > 0,
+    `fp8.relu_from_next_input`) and the bias gradient XLA fusions."""
     x, params = make_stack(5, (256, 512, 384, 128), lead=(1024,), dtype=np.float32)
     x, params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), (x, params))
     args = jax.device_put((x, params, jnp.ones((1024, 128), jnp.bfloat16)), _gpu())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        lowered = _step("relu").lower(*args)
+        lowered = _step(activation).lower(*args)
         compiled = lowered.compile()
     assert not [w for w in caught if issubclass(w.category, RuntimeWarning)]
     mixed = r"f8E5M2.*f8E4M3FN|f8E4M3FN.*f8E5M2"  # dZ8 (e5m2) with W8 (e4m3)
     fp8_dots = [line for line in lowered.as_text().splitlines()
                 if "stablehlo.dot_general" in line and re.search(mixed, line)]
-    assert len(fp8_dots) == 2, fp8_dots
-    assert compiled.as_text().count(f'custom_call_target="{cuda_library.TARGET_NAME}"') == 7
+    assert len(fp8_dots) == xla_dots, fp8_dots
+    assert compiled.as_text().count(f'custom_call_target="{cuda_library.TARGET_NAME}"') == \
+        9 - xla_dots
 
 
 def _no_fallback(fn, *args):
