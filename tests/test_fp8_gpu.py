@@ -122,9 +122,9 @@ def test_other_results_and_amax_match_the_model(epilog, pair, result_dtype, resu
                       f"{' + amax' if result_amax else ''}: {fell_back}", UserWarning)
 
 
-@pytest.mark.xfail(strict=False, reason="unknown before the first H200 run: whether cuBLASLt "
-                   "accepts an e4m3 result with its amax (refused with nvmath's C type = D "
-                   "type; we pass a bfloat16 C)")
+# Measured on the H200 (XPASS in every run of 2026-12-01 while this was an xfail): cuBLASLt
+# accepts an e4m3 result with its amax when C has a bfloat16 layout (nvmath's C type = D type
+# is refused).
 @pytest.mark.parametrize("epilog", [Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS],
                          ids=_ids)
 def test_fp8_result_with_amax_runs_the_kernel(epilog):
