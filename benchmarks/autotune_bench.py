@@ -241,10 +241,7 @@ def main(argv=None) -> None:
     rows = forward_bench.choose(args.rows or ",".join(SMOKE_ROWS if args.smoke else ROWS), grid,
                                 "rows")
     report = run(rows, args.smoke)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "autotune.json").write_text(json.dumps(report, indent=1))
-    (args.out / "autotune.md").write_text(markdown(report))
-    print(f"wrote {args.out / 'autotune'}.json, .md")
+    timing.write_report(report, args.out, "autotune", markdown)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import time
 from pathlib import Path
@@ -325,15 +324,6 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_report(report: dict[str, Any], out: Path, name: str,
-                 render: Callable[[dict], str], draw: Callable[[dict, Path], None]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{name}.md").write_text(render(report))
-    draw(report, out / f"{name}.png")
-    print(f"wrote {out / name}.json, .md, .png")
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -368,7 +358,7 @@ def main(argv=None) -> None:
     budget = args.budget if args.budget is not None else (10.0 if args.smoke else 240.0)
     report = run(cases(grid, rows, dtypes), epilogs, budget,
                  use_nvmath=not args.no_nvmath)
-    write_report(report, args.out, "forward", markdown, plot.plot_forward)
+    timing.write_report(report, args.out, "forward", markdown, plot.plot_forward)
 
 
 if __name__ == "__main__":

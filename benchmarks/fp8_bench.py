@@ -45,7 +45,6 @@ Writes `<out>/fp8.json` and `<out>/fp8.md`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 import traceback
@@ -406,9 +405,7 @@ def _gemm_cell(v: dict[str, Any]) -> str:
 
 
 def write(report: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fp8.json").write_text(json.dumps(report, indent=1))
-    (out / "fp8.md").write_text(markdown(report))
+    timing.write_report(report, out, "fp8", markdown)
 
 
 def main(argv=None) -> dict[str, Any]:

@@ -22,7 +22,6 @@ still waiting when it is spent are skipped (the report lists them).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
@@ -318,9 +317,7 @@ def main(argv=None) -> None:
     budget = args.budget if args.budget is not None else (60.0 if args.smoke else 280.0)
     args.out.mkdir(parents=True, exist_ok=True)
     report = run(grid, networks, budget)
-    (args.out / "layers.json").write_text(json.dumps(report, indent=1))
-    (args.out / "layers.md").write_text(markdown(report))
-    print(f"wrote {args.out}/layers.json, layers.md")
+    timing.write_report(report, args.out, "layers", markdown)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ implementation, with the compiled HLO beside it) and summarises, for each implem
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -78,11 +77,10 @@ def main(argv=None) -> None:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     report = run(parts, SMOKE if args.smoke else M1, SMOKE_TP if args.smoke else TP,
                  args.rounds, args.profile)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "multi_gpu.json").write_text(json.dumps(report, indent=1))
-    (args.out / "multi_gpu.md").write_text(markdown(report))
+    import timing  # after XLA_FLAGS are set (above), like jax
+
     print(markdown(report))
-    print(f"wrote {args.out}/multi_gpu.json, multi_gpu.md")
+    timing.write_report(report, args.out, "multi_gpu", markdown)
 
 
 def run(parts: list[str], shape: dict, tp_shape: dict, rounds: int,

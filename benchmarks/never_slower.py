@@ -323,9 +323,7 @@ def readme_table(report: dict[str, Any]) -> str:
 
 
 def write(report: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "never_slower.json").write_text(json.dumps(report, indent=1))
-    (out / "never_slower.md").write_text(markdown(report))
+    timing.write_report(report, out, "never_slower", markdown)
 
 
 def main(argv=None) -> dict[str, Any]:

@@ -175,7 +175,7 @@ def main(argv=None) -> None:
     dtypes = forward_bench.choose(args.dtypes, forward_bench.DTYPES, "dtypes")
     layers = args.layers or (SMOKE_LAYERS if args.smoke else LAYERS)
     report = run(grid, rows, dtypes, layers, args.dump_hlo)
-    forward_bench.write_report(report, args.out, "overhead", markdown, plot.plot_overhead)
+    timing.write_report(report, args.out, "overhead", markdown, plot.plot_overhead)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import math
 import os
 import time
@@ -272,11 +271,10 @@ def main(argv=None) -> None:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     report = run(args.shapes, args.chunks, args.max_dim, args.seed, args.device, args.warmup,
                  args.capacity, args.budget_s, args.passes)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "soak.json").write_text(json.dumps(report, indent=1))
-    (args.out / "soak.md").write_text(markdown(report))
+    import timing  # as in run(): JAX's backend starts only once the soak is done
+
     print(markdown(report))
-    print(f"wrote {args.out}/soak.json, soak.md")
+    timing.write_report(report, args.out, "soak", markdown)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import math
 import platform
 import shutil
@@ -202,6 +203,19 @@ def footnotes(metadata: dict[str, Any], skipped: Sequence[str]) -> list[str]:
         lines += ["", f"Note: jax_epilog ran the plain-JAX reference lowering, not cuBLASLt "
                   f"({metadata['custom_call_unavailable_reason']})."]
     return lines
+
+
+def write_report(report: dict[str, Any], out, name: str, render: Callable[[dict], str],
+                 draw: Optional[Callable[[dict, Any], None]] = None) -> None:
+    """`out`/`name`.json (the report), .md (`render(report)`) and, with `draw`, .png."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{name}.md").write_text(render(report))
+    written = ".json, .md"
+    if draw is not None:
+        draw(report, out / f"{name}.png")
+        written += ", .png"
+    print(f"wrote {out / name}{written}")
 
 
 def run_metadata() -> dict[str, Any]:
