@@ -330,16 +330,14 @@ def _fp8_stack_bwd(plan: Plan, saved, dy):
                 dz = jnp.where(h8 > 0, p, jnp.zeros((), p.dtype))
                 next_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \
                     if previous.has_bias else None
-                grads.append((dkernel, own_dbias if need_bias_grad else dbias))
-                dbias = next_dbias
-                continue
-            epilog = layers._data_grad_epilog(previous)
-            dz, aux = _matmul8(
-                dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype, stack.backward,
-                epilog=epilog, transpose_b=True,
-                inputs={epilog.aux_input: previous_residual} if epilog.aux_input else None)
-            next_dbias = aux.get(epilog.reduction_output) if previous is not None and \
-                previous.has_bias and epilog.reduction_output else None
+            else:
+                epilog = layers._data_grad_epilog(previous)
+                dz, aux = _matmul8(
+                    dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype, stack.backward,
+                    epilog=epilog, transpose_b=True,
+                    inputs={epilog.aux_input: previous_residual} if epilog.aux_input else None)
+                next_dbias = aux.get(epilog.reduction_output) if previous is not None and \
+                    previous.has_bias and epilog.reduction_output else None
         grads.append((dkernel, own_dbias if need_bias_grad else dbias))
         dbias = next_dbias
     return dz, tuple(reversed(grads))
