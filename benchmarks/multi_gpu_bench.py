@@ -39,6 +39,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import gpu_trace
+
 M1 = dict(batch=65536, widths=[4096] * 5)
 TP = dict(tokens=16384, model=4096, hidden=16384)
 SMOKE = dict(batch=256, widths=[128] * 5)
@@ -50,9 +52,6 @@ OUR_TARGET = "jax_epilog_matmul"  # cuda_library.TARGET_NAME, here without impor
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 # XLA's own GEMMs in optimized HLO: cuBLAS(Lt) custom calls, Triton GEMM fusions, plain dots.
 XLA_GEMM = re.compile(r'custom_call_target="__cublas|__triton_gemm|gemm_fusion|\bdot\(')
-# Kernel names in a GPU trace.
-NCCL_KERNEL = re.compile(r"nccl", re.IGNORECASE)
-GEMM_KERNEL = re.compile(r"gemm|xmma|nvjet|cutlass|matmul", re.IGNORECASE)
 
 
 def main(argv=None) -> None:
@@ -253,8 +252,8 @@ def profile_steps(compiled, args, folder: Path) -> dict:
     except Exception as e:  # noqa: BLE001  (reported in the summary instead)
         summary["trace"] = {"devices": [], "note": f"tracing failed: {type(e).__name__}: {e}"}
         return summary
-    traces = sorted(folder.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)
-    summary["trace"] = (trace_overlap(traces[-1]) if traces else
+    trace = gpu_trace.latest_trace(folder)
+    summary["trace"] = (trace_overlap(trace) if trace else
                         {"devices": [], "note": f"jax.profiler wrote no .xplane.pb under {folder}"})
     return summary
 
@@ -385,24 +384,15 @@ def overlap_ns(collectives: list[tuple[float, float, str]],
 def trace_overlap(xplane: Path) -> dict:
     """Per GPU in the trace: NCCL kernel time, GEMM kernel time, and the NCCL time during which
     a GEMM kernel ran on another stream."""
-    from jax.profiler import ProfileData
-
     devices = []
-    for plane in ProfileData.from_file(str(xplane)).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        collectives, gemms = [], []
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):  # kernels; not derived op/step lines
-                continue
-            for event in line.events:
-                span = (event.start_ns, event.start_ns + event.duration_ns, line.name)
-                if NCCL_KERNEL.search(event.name):
-                    collectives.append(span)
-                elif GEMM_KERNEL.search(event.name):
-                    gemms.append(span)
+    for device, kernels in gpu_trace.gpu_kernels(xplane).items():
+        collectives = [(k.start_ns, k.end_ns, k.stream) for k in kernels
+                       if gpu_trace.NCCL_KERNEL.search(k.name)]
+        gemms = [(k.start_ns, k.end_ns, k.stream) for k in kernels
+                 if gpu_trace.GEMM_KERNEL.search(k.name)
+                 and not gpu_trace.NCCL_KERNEL.search(k.name)]
         nccl_ns = sum(end - start for start, end, _ in collectives)
-        devices.append({"device": plane.name, "nccl_kernels": len(collectives),
+        devices.append({"device": device, "nccl_kernels": len(collectives),
                         "nccl_ms": nccl_ns / 1e6, "gemm_kernels": len(gemms),
                         "gemm_ms": sum(end - start for start, end, _ in gemms) / 1e6,
                         "nccl_overlapped_ms": overlap_ns(collectives, gemms) / 1e6})
