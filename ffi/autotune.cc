@@ -69,7 +69,9 @@ ffi::Error GpuIdentity(int device, std::string* identity) {
 
 // Everything a tuned algorithm depends on: the GPU model, cuBLASLt's version and the
 // whole problem except the device ordinal. dtype is support_query's number. A problem
-// with c adds " c=1" and c's alignment, so the keys of problems without c stay as they were.
+// with c adds " c=1" and c's alignment, so the keys of problems without c stay as they were;
+// likewise FP8 fast accumulation adds " fast_accum=1" (FP8 plans are not tuned yet, see
+// TunePlan, but their key already tells the two accumulation modes apart).
 ffi::Error StoreKey(const Problem& p, std::string* key) {
   std::string gpu;
   JAX_EPILOG_RETURN_IF_ERROR(GpuIdentity(p.device, &gpu));
@@ -84,7 +86,8 @@ ffi::Error StoreKey(const Problem& p, std::string* key) {
          " workspace=" + number(static_cast<int64_t>(p.workspace_bytes)) +
          " align=" + align(p.align_a) + "," + align(p.align_b) + "," + align(p.align_y) +
          "," + align(p.align_bias) + "," + align(p.align_aux) +
-         (p.has_c ? " c=1 align_c=" + align(p.align_c) : std::string());
+         (p.has_c ? " c=1 align_c=" + align(p.align_c) : std::string()) +
+         (p.fast_accumulation ? " fast_accum=1" : std::string());
   return ffi::Error::Success();
 }
 

@@ -73,6 +73,15 @@ ffi::Error CheckBuffer(const ffi::AnyBuffer& buffer, const char* name, ffi::Data
       ShapeString(got));
 }
 
+// A call's attributes (Binding() below), as the handler receives them.
+struct Attributes {
+  int32_t epilog;
+  bool transpose_a;
+  bool transpose_b;
+  bool allow_tf32;
+  bool fast_accumulation;  // FP8 operands only; ignored (normalised to false) otherwise
+};
+
 // A call decoded and checked: the problem (plan key) and its buffers.
 struct Call {
   Problem problem;
@@ -322,19 +331,20 @@ ffi::Error DecodeResults(const ffi::RemainingRets& rets, Call* call) {
 }
 
 ffi::Error Decode(int32_t xla_device, bool has_c, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                  ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t epilog,
-                  bool transpose_a, bool transpose_b, bool allow_tf32, Call* call) {
+                  ffi::RemainingArgs args, ffi::RemainingRets rets, const Attributes& attrs,
+                  Call* call) {
   Problem& p = call->problem;
-  p.epilog = epilog;
+  p.epilog = attrs.epilog;
   p.has_c = has_c;
-  p.transpose_a = transpose_a;
-  p.transpose_b = transpose_b;
+  p.transpose_a = attrs.transpose_a;
+  p.transpose_b = attrs.transpose_b;
   JAX_EPILOG_RETURN_IF_ERROR(DecodeOperands(a, b, &p));
-  p.allow_tf32 = allow_tf32 && p.dtype == DType::kF32;
-  call->epilog = FindEpilog(epilog);
+  p.allow_tf32 = attrs.allow_tf32 && p.dtype == DType::kF32;
+  p.fast_accumulation = attrs.fast_accumulation && IsFp8(p.dtype);
+  call->epilog = FindEpilog(attrs.epilog);
   if (call->epilog == nullptr)
     return ffi::Error::InvalidArgument("jax_epilog_matmul: unknown epilog " +
-                                       std::to_string(epilog));
+                                       std::to_string(attrs.epilog));
   if (p.batch == 0 || p.m == 0 || p.n == 0 || p.k == 0)
     return ffi::Error::InvalidArgument(
         "jax_epilog_matmul: zero-sized problem (batch=" + std::to_string(p.batch) +
@@ -374,11 +384,9 @@ ffi::Error NoThrow(Body body) {
 
 // Both stages start alike: decode and check the call, then find (or build) its plan.
 ffi::Error PlanCall(int32_t xla_device, bool has_c, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                    ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t epilog,
-                    bool transpose_a, bool transpose_b, bool allow_tf32, Call* call,
-                    std::shared_ptr<Plan>* plan) {
-  JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, has_c, a, b, args, rets, epilog, transpose_a,
-                                    transpose_b, allow_tf32, call));
+                    ffi::RemainingArgs args, ffi::RemainingRets rets, const Attributes& attrs,
+                    Call* call, std::shared_ptr<Plan>* plan) {
+  JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, has_c, a, b, args, rets, attrs, call));
   return GetPlan(call->problem, plan);
 }
 
@@ -386,13 +394,14 @@ ffi::Error PlanCall(int32_t xla_device, bool has_c, ffi::AnyBuffer a, ffi::AnyBu
 template <bool kHasC>
 ffi::Error MatmulInitialize(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a,
                             ffi::AnyBuffer b, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                            int32_t epilog, bool transpose_a, bool transpose_b,
-                            bool allow_tf32) {
+                            int32_t epilog, bool transpose_a, bool transpose_b, bool allow_tf32,
+                            bool fast_accumulation) {
   return NoThrow([&] {
     Call call;
     std::shared_ptr<Plan> plan;
-    JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, kHasC, a, b, args, rets, epilog,
-                                        transpose_a, transpose_b, allow_tf32, &call, &plan));
+    const Attributes attrs{epilog, transpose_a, transpose_b, allow_tf32, fast_accumulation};
+    JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, kHasC, a, b, args, rets, attrs, &call,
+                                        &plan));
     if (!AutotuneEnabled()) return ffi::Error::Success();
     return TunePlan(*plan, stream);
   });
@@ -401,12 +410,14 @@ ffi::Error MatmulInitialize(cudaStream_t stream, int32_t xla_device, ffi::AnyBuf
 template <bool kHasC>
 ffi::Error MatmulExecute(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a,
                          ffi::AnyBuffer b, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                         int32_t epilog, bool transpose_a, bool transpose_b, bool allow_tf32) {
+                         int32_t epilog, bool transpose_a, bool transpose_b, bool allow_tf32,
+                         bool fast_accumulation) {
   return NoThrow([&] {
     Call call;
     std::shared_ptr<Plan> plan;
-    JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, kHasC, a, b, args, rets, epilog,
-                                        transpose_a, transpose_b, allow_tf32, &call, &plan));
+    const Attributes attrs{epilog, transpose_a, transpose_b, allow_tf32, fast_accumulation};
+    JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, kHasC, a, b, args, rets, attrs, &call,
+                                        &plan));
     return RunPlan(*plan, call.buffers, stream);
   });
 }
@@ -424,7 +435,8 @@ auto Binding() {
       .template Attr<int32_t>("epilog")
       .template Attr<bool>("transpose_a")
       .template Attr<bool>("transpose_b")
-      .template Attr<bool>("allow_tf32");
+      .template Attr<bool>("allow_tf32")
+      .template Attr<bool>("fast_accumulation");  // FP8 operands only (else ignored)
 }
 
 }  // namespace

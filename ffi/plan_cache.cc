@@ -211,6 +211,11 @@ ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
   JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_EPILOGUE, epilogue,
                                      "CUBLASLT_MATMUL_DESC_EPILOGUE", problem));
   JAX_EPILOG_RETURN_IF_ERROR(SetEpilogAttributes(p, epilog, plan));
+  // FP8 fast accumulation (GetPlan keeps it only for FP8 operands); unset is cuBLASLt's
+  // default, float32 promotion of the partial sums.
+  if (p.fast_accumulation)
+    JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{1},
+                                       "CUBLASLT_MATMUL_DESC_FAST_ACCUM", problem));
   // A call with c passes alpha and beta as device pointers (its traced operands), so new
   // values need no new plan; calls without c keep the host constants 1 and 0 (Enqueue).
   if (p.has_c)
@@ -281,9 +286,9 @@ uint8_t AlignmentLog2(const void* ptr, int64_t batch_stride_bytes) {
 bool Problem::operator==(const Problem& o) const {
   auto fields = [](const Problem& p) {
     return std::tie(p.device, p.epilog, p.dtype, p.dtype_b, p.dtype_d, p.amax, p.has_c,
-                    p.transpose_a, p.transpose_b, p.allow_tf32, p.batch, p.batch_b, p.batch_bias,
-                    p.m, p.n, p.k, p.workspace_bytes, p.align_a, p.align_b, p.align_y,
-                    p.align_bias, p.align_aux, p.align_c);
+                    p.transpose_a, p.transpose_b, p.allow_tf32, p.fast_accumulation, p.batch,
+                    p.batch_b, p.batch_bias, p.m, p.n, p.k, p.workspace_bytes, p.align_a,
+                    p.align_b, p.align_y, p.align_bias, p.align_aux, p.align_c);
   };
   return fields(*this) == fields(o);
 }
@@ -295,7 +300,8 @@ std::string Problem::ToString() const {
          (IsFp8(dtype) ? std::string(" x ") + DTypeName(dtype_b) + " -> " + DTypeName(dtype_d) +
                              (amax ? " with amax" : "")
                        : std::string()) +
-         (allow_tf32 ? " (tf32)" : "") + (has_c ? ", with C (device alpha, beta)" : "") +
+         (allow_tf32 ? " (tf32)" : "") + (fast_accumulation ? " (fast accumulation)" : "") +
+         (has_c ? ", with C (device alpha, beta)" : "") +
          ", batch=" + std::to_string(batch) + " batch_b=" + std::to_string(batch_b) +
          " batch_bias=" + std::to_string(batch_bias) + ", M=" + std::to_string(m) +
          " N=" + std::to_string(n) + " K=" + std::to_string(k) +
@@ -316,7 +322,8 @@ size_t ProblemHash::operator()(const Problem& p) const {
   mix(static_cast<uint64_t>(p.device));
   mix(static_cast<uint64_t>(p.epilog));
   mix(static_cast<uint64_t>(p.dtype_b) | uint64_t{static_cast<uint8_t>(p.dtype_d)} << 8 |
-      uint64_t{p.amax} << 16 | uint64_t{p.has_c} << 17 | uint64_t{p.align_c} << 24);
+      uint64_t{p.amax} << 16 | uint64_t{p.has_c} << 17 | uint64_t{p.fast_accumulation} << 18 |
+      uint64_t{p.align_c} << 24);
   mix(static_cast<uint64_t>(p.dtype) | uint64_t{p.transpose_a} << 8 |
       uint64_t{p.transpose_b} << 9 | uint64_t{p.allow_tf32} << 10 |
       uint64_t{p.align_a} << 16 | uint64_t{p.align_b} << 24 | uint64_t{p.align_y} << 32 |
@@ -477,9 +484,11 @@ cublasStatus_t Enqueue(Plan& plan, const CallBuffers& buffers, const cublasLtMat
 
 ffi::Error GetPlan(const Problem& requested, std::shared_ptr<Plan>* plan) {
   // One plan serves problems that differ only in what the plan ignores: TF32 for
-  // 16-bit types, the bias batch for epilogs without a bias input.
+  // 16-bit types, fast accumulation for 16/32-bit types, the bias batch for epilogs
+  // without a bias input.
   Problem problem = requested;
   problem.allow_tf32 = requested.allow_tf32 && requested.dtype == DType::kF32;
+  problem.fast_accumulation = requested.fast_accumulation && IsFp8(requested.dtype);
   if (const EpilogInfo* epilog = FindEpilog(problem.epilog); epilog && !epilog->bias_in)
     problem.batch_bias = 1;
   PlanCache& cache = Cache();

@@ -45,6 +45,10 @@ struct Problem {
   bool transpose_a = false;
   bool transpose_b = false;
   bool allow_tf32 = false;  // normalised to false unless dtype is kF32
+  // FP8 only (normalised to false otherwise, like allow_tf32): cuBLASLt's FP8 fast
+  // accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM), partial sums not periodically promoted
+  // to float32: faster, less accurate.
+  bool fast_accumulation = false;
   int64_t batch = 1, batch_b = 1, batch_bias = 1;
   int64_t m = 0, n = 0, k = 0;
   uint64_t workspace_bytes = 0;

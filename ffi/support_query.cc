@@ -24,7 +24,7 @@ void CopyMessage(const std::string& text, char* message, size_t message_len) {
 int QuerySupport(int device, int epilog, int dtype, int dtype_b, int dtype_d, int amax,
                  int has_c, int transpose_a, int transpose_b, int64_t batch, int64_t batch_b,
                  int64_t batch_bias, int64_t m, int64_t n, int64_t k, int allow_tf32,
-                 uint64_t workspace_bytes, std::string* message) {
+                 int fast_accumulation, uint64_t workspace_bytes, std::string* message) {
   using jax_epilog::DType;
   for (int t : {dtype, dtype_b, dtype_d}) {
     if (t < 0 || t >= jax_epilog::kDTypeCount) {
@@ -54,6 +54,7 @@ int QuerySupport(int device, int epilog, int dtype, int dtype_b, int dtype_d, in
   p.transpose_a = transpose_a != 0;
   p.transpose_b = transpose_b != 0;
   p.allow_tf32 = allow_tf32 != 0;
+  p.fast_accumulation = fast_accumulation != 0;  // GetPlan keeps it for FP8 operands only
   p.batch = batch;
   p.batch_b = batch_b;
   p.batch_bias = batch_bias;
@@ -88,13 +89,15 @@ JAX_EPILOG_EXPORT int jax_epilog_supports_fp8(void) { return 1; }
 // `message` says why. `dtype` (a's), `dtype_b`, `dtype_d` (y's): 0 float16, 1 bfloat16,
 // 2 float32, 3 float8_e4m3fn, 4 float8_e5m2; `amax`: an FP8 call's result_amax.
 // `has_c`: a call with a C matrix (device alpha and beta, the plan jax_epilog_matmul_c
-// builds). `epilog` is the public value. Never throws.
+// builds). `fast_accumulation`: cuBLASLt's FP8 fast accumulation (FP8 operands only;
+// ignored for others). `epilog` is the public value. Never throws.
 JAX_EPILOG_EXPORT int jax_epilog_query_support(int device, int epilog, int dtype,
                                                int dtype_b, int dtype_d, int amax, int has_c,
                                                int transpose_a, int transpose_b,
                                                int64_t batch, int64_t batch_b,
                                                int64_t batch_bias, int64_t m, int64_t n,
                                                int64_t k, int allow_tf32,
+                                               int fast_accumulation,
                                                uint64_t workspace_bytes, char* message,
                                                size_t message_len) {
   CopyMessage("", message, message_len);
@@ -102,7 +105,7 @@ JAX_EPILOG_EXPORT int jax_epilog_query_support(int device, int epilog, int dtype
     std::string text;
     const int answer = QuerySupport(device, epilog, dtype, dtype_b, dtype_d, amax, has_c,
                                     transpose_a, transpose_b, batch, batch_b, batch_bias, m, n, k,
-                                    allow_tf32, workspace_bytes, &text);
+                                    allow_tf32, fast_accumulation, workspace_bytes, &text);
     CopyMessage(text, message, message_len);
     return answer;
   } catch (const std::exception& e) {  // e.g. std::bad_alloc; must not cross into C

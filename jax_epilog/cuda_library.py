@@ -94,7 +94,7 @@ class _Library:
             ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t,
+            ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t,
         ]
         for name, restype, argtypes in _CONTROLS:
             getattr(lib, name).restype = restype
@@ -161,15 +161,17 @@ def query_support(epilog: int, dtype: str, transpose_a: bool, transpose_b: bool,
                   b_batch: int, bias_batch: int, m: int, n: int, k: int, allow_tf32: bool,
                   workspace_bytes: int, device: int = 0, b_dtype: Optional[str] = None,
                   result_dtype: Optional[str] = None, result_amax: bool = False,
-                  has_c: bool = False) -> tuple[Optional[bool], str]:
+                  has_c: bool = False,
+                  fast_accumulation: bool = False) -> tuple[Optional[bool], str]:
     """Whether cuBLASLt has a kernel for this problem on `device`.
 
     `dtype` is a's; `b_dtype` and `result_dtype` (y's) default to it (they differ only for
     FP8 operands, as may `result_amax`). `has_c`: a call with a C matrix (alpha and beta
-    device pointers, the plan `TARGET_NAME_C` runs). Returns (True|False, message), or
-    (None, reason) when it cannot tell (no library, no GPU on this machine: e.g. exporting for
-    CUDA from a CPU host). Building the answer also builds and caches the plan, so the first
-    execution does no planning.
+    device pointers, the plan `TARGET_NAME_C` runs). `fast_accumulation`: cuBLASLt's FP8
+    fast accumulation (FP8 operands only; the library ignores it for others). Returns
+    (True|False, message), or (None, reason) when it cannot tell (no library, no GPU on this
+    machine: e.g. exporting for CUDA from a CPU host). Building the answer also builds and
+    caches the plan, so the first execution does no planning.
     """
     lib = library()
     if lib.handle is None:
@@ -178,8 +180,8 @@ def query_support(epilog: int, dtype: str, transpose_a: bool, transpose_b: bool,
     status = lib.handle.jax_epilog_query_support(
         device, epilog, _DTYPE_CODES[dtype], _DTYPE_CODES[b_dtype or dtype],
         _DTYPE_CODES[result_dtype or dtype], int(result_amax), int(has_c), int(transpose_a),
-        int(transpose_b), batch, b_batch, bias_batch, m, n, k, int(allow_tf32), workspace_bytes,
-        message, len(message))
+        int(transpose_b), batch, b_batch, bias_batch, m, n, k, int(allow_tf32),
+        int(fast_accumulation), workspace_bytes, message, len(message))
     text = message.value.decode(errors="replace")
     if status < 0:
         return None, text

@@ -42,6 +42,9 @@ from .primitive import Params, kernel_p, problem_of, result_dtype_of
 
 
 def _lower_reference(ctx, *args, exact: bool = True, **params):
+    # `fast_accumulation` is the kernel's alone: the exact reference computes the float32
+    # formula, and XLA's way (not `exact`) keeps XLA's own FP8 dot as it is, whatever the
+    # call asks (at HIGHEST precision; XLA uses fast accumulation for FP8 dots at DEFAULT).
     params = Params(**params)
     fn = functools.partial(reference.epilog_matmul, epilog=params.epilog,
                            transpose_a=params.transpose_a, transpose_b=params.transpose_b,
@@ -62,7 +65,9 @@ def _warn_fp8_reference(avals_in, params: Params, why: str) -> None:
     warnings.warn(
         f"jax_epilog: cuBLASLt runs no FP8 kernel for epilog {Epilog(params.epilog).name} with "
         f"{a.dtype} x {avals_in[1].dtype} -> {result_dtype_of(params, a.dtype)}"
-        f"{' and result_amax' if params.result_amax else ''} ({_sizes(avals_in, params)}): "
+        f"{' and result_amax' if params.result_amax else ''}"
+        f"{' with fast_accumulation' if params.fast_accumulation else ''}"
+        f" ({_sizes(avals_in, params)}): "
         f"{why}; this call runs the plain-XLA reference instead (same results, slower)",
         RuntimeWarning, stacklevel=2)
 
@@ -107,7 +112,8 @@ def _kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
             return False, "this build of the jax_epilog library has no FP8 support"
         extra = dict(b_dtype=np.dtype(b.dtype).name,
                      result_dtype=result_dtype_of(params, a.dtype).name,
-                     result_amax=bool(params.result_amax))
+                     result_amax=bool(params.result_amax),
+                     fast_accumulation=bool(params.fast_accumulation))
     supported, message = cuda_library.query_support(
         params.epilog, np.dtype(a.dtype).name, params.transpose_a, params.transpose_b, p.batch,
         b.shape[0], bias_batch, p.m, p.n, p.k, params.allow_tf32, config.workspace_bytes(),
@@ -197,7 +203,8 @@ def _lower_cuda(ctx, *args, **params):
                                 else cuda_library.TARGET_NAME)
     results = call(ctx.replace(avals_out=[*ctx.avals_out, workspace]), *args,
                    epilog=np.int32(params.epilog), transpose_a=bool(params.transpose_a),
-                   transpose_b=bool(params.transpose_b), allow_tf32=bool(params.allow_tf32))
+                   transpose_b=bool(params.transpose_b), allow_tf32=bool(params.allow_tf32),
+                   fast_accumulation=bool(params.fast_accumulation))
     return results[:-1]
 
 

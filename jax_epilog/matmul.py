@@ -255,6 +255,19 @@ def _check_scales(fp8: bool, out, quantization_scales, result_amax) -> tuple:
     return tuple(scales)
 
 
+def _check_fast_accumulation(fast_accumulation, operand_dtype) -> bool:
+    """`fast_accumulation` as a bool; only FP8 operands may ask for it."""
+    if not isinstance(fast_accumulation, (bool, np.bool_)):
+        raise TypeError(f"fast_accumulation: expected a bool, got {fast_accumulation!r}")
+    if fast_accumulation and not is_fp8(operand_dtype):
+        hint = ("; for float32, precision= chooses TF32 (DEFAULT / HIGH) or full float32 "
+                "(HIGHEST)" if operand_dtype == jnp.float32 else
+                "; 16-bit operands always accumulate in float32")
+        raise ValueError(f"fast_accumulation: applies to FP8 operands only (float8_e4m3fn / "
+                         f"float8_e5m2); a and b are {operand_dtype}{hint}")
+    return bool(fast_accumulation)
+
+
 def _check_c(c, alpha, beta, out, lead, m: int, n: int):
     """(c, alpha, beta) as checked operands, or () for a call without C (SPEC §6)."""
     if c is None:
@@ -284,13 +297,15 @@ def _check_c(c, alpha, beta, out, lead, m: int, n: int):
 
 def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
              backend="auto", quantization_scales=None, preferred_element_type=None,
-             result_amax=False, c=None, alpha=None, beta=None) -> _Call:
+             result_amax=False, c=None, alpha=None, beta=None,
+             fast_accumulation=False) -> _Call:
     epilog = as_epilog(epilog)
     a = _as_operand("a", a)
     b = _as_operand("b", b)
     fp8 = _check_operand_dtypes(a, b)
     out = _result_dtype(fp8, a.dtype, preferred_element_type)
     scales = _check_scales(fp8, out, quantization_scales, result_amax)
+    fast_accumulation = _check_fast_accumulation(fast_accumulation, a.dtype)
     for name, flag in (("transpose_a", transpose_a), ("transpose_b", transpose_b)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
@@ -333,7 +348,7 @@ def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
     params = Params(int(epilog), bool(transpose_a), bool(transpose_b),
                     allow_tf32_for(precision, a.dtype), backend,
                     result_dtype=out.name if fp8 else None, result_amax=bool(result_amax),
-                    has_c=bool(c_operands))
+                    has_c=bool(c_operands), fast_accumulation=fast_accumulation)
     return _Call(a3, b3, kernel_inputs, params, lead, m, n, b_shared)
 
 
@@ -443,7 +458,8 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
            epilog_inputs: Optional[Mapping[str, Any]] = None,
            transpose_a: bool = False, transpose_b: bool = False, precision=None,
            backend: str = "auto", quantization_scales: Optional[Mapping[str, Any]] = None,
-           preferred_element_type=None, result_amax: bool = False):
+           preferred_element_type=None, result_amax: bool = False,
+           fast_accumulation: bool = False):
     """`a @ b` with a cuBLASLt epilog fused into the same kernel (SPEC §1, §5, §6).
 
     Args:
@@ -465,7 +481,8 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
         operands; FP8 kernels need (M, K) and (N, K) operands, which the CUDA lowering
         arranges by a transpose XLA fuses into the operand's producer).
       precision: for float32, `jax.lax.Precision.HIGHEST` is full float32; DEFAULT / HIGH may
-        use TF32. Ignored for 16-bit and FP8 dtypes (accumulation is always float32).
+        use TF32. Ignored for 16-bit and FP8 dtypes (accumulation is float32; for FP8 see
+        `fast_accumulation`).
       backend: on CUDA, "cublaslt" runs the cuBLASLt kernel, "xla" XLA's own GEMM and fusions
         of the same computation, "auto" the faster of the two for this problem on this GPU, as
         measured (`jax_epilog.dispatch`; FP8 problems without a measurement run cuBLASLt).
@@ -478,6 +495,16 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
         format's largest finite value (NaN stays NaN).
       result_amax: FP8 operands only: also return ``aux["result_amax"]``, float32 max |R| taken
         before the d scale and the cast.
+      fast_accumulation: FP8 operands only (a `ValueError` otherwise; for float32,
+        `precision` chooses TF32): run cuBLASLt's FP8 fast accumulation mode
+        (``CUBLASLT_MATMUL_DESC_FAST_ACCUM``, nvmath-python's
+        `MatmulOptions.fast_accumulation`, what XLA uses for FP8 dots at DEFAULT precision):
+        the kernel's partial sums are not periodically promoted to float32, which is faster
+        and less accurate, so values may differ from the float32-accumulating reference by
+        the accumulation's rounding (more with a longer K). Default False: the products
+        accumulate in float32 (SPEC §5). The reference (CPU and other platforms, and the
+        CUDA fallbacks) computes the exact float32 formula, so the option changes nothing
+        there; `backend="xla"` runs XLA's own FP8 GEMM as it does without it.
 
     Returns:
       `y` of shape `(..., M, N)`, or `(y, aux)` where the epilog has auxiliary outputs
@@ -489,7 +516,8 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     `TypeError` under `jax.grad` (FP8 training: `dense` / `mlp` with ``fp8=``).
     """
     call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision, backend,
-                    quantization_scales, preferred_element_type, result_amax, c, alpha, beta)
+                    quantization_scales, preferred_element_type, result_amax, c, alpha, beta,
+                    fast_accumulation)
     axes = manual_axes.varying_axes((call.a, call.b, *call.inputs))  # inside shard_map
     operands = [manual_axes.vary(x, axes) for x in (call.a, call.b, *call.inputs)]
     differentiable = not (Epilog(call.params.epilog).is_backward or is_fp8(call.a.dtype))
@@ -499,10 +527,13 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
 
 def reference_matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
                      epilog_inputs=None, transpose_a=False, transpose_b=False, precision=None,
-                     quantization_scales=None, preferred_element_type=None, result_amax=False):
-    """`matmul` computed by the plain-JAX reference on any device (same checks, same results)."""
+                     quantization_scales=None, preferred_element_type=None, result_amax=False,
+                     fast_accumulation=False):
+    """`matmul` computed by the plain-JAX reference on any device (same checks, same results;
+    `fast_accumulation` is checked and, as on every reference path, changes nothing)."""
     call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision, "auto",
-                    quantization_scales, preferred_element_type, result_amax, c, alpha, beta)
+                    quantization_scales, preferred_element_type, result_amax, c, alpha, beta,
+                    fast_accumulation)
     p = call.params
     return _finish(call, reference_kernel(call.a, call.b, *call.inputs, epilog=p.epilog,
                                           transpose_a=p.transpose_a, transpose_b=p.transpose_b,

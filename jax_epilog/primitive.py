@@ -45,6 +45,9 @@ class Params(NamedTuple):
     result_dtype: Optional[str] = None  # y's dtype name; None: the operands' dtype
     result_amax: bool = False  # FP8 calls: also return max |R| (SPEC §5)
     has_c: bool = False  # operands c, alpha, beta follow (SPEC §6): R = epilog(αP + βC)
+    # FP8 calls only: cuBLASLt's FP8 fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM) on
+    # the kernel; the reference ignores it (it computes the exact float32 formula).
+    fast_accumulation: bool = False
 
 
 def result_dtype_of(params, operand_dtype) -> np.dtype:
@@ -85,7 +88,7 @@ def array_shape(name: str, p: Problem, bias_batch: int = 1) -> tuple[int, ...]:
 
 
 def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, backend,
-                   result_dtype=None, result_amax=False, has_c=False):
+                   result_dtype=None, result_amax=False, has_c=False, fast_accumulation=False):
     del allow_tf32, backend
     epilog = Epilog(epilog)
     params = dict(epilog=epilog, result_dtype=result_dtype, result_amax=result_amax,
@@ -98,6 +101,8 @@ def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, ba
         raise TypeError(f"epilog_matmul: a and b dtypes differ ({a.dtype} vs {b.dtype})")
     if out != a.dtype and not is_fp8(a.dtype):
         raise TypeError(f"epilog_matmul: result dtype {out} needs FP8 operands, got {a.dtype}")
+    if fast_accumulation and not is_fp8(a.dtype):
+        raise ValueError(f"epilog_matmul: fast_accumulation needs FP8 operands, got {a.dtype}")
     p = problem_of(a.shape, b.shape, transpose_a, transpose_b)
     b_k = b.shape[2] if transpose_b else b.shape[1]
     if b_k != p.k or b.shape[0] not in (1, p.batch):

@@ -372,10 +372,11 @@ def test_calls_without_c_still_lower_to_the_same_custom_call():
     # a, b, bias: three operands, as before (no c, alpha, beta)
     operands = re.search(r"stablehlo.custom_call @jax_epilog_matmul\((.*?)\)", calls[0])
     assert operands and len(operands.group(1).split(",")) == 3, calls[0]
-    # the same attributes as before c existed
+    # the same attributes as before c existed (and fast_accumulation, false without FP8)
     attributes = re.search(r"backend_config = \{(.*?)\}", calls[0])
     assert attributes and attributes.group(1) == (
-        "allow_tf32 = true, epilog = 134 : i32, transpose_a = false, transpose_b = false"), calls[0]
+        "allow_tf32 = true, epilog = 134 : i32, fast_accumulation = false, transpose_a = false, "
+        "transpose_b = false"), calls[0]
 
 
 # --- sharding on 8 CPU devices ---------------------------------------------------------------
