@@ -15,9 +15,15 @@ one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
   gradient as XLA fusions;
 - ours_fp8_xla_fwd: ours_fp8 with `forward="xla"`: the forward FP8 GEMMs XLA's f8 dot with
   the bias and ReLU fused by XLA, where "auto" runs cuBLASLt's FP8 RELU_BIAS;
+- ours_fp8_fast: ours_fp8 with `Fp8(fast_accumulation="forward")`: cuBLASLt's FP8 fast
+  accumulation in the forward GEMMs (TransformerEngine's recipe), float32 in the gradients;
 - xla_fp8: what a user writes for FP8 under XLA (Flax's fp8_ops style): per layer a
   `custom_vjp` dot with per-tensor current scaling, a direct FP8 `dot_general` with
-  `preferred_element_type`, e5m2 gradients; bias and ReLU by JAX's autodiff.
+  `preferred_element_type`, e5m2 gradients; bias and ReLU by JAX's autodiff. At its DEFAULT
+  precision XLA runs every FP8 GEMM, the weight gradients' K = batch sums included, with
+  fast accumulation;
+- xla_fp8_precise: the same with precision HIGHEST in the backward GEMMs (XLA then accumulates
+  the gradients in float32): the user's step with ours_fp8_fast's accumulation.
 
 All variants are compiled and timed in one process on the same inputs, in both harnesses of
 BENCHMARK.md (careful: rotated inputs; user: the same inputs every call), their rounds
@@ -88,40 +94,46 @@ def _user_quantize(x, dtype):
     return jnp.clip(x.astype(jnp.float32) * scale, -largest, largest).astype(dtype), 1.0 / scale
 
 
-def _f8_dot(a8, b8, contract, scale, dtype):
+def _f8_dot(a8, b8, contract, scale, dtype, precision=None):
     """A direct FP8 dot_general (XLA rewrites it to its cuBLASLt FP8 GEMM), dequantized as
-    Flax's fp8_ops does: the result times the scale cast to the result's dtype."""
-    y = jax.lax.dot_general(a8, b8, (contract, ((), ())), preferred_element_type=dtype)
+    Flax's fp8_ops does: the result times the scale cast to the result's dtype. At DEFAULT
+    precision XLA turns on cuBLASLt's FP8 fast accumulation; at HIGHEST it does not."""
+    y = jax.lax.dot_general(a8, b8, (contract, ((), ())), precision=precision,
+                            preferred_element_type=dtype)
     return y * scale.astype(dtype)
 
 
-@jax.custom_vjp
-def user_fp8_dot(x, kernel):
-    return _user_fp8_dot_fwd(x, kernel)[0]
+def user_fp8_dot(backward_precision=None):
+    """The user's FP8 dot as a `custom_vjp`; its backward GEMMs at `backward_precision`
+    (None: XLA's default, fast accumulation in every GEMM, as most users write it; HIGHEST:
+    float32 accumulation in the gradients, TransformerEngine's recipe)."""
+    @jax.custom_vjp
+    def dot(x, kernel):
+        return forward(x, kernel)[0]
+
+    def forward(x, kernel):
+        x8, sx = _user_quantize(x, jnp.float8_e4m3fn)
+        w8, sw = _user_quantize(kernel, jnp.float8_e4m3fn)
+        return _f8_dot(x8, w8, ((1,), (0,)), sx * sw, x.dtype), (x8, sx, w8, sw)
+
+    def backward(saved, dy):
+        x8, sx, w8, sw = saved
+        g8, sg = _user_quantize(dy, jnp.float8_e5m2)
+        dx = _f8_dot(g8, w8, ((1,), (1,)), sg * sw, dy.dtype, backward_precision)
+        dw = _f8_dot(x8, g8, ((0,), (0,)), sx * sg, dy.dtype, backward_precision)
+        return dx, dw
+
+    dot.defvjp(forward, backward)
+    return dot
 
 
-def _user_fp8_dot_fwd(x, kernel):
-    x8, sx = _user_quantize(x, jnp.float8_e4m3fn)
-    w8, sw = _user_quantize(kernel, jnp.float8_e4m3fn)
-    return _f8_dot(x8, w8, ((1,), (0,)), sx * sw, x.dtype), (x8, sx, w8, sw)
-
-
-def _user_fp8_dot_bwd(saved, dy):
-    x8, sx, w8, sw = saved
-    g8, sg = _user_quantize(dy, jnp.float8_e5m2)
-    dx = _f8_dot(g8, w8, ((1,), (1,)), sg * sw, dy.dtype)
-    dw = _f8_dot(x8, g8, ((0,), (0,)), sx * sg, dy.dtype)
-    return dx, dw
-
-
-user_fp8_dot.defvjp(_user_fp8_dot_fwd, _user_fp8_dot_bwd)
-
-
-def xla_fp8_stack(x, params, activation, final_activation):
-    for i, (kernel, bias) in enumerate(params):
-        act = activation if i < len(params) - 1 else final_activation
-        x = never_slower.ACTIVATION[act](user_fp8_dot(x, kernel) + bias)
-    return x
+def xla_fp8_stack(dot):
+    def stack(x, params, activation, final_activation):
+        for i, (kernel, bias) in enumerate(params):
+            act = activation if i < len(params) - 1 else final_activation
+            x = never_slower.ACTIVATION[act](dot(x, kernel) + bias)
+        return x
+    return stack
 
 
 def epilog_stack(fp8_config, backward="auto", forward="auto"):
@@ -135,7 +147,9 @@ VARIANTS = {"xla_bf16": never_slower.xla_stack, "ours_bf16": epilog_stack(None),
             "ours_fp8": epilog_stack(True), "ours_fp8_all": epilog_stack(Fp8(layers="all")),
             "ours_fp8_fused": epilog_stack(Fp8(layers="all"), backward="fused"),
             "ours_fp8_xla_fwd": epilog_stack(True, forward="xla"),
-            "xla_fp8": xla_fp8_stack}
+            "ours_fp8_fast": epilog_stack(Fp8(fast_accumulation="forward")),
+            "xla_fp8": xla_fp8_stack(user_fp8_dot()),
+            "xla_fp8_precise": xla_fp8_stack(user_fp8_dot(jax.lax.Precision.HIGHEST))}
 SWEEP_VARIANTS = ("xla_bf16", "ours_bf16", "ours_fp8_all")
 
 

@@ -83,6 +83,12 @@ JAX_EPILOG_EXPORT size_t jax_epilog_cublaslt_version(void) { return cublasLtGetV
 // Whether this build knows FP8 operands (the Python side asks before sending one).
 JAX_EPILOG_EXPORT int jax_epilog_supports_fp8(void) { return 1; }
 
+// The interface between this library and the Python package: the FFI targets' attributes and
+// the ctypes entry points' arguments. Raised whenever either changes (2: the
+// fast_accumulation attribute), so the package refuses a library built from older sources
+// (cuda_library.ABI_VERSION) instead of failing to decode its calls.
+JAX_EPILOG_EXPORT int jax_epilog_abi_version(void) { return 2; }
+
 // 1: cuBLASLt has an algorithm for the problem (its plan is now cached, so the first
 // call does not pay for it); 0: it has none, `message` says why; -1: the question
 // could not be answered (no driver or device, bad argument, a cuBLASLt failure),

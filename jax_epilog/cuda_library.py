@@ -26,6 +26,8 @@ TARGET_NAME = "jax_epilog_matmul"
 # Calls with a C matrix (SPEC §6): the same handler, c, alpha and beta as its last operands.
 TARGET_NAME_C = "jax_epilog_matmul_c"
 _LIBRARY_FILE = "libjax_epilog_ffi.so"
+#: The library interface this package speaks (ffi/support_query.cc, jax_epilog_abi_version).
+ABI_VERSION = 2
 _PRELOAD = ("libcudart.so.13", "libcublasLt.so.13")
 
 
@@ -82,9 +84,10 @@ class _Library:
         except OSError as e:  # e.g. no cuBLASLt on this machine: CUDA path unavailable
             self.error = f"could not load {path.name}: {e}"
             return
-        if not hasattr(self.handle, "JaxEpilogMatmulC"):  # its entry points take other arguments
+        built = getattr(self.handle, "jax_epilog_abi_version", None)
+        if built is None or built() != ABI_VERSION:  # its calls and entry points differ
             self.handle = None
-            self.error = f"{path} was built from older sources: reinstall jax-epilog"
+            self.error = f"{path} was built from other sources: reinstall jax-epilog"
             return
         lib = self.handle
         lib.jax_epilog_cublaslt_version.restype = ctypes.c_size_t

@@ -57,6 +57,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from . import config, layers
@@ -89,12 +90,19 @@ class Fp8:
         margin), leaving headroom of `2**margin` below the format's largest value.
       layers: "auto" (FP8 only where `fp8_pays` says the layer's GEMM is large enough) or
         "all" (every layer).
+      fast_accumulation: which FP8 GEMMs use cuBLASLt's fast accumulation (sums not promoted
+        to float32 every few steps: faster, less accurate; `matmul(fast_accumulation=)`).
+        False (default): none, float32 accumulation throughout. "forward": the forward
+        GEMMs only, TransformerEngine's recipe (its gradients keep the split accumulator).
+        True: every GEMM, what XLA does for an FP8 `dot_general` at DEFAULT precision; the
+        weight gradient then sums over the batch in the fast accumulator.
     """
 
     forward: Any = "float8_e4m3fn"
     gradient: Any = "float8_e5m2"
     margin: int = 0
     layers: str = "auto"
+    fast_accumulation: Any = False
 
     def __post_init__(self):
         for name in ("forward", "gradient"):
@@ -108,6 +116,15 @@ class Fp8:
                              f"2**margin / amax), got {self.margin!r}")
         if self.layers not in LAYER_CHOICES:
             raise ValueError(f"layers: expected one of {LAYER_CHOICES}, got {self.layers!r}")
+        if not (isinstance(self.fast_accumulation, bool) or self.fast_accumulation == "forward"):
+            raise ValueError(f"fast_accumulation: expected False, \"forward\" or True, got "
+                             f"{self.fast_accumulation!r}")
+
+    def fast(self, gemm: str) -> bool:
+        """Whether the layers' `gemm` ("forward" or "gradient": both backward GEMMs) uses
+        fast accumulation."""
+        return self.fast_accumulation is True or (gemm == "forward" and
+                                                  self.fast_accumulation == "forward")
 
     def quantized_layers(self, rows: int, widths) -> tuple[bool, ...]:
         """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8."""
@@ -206,16 +223,43 @@ def data_grad_backend(backward: str, epilog: Epilog) -> str:
     return backward
 
 
-def _matmul8(a8, sa, b8, sb, dtype, backend, *, epilog=Epilog.DEFAULT, inputs=None,
-             **transposes):
+def _matmul8(a8, sa, b8, sb, dtype, backend, fast: bool, *, epilog=Epilog.DEFAULT,
+             inputs=None, **transposes):
     """(y in `dtype`, aux dict) of one FP8 GEMM, `(sa·a8) @ (sb·b8)` with `epilog`, on
-    `gemm_backend(backend, ...)`. Never with `result_amax`: y is 16/32-bit, for which cuBLASLt
-    has no amax (the caller's XLA reduction gives it)."""
+    `gemm_backend(backend, ...)`, with fast accumulation if `fast`. Never with `result_amax`:
+    y is 16/32-bit, for which cuBLASLt has no amax (the caller's XLA reduction gives it)."""
     out = matmul(a8, b8, epilog=epilog, epilog_inputs=inputs,
                  backend=gemm_backend(backend, epilog, dtype),
                  quantization_scales={"a": sa, "b": sb}, preferred_element_type=dtype,
-                 **transposes)
+                 fast_accumulation=fast, **transposes)
     return out if isinstance(out, tuple) else (out, {})
+
+
+def positive(x8):
+    """`x8 > 0` for an FP8 array, as integer compares of its bits: XLA's GPU compare of FP8
+    values widens each one in software first. Positive values are the bit patterns from 1 (the
+    smallest subnormal) up to the largest finite value, or +Inf where the format has one;
+    +0, negative values and NaN are not."""
+    dtype = jnp.dtype(x8.dtype)
+    largest = np.array(np.inf, dtype)
+    if not np.isinf(largest.astype(np.float32)):  # no Inf (e4m3fn): its largest finite value
+        largest = np.array(jnp.finfo(dtype).max, dtype)
+    bits = jax.lax.bitcast_convert_type(x8, jnp.uint8)
+    return (bits >= 1) & (bits <= largest.view(np.uint8))
+
+
+def _barrier(*arrays):
+    """`jax.lax.optimization_barrier` over `arrays` (None passes), each crossing it flattened.
+
+    A 1-D array has one layout, so XLA cannot carry a layout across the barrier: without the
+    flattening, layout assignment moved the weight gradient's transposes (h8ᵀ, dZ8ᵀ) into the
+    producers, storing h8 and dZ8 column-major, and then transposed the forward's h8 back and
+    computed the ReLU derivative on a transposed 16-bit data gradient: 13 transposes, 4.3 ms
+    of an M1 step on the H200 where its 8 one-byte transposes take about 1.8 ms
+    (docs/fp8.md, "Where the time goes")."""
+    flat = jax.lax.optimization_barrier(
+        tuple(None if a is None else a.reshape(-1) for a in arrays))
+    return tuple(None if f is None else f.reshape(a.shape) for f, a in zip(flat, arrays))
 
 
 # --- the custom VJP over a stack --------------------------------------------------------------
@@ -270,7 +314,8 @@ def _forward(plan: Plan, x, params, keep_residuals: bool):
         h8, h_scale = quantize_current(h, fp8.forward, fp8.margin)
         w8, w_scale = quantize_current(kernel, fp8.forward, fp8.margin)
         epilog = Epilog.find(layer.activation, layer.has_bias, keep)
-        h, aux = _matmul8(h8, h_scale, w8, w_scale, h.dtype, stack.forward, epilog=epilog,
+        h, aux = _matmul8(h8, h_scale, w8, w_scale, h.dtype, stack.forward,
+                          fp8.fast("forward"), epilog=epilog,
                           inputs={"bias": bias} if layer.has_bias else None)
         residual = aux.get(epilog.aux_output) if epilog.aux_output else None
         if residual is not None:
@@ -296,6 +341,7 @@ def _fp8_stack_fwd(plan: Plan, x, params):
 def _fp8_stack_bwd(plan: Plan, saved, dy):
     stack, fp8, quantized = plan
     stack_layers = stack.layers
+    fast = fp8.fast("gradient")
     dz = layers._activation_grad(dy, saved[-1].residual, stack_layers[-1].activation)
     dbias = None  # the current layer's bias gradient, when the step above has given it
     grads = []
@@ -318,22 +364,22 @@ def _fp8_stack_bwd(plan: Plan, saved, dy):
             # dZ's amax above (both read dZ once); before the barrier, so dZ dies there.
             own_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \
                 if need_bias_grad else None
-            dz8, h8, own_dbias = jax.lax.optimization_barrier((dz8, s.input, own_dbias))
+            dz8, h8, own_dbias = _barrier(dz8, s.input, own_dbias)
             dkernel, _ = _matmul8(h8.T, s.input_scale, dz8.T, dz_scale, dz.dtype,
-                                  stack.backward, transpose_b=True)
-            dz8, dkernel = jax.lax.optimization_barrier((dz8, dkernel))
+                                  stack.backward, fast, transpose_b=True)
+            dz8, dkernel = _barrier(dz8, dkernel)
             if i and relu_from_next_input(plan, i - 1):
                 # ReLU's derivative from this layer's own FP8 input h8 = Q(relu(z)), as XLA
                 # fusions after a plain FP8 GEMM (also the previous layer's bias gradient).
                 p, _ = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype,
-                                stack.backward, transpose_b=True)
-                dz = jnp.where(h8 > 0, p, jnp.zeros((), p.dtype))
+                                stack.backward, fast, transpose_b=True)
+                dz = jnp.where(positive(h8), p, jnp.zeros((), p.dtype))
                 next_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \
                     if previous.has_bias else None
             else:
                 epilog = layers._data_grad_epilog(previous)
                 dz, aux = _matmul8(
-                    dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype, stack.backward,
+                    dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype, stack.backward, fast,
                     epilog=epilog, transpose_b=True,
                     inputs={epilog.aux_input: previous_residual} if epilog.aux_input else None)
                 next_dbias = aux.get(epilog.reduction_output) if previous is not None and \

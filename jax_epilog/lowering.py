@@ -42,13 +42,14 @@ from .primitive import Params, kernel_p, problem_of, result_dtype_of
 
 
 def _lower_reference(ctx, *args, exact: bool = True, **params):
-    # `fast_accumulation` is the kernel's alone: the exact reference computes the float32
-    # formula, and XLA's way (not `exact`) keeps XLA's own FP8 dot as it is, whatever the
-    # call asks (at HIGHEST precision; XLA uses fast accumulation for FP8 dots at DEFAULT).
+    # `fast_accumulation`: the exact reference computes the float32 formula whatever the call
+    # asks; XLA's way (not `exact`) asks XLA's FP8 dot for it (DEFAULT precision, which XLA
+    # runs with fast accumulation; HIGHEST otherwise).
     params = Params(**params)
     fn = functools.partial(reference.epilog_matmul, epilog=params.epilog,
                            transpose_a=params.transpose_a, transpose_b=params.transpose_b,
                            allow_tf32=params.allow_tf32, exact=exact,
+                           fast_accumulation=params.fast_accumulation,
                            result_dtype=params.result_dtype, result_amax=params.result_amax,
                            has_c=params.has_c)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)

@@ -30,11 +30,13 @@ from .activations import (gelu, gelu_derivative, pack_relu_mask, relu, relu_mask
 from .epilogs import ACTIVATIONS, ARRAYS, Epilog, array_dtype, is_fp8, scale_names
 
 
-def _product(a, b, transpose_a: bool, transpose_b: bool, allow_tf32: bool, dtype):
-    """P = op(a) @ op(b) accumulated in float32, stored as `dtype`; b of batch 1 is shared."""
+def _product(a, b, transpose_a: bool, transpose_b: bool, reduced_precision: bool, dtype):
+    """P = op(a) @ op(b) accumulated in float32, stored as `dtype`; b of batch 1 is shared.
+    `reduced_precision`: precision DEFAULT, which lets XLA use TF32 for float32 operands and
+    fast accumulation for FP8 ones (else HIGHEST)."""
     a_contract = 1 if transpose_a else 2
     b_contract = 2 if transpose_b else 1
-    precision = jax.lax.Precision.DEFAULT if allow_tf32 else jax.lax.Precision.HIGHEST
+    precision = jax.lax.Precision.DEFAULT if reduced_precision else jax.lax.Precision.HIGHEST
     if b.shape[0] == 1 and a.shape[0] != 1:
         dims = (((a_contract,), (b_contract - 1,)), ((), ()))
         b = b[0]
@@ -121,12 +123,15 @@ def finish(p, a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
 
 def epilog_matmul(a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
                   allow_tf32: bool = False, exact: bool = True, result_dtype=None,
-                  result_amax: bool = False, has_c: bool = False):
+                  result_amax: bool = False, has_c: bool = False,
+                  fast_accumulation: bool = False):
     """The kernel's outputs (y[, aux][, bias gradient][, amax]) for normalised rank-3 operands.
 
     `args` are the epilog's inputs in `Epilog.input_names` order: bias `(batch|1, N)`,
     then `relu_aux` / `gelu_aux` `(batch, M, ·)`; then, with FP8 operands, the scales
     (`epilogs.scale_names`); then, with `has_c`, c `(batch, M, N)`, alpha and beta (SPEC §6).
+    `fast_accumulation` (FP8, XLA's way only): XLA's FP8 dot at DEFAULT precision, which XLA
+    runs with cuBLASLt's fast accumulation, rather than HIGHEST.
     """
     out = jnp.dtype(result_dtype or a.dtype)
     if is_fp8(a.dtype):
@@ -134,7 +139,7 @@ def epilog_matmul(a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool
             p = _product(a.astype(jnp.float32), b.astype(jnp.float32), transpose_a,
                          transpose_b, False, jnp.float32)
         else:  # XLA's direct FP8 dot, which XLA rewrites to its cuBLASLt FP8 GEMM
-            p = _product(a, b, transpose_a, transpose_b, False,
+            p = _product(a, b, transpose_a, transpose_b, fast_accumulation,
                          jnp.float32 if is_fp8(out) else out).astype(jnp.float32)
     else:  # XLA's way keeps the product in the operands' dtype, as `x @ w + b` does
         p = _product(a, b, transpose_a, transpose_b, allow_tf32, jnp.float32 if exact else a.dtype)

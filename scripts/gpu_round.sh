@@ -3,7 +3,7 @@
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu probe
-#           tune never_slower soak fp8
+#           tune never_slower soak fp8 fp8profile
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files).
@@ -159,6 +159,15 @@ print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c
       note "fp8 benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -iE "met|missed|crossover" "$OUT/fp8.log" | tail -n 12 | tee -a "$SUMMARY"
       cat "$OUT/fp8/fp8.md" 2>/dev/null | head -50 ;;
+    fp8profile)
+      # Where the FP8 step's time goes: GPU kernels of traced M1 steps per variant
+      # (FP8_PROFILE_ARGS, e.g. "--variants ours_fp8,xla_fp8").
+      (cd "$ROOT/benchmarks" && runs --cap "${FP8_PROFILE_CAP:-240}" "$PY" fp8_profile.py \
+        ${FP8_PROFILE_ARGS:-} --out "$OUT/fp8_profile" 2>&1) > "$OUT/fp8_profile.log"
+      note "fp8 profile: rc=$? ($((SECONDS - start)) s)"
+      grep -E "^[a-z0-9_]+: step" "$OUT/fp8_profile.log" | tee -a "$SUMMARY"
+      rm -rf "$OUT/fp8_profile/traces"  # large; the summary has what they say
+      cat "$OUT/fp8_profile/fp8_profile.md" 2>/dev/null | head -80 ;;
     probe)
       (cd /tmp && runs "$PY" "$ROOT/scripts/probe_special_values.py" 2>&1) | tee "$OUT/probe.log"
       note "special-value probe: see probe.log" ;;

@@ -326,3 +326,19 @@ def test_the_kernel_runs_and_matches_the_model(epilog, pair, shape, fast):
     without it, the same problem still matches within TIGHT_RTOL."""
     found = _on_gpu(epilog, pair, shape, fast=fast)
     assert not found, (epilog.name, pair, shape, fast, found)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_xla_way_asks_xla_for_the_same_accumulation(fast):
+    """backend="xla": XLA's own FP8 dot, at DEFAULT precision with fast_accumulation (XLA's
+    fast accumulation) and HIGHEST without (float32 accumulation), as the kernel would run."""
+    rng = np.random.default_rng(1)
+    a, b, inputs, qs = make(rng, Epilog.BIAS, m=32, n=48, k=64, integers=False)
+    text = jax.export.export(
+        jax.jit(lambda a, b, bias: _fp8_call(Epilog.BIAS, a, b, {"bias": bias}, qs,
+                                             backend="xla", fast_accumulation=fast)),
+        platforms=("cuda",))(a, b, inputs["bias"]).mlir_module()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert dots and "f8E4M3FN" in dots[0], dots
+    # DEFAULT is StableHLO's default precision: no precision_config is printed for it
+    assert all(("HIGHEST" in line) != fast for line in dots), dots

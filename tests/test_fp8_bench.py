@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -94,14 +95,16 @@ def test_crossover_is_where_fp8_wins_from_then_on():
     assert fp8_bench.crossover(sweep[:3]) is None
 
 
-def test_user_fp8_dot_is_a_scaled_fp8_product():
-    """The script's XLA FP8 step: forward and both gradients equal the products of the
-    quantized operands (e4m3 forward, e5m2 gradient), current scaling."""
+@pytest.mark.parametrize("backward_precision", [None, jax.lax.Precision.HIGHEST])
+def test_user_fp8_dot_is_a_scaled_fp8_product(backward_precision):
+    """The script's XLA FP8 step (either precision of its backward): forward and both gradients
+    equal the products of the quantized operands (e4m3 forward, e5m2 gradient), current
+    scaling."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((17, 24)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((24, 9)), jnp.float32)
     dy = jnp.asarray(rng.standard_normal((17, 9)), jnp.float32)
-    y, vjp = jax.vjp(fp8_bench.user_fp8_dot, x, w)
+    y, vjp = jax.vjp(fp8_bench.user_fp8_dot(backward_precision), x, w)
     dx, dw = vjp(dy)
 
     def dequantized(v, dtype):

@@ -448,6 +448,37 @@ def test_exported_for_cuda_the_gemms_are_fp8(backward, activation, custom_calls,
     assert all(t.count("xf8E") == 2 for t in operand_types(dots)), operand_types(dots)
 
 
+@pytest.mark.parametrize("fast, forward, gradient", [
+    (False, "false", "false"), ("forward", "true", "false"), (True, "true", "true")])
+def test_fast_accumulation_reaches_the_gemms_it_names(fast, forward, gradient):
+    """`Fp8(fast_accumulation=...)` as the CUDA lowering builds the step: the forward GEMMs
+    (bias epilogs) and the backward ones (DEFAULT: weight and data gradients) carry the
+    attribute as the config names them; on the CPU the values are the float32 reference's."""
+    x, params = make_stack(12, (64, 128, 32), lead=(256,))
+    x, params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, params))
+    dy = jnp.ones((256, 32), jnp.bfloat16)
+
+    def step(config):
+        def f(x, params, dy):
+            y, vjp = jax.vjp(lambda x, p: jax_epilog.mlp(x, p, fp8=config), x, params)
+            return (y, *vjp(dy))
+        return f
+
+    config = Fp8(layers="all", fast_accumulation=fast)
+    text = jax.export.export(jax.jit(step(config)), platforms=["cuda"],
+                             disabled_checks=list(jax_epilog.EXPORT_SAFETY_CHECKS))(
+        x, params, dy).mlir_module().splitlines()
+    calls = [line for line in text if "@jax_epilog_matmul(" in line]
+    attribute = lambda line: line.split("fast_accumulation = ", 1)[1].split(",", 1)[0]
+    backward = [attribute(c) for c in calls if "epilog = 1 :" in c]  # DEFAULT
+    forward_ = [attribute(c) for c in calls if "epilog = 1 :" not in c]
+    assert len(forward_) == 2 and len(backward) == 4, calls  # 2 weight, 2 data gradients
+    assert set(forward_) == {forward} and set(backward) == {gradient}
+    for a, b in zip(jax.tree.leaves(jax.jit(step(config))(x, params, dy)),
+                    jax.tree.leaves(jax.jit(step(ALL))(x, params, dy))):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_auto_chooses_by_size():
     assert fp8.fp8_pays(65536, 4096, 4096)  # M1's layers, measured to gain
     assert not fp8.fp8_pays(16384, 1024, 1024)  # M2's, measured to lose
@@ -485,6 +516,8 @@ def test_zero_and_nonfinite_amax():
     (dict(margin=-1), ValueError, "margin: expected a non-negative int"),
     (dict(margin=1.5), ValueError, "margin"),
     (dict(layers="some"), ValueError, "layers: expected one of"),
+    (dict(fast_accumulation="all"), ValueError, "fast_accumulation: expected False"),
+    (dict(fast_accumulation=1), ValueError, "fast_accumulation"),
 ])
 def test_bad_config_names_the_argument(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -580,3 +613,12 @@ def test_fp8_training_converges_like_bfloat16():
     assert fp8_losses[-1] < fp8_losses[0] / 10
     assert bf16_accuracy >= 0.95
     assert fp8_accuracy >= bf16_accuracy - 0.01, (fp8_accuracy, bf16_accuracy)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_positive_is_greater_than_zero_for_every_bit_pattern(dtype):
+    """`fp8.positive`, the integer form of the ReLU derivative's `h8 > 0`, agrees with the
+    float compare on all 256 values of the format (zeros, subnormals, NaN, Inf)."""
+    every = np.arange(256, dtype=np.uint8).view(np.dtype(dtype))
+    np.testing.assert_array_equal(np.asarray(fp8.positive(jnp.asarray(every))),
+                                  every.astype(np.float32) > 0)

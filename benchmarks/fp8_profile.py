@@ -1,0 +1,154 @@
+"""Where an FP8 training step's time goes (issue 13): the GPU kernels of a few traced steps.
+
+For one row of fp8_bench.py (default M1) and some of its variants, each step is compiled,
+warmed, and `--steps` calls are traced with `jax.profiler`. From the trace's GPU kernels, per
+step: the kernel time (the sum of kernel durations), how much of it is GEMMs (cuBLAS/cuBLASLt
+kernels, ours and XLA's) and how much everything else (XLA's fusions: quantization, amax,
+transposes, ReLU derivatives, bias gradients, the loss), the gaps (step wall time in the trace
+minus kernel time), each GEMM's duration in launch order, and the kernels that took longest.
+
+    python benchmarks/fp8_profile.py --out benchmarks/results/fp8_profile      # H200
+    python benchmarks/fp8_profile.py --smoke --out /tmp/fp8_profile            # any CPU
+
+On a CPU the trace has no GPU kernels: the report then says so (the smoke run checks the
+plumbing only). Writes `<out>/fp8_profile.json`, `.md`, each variant's optimized HLO (`<variant>.hlo.txt`, where
+the trace's fusion names are defined) and the traces under `<out>/traces/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from pathlib import Path
+from typing import Any
+
+import jax
+
+import fp8_bench
+import gpu_trace
+import never_slower
+import timing
+from jax_epilog.tune import step_fn
+
+DEFAULT_VARIANTS = ("xla_bf16", "ours_fp8", "ours_fp8_fast", "xla_fp8", "xla_fp8_precise")
+TOP_KERNELS = 20
+
+
+def kernel_breakdown(kernels: list[gpu_trace.Kernel], steps: int) -> dict[str, Any]:
+    """Per-step figures of the traced kernels of `steps` identical steps."""
+    if not kernels:
+        return {"note": "no GPU kernels in the trace (a CPU run, or no CUPTI)"}
+    gemms = [k for k in kernels if gpu_trace.GEMM_KERNEL.search(k.name)]
+    by_name: dict[str, list[float]] = collections.defaultdict(list)
+    for k in kernels:
+        by_name[k.name].append(k.duration_ns)
+    per_step = len(gemms) // steps if steps else 0
+    kernel_ns = sum(k.duration_ns for k in kernels)
+    gemm_ns = sum(k.duration_ns for k in gemms)
+    span_ns = max(k.end_ns for k in kernels) - min(k.start_ns for k in kernels)
+    top = sorted(by_name.items(), key=lambda item: -sum(item[1]))[:TOP_KERNELS]
+    return {
+        "kernels_per_step": len(kernels) / steps,
+        "kernel_ms": kernel_ns / steps / 1e6,
+        "gemm_ms": gemm_ns / steps / 1e6,
+        "other_ms": (kernel_ns - gemm_ns) / steps / 1e6,
+        "span_ms": span_ns / steps / 1e6,
+        "gemms_per_step": per_step,
+        # The last traced step's GEMMs in launch order (steady state), with what launched them.
+        "gemm_sequence": [{"ms": k.duration_ns / 1e6, "kernel": k.name[:90],
+                           "hlo_op": k.hlo_op} for k in gemms[-per_step:]] if per_step else [],
+        "top_kernels": [{"name": name[:90], "calls_per_step": len(d) / steps,
+                         "ms_per_step": sum(d) / steps / 1e6,
+                         "gemm": bool(gpu_trace.GEMM_KERNEL.search(name))} for name, d in top],
+    }
+
+
+def profile_variant(w, name: str, steps: int, folder: Path) -> dict[str, Any]:
+    args = never_slower.random_inputs(w, 0)
+    compiled, fallbacks = fp8_bench.compile_without_fallbacks(
+        step_fn(w, fp8_bench.VARIANTS[name]), args)
+    folder.mkdir(parents=True, exist_ok=True)
+    # The optimized HLO beside the trace: the trace names XLA's kernels by fusion only.
+    (folder.parent.parent / f"{name}.hlo.txt").write_text(compiled.as_text())
+    jax.block_until_ready(compiled(*args))  # warm: the trace holds steady-state steps only
+    timed = timing.time_calls(compiled, [args], rounds=5, round_seconds=0.5)
+    with jax.profiler.trace(str(folder)):
+        for _ in range(steps):
+            result = compiled(*args)
+        jax.block_until_ready(result)
+    trace = gpu_trace.latest_trace(folder)
+    devices = gpu_trace.gpu_kernels(trace) if trace else {}
+    kernels = next(iter(devices.values()), [])
+    return {"step_ms": timed.seconds * 1e3, "temp_mib": never_slower._temp_mib(compiled),
+            "gemms": fp8_bench.gemm_counts(compiled.as_text()), "fallbacks": fallbacks,
+            "trace": str(trace) if trace else None, **kernel_breakdown(kernels, steps)}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta = report["metadata"]
+    lines = [f"# Where the FP8 step's time goes: {report['row']}", "",
+             f"{meta['date']} · {meta['gpu_name'] or meta['device']} · jax {meta['jax']} · "
+             f"cuBLASLt {meta['cublaslt_version']} · {report['steps']} traced steps per variant",
+             "", "Per step. step ms: timed outside the trace (median of 5 rounds). kernel ms: "
+             "the sum of GPU kernel durations in the trace; GEMM ms: the cuBLAS/cuBLASLt "
+             "kernels of it (ours and XLA's); other ms: everything else (XLA's fusions: "
+             "quantization, amax, transposes, derivatives, bias gradients, the loss); span: "
+             "first kernel start to last kernel end, per step.", "",
+             "| variant | step ms | kernel ms | GEMM ms | other ms | span ms | GEMMs | "
+             "kernels | temp MiB |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, v in report["variants"].items():
+        if "error" in v:
+            lines.append(f"| {name} | {v['error']} |||||||")
+            continue
+        cells = [fp8_bench._cell(v.get(k)) for k in ("step_ms", "kernel_ms", "gemm_ms",
+                                                      "other_ms", "span_ms")]
+        lines.append(f"| {name} | {' | '.join(cells)} | {v.get('gemms_per_step', '–')} | "
+                     f"{fp8_bench._cell(v.get('kernels_per_step'), '.0f')} | "
+                     f"{fp8_bench._cell(v.get('temp_mib'), '.0f')} |")
+    for name, v in report["variants"].items():
+        if v.get("note"):
+            lines += ["", f"{name}: {v['note']}"]
+        if v.get("gemm_sequence"):
+            lines += ["", f"## {name}: GEMMs in launch order (ms)", "",
+                      ", ".join(f"{g['ms']:.3f}" for g in v["gemm_sequence"]), "",
+                      "| kernel | calls | ms per step |", "|---|---|---|"]
+            lines += [f"| `{k['name']}` | {k['calls_per_step']:.0f} | {k['ms_per_step']:.3f} |"
+                      for k in v["top_kernels"]]
+    lines += timing.footnotes(meta, [])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fp8_profile"))
+    parser.add_argument("--row", default=None, help="a row of fp8_bench (default M1; smoke S1)")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, of: {', '.join(fp8_bench.VARIANTS)}")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on a CPU)")
+    args = parser.parse_args(argv)
+    table = fp8_bench.SMOKE_ROWS if args.smoke else fp8_bench.ROWS
+    row = args.row or ("S1" if args.smoke else "M1")
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(fp8_bench.VARIANTS)) + \
+        ([row] if row not in table else [])
+    if unknown:
+        parser.error(f"unknown row or variants: {unknown}")
+    report = {"benchmark": "fp8_profile", "metadata": timing.run_metadata(), "row": row,
+              "steps": args.steps, "variants": {}}
+    for name in variants:
+        try:
+            report["variants"][name] = profile_variant(table[row], name, args.steps,
+                                                       args.out / "traces" / name)
+        except Exception as e:  # noqa: BLE001  (one variant failing must not end the run)
+            report["variants"][name] = {"error": f"{type(e).__name__}: {e}"}
+        timing.write_report(report, args.out, "fp8_profile", markdown)
+        v = report["variants"][name]
+        print(f"{name}: step {v.get('step_ms', float('nan')):.3f} ms, GEMM "
+              f"{v.get('gemm_ms', float('nan')):.3f} ms, other {v.get('other_ms', float('nan')):.3f}"
+              f" ms {v.get('error', v.get('note', ''))}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
