@@ -153,13 +153,15 @@ VARIANTS = {"xla_bf16": never_slower.xla_stack, "ours_bf16": epilog_stack(None),
 SWEEP_VARIANTS = ("xla_bf16", "ours_bf16", "ours_fp8_all")
 
 
-def row_variants(w: Workload) -> tuple[str, ...]:
-    """The variants of a row: ours_fp8_all is left out where `fp8=True` already runs every
-    layer FP8 (M1: the same program, compiled and timed twice for nothing)."""
+def row_variants(w: Workload, only=None) -> tuple[str, ...]:
+    """The variants of a row (of `only`, if given; xla_bf16 always, the ratios' base):
+    ours_fp8_all is left out where `fp8=True` already runs every layer FP8 (M1: the same
+    program, compiled and timed twice for nothing)."""
     rows, widths = w.batch, list(w.widths)
     same = Fp8().quantized_layers(rows, widths) == Fp8(layers="all").quantized_layers(rows,
                                                                                     widths)
-    return tuple(v for v in VARIANTS if not (same and v == "ours_fp8_all"))
+    return tuple(v for v in VARIANTS if not (same and v == "ours_fp8_all")
+                 and (only is None or v in only or v == "xla_bf16"))
 
 
 # --- measuring ---------------------------------------------------------------------------
@@ -285,7 +287,7 @@ def sweep_record(rows: int, n: int, budget: timing.Budget) -> dict[str, Any]:
 
 
 def run(rows: dict[str, Workload], sweep_sizes, budget_seconds: float,
-        out: Path, max_seconds: float = float("inf")) -> dict[str, Any]:
+        out: Path, max_seconds: float = float("inf"), only=None) -> dict[str, Any]:
     started = time.perf_counter()
     slowest = 0.0  # the longest row or sweep size so far: what the next one may take
 
@@ -320,7 +322,7 @@ def run(rows: dict[str, Workload], sweep_sizes, budget_seconds: float,
             try:
                 report["rows"][name] = {"batch": w.batch, "widths": list(w.widths),
                                         "flops": w.flops("step"),
-                                        **measure(w, row_variants(w), budget)}
+                                        **measure(w, row_variants(w, only), budget)}
             except Exception as e:  # noqa: BLE001  (e.g. out of memory: the next row may fit)
                 report["errors"].append({"name": name, "error": f"{type(e).__name__}: {e}",
                                          "traceback": traceback.format_exc(limit=8)})
@@ -434,6 +436,8 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--max-s", type=float, default=270.0,
                         help="wall-clock bound of the whole run, compilation included: rows "
                              "and sweep sizes that would end later are skipped (default 270)")
+    parser.add_argument("--variants", help=f"comma-separated, of: {', '.join(VARIANTS)} "
+                        "(default: all; xla_bf16 is always measured)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on a CPU)")
     args = parser.parse_args(argv)
     table = SMOKE_ROWS if args.smoke else ROWS
@@ -443,8 +447,12 @@ def main(argv=None) -> dict[str, Any]:
         parser.error(f"--rows: unknown {unknown}; expected some of {', '.join(table)}")
     sweep = (SMOKE_SWEEP if args.smoke else SWEEP) if args.sweep else []
     budget = args.budget_s if args.budget_s is not None else (20.0 if args.smoke else 120.0)
+    only = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants \
+        else None
+    if only and sorted(set(only) - set(VARIANTS)):
+        parser.error(f"--variants: unknown {sorted(set(only) - set(VARIANTS))}")
     report = run({name: table[name] for name in wanted}, sweep, min(budget, args.max_s),
-                 args.out, args.max_s)
+                 args.out, args.max_s, only)
     for row, r in report["rows"].items():
         for name, v in r["variants"].items():
             print(f"{row} {name}: GEMMs cuBLASLt FP8/other · XLA FP8/other {_gemm_cell(v)}")

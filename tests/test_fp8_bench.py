@@ -123,3 +123,11 @@ def test_ours_fp8_all_is_left_out_where_it_is_ours_fp8():
     assert "ours_fp8_all" in fp8_bench.row_variants(fp8_bench.ROWS["M2"])
     assert fp8_bench.row_variants(fp8_bench.SMOKE_ROWS["S2"]) == tuple(fp8_bench.VARIANTS)
     assert list(fp8_bench.ROWS)[-1] == "M1"  # the slowest row last: G1 and M2 are not skipped
+
+
+def test_variants_option_keeps_the_base():
+    """--variants measures those named and xla_bf16 (every ratio's base); unknown names fail."""
+    w = fp8_bench.SMOKE_ROWS["S2"]
+    assert fp8_bench.row_variants(w, ["xla_fp8"]) == ("xla_bf16", "xla_fp8")
+    with pytest.raises(SystemExit):
+        fp8_bench.main(["--smoke", "--variants", "nonsense", "--out", "/tmp/unused"])
