@@ -38,11 +38,14 @@ from it counts as missed. Then the issue's targets, printed met/MISSED.
 `--sweep` also times one dense layer step of a few square sizes (rows × n × n) for ours_bf16,
 xla_bf16 and ours_fp8_all: the FLOPs from which FP8 pays, for `fp8.FP8_MIN_FLOPS`.
 
-    python benchmarks/fp8_bench.py --out benchmarks/results            # H200: ~3 minutes
+    python benchmarks/fp8_bench.py --rows M1 --out benchmarks/results  # H200: ~2.5 minutes
+    python benchmarks/fp8_bench.py --rows G1,M2 --out /tmp/g1_m2       # H200: ~2.5 minutes
     python benchmarks/fp8_bench.py --sweep --out benchmarks/results    # plus the sweep
 
 `--max-s` (default 270) bounds the whole run, compilation included: a row or sweep size that
-would start too late for it (judged by the slowest one so far) is skipped and listed.
+would start too late for it (judged by the slowest one so far) is skipped and listed. With
+every variant, all three rows take longer than that on the H200 (2026-12-01: G1 139 s, the
+first row paying the process's warm-up too, M2 18 s, M1 156 s): run M1 on its own.
     python benchmarks/fp8_bench.py --smoke --sweep --out /tmp/smoke    # tiny shapes, any CPU
 
 Writes `<out>/fp8.json` and `<out>/fp8.md`.
@@ -68,9 +71,9 @@ from jax_epilog.tune import GRID, NETWORKS, Workload, step_fn
 
 ROUNDS = 7
 HARNESSES = ("careful", "user")
-# G1 and M2 first: M1's variants take ~2 minutes on the H200 (compilation and autotuning), and
-# a row is skipped when the slowest row so far says it would pass --max-s; in this order one
-# run of --max-s 270 measures all three.
+# G1 and M2 first, M1 (the slowest: ~2.5 minutes on the H200, compilation and autotuning
+# included) last: a row is skipped when the slowest row so far says it would pass --max-s, so
+# a cut run keeps the quick rows.
 ROWS = {"G1": Workload("G1", GRID["G1"][0], GRID["G1"][1:], None, "relu", True),
         "M2": Workload("M2", *NETWORKS["M2"], "relu", None, False),
         "M1": Workload("M1", *NETWORKS["M1"], "relu", None, False)}
