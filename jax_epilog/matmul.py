@@ -504,7 +504,8 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
         the accumulation's rounding (more with a longer K). Default False: the products
         accumulate in float32 (SPEC §5). The reference (CPU and other platforms, and the
         CUDA fallbacks) computes the exact float32 formula, so the option changes nothing
-        there; `backend="xla"` runs XLA's own FP8 GEMM as it does without it.
+        there; `backend="xla"` asks XLA's own FP8 GEMM for the same (DEFAULT precision, which
+        XLA runs with fast accumulation, where it is HIGHEST otherwise).
 
     Returns:
       `y` of shape `(..., M, N)`, or `(y, aux)` where the epilog has auxiliary outputs
