@@ -11,8 +11,9 @@ minus kernel time), each GEMM's duration in launch order, and the kernels that t
     python benchmarks/fp8_profile.py --smoke --out /tmp/fp8_profile            # any CPU
 
 On a CPU the trace has no GPU kernels: the report then says so (the smoke run checks the
-plumbing only). Writes `<out>/fp8_profile.json`, `.md`, each variant's optimized HLO (`<variant>.hlo.txt`, where
-the trace's fusion names are defined) and the traces under `<out>/traces/`.
+plumbing only). Writes `<out>/fp8_profile.json`, `.md`, each variant's optimized HLO
+(`<variant>.hlo.txt`, where the trace's fusion names are defined) and the traces under
+`<out>/traces/`.
 """
 
 from __future__ import annotations
@@ -144,9 +145,9 @@ def main(argv=None) -> dict[str, Any]:
             report["variants"][name] = {"error": f"{type(e).__name__}: {e}"}
         timing.write_report(report, args.out, "fp8_profile", markdown)
         v = report["variants"][name]
-        print(f"{name}: step {v.get('step_ms', float('nan')):.3f} ms, GEMM "
-              f"{v.get('gemm_ms', float('nan')):.3f} ms, other {v.get('other_ms', float('nan')):.3f}"
-              f" ms {v.get('error', v.get('note', ''))}", flush=True)
+        ms = {k: v.get(k, float("nan")) for k in ("step_ms", "gemm_ms", "other_ms")}
+        print(f"{name}: step {ms['step_ms']:.3f} ms, GEMM {ms['gemm_ms']:.3f} ms, other "
+              f"{ms['other_ms']:.3f} ms {v.get('error', v.get('note', ''))}", flush=True)
     return report
 
 

@@ -256,7 +256,7 @@ def _barrier(*arrays):
     producers, storing h8 and dZ8 column-major, and then transposed the forward's h8 back and
     computed the ReLU derivative on a transposed 16-bit data gradient: 13 transposes, 4.3 ms
     of an M1 step on the H200 where its 8 one-byte transposes take about 1.8 ms
-    (docs/fp8.md, "Where the time goes")."""
+    (docs/fp8.md, "Layouts")."""
     flat = jax.lax.optimization_barrier(
         tuple(None if a is None else a.reshape(-1) for a in arrays))
     return tuple(None if f is None else f.reshape(a.shape) for f, a in zip(flat, arrays))
