@@ -236,10 +236,10 @@ def _matmul8(a8, sa, b8, sb, dtype, backend, fast: bool, *, epilog=Epilog.DEFAUL
 
 
 def positive(x8):
-    """`x8 > 0` for an FP8 array, as integer compares of its bits: XLA's GPU compare of FP8
-    values widens each one in software first. Positive values are the bit patterns from 1 (the
-    smallest subnormal) up to the largest finite value, or +Inf where the format has one;
-    +0, negative values and NaN are not."""
+    """`x8 > 0` for an FP8 array, as integer compares of its bits (measured faster on the H200
+    than XLA's float compare of FP8 values: docs/fp8.md). Positive values are the bit patterns
+    from 1 (the smallest subnormal) up to the largest finite value, or +Inf where the format
+    has one; +0, negative values and NaN are not."""
     dtype = jnp.dtype(x8.dtype)
     largest = np.array(np.inf, dtype)
     if not np.isinf(largest.astype(np.float32)):  # no Inf (e4m3fn): its largest finite value
