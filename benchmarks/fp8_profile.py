@@ -29,9 +29,8 @@ import fp8_bench
 import gpu_trace
 import never_slower
 import timing
-from jax_epilog.tune import step_fn
 
-DEFAULT_VARIANTS = ("xla_bf16", "ours_fp8", "ours_fp8_fast", "xla_fp8", "xla_fp8_precise")
+DEFAULT_VARIANTS = ("xla_bf16", "ours_fp8", "ours_fp8_delayed", "xla_fp8", "xla_fp8_precise")
 TOP_KERNELS = 20
 
 
@@ -67,7 +66,7 @@ def kernel_breakdown(kernels: list[gpu_trace.Kernel], steps: int) -> dict[str, A
 def profile_variant(w, name: str, steps: int, folder: Path) -> dict[str, Any]:
     args = never_slower.random_inputs(w, 0)
     compiled, fallbacks = fp8_bench.compile_without_fallbacks(
-        step_fn(w, fp8_bench.VARIANTS[name]), args)
+        fp8_bench.variant_step(w, name, args), args)
     folder.mkdir(parents=True, exist_ok=True)
     # The optimized HLO beside the trace: the trace names XLA's kernels by fusion only.
     (folder.parent.parent / f"{name}.hlo.txt").write_text(compiled.as_text())

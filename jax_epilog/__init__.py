@@ -6,13 +6,14 @@ else. `dense` and `mlp` are differentiable layers built on it; `jax_epilog.nnx` 
 `jax_epilog.linen` wrap them as Flax modules (those need Flax installed, and are imported only
 when first used, so `import jax_epilog` never imports Flax). `pack_relu_mask` and
 `unpack_relu_mask` convert between a boolean array and cuBLASLt's packed ReLU mask. `Fp8`
-configures FP8 training in the layers (`fp8=`).
+configures FP8 training in the layers (`fp8=`); `Fp8History` is a layer's delayed-scaling
+state (`fp8_state=`).
 """
 
 import importlib
 
 from .epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
-from .fp8 import Fp8
+from .fp8 import Fp8, Fp8History
 from .layers import dense, mlp
 from .matmul import EXPORT_SAFETY_CHECKS, matmul, reference_matmul
 from .reference import pack_relu_mask, unpack_relu_mask
@@ -23,6 +24,7 @@ __all__ = [
     "EXPORT_SAFETY_CHECKS",
     "Epilog",
     "Fp8",
+    "Fp8History",
     "dense",
     "gelu_aux_columns",
     "matmul",

@@ -74,6 +74,12 @@ FP8_MIN_FLOPS = 2**40
 #: FP8 GEMMs want K and N in multiples of 16 elements; others would be padded (a copy) first.
 FP8_ALIGNMENT = 16
 LAYER_CHOICES = ("auto", "all")
+SCALING_CHOICES = ("current", "delayed")
+#: The epilogs whose FP8 GEMM cuBLASLt 13.1 can write as e4m3 with its amax (measured on the
+#: H200, docs/fp8.md's kernel table): under delayed scaling such a layer writes the next
+#: layer's FP8 input itself.
+FP8_RESULT_EPILOGS = frozenset({Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS,
+                                Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +102,13 @@ class Fp8:
         GEMMs only, TransformerEngine's recipe (its gradients keep the split accumulator).
         True: every GEMM, what XLA does for an FP8 `dot_general` at DEFAULT precision; the
         weight gradient then sums over the batch in the fast accumulator.
+      scaling: "current" (default): every scale from its tensor's own amax in the same step.
+        "delayed": the scales of the activations and gradients from an amax history kept
+        between steps (TransformerEngine's and Flax's `fp8_ops`' delayed scaling; weights keep
+        current scaling, one cheap pass over a small tensor). The layers then need
+        `fp8_state=` (`init_state`), and return the next state as its gradient.
+      amax_history_length: the steps of amax history under delayed scaling (1024, as in
+        TransformerEngine and Flax); the scale follows the largest.
     """
 
     forward: Any = "float8_e4m3fn"
@@ -103,6 +116,8 @@ class Fp8:
     margin: int = 0
     layers: str = "auto"
     fast_accumulation: Any = False
+    scaling: str = "current"
+    amax_history_length: int = 1024
 
     def __post_init__(self):
         for name in ("forward", "gradient"):
@@ -119,6 +134,24 @@ class Fp8:
         if not (isinstance(self.fast_accumulation, bool) or self.fast_accumulation == "forward"):
             raise ValueError(f"fast_accumulation: expected False, \"forward\" or True, got "
                              f"{self.fast_accumulation!r}")
+        if self.scaling not in SCALING_CHOICES:
+            raise ValueError(f"scaling: expected one of {SCALING_CHOICES}, got {self.scaling!r}")
+        length = self.amax_history_length
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"amax_history_length: expected a positive int, got {length!r}")
+
+    @property
+    def delayed(self) -> bool:
+        return self.scaling == "delayed"
+
+    def init_state(self, layers: int) -> tuple:
+        """The delayed-scaling state of a stack of `layers` layers, before its first step: one
+        `Fp8History` of zeros per layer (a zero amax gives scale 1 until one is recorded)."""
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
+            raise ValueError(f"layers: expected the number of layers (a positive int), got "
+                             f"{layers!r}")
+        zeros = lambda: jnp.zeros((self.amax_history_length,), jnp.float32)
+        return tuple(Fp8History(zeros(), zeros()) for _ in range(layers))
 
     def fast(self, gemm: str) -> bool:
         """Whether the layers' `gemm` ("forward" or "gradient": both backward GEMMs) uses
@@ -164,6 +197,16 @@ def fp8_pays(rows: int, k: int, n: int) -> bool:
     return aligned and 2 * rows * k * n >= FP8_MIN_FLOPS
 
 
+class Fp8History(NamedTuple):
+    """One layer's delayed-scaling state (`Fp8(scaling="delayed")`): float32 amax histories,
+    the most recent first, of the layer's input (`input`) and of the gradient of its result
+    (`gradient`). The layers return the next state as the gradient of this one (Flax's
+    "overwrite with gradient" convention, `flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT`)."""
+
+    input: Any
+    gradient: Any
+
+
 # --- quantization ---------------------------------------------------------------------------
 
 def amax(x):
@@ -171,13 +214,32 @@ def amax(x):
     return jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)
 
 
-def quantize(x, x_amax, dtype: str, margin: int):
-    """(x in FP8, the float32 scale that dequantizes it): `q·x` rounded and saturated, with
-    `q = largest / 2**margin / amax`; q = 1 where amax is 0 or not finite (or q would not be)."""
+def multiplier(x_amax, dtype: str, margin: int):
+    """The float32 quantization multiplier `q = largest / 2**margin / amax`; 1 where the amax
+    is 0 or not finite (or q would not be)."""
     q = float(jnp.finfo(dtype).max) / 2.0**margin / x_amax
     ok = (x_amax > 0) & jnp.isfinite(x_amax) & jnp.isfinite(q)
-    q = jnp.where(ok, q, 1.0).astype(jnp.float32)
+    return jnp.where(ok, q, 1.0).astype(jnp.float32)
+
+
+def quantize(x, x_amax, dtype: str, margin: int):
+    """(x in FP8, the float32 scale that dequantizes it): `q·x` rounded and saturated, with
+    q = `multiplier(x_amax, ...)`."""
+    q = multiplier(x_amax, dtype, margin)
     return saturating_cast(x.astype(jnp.float32) * q, dtype), 1.0 / q
+
+
+def quantize_delayed(x, history, dtype: str, margin: int):
+    """(x in FP8, its dequantization scale, amax(x)): delayed scaling, the scale from the
+    largest amax of `history` (earlier steps), x's own amax recorded for the next step. The
+    cast and the amax read x in one expression, which XLA fuses into one pass."""
+    x8, scale = quantize(x, jnp.max(history), dtype, margin)
+    return x8, scale, amax(x)
+
+
+def record(history, x_amax):
+    """`history` with `x_amax` as its most recent entry (the oldest dropped)."""
+    return jnp.concatenate([jnp.reshape(x_amax, (1,)).astype(history.dtype), history[:-1]])
 
 
 #: The epilogs cuBLASLt 13.1 runs with FP8 operands and a float32 result (measured on the
@@ -224,14 +286,19 @@ def data_grad_backend(backward: str, epilog: Epilog) -> str:
 
 
 def _matmul8(a8, sa, b8, sb, dtype, backend, fast: bool, *, epilog=Epilog.DEFAULT,
-             inputs=None, **transposes):
+             inputs=None, result_scale=None, **transposes):
     """(y in `dtype`, aux dict) of one FP8 GEMM, `(sa·a8) @ (sb·b8)` with `epilog`, on
-    `gemm_backend(backend, ...)`, with fast accumulation if `fast`. Never with `result_amax`:
-    y is 16/32-bit, for which cuBLASLt has no amax (the caller's XLA reduction gives it)."""
+    `gemm_backend(backend, ...)`, with fast accumulation if `fast`. With `result_scale` (the
+    quantization multiplier of an FP8 `dtype`), y is FP8 and `aux["result_amax"]` its amax:
+    cuBLASLt gives an amax only with an FP8 result (docs/fp8.md); a 16/32-bit y's amax is the
+    caller's XLA reduction."""
+    scales = {"a": sa, "b": sb}
+    if result_scale is not None:
+        scales["d"] = result_scale
     out = matmul(a8, b8, epilog=epilog, epilog_inputs=inputs,
                  backend=gemm_backend(backend, epilog, dtype),
-                 quantization_scales={"a": sa, "b": sb}, preferred_element_type=dtype,
-                 fast_accumulation=fast, **transposes)
+                 quantization_scales=scales, preferred_element_type=dtype,
+                 result_amax=result_scale is not None, fast_accumulation=fast, **transposes)
     return out if isinstance(out, tuple) else (out, {})
 
 
@@ -275,14 +342,15 @@ class Plan(NamedTuple):
 
 class Saved(NamedTuple):
     """What the backward keeps of one layer: its input (`(M, K)`, FP8 with `input_scale`, or
-    in the compute dtype with None), its kernel (likewise, `(K, N)`)
-    and its activation's residual."""
+    in the compute dtype with None), its kernel (likewise, `(K, N)`), its activation's
+    residual, and under delayed scaling the input's amax (for the next state)."""
 
     input: Any
     input_scale: Any
     kernel: Any
     kernel_scale: Any
     residual: Any
+    input_amax: Any = None
 
 
 def relu_from_next_input(plan: Plan, i: int) -> bool:
@@ -301,9 +369,23 @@ def relu_from_next_input(plan: Plan, i: int) -> bool:
         quantized[i + 1] and stack.backward == "auto"
 
 
-def _forward(plan: Plan, x, params, keep_residuals: bool):
+def writes_fp8_result(plan: Plan, i: int, dtype) -> bool:
+    """Whether layer i's forward GEMM writes the next layer's FP8 input (and its amax) itself,
+    so that input needs no cast and no amax pass: under delayed scaling (the scale is known
+    before the GEMM), a next layer in FP8, an epilog cuBLASLt has an e4m3 result for
+    (`FP8_RESULT_EPILOGS`), and bfloat16 compute (an FP8 result's bias and aux are bfloat16,
+    SPEC §5)."""
+    stack, fp8, quantized = plan
+    layer = stack.layers[i]
+    epilog = Epilog.find(layer.activation, layer.has_bias, False)
+    return fp8.delayed and i + 1 < len(quantized) and quantized[i] and quantized[i + 1] and \
+        jnp.dtype(dtype) == jnp.bfloat16 and epilog in FP8_RESULT_EPILOGS
+
+
+def _forward(plan: Plan, x, params, state, keep_residuals: bool):
     stack, fp8, quantized = plan
     h, saved = x, []
+    h8 = None  # the current layer's FP8 input (scale, amax), when the layer before wrote it
     for i, (layer, (kernel, bias)) in enumerate(zip(stack.layers, params)):
         keep = keep_residuals and not relu_from_next_input(plan, i)
         if not quantized[i]:
@@ -311,12 +393,21 @@ def _forward(plan: Plan, x, params, keep_residuals: bool):
             h, residual = layers._layer_forward(stack, layer, h, kernel, bias, keep)
             saved.append(Saved(layer_input, None, kernel, None, residual))
             continue
-        h8, h_scale = quantize_current(h, fp8.forward, fp8.margin)
+        if h8 is not None:
+            h8, h_scale, h_amax = h8
+        elif fp8.delayed:
+            h8, h_scale, h_amax = quantize_delayed(h, state[i].input, fp8.forward, fp8.margin)
+        else:
+            (h8, h_scale), h_amax = quantize_current(h, fp8.forward, fp8.margin), None
         w8, w_scale = quantize_current(kernel, fp8.forward, fp8.margin)
         epilog = Epilog.find(layer.activation, layer.has_bias, keep)
-        h, aux = _matmul8(h8, h_scale, w8, w_scale, h.dtype, stack.forward,
-                          fp8.fast("forward"), epilog=epilog,
-                          inputs={"bias": bias} if layer.has_bias else None)
+        fp8_result = writes_fp8_result(plan, i, x.dtype)
+        q_next = multiplier(jnp.max(state[i + 1].input), fp8.forward, fp8.margin) \
+            if fp8_result else None
+        out, aux = _matmul8(h8, h_scale, w8, w_scale, fp8.forward if fp8_result else x.dtype,
+                            stack.forward, fp8.fast("forward"), epilog=epilog,
+                            inputs={"bias": bias} if layer.has_bias else None,
+                            result_scale=q_next)
         residual = aux.get(epilog.aux_output) if epilog.aux_output else None
         if residual is not None:
             residual = checkpoint_name(residual, layers.RELU_MASK_NAME if layer.activation ==
@@ -325,26 +416,32 @@ def _forward(plan: Plan, x, params, keep_residuals: bool):
         # reads it elementwise (`relu_from_next_input`); the weight gradient's K-major h8ᵀ is
         # made in the backward, from this one byte per element.
         saved.append(Saved(checkpoint_name(h8, layers.LAYER_INPUT_NAME), h_scale, w8,
-                           w_scale, residual))
+                           w_scale, residual, h_amax))
+        if fp8_result:
+            h, h8 = None, (out, 1.0 / q_next, aux["result_amax"])
+        else:
+            h, h8 = out, None
     return h, tuple(saved)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_stack(plan: Plan, x, params):
-    return _forward(plan, x, params, keep_residuals=False)[0]
+def _fp8_stack(plan: Plan, x, params, state):
+    return _forward(plan, x, params, state, keep_residuals=False)[0]
 
 
-def _fp8_stack_fwd(plan: Plan, x, params):
-    return _forward(plan, x, params, keep_residuals=True)
+def _fp8_stack_fwd(plan: Plan, x, params, state):
+    y, saved = _forward(plan, x, params, state, keep_residuals=True)
+    return y, (saved, state)
 
 
-def _fp8_stack_bwd(plan: Plan, saved, dy):
+def _fp8_stack_bwd(plan: Plan, residuals, dy):
+    saved, state = residuals
     stack, fp8, quantized = plan
     stack_layers = stack.layers
     fast = fp8.fast("gradient")
     dz = layers._activation_grad(dy, saved[-1].residual, stack_layers[-1].activation)
     dbias = None  # the current layer's bias gradient, when the step above has given it
-    grads = []
+    grads, gradient_amaxes = [], {}
     for i in reversed(range(len(stack_layers))):
         s = saved[i]
         previous = stack_layers[i - 1] if i else None
@@ -355,7 +452,11 @@ def _fp8_stack_bwd(plan: Plan, saved, dy):
             dz, next_dbias = layers._data_grad(dz, s.kernel, previous, previous_residual,
                                                stack)
         else:
-            dz8, dz_scale = quantize_current(dz, fp8.gradient, fp8.margin)
+            if fp8.delayed:
+                dz8, dz_scale, gradient_amaxes[i] = quantize_delayed(
+                    dz, state[i].gradient, fp8.gradient, fp8.margin)
+            else:
+                dz8, dz_scale = quantize_current(dz, fp8.gradient, fp8.margin)
             # Memory (docs/fp8.md, "Memory"): dZ8ᵀ and h8ᵀ, the weight gradient's K-major
             # operands, are made from dZ8 and h8 after the barrier (so the 16-bit dZ is dead by
             # then), and the data gradient's GEMM, whose 16-bit result is the largest buffer
@@ -386,14 +487,69 @@ def _fp8_stack_bwd(plan: Plan, saved, dy):
                     previous.has_bias and epilog.reduction_output else None
         grads.append((dkernel, own_dbias if need_bias_grad else dbias))
         dbias = next_dbias
-    return dz, tuple(reversed(grads))
+    return dz, tuple(reversed(grads)), _next_state(plan, saved, state, gradient_amaxes)
+
+
+def _next_state(plan: Plan, saved, state, gradient_amaxes):
+    """The state's cotangent: its next value (Flax's "overwrite with gradient"), each FP8
+    layer's histories with this step's amaxes recorded; a bf16 layer's unchanged."""
+    if state is None:
+        return None
+    return tuple(Fp8History(record(h.input, s.input_amax), record(h.gradient,
+                                                                   gradient_amaxes[i]))
+                 if q else h for i, (q, s, h) in enumerate(zip(plan.quantized, saved, state)))
 
 
 _fp8_stack.defvjp(_fp8_stack_fwd, _fp8_stack_bwd)
 
 
-def stack(stack: layers.Stack, fp8: Fp8, rows, params):
-    """The stack on `rows` `(M, K)` with FP8 where `fp8` chooses (called by `layers._run`)."""
+def check_state(fp8: Optional[Fp8], state, n_layers: int, name: str = "fp8_state"):
+    """`state` (the layers' `fp8_state=`) as a tuple of `n_layers` `Fp8History`, checked
+    against `fp8`: required by delayed scaling, refused otherwise."""
+    if fp8 is None or not fp8.delayed:
+        if state is not None:
+            raise ValueError(f"{name}: only with fp8=jax_epilog.Fp8(scaling=\"delayed\"), "
+                             f"whose amax histories it holds; got fp8={fp8!r}")
+        return None
+    make = f"jax_epilog.Fp8(...).init_state({n_layers})"
+    if state is None:
+        raise ValueError(f"{name}: fp8=Fp8(scaling=\"delayed\") needs the amax histories of "
+                         f"its {n_layers} layer(s): pass {name}={make} at the first step and "
+                         f"the gradient w.r.t. {name} (its next value) after each step")
+    if isinstance(state, Fp8History):
+        state = (state,)
+    if not isinstance(state, (tuple, list)) or len(state) != n_layers:
+        raise ValueError(f"{name}: expected {n_layers} Fp8History (one per layer, as {make} "
+                         f"makes), got {type(state).__name__} of "
+                         f"{len(state) if isinstance(state, (tuple, list)) else '?'}")
+    checked = []
+    for i, history in enumerate(state):
+        if not (isinstance(history, tuple) and len(history) == 2):
+            raise ValueError(f"{name}[{i}]: expected an Fp8History(input, gradient), got "
+                             f"{history!r}")
+        for field, value in zip(Fp8History._fields, history):
+            shape, dtype = jnp.shape(value), jnp.result_type(value)
+            if len(shape) != 1 or shape[0] < 1 or dtype != jnp.float32:
+                raise ValueError(f"{name}[{i}].{field}: expected a float32 amax history of "
+                                 f"shape (length,), got {dtype} {shape}")
+        checked.append(Fp8History(*history))
+    return tuple(checked)
+
+
+@jax.custom_vjp
+def carry_state(y, state):
+    """y, with `state`'s cotangent its own value: a stack under delayed scaling whose layers
+    all stay bf16 (`Fp8(layers="auto")`) returns its state unchanged as its gradient."""
+    del state
+    return y
+
+
+carry_state.defvjp(lambda y, state: (y, state), lambda state, dy: (dy, state))
+
+
+def stack(stack: layers.Stack, fp8: Fp8, rows, params, state=None):
+    """The stack on `rows` `(M, K)` with FP8 where `fp8` chooses (called by `layers._run`);
+    `state`: the `Fp8History` of each layer under delayed scaling, else None."""
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
     return _fp8_stack(Plan(stack, fp8, fp8.quantized_layers(rows.shape[0], widths)), rows,
-                      params)
+                      params, state)

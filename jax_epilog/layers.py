@@ -396,8 +396,10 @@ def _backend(name: str, value, choices: dict) -> str:
     return choices[value]
 
 
-def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=None):
+def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=None,
+         fp8_state=None):
     fp8 = fp8_training.as_fp8(fp8)
+    fp8_state = fp8_training.check_state(fp8, fp8_state, len(activations))
     stack_backends = (_backend("forward", forward, FORWARD_CHOICES),
                       _backend("backward", backward, BACKWARD_CHOICES))
     params = _check_params(x, params)
@@ -416,7 +418,9 @@ def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=Non
     stack = Stack(layers, precision, *stack_backends)
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
     if fp8 is not None and any(fp8.quantized_layers(rows.shape[0], widths)):
-        y = fp8_training.stack(stack, fp8, rows, params)
+        y = fp8_training.stack(stack, fp8, rows, params, fp8_state)
+    elif fp8_state is not None:  # delayed scaling, every layer bf16: the state passes through
+        y = fp8_training.carry_state(_stack(stack, rows, params), fp8_state)
     elif _plain_is_faster(stack, rows.shape[0], widths, dtype):
         y = _plain_stack(stack, rows, params)
     else:
@@ -425,7 +429,7 @@ def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=Non
 
 
 def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="auto",
-          backward="auto", dtype=None, fp8=None):
+          backward="auto", dtype=None, fp8=None, fp8_state=None):
     """`act(x @ kernel + bias)` in one cuBLASLt epilog GEMM, with a fused backward.
 
     Args:
@@ -445,17 +449,21 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="aut
         gradients, results in the computation dtype (`jax_epilog.fp8`, docs/fp8.md).
         `Fp8()` runs FP8 only where the GEMM is large enough to gain (`fp8.fp8_pays`);
         `Fp8(layers="all")` always.
+      fp8_state: with `fp8=Fp8(scaling="delayed")` only, and then required: the layer's
+        `jax_epilog.Fp8History` of amaxes (`Fp8(...).init_state(1)` before the first step).
+        Its gradient is its next value, Flax's "overwrite with gradient" convention: take
+        `jax.grad` w.r.t. it and pass the result to the next step.
 
     Returns:
       `(..., N)` in the computation dtype. Differentiable in reverse mode w.r.t. all three.
     """
     activation = _check_activation("activation", activation)
     return _run(x, [(kernel, bias)], [activation], precision=precision, forward=forward,
-                backward=backward, dtype=dtype, fp8=fp8)
+                backward=backward, dtype=dtype, fp8=fp8, fp8_state=fp8_state)
 
 
 def mlp(x, layers, *, activation="relu", final_activation=None, precision=None,
-        forward="auto", backward="auto", dtype=None, fp8=None):
+        forward="auto", backward="auto", dtype=None, fp8=None, fp8_state=None):
     """A stack of `dense` layers as ONE custom VJP, its backward fused across layer boundaries.
 
     Args:
@@ -467,6 +475,7 @@ def mlp(x, layers, *, activation="relu", final_activation=None, precision=None,
       final_activation: the same, after the last layer.
       precision, forward, backward, dtype, fp8: as for `dense` (with FP8, each layer is
         quantized on its own scales, and `Fp8()` decides per layer).
+      fp8_state: as for `dense`, one `Fp8History` per layer (`Fp8(...).init_state(len(layers))`).
 
     Returns:
       `(..., K_last)` in the computation dtype.
@@ -476,4 +485,4 @@ def mlp(x, layers, *, activation="relu", final_activation=None, precision=None,
     n_layers = len(layers) if isinstance(layers, Sequence) else 0
     activations = [activation] * (n_layers - 1) + [final_activation]
     return _run(x, layers, activations, precision=precision, forward=forward,
-                backward=backward, dtype=dtype, fp8=fp8)
+                backward=backward, dtype=dtype, fp8=fp8, fp8_state=fp8_state)

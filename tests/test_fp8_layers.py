@@ -55,38 +55,58 @@ def derivative(activation, z):
     return numpy_reference.gelu_grad(z)
 
 
-def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.float32):
+def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.float32,
+                histories=None):
     """(y, dx, [(dkernel, dbias)]) of the FP8 stack in float64, each result rounded to the
     compute `dtype` (float32 or bfloat16) and returned as float32.
 
-    `quantized[i]` says which layers run FP8; the others are the plain layer. Every amax is
-    that of the tensor as stored (rounded to `dtype`): the layers take it with an XLA
-    reduction, never from a GEMM's epilog.
+    `quantized[i]` says which layers run FP8; the others are the plain layer. Under current
+    scaling (`histories` None) every amax is that of the tensor as stored (rounded to
+    `dtype`): the layers take it with an XLA reduction, never from a GEMM's epilog.
+
+    Delayed scaling: `histories` is each layer's (input, gradient) amax history; each scale
+    comes from its history's largest value, and the result gains the next histories (this
+    step's amaxes first). With bfloat16 compute, a layer with a bias or an activation followed
+    by an FP8 layer writes that layer's FP8 input itself: `q·R` of its float32 result R, the
+    amax R's (not rounded to bfloat16 first).
     """
     rnd = lambda v: np.asarray(np.asarray(v, np.float32).astype(dtype), np.float32)
-    h, saved = rnd(x), []
-    for (kernel, bias), act, q in zip(params, activations, quantized):
+    delayed = histories is not None
+    scale_amax = lambda history, current: np.max(history) if delayed else current
+    h, saved, input_amaxes, direct = rnd(x), [], [], None
+    for i, ((kernel, bias), act, q) in enumerate(zip(params, activations, quantized)):
         kernel = rnd(kernel)
         if q:
-            h8, sh = quantize(h, np.max(np.abs(h)), config.forward, config.margin)
+            source = h if direct is None else direct
+            input_amaxes.append(np.max(np.abs(source)))
+            h8, sh = quantize(source, scale_amax(histories[i][0] if delayed else None,
+                                                 input_amaxes[-1]), config.forward,
+                              config.margin)
             w8, sw = quantize(kernel, np.max(np.abs(kernel)), config.forward, config.margin)
             z = gemm(h8, sh, w8, sw)
             saved.append((h8, sh, w8, sw))
         else:
+            input_amaxes.append(None)
             z = h.astype(np.float64) @ kernel
             saved.append((h, None, kernel, None))
         z = z if bias is None else z + rnd(bias)
         r = z if act is None else np.maximum(z, 0) if act == "relu" else numpy_reference.gelu(z)
         saved[-1] += (z,)
         h = rnd(r)
+        writes_fp8 = delayed and dtype == ml_dtypes.bfloat16 and q and i + 1 < len(params) \
+            and quantized[i + 1] and (bias is not None or act is not None)
+        direct = np.asarray(r, np.float32) if writes_fp8 else None
     y = h
     dz = rnd(dy) if activations[-1] is None else rnd(rnd(dy) * derivative(activations[-1],
                                                                           saved[-1][4]))
-    grads = []
+    grads, gradient_amaxes = [], {}
     for i in reversed(range(len(params))):
         h_in, sh, kernel, sw, _ = saved[i]
         if quantized[i]:
-            dz8, sg = quantize(dz, np.max(np.abs(dz)), config.gradient, config.margin)
+            gradient_amaxes[i] = np.max(np.abs(dz))
+            dz8, sg = quantize(dz, scale_amax(histories[i][1] if delayed else None,
+                                              gradient_amaxes[i]), config.gradient,
+                               config.margin)
             dkernel = gemm(h_in.T, sh, dz8, sg)
             dprev = gemm(dz8, sg, kernel.T, sw)
         else:
@@ -97,7 +117,12 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
         if i and activations[i - 1] is not None:
             dprev = dprev * derivative(activations[i - 1], saved[i - 1][4])
         dz = rnd(dprev)
-    return y, dz, grads[::-1]
+    if not delayed:
+        return y, dz, grads[::-1]
+    push = lambda history, value: np.concatenate([[np.float32(value)], history[:-1]])
+    next_histories = [(push(hi, input_amaxes[i]), push(hg, gradient_amaxes[i]))
+                      if quantized[i] else (hi, hg) for i, (hi, hg) in enumerate(histories)]
+    return y, dz, grads[::-1], next_histories
 
 
 def exact_stack(seed, widths, rows):
@@ -250,14 +275,16 @@ def test_relu_derivative_at_zero_is_zero_without_the_mask():
 
 
 def gemm_calls(fn, *args):
-    """(epilog, backend, result_amax, operand dtype) of every `matmul` in fn's jaxpr."""
+    """(epilog, backend, result_amax, operand dtype, result dtype) of every `matmul` in fn's
+    jaxpr."""
     calls = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
             if "result_amax" in eqn.params and "backend" in eqn.params:
                 calls.append((jax_epilog.Epilog(eqn.params["epilog"]), eqn.params["backend"],
-                              eqn.params["result_amax"], eqn.invars[0].aval.dtype.name))
+                              eqn.params["result_amax"], eqn.invars[0].aval.dtype.name,
+                              eqn.outvars[0].aval.dtype.name))
             for value in eqn.params.values():
                 for sub in value if isinstance(value, (tuple, list)) else [value]:
                     sub = getattr(sub, "jaxpr", sub)
@@ -286,12 +313,12 @@ def test_no_gemm_asks_for_an_amax_and_float32_avoids_missing_kernels(dtype, back
     fp8_calls = [c for c in calls if c[3].startswith("float8")]
     assert len(fp8_calls) == len(calls) == 9, calls
     assert not [c for c in calls if c[2]], calls
-    moved = [(e, b) for e, b, _, _ in calls if b == "xla"]
+    moved = [(e, b) for e, b, *_ in calls if b == "xla"]
     if dtype == jnp.bfloat16:
         assert not moved, calls
     else:
         assert len(moved) == (3 if activation == "relu" else 5) and all(e not in fp8.FLOAT32_KERNEL_EPILOGS for e, _ in moved)
-        assert all(b == "auto" for e, b, _, _ in calls if e == jax_epilog.Epilog.DEFAULT)
+        assert all(b == "auto" for e, b, *_ in calls if e == jax_epilog.Epilog.DEFAULT)
     assert fp8.gemm_backend("cublaslt", jax_epilog.Epilog.BIAS, jnp.float32) == "cublaslt"
     assert fp8.gemm_backend("auto", jax_epilog.Epilog.BIAS, jnp.bfloat16) == "auto"
 
