@@ -1,7 +1,6 @@
 #include "autotune.h"
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cctype>
 #include <cmath>
@@ -24,6 +23,12 @@ namespace {
 // forward) for 3-250 ms once per problem and machine; never measurably slower.
 constexpr bool kAutotuneByDefault = true;
 constexpr int kMaxCandidates = 8;
+// FP8 plans time more: the heuristic's first choice for M1's forward GEMMs on the H200 takes
+// 1.69-1.72 ms where XLA's GEMM, chosen by timing up to 128 heuristic candidates, takes
+// 1.42-1.47 ms (docs/fp8.md). 32 bounds a tuning to 32 x 7 launches of the GEMM.
+constexpr int kMaxFp8Candidates = 32;
+// The most algorithm ids asked of cublasLtMatmulAlgoGetIds (EnumeratedCandidates).
+constexpr int kMaxAlgoIds = 128;
 // Candidates are timed in turn, twice over, so drift of the GPU's clock hits all alike;
 // each time is a few back-to-back launches between one pair of events.
 constexpr int kRounds = 2;
@@ -33,8 +38,9 @@ constexpr int kLaunchesPerRound = 3;
 constexpr float kMinGain = 0.02f;
 
 // A candidate must compute what the heuristic's choice computes: its outputs (the whole
-// bias gradient, the first kCheckBytes of y and of a GELU pre-activation) are read back and
-// compared with the heuristic's, and one that differs by more than rounding is dropped.
+// bias gradient and amax, the first kCheckBytes of y and of a GELU pre-activation) are read
+// back and compared with the heuristic's, and one that differs by more than rounding (Agrees)
+// is dropped.
 // Seen on the H200: a candidate whose BGRADA bias gradient was wrong (fp16, M=300 N=1
 // K=129). The ReLU mask is not compared: its bits may rightly differ where the
 // pre-activation is within rounding of 0.
@@ -70,8 +76,9 @@ ffi::Error GpuIdentity(int device, std::string* identity) {
 // Everything a tuned algorithm depends on: the GPU model, cuBLASLt's version and the
 // whole problem except the device ordinal. dtype is support_query's number. A problem
 // with c adds " c=1" and c's alignment, so the keys of problems without c stay as they were;
-// likewise FP8 fast accumulation adds " fast_accum=1" (FP8 plans are not tuned yet, see
-// TunePlan, but their key already tells the two accumulation modes apart).
+// likewise FP8 fast accumulation adds " fast_accum=1", and FP8 operands add b's and y's
+// types and " amax=1" with an amax (they change which kernels apply; a's is dtype; an FP8 y's
+// scale comes with its type).
 ffi::Error StoreKey(const Problem& p, std::string* key) {
   std::string gpu;
   JAX_EPILOG_RETURN_IF_ERROR(GpuIdentity(p.device, &gpu));
@@ -87,7 +94,11 @@ ffi::Error StoreKey(const Problem& p, std::string* key) {
          " align=" + align(p.align_a) + "," + align(p.align_b) + "," + align(p.align_y) +
          "," + align(p.align_bias) + "," + align(p.align_aux) +
          (p.has_c ? " c=1 align_c=" + align(p.align_c) : std::string()) +
-         (p.fast_accumulation ? " fast_accum=1" : std::string());
+         (p.fast_accumulation ? " fast_accum=1" : std::string()) +
+         (IsFp8(p.dtype) ? " dtype_b=" + number(static_cast<int>(p.dtype_b)) +
+                               " dtype_d=" + number(static_cast<int>(p.dtype_d)) +
+                               (p.amax ? " amax=1" : "")
+                         : std::string());
   return ffi::Error::Success();
 }
 
@@ -96,48 +107,109 @@ int64_t AuxBytes(Aux aux, const Problem& p) {
   return p.batch * p.m * AuxRow(aux, p.n) * static_cast<int64_t>(AuxElementBytes(aux, p.dtype_d));
 }
 
+// 2^-ceil(log2(K) / 2), about 1/sqrt(K), exact in float32: P, a sum of K terms of random sign
+// of the inputs' order of magnitude, grows as sqrt(K), so this factor brings it back to it.
+float InverseSqrtK(int64_t k) {
+  int half_log2_k = 0;
+  while ((int64_t{1} << (2 * half_log2_k)) < k) ++half_log2_k;
+  return std::ldexp(1.0f, -half_log2_k);
+}
+
+// Bytes of scratch input, from `offset`, holding values of `dtype` (FillInputs).
+struct Fill {
+  size_t offset = 0;
+  size_t bytes = 0;
+  DType dtype = DType::kF32;
+};
+
 // Scratch stand-ins for every buffer of a call, parts of one allocation at `base`, each
-// 256-byte aligned: the inputs first (`input_bytes` of them, filled by FillInputs), then
-// alpha and beta of a problem with c (`scalars`, set by SetScalars), then the outputs and
-// the workspace; `bytes` in all.
+// 256-byte aligned and of its buffer's own type: the inputs first (`fills`, filled by
+// FillInputs), then the float32 scalars (`scalars`, set from `scalar_values` by SetScalars):
+// alpha and beta of a problem with c, the scales of FP8 operands; then the outputs (amax
+// included) and the workspace; `bytes` in all.
 struct ScratchLayout {
   CallBuffers buffers;
-  size_t input_bytes = 0;
+  std::vector<Fill> fills;
   void* scalars = nullptr;
+  std::vector<float> scalar_values;
   size_t bytes = 0;
 };
 
 ScratchLayout LayOut(const Problem& p, uintptr_t base) {
   const EpilogInfo& epilog = *FindEpilog(p.epilog);
-  const int64_t elem = static_cast<int64_t>(ElementBytes(p.dtype));
+  const DType aux_type = AuxDType(p.dtype_d);
+  auto bytes = [](DType dtype) { return static_cast<int64_t>(ElementBytes(dtype)); };
   ScratchLayout layout;
   auto take = [&](int64_t size) {
     void* at = reinterpret_cast<void*>(base + layout.bytes);
     layout.bytes += (static_cast<size_t>(size) + 255) & ~size_t{255};
     return at;
   };
+  // An input part, filled with `dtype`'s pattern; consecutive parts of one type are one
+  // fill (so 16/32-bit problems, whose inputs share one type, have a single fill).
+  auto take_input = [&](int64_t size, DType dtype) {
+    const size_t offset = layout.bytes;
+    void* at = take(size);
+    if (!layout.fills.empty() && layout.fills.back().dtype == dtype)
+      layout.fills.back().bytes = layout.bytes - layout.fills.back().offset;
+    else
+      layout.fills.push_back({offset, layout.bytes - offset, dtype});
+    return at;
+  };
   CallBuffers& scratch = layout.buffers;
-  scratch.a = take(p.batch * p.m * p.k * elem);
-  scratch.b = take(p.batch_b * p.n * p.k * elem);
-  if (epilog.bias_in) scratch.bias = take(p.batch_bias * p.n * elem);
-  if (epilog.aux_in != Aux::kNone) scratch.aux = take(AuxBytes(epilog.aux_in, p));
-  if (p.has_c) scratch.c = take(p.batch * p.m * p.n * elem);
-  layout.input_bytes = layout.bytes;
-  if (p.has_c) {
-    layout.scalars = take(2 * sizeof(float));
-    scratch.alpha = layout.scalars;
-    scratch.beta = static_cast<const float*>(layout.scalars) + 1;
+  scratch.a = take_input(p.batch * p.m * p.k * bytes(p.dtype), p.dtype);
+  scratch.b = take_input(p.batch_b * p.n * p.k * bytes(p.dtype_b), p.dtype_b);
+  if (epilog.bias_in) scratch.bias = take_input(p.batch_bias * p.n * bytes(aux_type), aux_type);
+  // Any bytes are a ReLU mask; the aux type's pattern serves it too.
+  if (epilog.aux_in != Aux::kNone) scratch.aux = take_input(AuxBytes(epilog.aux_in, p), aux_type);
+  if (p.has_c) scratch.c = take_input(p.batch * p.m * p.n * bytes(p.dtype_d), p.dtype_d);
+  // alpha and beta: both terms of alpha P + beta C of the inputs' order of magnitude, so a
+  // candidate that mishandles either fails the check. FP8 scales: a's and b's 1, an FP8 y's
+  // 1/sqrt(K) keeping it of order 1, far inside e4m3's largest finite value (448).
+  if (p.has_c) layout.scalar_values = {InverseSqrtK(p.k), 1.0f};
+  if (IsFp8(p.dtype)) {
+    for (float scale : {1.0f, 1.0f, InverseSqrtK(p.k)}) layout.scalar_values.push_back(scale);
   }
-  scratch.y = take(p.batch * p.m * p.n * elem);
+  if (!layout.scalar_values.empty()) {
+    layout.scalars = take(static_cast<int64_t>(layout.scalar_values.size() * sizeof(float)));
+    const float* scalar = static_cast<const float*>(layout.scalars);
+    if (p.has_c) {
+      scratch.alpha = scalar++;
+      scratch.beta = scalar++;
+    }
+    if (IsFp8(p.dtype)) {
+      scratch.scale_a = scalar++;
+      scratch.scale_b = scalar++;
+      if (IsFp8(p.dtype_d)) scratch.scale_d = scalar;
+    }
+  }
+  scratch.y = take(p.batch * p.m * p.n * bytes(p.dtype_d));
   if (epilog.aux_out != Aux::kNone) scratch.aux = take(AuxBytes(epilog.aux_out, p));
   if (epilog.bias_grad != BiasGrad::kNone)
-    scratch.bias = take(p.batch * epilog.BiasGradLength(p.m, p.n) * elem);
+    scratch.bias = take(p.batch * epilog.BiasGradLength(p.m, p.n) * bytes(aux_type));
+  if (p.amax) scratch.amax = take(sizeof(float));
   scratch.workspace = take(static_cast<int64_t>(p.workspace_bytes));
   scratch.workspace_bytes = p.workspace_bytes;
   return layout;
 }
 
 float ToFloat(DType dtype, const uint8_t* at) {
+  if (dtype == DType::kE4M3) {  // no infinities; S.1111.111 is NaN
+    const int exponent = (*at >> 3) & 0xf;
+    const int mantissa = *at & 7;
+    float value;
+    if (exponent == 15 && mantissa == 7)
+      value = std::numeric_limits<float>::quiet_NaN();
+    else if (exponent == 0)
+      value = std::ldexp(static_cast<float>(mantissa), -9);
+    else
+      value = std::ldexp(static_cast<float>(mantissa | 8), exponent - 10);
+    return (*at & 0x80) ? -value : value;
+  }
+  if (dtype == DType::kE5M2) {  // float16's upper byte
+    const uint16_t half = static_cast<uint16_t>(*at << 8);
+    return ToFloat(DType::kF16, reinterpret_cast<const uint8_t*>(&half));
+  }
   if (dtype == DType::kF32) {
     float value;
     std::memcpy(&value, at, sizeof(value));
@@ -165,104 +237,144 @@ float ToFloat(DType dtype, const uint8_t* at) {
 }
 
 // A fixed pseudo-random sequence of `dtype` values, ±[1/8, 2) (a float16 with a 7-bit
-// mantissa, so exact in every dtype), `bytes` long rounded down to whole elements.
-std::vector<uint8_t> Pattern(DType dtype, size_t bytes) {
+// mantissa, so exact in every 16/32-bit dtype; for FP8 the top 2 of those bits, exact in
+// e4m3 and e5m2), `bytes` long rounded down to whole elements. The fill at `offset` starts
+// the sequence there, so that fills of different types (a and b) do not repeat each other.
+std::vector<uint8_t> Pattern(DType dtype, size_t bytes, size_t offset) {
   const size_t elem = ElementBytes(dtype);
   std::vector<uint8_t> pattern(bytes / elem * elem);
-  uint64_t state = 0x9e3779b97f4a7c15ull;
+  uint64_t state = 0x9e3779b97f4a7c15ull + offset;
   for (size_t at = 0; at < pattern.size(); at += elem) {
     state = state * 6364136223846793005ull + 1442695040888963407ull;  // Knuth's MMIX LCG
     const uint32_t bits = static_cast<uint32_t>(state >> 33);
     const uint32_t exponent = 12 + (bits >> 16) % 4;  // 2^-3 .. 2^0
-    const uint16_t half =
-        static_cast<uint16_t>((bits & 0x8000) | exponent << 10 | (bits & 0x7f) << 3);
+    const uint32_t mantissa = IsFp8(dtype) ? (bits & 0x60) << 3 : (bits & 0x7f) << 3;
+    const uint16_t half = static_cast<uint16_t>((bits & 0x8000) | exponent << 10 | mantissa);
     const float value = ToFloat(DType::kF16, reinterpret_cast<const uint8_t*>(&half));
     uint32_t word;
     std::memcpy(&word, &value, sizeof(word));
     const uint16_t top = static_cast<uint16_t>(word >> 16);
+    // e5m2 is float16's upper byte; e4m3 has the sign, the exponent rebiased from 15 to 7
+    // and the two mantissa bits followed by a 0 (never S.1111.111, NaN).
+    const uint8_t e5m2 = static_cast<uint8_t>(half >> 8);
+    const uint8_t e4m3 =
+        static_cast<uint8_t>((e5m2 & 0x80) | (exponent - 8) << 3 | (e5m2 & 3) << 1);
     const void* source = dtype == DType::kF32    ? static_cast<const void*>(&word)
                          : dtype == DType::kBF16 ? static_cast<const void*>(&top)
+                         : dtype == DType::kE4M3 ? static_cast<const void*>(&e4m3)
+                         : dtype == DType::kE5M2 ? static_cast<const void*>(&e5m2)
                                                  : static_cast<const void*>(&half);
     std::memcpy(pattern.data() + at, source, elem);
   }
   return pattern;
 }
 
-// Fills the first `bytes` of `base` (the scratch inputs) with Pattern: the tuning's
-// inputs are defined, whatever the call's buffers hold (NaN or Inf there would make
-// every candidate's check fail). The pattern is made once on the host (at most
-// kPatternBytes, held in `pattern` until the stream is synchronised) and doubled on the
-// device by device-to-device copies; every scratch part starts on an element.
-ffi::Error FillInputs(DType dtype, uintptr_t base, size_t bytes, cudaStream_t stream,
-                      std::vector<uint8_t>* pattern) {
-  *pattern = Pattern(dtype, std::min(bytes, kPatternBytes));
+// Fills the scratch inputs (`fills` of `base`) with Pattern: the tuning's inputs are
+// defined, whatever the call's buffers hold (NaN or Inf there would make every candidate's
+// check fail). Each fill's pattern is made once on the host (at most kPatternBytes, held in
+// `patterns` until the stream is synchronised) and doubled on the device by device-to-device
+// copies; every scratch part starts on an element.
+ffi::Error FillInputs(const std::vector<Fill>& fills, uintptr_t base, cudaStream_t stream,
+                      std::vector<std::vector<uint8_t>>* patterns) {
   const std::string what = "filling the autotuning inputs";
-  void* start = reinterpret_cast<void*>(base);
-  JAX_EPILOG_CUDA(cudaMemcpyAsync(start, pattern->data(), pattern->size(),
-                                  cudaMemcpyHostToDevice, stream), what);
-  for (size_t filled = pattern->size(); filled > 0 && filled < bytes; filled *= 2)
-    JAX_EPILOG_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(base + filled), start,
-                                    std::min(filled, bytes - filled),
-                                    cudaMemcpyDeviceToDevice, stream), what);
+  patterns->clear();
+  for (const Fill& fill : fills) {
+    patterns->push_back(Pattern(fill.dtype, std::min(fill.bytes, kPatternBytes), fill.offset));
+    const std::vector<uint8_t>& pattern = patterns->back();
+    const uintptr_t start = base + fill.offset;
+    JAX_EPILOG_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(start), pattern.data(),
+                                    pattern.size(), cudaMemcpyHostToDevice, stream), what);
+    for (size_t filled = pattern.size(); filled > 0 && filled < fill.bytes; filled *= 2)
+      JAX_EPILOG_CUDA(cudaMemcpyAsync(reinterpret_cast<void*>(start + filled),
+                                      reinterpret_cast<void*>(start),
+                                      std::min(filled, fill.bytes - filled),
+                                      cudaMemcpyDeviceToDevice, stream), what);
+  }
   return ffi::Error::Success();
 }
 
-// alpha and beta of a problem with c, so that both terms of alpha P + beta C are of the
-// inputs' order of magnitude and a candidate that mishandles either fails the check:
-// beta = 1, alpha = 2^-ceil(log2(K) / 2), about 1/sqrt(K) (P, a sum of K terms of random
-// sign, grows as sqrt(K)), exact in float32. `host` holds them until the stream is
-// synchronised, as FillInputs' pattern.
-ffi::Error SetScalars(const Problem& p, void* scalars, cudaStream_t stream,
-                      std::array<float, 2>* host) {
-  int half_log2_k = 0;
-  while ((int64_t{1} << (2 * half_log2_k)) < p.k) ++half_log2_k;
-  *host = {std::ldexp(1.0f, -half_log2_k), 1.0f};
-  JAX_EPILOG_CUDA(cudaMemcpyAsync(scalars, host->data(), sizeof(*host), cudaMemcpyHostToDevice,
-                                  stream),
-                  "setting alpha and beta for autotuning");
+// Copies the layout's scalars (alpha, beta, FP8 scales) to the device; the layout holds the
+// host values until the stream is synchronised, as FillInputs' patterns.
+ffi::Error SetScalars(const ScratchLayout& layout, cudaStream_t stream) {
+  if (layout.scalar_values.empty()) return ffi::Error::Success();
+  JAX_EPILOG_CUDA(cudaMemcpyAsync(layout.scalars, layout.scalar_values.data(),
+                                  layout.scalar_values.size() * sizeof(float),
+                                  cudaMemcpyHostToDevice, stream),
+                  "setting alpha, beta and the FP8 scales for autotuning");
   return ffi::Error::Success();
 }
 
-// One candidate's checked outputs, as floats, one vector per output.
-using Sample = std::vector<std::vector<float>>;
+// One candidate's checked outputs, as floats, one part per output, with the type it was
+// stored in.
+struct SampledOutput {
+  DType dtype;
+  std::vector<float> values;
+};
+using Sample = std::vector<SampledOutput>;
 
 ffi::Error SampleOutputs(const Problem& p, const CallBuffers& buffers, cudaStream_t stream,
                          Sample* sample) {
   const EpilogInfo& epilog = *FindEpilog(p.epilog);
-  const size_t elem = ElementBytes(p.dtype);
-  auto capped = [&](int64_t elements) {
-    return std::min(static_cast<size_t>(elements) * elem, kCheckBytes);
+  const DType aux_type = AuxDType(p.dtype_d);
+  struct Part {
+    const void* at;
+    size_t bytes;
+    DType dtype;
   };
-  std::vector<std::pair<const void*, size_t>> parts = {{buffers.y, capped(p.batch * p.m * p.n)}};
+  std::vector<Part> parts = {
+      {buffers.y,
+       std::min(static_cast<size_t>(p.batch * p.m * p.n) * ElementBytes(p.dtype_d), kCheckBytes),
+       p.dtype_d}};
   if (epilog.aux_out == Aux::kGelu)
-    parts.emplace_back(buffers.aux, std::min(static_cast<size_t>(AuxBytes(Aux::kGelu, p)),
-                                             kCheckBytes));
+    parts.push_back({buffers.aux,
+                     std::min(static_cast<size_t>(AuxBytes(Aux::kGelu, p)), kCheckBytes),
+                     aux_type});
   if (epilog.bias_grad != BiasGrad::kNone)
-    parts.emplace_back(buffers.bias,
-                       static_cast<size_t>(p.batch * epilog.BiasGradLength(p.m, p.n)) * elem);
+    parts.push_back({buffers.bias,
+                     static_cast<size_t>(p.batch * epilog.BiasGradLength(p.m, p.n)) *
+                         ElementBytes(aux_type),
+                     aux_type});
+  if (p.amax) parts.push_back({buffers.amax, sizeof(float), DType::kF32});
   std::vector<std::vector<uint8_t>> host(parts.size());
   const std::string what = "reading a candidate's outputs back, to autotune";
   for (size_t i = 0; i < parts.size(); ++i) {
-    host[i].resize(parts[i].second);
-    JAX_EPILOG_CUDA(cudaMemcpyAsync(host[i].data(), parts[i].first, parts[i].second,
+    host[i].resize(parts[i].bytes);
+    JAX_EPILOG_CUDA(cudaMemcpyAsync(host[i].data(), parts[i].at, parts[i].bytes,
                                     cudaMemcpyDeviceToHost, stream), what);
   }
   JAX_EPILOG_CUDA(cudaStreamSynchronize(stream), what);
   sample->assign(parts.size(), {});
-  for (size_t i = 0; i < parts.size(); ++i)
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const size_t elem = ElementBytes(parts[i].dtype);
+    (*sample)[i].dtype = parts[i].dtype;
     for (size_t at = 0; at + elem <= host[i].size(); at += elem)
-      (*sample)[i].push_back(ToFloat(p.dtype, host[i].data() + at));
+      (*sample)[i].values.push_back(ToFloat(parts[i].dtype, host[i].data() + at));
+  }
   return ffi::Error::Success();
 }
 
-// Whether every value of `got` is within kCheckTolerance of `reference` (NaN never is).
+// The spacing of `dtype`'s values at magnitude `x` for FP8 (3 mantissa bits in e4m3, 2 in
+// e5m2); 0 for 16/32-bit types, whose rounding is far inside kCheckTolerance.
+float Fp8Spacing(DType dtype, float x) {
+  if (!IsFp8(dtype) || !(x > 0.0f)) return 0.0f;
+  int exponent = 0;
+  std::frexp(x, &exponent);  // x in [2^(exponent-1), 2^exponent)
+  return std::ldexp(1.0f, exponent - 1 - (dtype == DType::kE4M3 ? 3 : 2));
+}
+
+// Whether every value of `got` is within kCheckTolerance of `reference` (NaN never is). An
+// FP8 output may also differ by one step of its format at the sample's largest magnitude:
+// two correct candidates sum in different orders, and a float32 result that lands near the
+// midpoint of two FP8 values rounds to either (a step there is 1/16 to 1/8 of the value in
+// e4m3, 1/8 to 1/4 in e5m2, more than kCheckTolerance alone allows).
 bool Agrees(const Sample& reference, const Sample& got) {
   for (size_t part = 0; part < reference.size(); ++part) {
+    const std::vector<float>& want = reference[part].values;
     float scale = 0.0f;
-    for (float value : reference[part]) scale = std::max(scale, std::fabs(value));
-    const float allowed = kCheckTolerance * scale;
-    for (size_t i = 0; i < reference[part].size(); ++i)
-      if (!(std::fabs(got[part][i] - reference[part][i]) <= allowed)) return false;
+    for (float value : want) scale = std::max(scale, std::fabs(value));
+    const float allowed = kCheckTolerance * scale + Fp8Spacing(reference[part].dtype, scale);
+    for (size_t i = 0; i < want.size(); ++i)
+      if (!(std::fabs(got[part].values[i] - want[i]) <= allowed)) return false;
   }
   return true;
 }
@@ -328,26 +440,121 @@ class RelaxedCaptureMode {
   cudaStreamCaptureMode previous_ = cudaStreamCaptureModeRelaxed;
 };
 
-// The heuristic's candidates, the plan's current choice first; false when the
-// heuristic gives none.
+// The ids `attr` (CUBLASLT_ALGO_CAP_TILE_IDS or _STAGES_IDS) lists for `algo`, or {`none`}
+// (the attribute's undefined value) when it lists none.
+std::vector<uint32_t> CapIds(const cublasLtMatmulAlgo_t& algo,
+                             cublasLtMatmulAlgoCapAttributes_t attr, uint32_t none) {
+  size_t bytes = 0;
+  std::vector<uint32_t> ids;
+  if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, nullptr, 0, &bytes) ==
+          CUBLAS_STATUS_SUCCESS &&
+      bytes >= sizeof(uint32_t)) {
+    ids.resize(bytes / sizeof(uint32_t));
+    if (cublasLtMatmulAlgoCapGetAttribute(&algo, attr, ids.data(), ids.size() * sizeof(uint32_t),
+                                          &bytes) == CUBLAS_STATUS_SUCCESS)
+      ids.resize(bytes / sizeof(uint32_t));
+    else
+      ids.clear();
+  }
+  if (ids.empty()) ids.push_back(none);
+  return ids;
+}
+
+template <typename T>
+bool SetConfig(cublasLtMatmulAlgo_t* algo, cublasLtMatmulAlgoConfigAttributes_t attr, T value) {
+  return cublasLtMatmulAlgoConfigSetAttribute(algo, attr, &value, sizeof(value)) ==
+         CUBLAS_STATUS_SUCCESS;
+}
+
+// Algorithms for the plan's problem found without the heuristic: every algorithm id cuBLASLt
+// has for the plan's compute, scale and A/B/C/D types (read off its descriptor and layouts),
+// one configuration per id and tile (the first stages id that fits), split-K 1, the cluster
+// shape left to cuBLASLt (CUBLASLT_CLUSTER_SHAPE_AUTO: this header lists no cluster shape
+// capability). Of those that fit (AlgoFits) at most `max_count`, evenly spaced over all of
+// them (by id, then tile), so that the cap leaves no range of ids or tiles out.
+std::vector<cublasLtMatmulAlgo_t> EnumeratedCandidates(Plan& plan, size_t max_count) {
+  int32_t compute = 0, scale = 0;
+  uint32_t types[4] = {};  // cuBLASLt's A, B, C, D
+  const cublasLtMatrixLayout_t layouts[4] = {plan.layout_a.get(), plan.layout_b.get(),
+                                             plan.c_layout(), plan.layout_cd.get()};
+  size_t written = 0;
+  cublasLtMatmulDesc_t desc = plan.desc.get();
+  if (cublasLtMatmulDescGetAttribute(desc, CUBLASLT_MATMUL_DESC_COMPUTE_TYPE, &compute,
+                                     sizeof(compute), &written) != CUBLAS_STATUS_SUCCESS ||
+      cublasLtMatmulDescGetAttribute(desc, CUBLASLT_MATMUL_DESC_SCALE_TYPE, &scale,
+                                     sizeof(scale), &written) != CUBLAS_STATUS_SUCCESS)
+    return {};
+  for (int i = 0; i < 4; ++i)
+    if (cublasLtMatrixLayoutGetAttribute(layouts[i], CUBLASLT_MATRIX_LAYOUT_TYPE, &types[i],
+                                         sizeof(types[i]), &written) != CUBLAS_STATUS_SUCCESS)
+      return {};
+  const auto compute_type = static_cast<cublasComputeType_t>(compute);
+  const auto scale_type = static_cast<cudaDataType_t>(scale);
+  const auto type = [&](int i) { return static_cast<cudaDataType_t>(types[i]); };
+  std::vector<int> ids(kMaxAlgoIds);
+  int id_count = 0;
+  if (cublasLtMatmulAlgoGetIds(plan.handle, compute_type, scale_type, type(0), type(1), type(2),
+                               type(3), kMaxAlgoIds, ids.data(), &id_count) !=
+      CUBLAS_STATUS_SUCCESS)
+    return {};
+  std::vector<cublasLtMatmulAlgo_t> fitting;
+  for (int i = 0; i < std::min(id_count, kMaxAlgoIds); ++i) {
+    cublasLtMatmulAlgo_t base{};
+    if (cublasLtMatmulAlgoInit(plan.handle, compute_type, scale_type, type(0), type(1), type(2),
+                               type(3), ids[i], &base) != CUBLAS_STATUS_SUCCESS ||
+        !SetConfig(&base, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, int32_t{1}))
+      continue;
+    const std::vector<uint32_t> stages =
+        CapIds(base, CUBLASLT_ALGO_CAP_STAGES_IDS, CUBLASLT_MATMUL_STAGES_UNDEFINED);
+    for (uint32_t tile : CapIds(base, CUBLASLT_ALGO_CAP_TILE_IDS, CUBLASLT_MATMUL_TILE_UNDEFINED))
+      for (uint32_t stage : stages) {
+        cublasLtMatmulAlgo_t algo = base;
+        if (SetConfig(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, tile) &&
+            SetConfig(&algo, CUBLASLT_ALGO_CONFIG_STAGES_ID, stage) && AlgoFits(plan, algo)) {
+          fitting.push_back(algo);
+          break;
+        }
+      }
+  }
+  if (fitting.size() <= max_count) return fitting;
+  std::vector<cublasLtMatmulAlgo_t> spaced;
+  for (size_t i = 0; i < max_count; ++i) spaced.push_back(fitting[i * fitting.size() / max_count]);
+  return spaced;
+}
+
+// The candidates to time, the plan's current choice first: the heuristic's (up to
+// kMaxCandidates, kMaxFp8Candidates for FP8 operands) and, for FP8 operands where the
+// heuristic gives fewer than 2, the enumerated ones (EnumeratedCandidates) up to the same
+// cap; false when the heuristic gives none.
 bool Candidates(Plan& plan, std::vector<cublasLtMatmulAlgo_t>* candidates) {
+  const bool fp8 = IsFp8(plan.problem.dtype);
+  const int max_count = fp8 ? kMaxFp8Candidates : kMaxCandidates;
   std::vector<cublasLtMatmulHeuristicResult_t> results;
-  if (!HeuristicCandidates(plan, kMaxCandidates, &results).success()) return false;
+  if (!HeuristicCandidates(plan, max_count, &results).success()) return false;
   *candidates = {plan.algo};
-  for (const auto& result : results)
-    if (std::memcmp(&result.algo, &plan.algo, sizeof(plan.algo)) != 0)
-      candidates->push_back(result.algo);
+  auto add = [&](const cublasLtMatmulAlgo_t& algo) {
+    for (const cublasLtMatmulAlgo_t& known : *candidates)
+      if (std::memcmp(&known, &algo, sizeof(algo)) == 0) return;
+    if (candidates->size() < static_cast<size_t>(max_count)) candidates->push_back(algo);
+  };
+  for (const auto& result : results) add(result.algo);
+  if (fp8 && candidates->size() < 2)
+    for (const auto& algo : EnumeratedCandidates(plan, max_count - candidates->size())) add(algo);
   return true;
 }
 
 // One warm-up launch of each candidate; `ok` says which ran and computed what the first
-// (the heuristic's choice) computed.
+// (the heuristic's choice) computed. The amax is zeroed before each, as RunPlan does, so each
+// candidate's is its own, not the previous candidate's.
 ffi::Error CheckCandidates(Plan& plan, const std::vector<cublasLtMatmulAlgo_t>& candidates,
                            const CallBuffers& buffers, cudaStream_t stream,
                            std::vector<bool>* ok) {
   ok->assign(candidates.size(), false);
   Sample reference;  // the heuristic's outputs
   for (size_t i = 0; i < candidates.size(); ++i) {
+    if (buffers.amax != nullptr)
+      JAX_EPILOG_CUDA(cudaMemsetAsync(buffers.amax, 0, sizeof(float), stream),
+                      "zeroing the amax, to autotune " + plan.description);
     (*ok)[i] = Enqueue(plan, buffers, candidates[i], stream) == CUBLAS_STATUS_SUCCESS;
     if (!(*ok)[i]) continue;
     Sample sample;
@@ -434,7 +641,6 @@ void SetAutotune(bool enabled) { autotune_on.store(enabled, std::memory_order_re
 void SetAutotuneLog(bool enabled) { autotune_log.store(enabled, std::memory_order_relaxed); }
 
 bool ApplyStoredAlgo(Plan& plan) {
-  if (IsFp8(plan.problem.dtype)) return false;  // never tuned (TunePlan)
   std::string key;
   cublasLtMatmulAlgo_t algo{};
   if (!StoreKey(plan.problem, &key).success() || !ProcessAlgoStore().LookUp(key, &algo) ||
@@ -448,12 +654,6 @@ bool ApplyStoredAlgo(Plan& plan) {
 ffi::Error TunePlan(Plan& plan, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(plan.mutex);
   if (plan.tuned) return ffi::Error::Success();
-  // FP8 plans keep the heuristic's choice: the scratch stand-ins, their pattern and the
-  // output check speak one 16/32-bit type for every buffer (not yet a's, b's and y's).
-  if (IsFp8(plan.problem.dtype)) {
-    plan.tuned = true;
-    return ffi::Error::Success();
-  }
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   JAX_EPILOG_CUDA(cudaStreamIsCapturing(stream, &capture),
                   "asking whether XLA's stream is capturing, to autotune " + plan.description);
@@ -471,12 +671,9 @@ ffi::Error TunePlan(Plan& plan, cudaStream_t stream) {
       !scratch.Allocate(LayOut(plan.problem, 0).bytes))
     return ffi::Error::Success();
   const ScratchLayout layout = LayOut(plan.problem, scratch.base());
-  std::vector<uint8_t> pattern;
-  JAX_EPILOG_RETURN_IF_ERROR(
-      FillInputs(plan.problem.dtype, scratch.base(), layout.input_bytes, stream, &pattern));
-  std::array<float, 2> scalars;
-  if (plan.problem.has_c)
-    JAX_EPILOG_RETURN_IF_ERROR(SetScalars(plan.problem, layout.scalars, stream, &scalars));
+  std::vector<std::vector<uint8_t>> patterns;
+  JAX_EPILOG_RETURN_IF_ERROR(FillInputs(layout.fills, scratch.base(), stream, &patterns));
+  JAX_EPILOG_RETURN_IF_ERROR(SetScalars(layout, stream));
   JAX_EPILOG_RETURN_IF_ERROR(SetCallPointers(plan, layout.buffers));
 
   std::vector<bool> ok;

@@ -25,9 +25,10 @@ void SetAutotuneLog(bool enabled);
 bool ApplyStoredAlgo(Plan& plan);
 
 // For the FFI initialize stage only (it may allocate and synchronise): unless the plan
-// is tuned or `stream` is capturing a CUDA graph, times up to 8 heuristic candidates
-// on `stream` and keeps the fastest. The candidates run on scratch memory of their own
-// (inputs filled with a fixed pseudo-random pattern, outputs, workspace): never on the
+// is tuned or `stream` is capturing a CUDA graph, times up to 8 heuristic candidates (32
+// for FP8 operands, enumerated when the heuristic offers fewer than 2) on `stream` and
+// keeps the fastest. The candidates run on scratch memory of their own (inputs filled
+// with a fixed pseudo-random pattern, scalars, outputs, workspace): never on the
 // call's buffers, whose contents XLA does not define at this stage and whose outputs
 // may lie over a donated input still to be read. Candidates cuBLASLt rejects and a
 // failed scratch allocation leave the heuristic's choice in place; only CUDA failures
