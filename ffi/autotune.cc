@@ -632,6 +632,12 @@ void LogTuning(const std::string& problem, const std::vector<float>& ms, int win
                problem.c_str(), times.c_str(), winner);
 }
 
+// With the log on, why a problem was left with the heuristic's choice.
+void LogNotTuned(const std::string& problem, const char* why) {
+  if (autotune_log.load(std::memory_order_relaxed))
+    std::fprintf(stderr, "jax_epilog autotune: %s: not tuned: %s\n", problem.c_str(), why);
+}
+
 }  // namespace
 
 bool AutotuneEnabled() { return autotune_on.load(std::memory_order_relaxed); }
@@ -667,9 +673,18 @@ ffi::Error TunePlan(Plan& plan, cudaStream_t stream) {
 
   std::vector<cublasLtMatmulAlgo_t> candidates;
   Scratch scratch(stream);
-  if (!Candidates(plan, &candidates) || candidates.size() < 2 ||
-      !scratch.Allocate(LayOut(plan.problem, 0).bytes))
+  if (!Candidates(plan, &candidates)) {
+    LogNotTuned(plan.description, "cuBLASLt's heuristic failed");
     return ffi::Error::Success();
+  }
+  if (candidates.size() < 2) {
+    LogNotTuned(plan.description, "a single candidate");
+    return ffi::Error::Success();
+  }
+  if (!scratch.Allocate(LayOut(plan.problem, 0).bytes)) {
+    LogNotTuned(plan.description, "no scratch memory");
+    return ffi::Error::Success();
+  }
   const ScratchLayout layout = LayOut(plan.problem, scratch.base());
   std::vector<std::vector<uint8_t>> patterns;
   JAX_EPILOG_RETURN_IF_ERROR(FillInputs(layout.fills, scratch.base(), stream, &patterns));
@@ -678,7 +693,10 @@ ffi::Error TunePlan(Plan& plan, cudaStream_t stream) {
 
   std::vector<bool> ok;
   JAX_EPILOG_RETURN_IF_ERROR(CheckCandidates(plan, candidates, layout.buffers, stream, &ok));
-  if (!ok[0]) return ffi::Error::Success();  // nothing to check the others against
+  if (!ok[0]) {  // nothing to check the others against
+    LogNotTuned(plan.description, "the heuristic's choice did not run on the scratch buffers");
+    return ffi::Error::Success();
+  }
   std::vector<float> ms;
   JAX_EPILOG_RETURN_IF_ERROR(
       TimeCandidates(plan, candidates, layout.buffers, stream, &scratch, &ok, &ms));
