@@ -20,7 +20,7 @@ one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
 - ours_fp8_delayed: `fp8=Fp8(scaling="delayed")`: the activations' and gradients' scales from
   an amax history (the state, an argument of the step whose next value the step returns as
   its gradient); each forward GEMM followed by an FP8 layer writes that layer's e4m3 input
-  and amax itself. The state timed is the one a first step from `init_state` returned;
+  and amax itself. The state timed is the one a calibrating step (current scaling) returned;
 - ours_fp8_delayed_fast: the same with `fast_accumulation="forward"`;
 - xla_fp8: what a user writes for FP8 under XLA (Flax's fp8_ops style): per layer a
   `custom_vjp` dot with per-tensor current scaling, a direct FP8 `dot_general` with
@@ -59,6 +59,7 @@ Writes `<out>/fp8.json` and `<out>/fp8.md`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 import traceback
@@ -170,17 +171,20 @@ SWEEP_VARIANTS = ("xla_bf16", "ours_bf16", "ours_fp8_all")
 def delayed_step(w: Workload, config: Fp8, args) -> Any:
     """The training step of `mlp(..., fp8=config)` under delayed scaling, as `step_fn`'s:
     (params, x, target) -> (loss, grads), with the state's gradient (the next state) among the
-    grads. The state is a constant of the step: the one a first step from `init_state`
-    returned on `args` (real scales, not the initial 1)."""
-    def loss(params, x, target, state):
-        y = mlp(x, params, activation=w.activation, final_activation=w.final_activation,
-                fp8=config, fp8_state=state)
-        return tune.squared_error(y, target)
+    grads. The state is a constant of the step: the one a calibrating first step (current
+    scaling, docs/fp8.md) returned on `args`: real scales, not the initial 1."""
+    def grad(config):
+        def loss(params, x, target, state):
+            y = mlp(x, params, activation=w.activation, final_activation=w.final_activation,
+                    fp8=config, fp8_state=state)
+            return tune.squared_error(y, target)
+        return jax.value_and_grad(loss, argnums=(0, 1, 3) if w.grad_x else (0, 3))
 
-    grad = jax.value_and_grad(loss, argnums=(0, 1, 3) if w.grad_x else (0, 3))
-    initial = config.init_state(len(w.widths) - 1)
-    state = jax.block_until_ready(jax.jit(grad)(*args, initial)[1][-1])
-    return lambda params, x, target: grad(params, x, target, state)
+    calibrate = grad(dataclasses.replace(config, scaling="current"))
+    state = jax.block_until_ready(
+        jax.jit(calibrate)(*args, config.init_state(len(w.widths) - 1))[1][-1])
+    step = grad(config)
+    return lambda params, x, target: step(params, x, target, state)
 
 
 def variant_step(w: Workload, name: str, args) -> Any:

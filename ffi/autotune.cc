@@ -548,14 +548,16 @@ bool Candidates(Plan& plan, std::vector<cublasLtMatmulAlgo_t>* candidates) {
 // candidate's is its own, not the previous candidate's.
 ffi::Error CheckCandidates(Plan& plan, const std::vector<cublasLtMatmulAlgo_t>& candidates,
                            const CallBuffers& buffers, cudaStream_t stream,
-                           std::vector<bool>* ok) {
+                           std::vector<bool>* ok, cublasStatus_t* first_status) {
   ok->assign(candidates.size(), false);
   Sample reference;  // the heuristic's outputs
   for (size_t i = 0; i < candidates.size(); ++i) {
     if (buffers.amax != nullptr)
       JAX_EPILOG_CUDA(cudaMemsetAsync(buffers.amax, 0, sizeof(float), stream),
                       "zeroing the amax, to autotune " + plan.description);
-    (*ok)[i] = Enqueue(plan, buffers, candidates[i], stream) == CUBLAS_STATUS_SUCCESS;
+    const cublasStatus_t status = Enqueue(plan, buffers, candidates[i], stream);
+    if (i == 0) *first_status = status;
+    (*ok)[i] = status == CUBLAS_STATUS_SUCCESS;
     if (!(*ok)[i]) continue;
     Sample sample;
     JAX_EPILOG_RETURN_IF_ERROR(SampleOutputs(plan.problem, buffers, stream, &sample));
@@ -692,9 +694,12 @@ ffi::Error TunePlan(Plan& plan, cudaStream_t stream) {
   JAX_EPILOG_RETURN_IF_ERROR(SetCallPointers(plan, layout.buffers));
 
   std::vector<bool> ok;
-  JAX_EPILOG_RETURN_IF_ERROR(CheckCandidates(plan, candidates, layout.buffers, stream, &ok));
+  cublasStatus_t first_status = CUBLAS_STATUS_SUCCESS;
+  JAX_EPILOG_RETURN_IF_ERROR(
+      CheckCandidates(plan, candidates, layout.buffers, stream, &ok, &first_status));
   if (!ok[0]) {  // nothing to check the others against
-    LogNotTuned(plan.description, "the heuristic's choice did not run on the scratch buffers");
+    LogNotTuned(plan.description, ("the heuristic's choice did not run on the scratch buffers: " +
+                                   StatusName(first_status)).c_str());
     return ffi::Error::Success();
   }
   std::vector<float> ms;

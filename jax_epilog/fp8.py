@@ -106,7 +106,9 @@ class Fp8:
         "delayed": the scales of the activations and gradients from an amax history kept
         between steps (TransformerEngine's and Flax's `fp8_ops`' delayed scaling; weights keep
         current scaling, one cheap pass over a small tensor). The layers then need
-        `fp8_state=` (`init_state`), and return the next state as its gradient.
+        `fp8_state=` (`init_state`), and return the next state as its gradient. With current
+        scaling `fp8_state=` is optional and records the amaxes the scales came from: one
+        such step fills a fresh state, where delayed scaling would start from scale 1.
       amax_history_length: the steps of amax history under delayed scaling (1024, as in
         TransformerEngine and Flax); the scale follows the largest.
     """
@@ -235,6 +237,16 @@ def quantize_delayed(x, history, dtype: str, margin: int):
     cast and the amax read x in one expression, which XLA fuses into one pass."""
     x8, scale = quantize(x, jnp.max(history), dtype, margin)
     return x8, scale, amax(x)
+
+
+def quantize_scaled(x, fp8: Fp8, dtype: str, history):
+    """(x in FP8, its dequantization scale, amax(x)) with `fp8`'s scaling: delayed from
+    `history`, or current. Under current scaling the amax is the one the scale came from, so
+    recording it in a state costs nothing."""
+    if fp8.delayed:
+        return quantize_delayed(x, history, dtype, fp8.margin)
+    x_amax = amax(x)
+    return (*quantize(x, x_amax, dtype, fp8.margin), x_amax)
 
 
 def record(history, x_amax):
@@ -395,10 +407,9 @@ def _forward(plan: Plan, x, params, state, keep_residuals: bool):
             continue
         if h8 is not None:
             h8, h_scale, h_amax = h8
-        elif fp8.delayed:
-            h8, h_scale, h_amax = quantize_delayed(h, state[i].input, fp8.forward, fp8.margin)
         else:
-            (h8, h_scale), h_amax = quantize_current(h, fp8.forward, fp8.margin), None
+            h8, h_scale, h_amax = quantize_scaled(h, fp8, fp8.forward,
+                                                  state[i].input if state else None)
         w8, w_scale = quantize_current(kernel, fp8.forward, fp8.margin)
         epilog = Epilog.find(layer.activation, layer.has_bias, keep)
         fp8_result = writes_fp8_result(plan, i, x.dtype)
@@ -452,11 +463,8 @@ def _fp8_stack_bwd(plan: Plan, residuals, dy):
             dz, next_dbias = layers._data_grad(dz, s.kernel, previous, previous_residual,
                                                stack)
         else:
-            if fp8.delayed:
-                dz8, dz_scale, gradient_amaxes[i] = quantize_delayed(
-                    dz, state[i].gradient, fp8.gradient, fp8.margin)
-            else:
-                dz8, dz_scale = quantize_current(dz, fp8.gradient, fp8.margin)
+            dz8, dz_scale, gradient_amaxes[i] = quantize_scaled(
+                dz, fp8, fp8.gradient, state[i].gradient if state else None)
             # Memory (docs/fp8.md, "Memory"): dZ8ᵀ and h8ᵀ, the weight gradient's K-major
             # operands, are made from dZ8 and h8 after the barrier (so the 16-bit dZ is dead by
             # then), and the data gradient's GEMM, whose 16-bit result is the largest buffer
@@ -505,14 +513,16 @@ _fp8_stack.defvjp(_fp8_stack_fwd, _fp8_stack_bwd)
 
 def check_state(fp8: Optional[Fp8], state, n_layers: int, name: str = "fp8_state"):
     """`state` (the layers' `fp8_state=`) as a tuple of `n_layers` `Fp8History`, checked
-    against `fp8`: required by delayed scaling, refused otherwise."""
-    if fp8 is None or not fp8.delayed:
-        if state is not None:
-            raise ValueError(f"{name}: only with fp8=jax_epilog.Fp8(scaling=\"delayed\"), "
-                             f"whose amax histories it holds; got fp8={fp8!r}")
-        return None
+    against `fp8`: required by delayed scaling, optional with current scaling (which then
+    records its amaxes: the first step of delayed training, `docs/fp8.md`), refused without
+    FP8."""
+    if fp8 is None and state is not None:
+        raise ValueError(f"{name}: the amax histories of FP8 layers, only with fp8="
+                         f"jax_epilog.Fp8(...); got fp8={fp8!r}")
     make = f"jax_epilog.Fp8(...).init_state({n_layers})"
     if state is None:
+        if fp8 is None or not fp8.delayed:
+            return None
         raise ValueError(f"{name}: fp8=Fp8(scaling=\"delayed\") needs the amax histories of "
                          f"its {n_layers} layer(s): pass {name}={make} at the first step and "
                          f"the gradient w.r.t. {name} (its next value) after each step")

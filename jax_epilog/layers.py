@@ -449,10 +449,11 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="aut
         gradients, results in the computation dtype (`jax_epilog.fp8`, docs/fp8.md).
         `Fp8()` runs FP8 only where the GEMM is large enough to gain (`fp8.fp8_pays`);
         `Fp8(layers="all")` always.
-      fp8_state: with `fp8=Fp8(scaling="delayed")` only, and then required: the layer's
-        `jax_epilog.Fp8History` of amaxes (`Fp8(...).init_state(1)` before the first step).
-        Its gradient is its next value, Flax's "overwrite with gradient" convention: take
-        `jax.grad` w.r.t. it and pass the result to the next step.
+      fp8_state: the layer's `jax_epilog.Fp8History` of amaxes (`Fp8(...).init_state(1)`
+        before the first step): required by `fp8=Fp8(scaling="delayed")`, optional with
+        current scaling (which records its amaxes in it). Its gradient is its next value,
+        Flax's "overwrite with gradient" convention: take `jax.grad` w.r.t. it and pass the
+        result to the next step.
 
     Returns:
       `(..., N)` in the computation dtype. Differentiable in reverse mode w.r.t. all three.

@@ -190,8 +190,7 @@ def test_dense_takes_one_history():
 @pytest.mark.parametrize("config, state, match", [
     (DELAYED, None, r"fp8_state: fp8=Fp8\(scaling=\"delayed\"\) needs the amax histories of "
                     r"its 2 layer\(s\)"),
-    (Fp8(layers="all"), "state", r"fp8_state: only with fp8=jax_epilog.Fp8\(scaling="),
-    (None, "state", r"fp8_state: only with"),
+    (None, "state", r"fp8_state: the amax histories of FP8 layers, only with fp8="),
     (DELAYED, "one", r"fp8_state: expected 2 Fp8History"),
     (DELAYED, "bad_shape", r"fp8_state\[1\].gradient: expected a float32 amax history"),
     (DELAYED, "bad_dtype", r"fp8_state\[0\].input: expected a float32 amax history"),
@@ -230,3 +229,37 @@ def test_scale_follows_the_largest_amax_of_the_history():
     big = jnp.asarray([[1000.0]], jnp.float32)
     x8, scale, _ = fp8.quantize_delayed(big, jnp.zeros(3), "float8_e4m3fn", 0)
     assert float(scale) == 1.0 and float(x8[0, 0].astype(jnp.float32)) == 448.0
+
+
+def test_current_scaling_records_its_amaxes_and_calibrates_a_fresh_state():
+    """With current scaling `fp8_state` is optional: the values are those of the call without
+    it, and the next state holds the amaxes the scales came from. Delayed scaling from that
+    state is current scaling on the same data; from the fresh state (scale 1) the gradients of
+    small values flush to zero in e5m2, which is why the first step calibrates."""
+    x, params = make_stack(12, (32, 64, 48, 16), lead=(20,))
+    dy = random_cotangent(5, (20, 16)) * 1e-6  # gradients below e5m2's smallest at scale 1
+    activations = ("relu", "relu", None)
+    current = Fp8(layers="all", amax_history_length=3)
+    fresh = current.init_state(3)
+    *got, calibrated = step(x, params, activations, dy, current, fresh)
+    want = model_stack(np.asarray(x), params, activations, dy, [True] * 3, current,
+                       histories=as_numpy(fresh))
+    plain = run_stack_without_state(x, params, activations, dy, current)
+    for g, p, w in zip(leaves(*got), leaves(*plain), leaves(*want[:3])):
+        np.testing.assert_array_equal(g, p)
+        close(g, w, 2e-5)
+    for (gi, gg), (wi, wg) in zip(as_numpy(calibrated), want[3]):
+        np.testing.assert_allclose(gi, wi, rtol=1e-6)
+        np.testing.assert_allclose(gg, wg, rtol=1e-6)
+    *delayed, _ = step(x, params, activations, dy, DELAYED, calibrated)
+    for d, g in zip(leaves(*delayed), leaves(*got)):
+        np.testing.assert_array_equal(d, g)  # same amaxes: the same scales
+    *cold, _ = step(x, params, activations, dy, DELAYED, fresh)
+    assert float(np.max(np.abs(np.asarray(cold[2][0][0])))) == 0.0  # dW of layer 0 flushed
+
+
+def run_stack_without_state(x, params, activations, dy, config):
+    y, vjp = jax.vjp(lambda x, p: jax_epilog.mlp(x, p, activation=activations[0],
+                                                 final_activation=activations[-1], fp8=config),
+                     x, params)
+    return (y, *vjp(jnp.asarray(dy, y.dtype)))

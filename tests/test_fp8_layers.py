@@ -64,14 +64,14 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
     scaling (`histories` None) every amax is that of the tensor as stored (rounded to
     `dtype`): the layers take it with an XLA reduction, never from a GEMM's epilog.
 
-    Delayed scaling: `histories` is each layer's (input, gradient) amax history; each scale
-    comes from its history's largest value, and the result gains the next histories (this
-    step's amaxes first). With bfloat16 compute, a layer with a bias or an activation followed
+    With `histories` (each layer's (input, gradient) amax history) the result gains the next
+    histories, this step's amaxes first. Under delayed scaling (`config.scaling`) each scale
+    comes from its history's largest value. With bfloat16 compute, a layer with a bias or an activation followed
     by an FP8 layer writes that layer's FP8 input itself: `q·R` of its float32 result R, the
     amax R's (not rounded to bfloat16 first).
     """
     rnd = lambda v: np.asarray(np.asarray(v, np.float32).astype(dtype), np.float32)
-    delayed = histories is not None
+    delayed = config.scaling == "delayed"
     scale_amax = lambda history, current: np.max(history) if delayed else current
     h, saved, input_amaxes, direct = rnd(x), [], [], None
     for i, ((kernel, bias), act, q) in enumerate(zip(params, activations, quantized)):
@@ -117,7 +117,7 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
         if i and activations[i - 1] is not None:
             dprev = dprev * derivative(activations[i - 1], saved[i - 1][4])
         dz = rnd(dprev)
-    if not delayed:
+    if histories is None:
         return y, dz, grads[::-1]
     push = lambda history, value: np.concatenate([[np.float32(value)], history[:-1]])
     next_histories = [(push(hi, input_amaxes[i]), push(hg, gradient_amaxes[i]))
