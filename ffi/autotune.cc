@@ -127,6 +127,8 @@ struct Fill {
 // FillInputs), then the float32 scalars (`scalars`, set from `scalar_values` by SetScalars):
 // alpha and beta of a problem with c, the scales of FP8 operands; then the outputs (amax
 // included) and the workspace; `bytes` in all.
+constexpr size_t kScalarSlot = 256 / sizeof(float);
+
 struct ScratchLayout {
   CallBuffers buffers;
   std::vector<Fill> fills;
@@ -170,17 +172,29 @@ ScratchLayout LayOut(const Problem& p, uintptr_t base) {
   if (IsFp8(p.dtype)) {
     for (float scale : {1.0f, 1.0f, InverseSqrtK(p.k)}) layout.scalar_values.push_back(scale);
   }
+  // Each scalar in a part of its own (kScalarSlot floats), 256-byte aligned like the
+  // stand-ins the heuristic chose for (SetStandInPointers) and like XLA's buffers: on the
+  // H200 cuBLASLt refused (NOT_SUPPORTED) an FP8 plan whose scales were 4 bytes apart.
   if (!layout.scalar_values.empty()) {
+    std::vector<float> slots(layout.scalar_values.size() * kScalarSlot, 0.0f);
+    for (size_t i = 0; i < layout.scalar_values.size(); ++i)
+      slots[i * kScalarSlot] = layout.scalar_values[i];
+    layout.scalar_values = std::move(slots);
     layout.scalars = take(static_cast<int64_t>(layout.scalar_values.size() * sizeof(float)));
     const float* scalar = static_cast<const float*>(layout.scalars);
+    auto next = [&] {
+      const float* at = scalar;
+      scalar += kScalarSlot;
+      return at;
+    };
     if (p.has_c) {
-      scratch.alpha = scalar++;
-      scratch.beta = scalar++;
+      scratch.alpha = next();
+      scratch.beta = next();
     }
     if (IsFp8(p.dtype)) {
-      scratch.scale_a = scalar++;
-      scratch.scale_b = scalar++;
-      if (IsFp8(p.dtype_d)) scratch.scale_d = scalar;
+      scratch.scale_a = next();
+      scratch.scale_b = next();
+      if (IsFp8(p.dtype_d)) scratch.scale_d = next();
     }
   }
   scratch.y = take(p.batch * p.m * p.n * bytes(p.dtype_d));

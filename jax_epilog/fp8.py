@@ -103,12 +103,15 @@ class Fp8:
         True: every GEMM, what XLA does for an FP8 `dot_general` at DEFAULT precision; the
         weight gradient then sums over the batch in the fast accumulator.
       scaling: "current" (default): every scale from its tensor's own amax in the same step.
-        "delayed": the scales of the activations and gradients from an amax history kept
-        between steps (TransformerEngine's and Flax's `fp8_ops`' delayed scaling; weights keep
-        current scaling, one cheap pass over a small tensor). The layers then need
-        `fp8_state=` (`init_state`), and return the next state as its gradient. With current
-        scaling `fp8_state=` is optional and records the amaxes the scales came from: one
-        such step fills a fresh state, where delayed scaling would start from scale 1.
+        "delayed": the activations' scales (each FP8 layer's input) from an amax history kept
+        between steps, TransformerEngine's and Flax's `fp8_ops`' delayed scaling, so a forward
+        GEMM can write the next layer's FP8 input and its amax itself. Weights and gradients
+        keep current scaling: weights are small, and for gradients delayed scaling measured
+        slower on the H200 (docs/fp8.md) and would start from scale 1, which flushes small
+        gradients to zero. The layers then need `fp8_state=` (`init_state`), and return the
+        next state as its gradient. With current scaling `fp8_state=` is optional and records
+        the amaxes the scales came from: one such step fills a fresh state, where delayed
+        scaling would start from scale 1.
       amax_history_length: the steps of amax history under delayed scaling (1024, as in
         TransformerEngine and Flax); the scale follows the largest.
     """
@@ -200,10 +203,11 @@ def fp8_pays(rows: int, k: int, n: int) -> bool:
 
 
 class Fp8History(NamedTuple):
-    """One layer's delayed-scaling state (`Fp8(scaling="delayed")`): float32 amax histories,
-    the most recent first, of the layer's input (`input`) and of the gradient of its result
-    (`gradient`). The layers return the next state as the gradient of this one (Flax's
-    "overwrite with gradient" convention, `flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT`)."""
+    """One layer's FP8 scaling state: float32 amax histories, the most recent first, of the
+    layer's input (`input`: its scale under `Fp8(scaling="delayed")`) and of the gradient of
+    its result (`gradient`: recorded; gradients are scaled by their current amax). The layers
+    return the next state as the gradient of this one (Flax's "overwrite with gradient"
+    convention, `flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT`)."""
 
     input: Any
     gradient: Any
@@ -239,14 +243,14 @@ def quantize_delayed(x, history, dtype: str, margin: int):
     return x8, scale, amax(x)
 
 
-def quantize_scaled(x, fp8: Fp8, dtype: str, history):
-    """(x in FP8, its dequantization scale, amax(x)) with `fp8`'s scaling: delayed from
-    `history`, or current. Under current scaling the amax is the one the scale came from, so
-    recording it in a state costs nothing."""
-    if fp8.delayed:
-        return quantize_delayed(x, history, dtype, fp8.margin)
+def quantize_scaled(x, dtype: str, margin: int, history=None):
+    """(x in FP8, its dequantization scale, amax(x)): delayed scaling from `history`, or
+    current scaling without one. Under current scaling the amax is the one the scale came
+    from, so recording it in a state costs nothing."""
+    if history is not None:
+        return quantize_delayed(x, history, dtype, margin)
     x_amax = amax(x)
-    return (*quantize(x, x_amax, dtype, fp8.margin), x_amax)
+    return (*quantize(x, x_amax, dtype, margin), x_amax)
 
 
 def record(history, x_amax):
@@ -408,8 +412,8 @@ def _forward(plan: Plan, x, params, state, keep_residuals: bool):
         if h8 is not None:
             h8, h_scale, h_amax = h8
         else:
-            h8, h_scale, h_amax = quantize_scaled(h, fp8, fp8.forward,
-                                                  state[i].input if state else None)
+            h8, h_scale, h_amax = quantize_scaled(
+                h, fp8.forward, fp8.margin, state[i].input if fp8.delayed else None)
         w8, w_scale = quantize_current(kernel, fp8.forward, fp8.margin)
         epilog = Epilog.find(layer.activation, layer.has_bias, keep)
         fp8_result = writes_fp8_result(plan, i, x.dtype)
@@ -463,8 +467,8 @@ def _fp8_stack_bwd(plan: Plan, residuals, dy):
             dz, next_dbias = layers._data_grad(dz, s.kernel, previous, previous_residual,
                                                stack)
         else:
-            dz8, dz_scale, gradient_amaxes[i] = quantize_scaled(
-                dz, fp8, fp8.gradient, state[i].gradient if state else None)
+            # Current scaling for gradients, delayed scaling or not (`Fp8.scaling`).
+            dz8, dz_scale, gradient_amaxes[i] = quantize_scaled(dz, fp8.gradient, fp8.margin)
             # Memory (docs/fp8.md, "Memory"): dZ8ᵀ and h8ᵀ, the weight gradient's K-major
             # operands, are made from dZ8 and h8 after the barrier (so the 16-bit dZ is dead by
             # then), and the data gradient's GEMM, whose 16-bit result is the largest buffer

@@ -65,8 +65,8 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
     `dtype`): the layers take it with an XLA reduction, never from a GEMM's epilog.
 
     With `histories` (each layer's (input, gradient) amax history) the result gains the next
-    histories, this step's amaxes first. Under delayed scaling (`config.scaling`) each scale
-    comes from its history's largest value. With bfloat16 compute, a layer with a bias or an activation followed
+    histories, this step's amaxes first. Under delayed scaling (`config.scaling`) each layer
+    input's scale comes from its history's largest value (gradients: current scaling). With bfloat16 compute, a layer with a bias or an activation followed
     by an FP8 layer writes that layer's FP8 input itself: `q·R` of its float32 result R, the
     amax R's (not rounded to bfloat16 first).
     """
@@ -104,9 +104,7 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
         h_in, sh, kernel, sw, _ = saved[i]
         if quantized[i]:
             gradient_amaxes[i] = np.max(np.abs(dz))
-            dz8, sg = quantize(dz, scale_amax(histories[i][1] if delayed else None,
-                                              gradient_amaxes[i]), config.gradient,
-                               config.margin)
+            dz8, sg = quantize(dz, gradient_amaxes[i], config.gradient, config.margin)
             dkernel = gemm(h_in.T, sh, dz8, sg)
             dprev = gemm(dz8, sg, kernel.T, sw)
         else:
