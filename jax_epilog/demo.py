@@ -96,21 +96,31 @@ def make_model(fused: bool, in_features: int, features: Sequence[int], *,
 
 
 def make_train_step(model: nnx.Module, optimizer: optax.GradientTransformation) -> Callable:
-    """A pure `step(params, opt_state, x, y) -> (params, opt_state, loss)` for `model`'s
-    architecture: softmax cross-entropy, gradients of every parameter, one optimizer update."""
+    """A pure `step(state, opt_state, x, y) -> (state, opt_state, loss)` for `model`'s
+    architecture, `state` being `model_state(model)`: softmax cross-entropy, gradients of every
+    parameter, one optimizer update. FP8 amax histories (`jax_epilog.nnx.AmaxHistory`, under
+    delayed scaling) take their gradient, which is their next value, as they are."""
     graphdef = nnx.graphdef(model)
 
-    def loss_fn(params, x, y):
-        logits = nnx.merge(graphdef, params)(x)
+    def loss_fn(params, histories, x, y):
+        logits = nnx.merge(graphdef, histories, params)(x)
         return optax.softmax_cross_entropy_with_integer_labels(
             logits.astype(jnp.float32), y).mean()
 
-    def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+    def step(state, opt_state, x, y):
+        params, histories = state
+        loss, (grads, histories) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+            params, histories, x, y)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return (optax.apply_updates(params, updates), histories), opt_state, loss
 
     return step
+
+
+def model_state(model: nnx.Module) -> tuple:
+    """(parameters, amax histories): the state `make_train_step`'s step trains."""
+    _, histories, params = nnx.split(model, fused_nnx.AmaxHistory, ...)
+    return params, histories
 
 
 def train(model: nnx.Module, data: Digits, *, epochs: int = 20, batch_size: int = 64,
@@ -122,17 +132,17 @@ def train(model: nnx.Module, data: Digits, *, epochs: int = 20, batch_size: int 
     """
     optimizer = optax.adam(learning_rate)
     step = make_train_step(model, optimizer)
-    params = nnx.state(model)
-    opt_state = optimizer.init(params)
+    state = model_state(model)
+    opt_state = optimizer.init(state[0])
 
     @jax.jit
-    def run_epoch(params, opt_state, x_batches, y_batches):
+    def run_epoch(state, opt_state, x_batches, y_batches):
         def body(carry, batch):
-            params, opt_state, loss = step(*carry, *batch)
-            return (params, opt_state), loss
-        (params, opt_state), losses = jax.lax.scan(body, (params, opt_state),
-                                                   (x_batches, y_batches))
-        return params, opt_state, losses.mean()
+            state, opt_state, loss = step(*carry, *batch)
+            return (state, opt_state), loss
+        (state, opt_state), losses = jax.lax.scan(body, (state, opt_state),
+                                                  (x_batches, y_batches))
+        return state, opt_state, losses.mean()
 
     n_batches = len(data.x_train) // batch_size
     if n_batches < 1:
@@ -145,10 +155,10 @@ def train(model: nnx.Module, data: Digits, *, epochs: int = 20, batch_size: int 
         order = rng.permutation(len(data.x_train))[:n_batches * batch_size]
         x = data.x_train[order].reshape(n_batches, batch_size, -1)
         y = data.y_train[order].reshape(n_batches, batch_size)
-        params, opt_state, loss = run_epoch(params, opt_state, x, y)
+        state, opt_state, loss = run_epoch(state, opt_state, x, y)
         losses.append(float(loss))
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
-    nnx.update(model, params)
+    nnx.update(model, *state)
     return losses
 
 
@@ -177,8 +187,8 @@ def compare_steps(models: dict[str, nnx.Module], x, y, *, rounds: int = 7,
     compiled, states, costs = {}, {}, {}
     for name, model in models.items():
         step = jax.jit(make_train_step(model, optimizer))
-        params = nnx.state(model)
-        states[name] = (params, optimizer.init(params))
+        state = model_state(model)
+        states[name] = (state, optimizer.init(state[0]))
         lowered = step.lower(*states[name], x, y)
         compiled[name] = lowered.compile()
         try:

@@ -25,8 +25,16 @@ try:
 except ImportError as error:
     raise ImportError(f"jax_epilog.linen needs Flax: {_install_hint('flax')}") from error
 
-from .fp8 import as_fp8
+from .fp8 import Fp8History, as_fp8
 from .layers import activation_name, dense, mlp
+
+#: The variable collection of the FP8 amax histories (`Fp8(scaling="delayed")`): Flax's
+#: "overwrite with gradient" collection, whose gradients are the variables' next values and
+#: which `flax.training.train_state.TrainState.apply_gradients` overwrites, not optimizes.
+try:
+    from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT as FP8_COLLECTION
+except ImportError:  # older Flax: the same name
+    FP8_COLLECTION = "_overwrite_with_gradient"
 
 
 class Dense(linen.Module):
@@ -39,7 +47,11 @@ class Dense(linen.Module):
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as for `linen.Dense`;
         `kernel_init=linen.with_partitioning(init, names)` annotates the kernel for sharding.
       fp8: None, True or `jax_epilog.Fp8(...)`: FP8 training as `jax_epilog.dense`'s `fp8=`;
-        checked on construction. The parameters are the same with or without it.
+        checked on construction. The parameters are the same with or without it. With
+        `Fp8(scaling="delayed")` the layer also keeps `input_amax_history` and
+        `gradient_amax_history` in the `FP8_COLLECTION` variable collection
+        (`"_overwrite_with_gradient"`, as Flax's own fp8 ops): differentiate w.r.t. it too, and
+        replace it by its gradient (`TrainState.apply_gradients` does).
     """
 
     features: int
@@ -71,11 +83,23 @@ class Dense(linen.Module):
             if self.use_bias else None
         return kernel, bias
 
+    @linen.compact
+    def fp8_state(self, fp8) -> Optional[Fp8History]:
+        """This layer's `fp8_state=` under `fp8` (created on first use; None without delayed
+        scaling)."""
+        fp8 = as_fp8(fp8)
+        if fp8 is None or not fp8.delayed:
+            return None
+        initial = fp8.init_state(1)[0]
+        return Fp8History(*(self.variable(FP8_COLLECTION, f"{field}_amax_history",
+                                          lambda value=value: value).value
+                            for field, value in zip(Fp8History._fields, initial)))
+
     def __call__(self, inputs):
         kernel, bias = self.kernel_and_bias(jnp.shape(inputs)[-1])
         inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         return dense(inputs, kernel, bias, activation=activation_name(self.activation),
-                     precision=self.precision, fp8=self.fp8)
+                     precision=self.precision, fp8=self.fp8, fp8_state=self.fp8_state(self.fp8))
 
 
 class MLP(linen.Module):
@@ -83,7 +107,8 @@ class MLP(linen.Module):
 
     `activation` follows every layer but the last, `final_activation` the last; both are
     checked on construction, as `Dense`'s is. The other attributes are `linen.Dense`'s and
-    apply to every layer; `fp8` is `Dense`'s (chosen per layer by `jax_epilog.Fp8()`).
+    apply to every layer; `fp8` is `Dense`'s (chosen per layer by `jax_epilog.Fp8()`; under
+    delayed scaling each `layers_i` keeps its amax histories in `FP8_COLLECTION`).
     """
 
     features: Sequence[int]
@@ -114,7 +139,7 @@ class MLP(linen.Module):
         activation = activation_name(self.activation)
         final_activation = activation_name(self.final_activation)
         sizes = [jnp.shape(inputs)[-1], *features]
-        params = []
+        params, states = [], []
         for i, size in enumerate(features):
             layer = Dense(size, activation=activation if i < len(features) - 1
                           else final_activation,
@@ -123,6 +148,8 @@ class MLP(linen.Module):
                           kernel_init=self.kernel_init, bias_init=self.bias_init,
                           name=f"layers_{i}")
             params.extend(layer.kernel_and_bias(sizes[i]))
+            states.append(layer.fp8_state(self.fp8))
         inputs, *params = promote_dtype(inputs, *params, dtype=self.dtype)
         return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=activation,
-                   final_activation=final_activation, precision=self.precision, fp8=self.fp8)
+                   final_activation=final_activation, precision=self.precision, fp8=self.fp8,
+                   fp8_state=None if None in states else states)

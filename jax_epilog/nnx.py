@@ -27,11 +27,34 @@ try:
 except ImportError as error:
     raise ImportError(f"jax_epilog.nnx needs Flax: {_install_hint('flax')}") from error
 
-from .fp8 import as_fp8
+from .fp8 import Fp8History, as_fp8
 from .layers import activation_name, dense, mlp
 
 # Flax >= 0.12 wants lists of modules wrapped so it can see their state; older Flax takes lists.
 _ModuleList = getattr(nnx, "List", list)
+
+
+class AmaxHistory(nnx.Variable):
+    """An FP8 layer's amax history (`jax_epilog.Fp8(scaling="delayed")`): state, not a
+    parameter. Its gradient is its next value (Flax's "overwrite with gradient"): take
+    gradients w.r.t. it too and write them into the model (`update_amax_histories`), never
+    through the optimizer."""
+
+
+def update_amax_histories(model: nnx.Module, grads) -> None:
+    """Writes the `AmaxHistory` part of `grads` (gradients of `model` taken w.r.t.
+    `AmaxHistory` variables, e.g. `nnx.grad(..., argnums=nnx.DiffState(0, nnx.Any(nnx.Param,
+    AmaxHistory)))`) into `model`: each history's gradient is its next value."""
+    nnx.update(model, nnx.filter_state(grads, AmaxHistory) if hasattr(nnx, "filter_state")
+               else grads.filter(AmaxHistory))
+
+
+def _amax_histories(fp8) -> tuple[Optional[AmaxHistory], Optional[AmaxHistory]]:
+    """A layer's (input, gradient) `AmaxHistory` variables under delayed scaling, else None."""
+    if fp8 is None or not fp8.delayed:
+        return None, None
+    state = fp8.init_state(1)[0]
+    return AmaxHistory(state.input), AmaxHistory(state.gradient)
 
 
 def _check_in_features(inputs, in_features: int, module: str):
@@ -52,7 +75,9 @@ class Dense(nnx.Module):
         bias_metadata: as for `nnx.Linear`. Sharding annotations such as
         `kernel_init=nnx.with_partitioning(init, ("data", "model"))` carry over to the params.
       fp8: None, True or `jax_epilog.Fp8(...)`: FP8 training as `jax_epilog.dense`'s `fp8=`.
-        The parameters are the same with or without it, so checkpoints interchange.
+        The parameters are the same with or without it, so checkpoints interchange. With
+        `Fp8(scaling="delayed")` the layer also holds its amax histories as `AmaxHistory`
+        variables (`input_amax_history`, `gradient_amax_history`).
     """
 
     def __init__(self, in_features: int, out_features: int, *,
@@ -81,15 +106,22 @@ class Dense(nnx.Module):
         self.param_dtype = param_dtype
         self.precision = precision
         self.fp8 = fp8
+        self.input_amax_history, self.gradient_amax_history = _amax_histories(fp8)
 
     def kernel_and_bias(self) -> tuple[Any, Optional[Any]]:
         return self.kernel[...], (self.bias[...] if self.bias is not None else None)
+
+    def fp8_state(self) -> Optional[Fp8History]:
+        """This layer's `fp8_state=` for `jax_epilog.dense` (None without delayed scaling)."""
+        if self.input_amax_history is None:
+            return None
+        return Fp8History(self.input_amax_history[...], self.gradient_amax_history[...])
 
     def __call__(self, inputs):
         _check_in_features(inputs, self.in_features, "Dense")
         inputs, kernel, bias = promote_dtype(inputs, *self.kernel_and_bias(), dtype=self.dtype)
         return dense(inputs, kernel, bias, activation=self.activation, precision=self.precision,
-                     fp8=self.fp8)
+                     fp8=self.fp8, fp8_state=self.fp8_state())
 
 
 class MLP(nnx.Module):
@@ -99,7 +131,8 @@ class MLP(nnx.Module):
     `nnx.List([nnx.Linear(64, 128), nnx.Linear(128, 128), nnx.Linear(128, 10)])` stored as
     `layers`; `activation` follows every layer but the last, `final_activation` the last.
     The activations are checked as `Dense`'s are. The other arguments are `nnx.Linear`'s and
-    apply to every layer; `fp8` is `Dense`'s (chosen per layer by `jax_epilog.Fp8()`).
+    apply to every layer; `fp8` is `Dense`'s (chosen per layer by `jax_epilog.Fp8()`; under
+    delayed scaling each layer holds its `AmaxHistory` variables).
     """
 
     def __init__(self, in_features: int, features: Sequence[int], *,
@@ -136,6 +169,7 @@ class MLP(nnx.Module):
         _check_in_features(inputs, self.layers[0].in_features, "MLP")
         params = [p for layer in self.layers for p in layer.kernel_and_bias()]
         inputs, *params = promote_dtype(inputs, *params, dtype=self.dtype)
+        states = [layer.fp8_state() for layer in self.layers]
         return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=self.activation,
                    final_activation=self.final_activation, precision=self.precision,
-                   fp8=self.fp8)
+                   fp8=self.fp8, fp8_state=None if None in states else states)

@@ -266,3 +266,76 @@ def run_stack_without_state(x, params, activations, dy, config):
                                                  final_activation=activations[-1], fp8=config),
                      x, params)
     return (y, *vjp(jnp.asarray(dy, y.dtype)))
+
+
+# --- Flax ----------------------------------------------------------------------------------
+
+def test_linen_keeps_the_histories_in_flax_overwrite_with_gradient_collection():
+    """Linen: the histories are variables of Flax's "overwrite with gradient" collection, which
+    `TrainState.apply_gradients` replaces by their gradients; values equal `mlp`'s with the
+    same state, parameters unchanged by delayed scaling."""
+    pytest.importorskip("flax.linen")
+    optax = pytest.importorskip("optax")
+    from flax.training import train_state
+
+    from jax_epilog import linen as fused_linen
+
+    x, params = make_stack(13, (24, 32, 16), lead=(8,))
+    model = fused_linen.MLP((32, 16), fp8=DELAYED)
+    variables = model.init(jax.random.key(0), x)
+    histories = variables[fused_linen.FP8_COLLECTION]
+    assert fused_linen.FP8_COLLECTION == "_overwrite_with_gradient"
+    assert jax.tree.structure(variables["params"]) == jax.tree.structure(
+        fused_linen.MLP((32, 16)).init(jax.random.key(0), x)["params"])
+    state = train_state.TrainState.create(apply_fn=model.apply, params=variables,
+                                          tx=optax.sgd(0.1))
+    grads = jax.grad(lambda v: jnp.mean(model.apply(v, x) ** 2))(state.params)
+    state = state.apply_gradients(grads=grads)
+    layers_ = variables["params"]
+    stack = [(layers_[f"layers_{i}"]["kernel"], layers_[f"layers_{i}"]["bias"])
+             for i in range(2)]
+    fresh = [Fp8History(histories[f"layers_{i}"]["input_amax_history"],
+                        histories[f"layers_{i}"]["gradient_amax_history"]) for i in range(2)]
+    _, vjp = jax.vjp(lambda s: jax_epilog.mlp(x, stack, fp8=DELAYED, fp8_state=s), fresh)
+    y = model.apply(variables, x)
+    (want,) = vjp(2 * y / y.size)
+    np.testing.assert_array_equal(y, jax_epilog.mlp(x, stack, fp8=DELAYED, fp8_state=fresh))
+    for i, history in enumerate(want):
+        got = state.params[fused_linen.FP8_COLLECTION][f"layers_{i}"]
+        np.testing.assert_allclose(got["input_amax_history"], history.input, rtol=1e-6)
+        np.testing.assert_allclose(got["gradient_amax_history"], history.gradient, rtol=1e-6)
+        assert float(got["input_amax_history"][0]) > 0
+    dense = fused_linen.Dense(16, activation="gelu", fp8=DELAYED)
+    v = dense.init(jax.random.key(1), x)
+    assert set(v[fused_linen.FP8_COLLECTION]) == {"input_amax_history", "gradient_amax_history"}
+    assert fused_linen.Dense(16, fp8=True).init(jax.random.key(1), x).keys() == {"params"}
+
+
+def test_nnx_keeps_the_histories_as_amax_history_variables():
+    """NNX: `AmaxHistory` variables per layer, not parameters (`nnx.Param` state unchanged);
+    `nnx.grad` w.r.t. them gives their next values, which `update_amax_histories` writes."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jax_epilog import nnx as fused_nnx
+
+    x, _ = make_stack(14, (24, 16), lead=(8,))
+    model = fused_nnx.MLP(24, [32, 16], fp8=DELAYED, rngs=nnx.Rngs(0))
+    plain = fused_nnx.MLP(24, [32, 16], rngs=nnx.Rngs(0))
+    assert jax.tree.structure(nnx.state(model, nnx.Param)) == \
+        jax.tree.structure(nnx.state(plain, nnx.Param))
+    stack = [layer.kernel_and_bias() for layer in model.layers]
+    states = [layer.fp8_state() for layer in model.layers]
+    np.testing.assert_array_equal(model(x), jax_epilog.mlp(x, stack, fp8=DELAYED,
+                                                           fp8_state=states))
+    wrt = nnx.DiffState(0, nnx.Any(nnx.Param, fused_nnx.AmaxHistory))
+    grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2), argnums=wrt)(model)
+    fused_nnx.update_amax_histories(model, grads)
+    _, vjp = jax.vjp(lambda s: jax_epilog.mlp(x, stack, fp8=DELAYED, fp8_state=s), states)
+    y = jax_epilog.mlp(x, stack, fp8=DELAYED, fp8_state=states)
+    (want,) = vjp(2 * y / y.size)
+    for layer, history in zip(model.layers, want):
+        np.testing.assert_allclose(layer.input_amax_history[...], history.input, rtol=1e-6)
+        np.testing.assert_allclose(layer.gradient_amax_history[...], history.gradient,
+                                   rtol=1e-6)
+    dense = fused_nnx.Dense(24, 16, fp8=DELAYED, rngs=nnx.Rngs(1))
+    assert dense.fp8_state() is not None and dense(x).shape == (8, 16)
+    assert fused_nnx.Dense(24, 16, fp8=True, rngs=nnx.Rngs(1)).fp8_state() is None
