@@ -103,15 +103,17 @@ class Fp8:
         True: every GEMM, what XLA does for an FP8 `dot_general` at DEFAULT precision; the
         weight gradient then sums over the batch in the fast accumulator.
       scaling: "current" (default): every scale from its tensor's own amax in the same step.
-        "delayed": the activations' scales (each FP8 layer's input) from an amax history kept
-        between steps, TransformerEngine's and Flax's `fp8_ops`' delayed scaling, so a forward
-        GEMM can write the next layer's FP8 input and its amax itself. Weights and gradients
-        keep current scaling: weights are small, and for gradients delayed scaling measured
-        slower on the H200 (docs/fp8.md) and would start from scale 1, which flushes small
-        gradients to zero. The layers then need `fp8_state=` (`init_state`), and return the
-        next state as its gradient. With current scaling `fp8_state=` is optional and records
-        the amaxes the scales came from: one such step fills a fresh state, where delayed
-        scaling would start from scale 1.
+        "delayed": TransformerEngine's and Flax's `fp8_ops`' delayed scaling where a GEMM
+        writes the FP8 tensor itself, which needs its scale before it runs: each FP8 layer's
+        input that the previous layer's forward GEMM writes (`writes_fp8_result`), and each
+        ReLU layer's gradient dZ8 that the data-gradient GEMM above writes
+        (`writes_fp8_gradient`); their scales come from amax histories kept between steps.
+        Tensors quantized by an XLA pass (the first input, the top gradient, GELU's
+        gradients, the weights) keep current scaling: there delayed scaling measured no
+        faster on the H200 (docs/fp8.md). The layers then need `fp8_state=` (`init_state`)
+        and return the next state as its gradient. A fresh state's scales are 1, which
+        flushes small gradients to zero: start with one step of current scaling on the same
+        state (`fp8_state=` is optional there and records the amaxes its scales came from).
       amax_history_length: the steps of amax history under delayed scaling (1024, as in
         TransformerEngine and Flax); the scale follows the largest.
     """
@@ -204,10 +206,11 @@ def fp8_pays(rows: int, k: int, n: int) -> bool:
 
 class Fp8History(NamedTuple):
     """One layer's FP8 scaling state: float32 amax histories, the most recent first, of the
-    layer's input (`input`: its scale under `Fp8(scaling="delayed")`) and of the gradient of
-    its result (`gradient`: recorded; gradients are scaled by their current amax). The layers
-    return the next state as the gradient of this one (Flax's "overwrite with gradient"
-    convention, `flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT`)."""
+    layer's input (`input`) and of the gradient of its result (`gradient`; where a GEMM writes
+    it, the amax before ReLU's derivative), from which `Fp8(scaling="delayed")` takes the
+    scales of the tensors a GEMM writes. The layers return the next state as the gradient of
+    this one (Flax's "overwrite with gradient" convention,
+    `flax.linen.fp8_ops.OVERWRITE_WITH_GRADIENT`)."""
 
     input: Any
     gradient: Any
@@ -449,6 +452,16 @@ def _fp8_stack_fwd(plan: Plan, x, params, state):
     return y, (saved, state)
 
 
+def writes_fp8_gradient(plan: Plan, i: int) -> bool:
+    """Whether the data-gradient GEMM of layer i + 1 writes layer i's FP8 gradient dZ8 (and
+    its amax) itself, so the 16-bit data gradient never exists: under delayed scaling (the
+    scale known before the GEMM), for a ReLU whose derivative comes from the next layer's
+    input (`relu_from_next_input`: a 0/1 mask, which commutes with the quantization, applied
+    to the FP8 bits), layer i in FP8. The amax is the GEMM's, before the mask: an upper bound
+    of dZ's."""
+    return plan.fp8.delayed and plan.quantized[i] and relu_from_next_input(plan, i)
+
+
 def _fp8_stack_bwd(plan: Plan, residuals, dy):
     saved, state = residuals
     stack, fp8, quantized = plan
@@ -456,6 +469,7 @@ def _fp8_stack_bwd(plan: Plan, residuals, dy):
     fast = fp8.fast("gradient")
     dz = layers._activation_grad(dy, saved[-1].residual, stack_layers[-1].activation)
     dbias = None  # the current layer's bias gradient, when the step above has given it
+    dz8 = None  # the current layer's (dZ8, scale), when the step above has written it
     grads, gradient_amaxes = [], {}
     for i in reversed(range(len(stack_layers))):
         s = saved[i]
@@ -467,24 +481,41 @@ def _fp8_stack_bwd(plan: Plan, residuals, dy):
             dz, next_dbias = layers._data_grad(dz, s.kernel, previous, previous_residual,
                                                stack)
         else:
-            # Current scaling for gradients, delayed scaling or not (`Fp8.scaling`).
-            dz8, dz_scale, gradient_amaxes[i] = quantize_scaled(dz, fp8.gradient, fp8.margin)
+            if dz8 is None:
+                # Current scaling for gradients in 16 bits (`Fp8.scaling`).
+                dz8, dz_scale, gradient_amaxes[i] = quantize_scaled(dz, fp8.gradient,
+                                                                    fp8.margin)
+            else:  # written by the step above (`writes_fp8_gradient`); its bias gradient too
+                dz8, dz_scale = dz8
             # Memory (docs/fp8.md, "Memory"): dZ8ᵀ and h8ᵀ, the weight gradient's K-major
             # operands, are made from dZ8 and h8 after the barrier (so the 16-bit dZ is dead by
             # then), and the data gradient's GEMM, whose 16-bit result is the largest buffer
             # here, waits for the weight gradient (so both transposes are dead by then).
             # FP8 GEMMs have no BGRADB: the bias gradient is a sum of dZ, which XLA fuses with
             # dZ's amax above (both read dZ once); before the barrier, so dZ dies there.
-            own_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \
+            own_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dy.dtype) \
                 if need_bias_grad else None
             dz8, h8, own_dbias = _barrier(dz8, s.input, own_dbias)
-            dkernel, _ = _matmul8(h8.T, s.input_scale, dz8.T, dz_scale, dz.dtype,
+            dkernel, _ = _matmul8(h8.T, s.input_scale, dz8.T, dz_scale, dy.dtype,
                                   stack.backward, fast, transpose_b=True)
             dz8, dkernel = _barrier(dz8, dkernel)
-            if i and relu_from_next_input(plan, i - 1):
+            if i and writes_fp8_gradient(plan, i - 1):
+                # The previous layer's dZ8 straight from the GEMM (delayed scale, its amax),
+                # ReLU's derivative h8 > 0 applied to its bits, the bias gradient its sum.
+                q = multiplier(jnp.max(state[i - 1].gradient), fp8.gradient, fp8.margin)
+                p8, aux = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, fp8.gradient,
+                                   stack.backward, fast, transpose_b=True, result_scale=q)
+                gradient_amaxes[i - 1] = aux["result_amax"]
+                bits = jnp.where(positive(h8), jax.lax.bitcast_convert_type(p8, jnp.uint8),
+                                 jnp.zeros((), jnp.uint8))
+                dz8 = jax.lax.bitcast_convert_type(bits, p8.dtype)
+                next_dbias = (jnp.sum(dz8, axis=0, dtype=jnp.float32) / q).astype(dy.dtype) \
+                    if previous.has_bias else None
+                dz8, dz = (dz8, 1.0 / q), None
+            elif i and relu_from_next_input(plan, i - 1):
                 # ReLU's derivative from this layer's own FP8 input h8 = Q(relu(z)), as XLA
                 # fusions after a plain FP8 GEMM (also the previous layer's bias gradient).
-                p, _ = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype,
+                p, _ = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, dy.dtype,
                                 stack.backward, fast, transpose_b=True)
                 dz = jnp.where(positive(h8), p, jnp.zeros((), p.dtype))
                 next_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \
@@ -492,11 +523,13 @@ def _fp8_stack_bwd(plan: Plan, residuals, dy):
             else:
                 epilog = layers._data_grad_epilog(previous)
                 dz, aux = _matmul8(
-                    dz8, dz_scale, s.kernel, s.kernel_scale, dz.dtype, stack.backward, fast,
+                    dz8, dz_scale, s.kernel, s.kernel_scale, dy.dtype, stack.backward, fast,
                     epilog=epilog, transpose_b=True,
                     inputs={epilog.aux_input: previous_residual} if epilog.aux_input else None)
                 next_dbias = aux.get(epilog.reduction_output) if previous is not None and \
                     previous.has_bias and epilog.reduction_output else None
+            if dz is not None:
+                dz8 = None
         grads.append((dkernel, own_dbias if need_bias_grad else dbias))
         dbias = next_dbias
     return dz, tuple(reversed(grads)), _next_state(plan, saved, state, gradient_amaxes)

@@ -66,7 +66,10 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
 
     With `histories` (each layer's (input, gradient) amax history) the result gains the next
     histories, this step's amaxes first. Under delayed scaling (`config.scaling`) each layer
-    input's scale comes from its history's largest value (gradients: current scaling). With bfloat16 compute, a layer with a bias or an activation followed
+    input's scale comes from its history's largest value, and so does the gradient scale of
+    a ReLU layer followed by an FP8 layer, whose dZ8 the data-gradient GEMM writes (the mask
+    h8 > 0 applied to the FP8 values, the amax before it, the bias gradient their sum); the
+    other gradients are scaled by their current amax. With bfloat16 compute, a layer with a bias or an activation followed
     by an FP8 layer writes that layer's FP8 input itself: `q·R` of its float32 result R, the
     amax R's (not rounded to bfloat16 first).
     """
@@ -99,19 +102,36 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
     y = h
     dz = rnd(dy) if activations[-1] is None else rnd(rnd(dy) * derivative(activations[-1],
                                                                           saved[-1][4]))
-    grads, gradient_amaxes = [], {}
+    grads, gradient_amaxes, written = [], {}, None
     for i in reversed(range(len(params))):
         h_in, sh, kernel, sw, _ = saved[i]
         if quantized[i]:
-            gradient_amaxes[i] = np.max(np.abs(dz))
-            dz8, sg = quantize(dz, gradient_amaxes[i], config.gradient, config.margin)
+            if written is None:
+                gradient_amaxes[i] = np.max(np.abs(dz))
+                dz8, sg = quantize(dz, gradient_amaxes[i], config.gradient, config.margin)
+                dbias = None if params[i][1] is None else rnd(dz.astype(np.float64).sum(0))
+            else:
+                dz8, sg = written
+                dbias = None if params[i][1] is None else \
+                    rnd(dz8.astype(np.float64).sum(0) * np.float64(sg))
             dkernel = gemm(h_in.T, sh, dz8, sg)
             dprev = gemm(dz8, sg, kernel.T, sw)
         else:
             dkernel = h_in.astype(np.float64).T @ dz
             dprev = dz.astype(np.float64) @ kernel.T
-        dbias = None if params[i][1] is None else rnd(dz.astype(np.float64).sum(0))
+            dbias = None if params[i][1] is None else rnd(dz.astype(np.float64).sum(0))
         grads.append((rnd(dkernel), dbias))
+        written = None
+        if delayed and i and quantized[i] and quantized[i - 1] and \
+                activations[i - 1] == "relu":
+            # the data-gradient GEMM writes dZ8 of layer i - 1 at its delayed scale, its amax
+            # before the mask; ReLU's derivative is h8 > 0 of layer i's input
+            r = np.asarray(dprev, np.float32)
+            gradient_amaxes[i - 1] = np.max(np.abs(r))
+            p8, sp = quantize(r, np.max(histories[i - 1][1]), config.gradient, config.margin)
+            mask = h_in.astype(np.float32) > 0
+            written = (np.where(mask, p8, np.zeros((), p8.dtype)), sp)
+            continue
         if i and activations[i - 1] is not None:
             dprev = dprev * derivative(activations[i - 1], saved[i - 1][4])
         dz = rnd(dprev)
