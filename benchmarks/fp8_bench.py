@@ -90,11 +90,11 @@ SWEEP = [(16384, 1024), (16384, 2048), (16384, 4096), (65536, 4096)]  # (rows, n
 SMOKE_SWEEP = [(32, 16), (64, 32)]
 # The issue's targets: (row, variant, against, at least) on the careful harness's ratios.
 TARGETS = [(row, variant, against, least)
-           for variant in ("ours_fp8", "ours_fp8_delayed")
+           for variant in ("ours_fp8", "ours_fp8_delayed", "ours_fp8_delayed_fast")
            for row, against, least in (("M1", "xla_bf16", 1.5), ("M1", "xla_fp8", 1.05),
                                        ("G1", "xla_bf16", 1.45), ("M2", "xla_bf16", 0.98))]
 MAX_TEMP_RATIOS = [("M1", variant, "xla_bf16", 0.6)  # temporaries at most this share
-                   for variant in ("ours_fp8", "ours_fp8_delayed")]
+                   for variant in ("ours_fp8", "ours_fp8_delayed", "ours_fp8_delayed_fast")]
 
 
 # --- the user's FP8 step under XLA -----------------------------------------------------------
@@ -274,16 +274,19 @@ def measure(w: Workload, variants, budget: timing.Budget) -> dict[str, Any]:
 
 
 def targets(rows: dict[str, dict]) -> list[dict[str, Any]]:
-    """The issue's targets, from the careful harness, where the rows were measured."""
+    """The issue's targets where the rows were measured: a speed target is met when the
+    ratio reaches it in both harnesses (`value`: the careful one's, `user`: the other's)."""
     found = []
     for row, variant, against, least in TARGETS:
         if row in rows and "careful" in rows[row]["variants"].get(variant, {}):
             variants = rows[row]["variants"]
             value = variants[variant]["careful"][f"ratio_vs_{against}"]
+            user = variants[variant].get("user", {}).get(f"ratio_vs_{against}", value)
             fell_back = bool(variants[variant].get("fallbacks") or
                              variants[against].get("fallbacks"))
             found.append({"target": f"{row} {variant} / {against} speed >= {least}",
-                          "value": value, "met": value >= least and not fell_back,
+                          "value": value, "user": user,
+                          "met": min(value, user) >= least and not fell_back,
                           **({"note": "reference fallback"} if fell_back else {})})
     for row, variant, against, most in MAX_TEMP_RATIOS:
         if row not in rows or variant not in rows[row]["variants"]:
@@ -429,8 +432,11 @@ def markdown(report: dict[str, Any]) -> str:
     if fallbacks:
         lines += ["", "## FALLBACK: GEMMs that ran the reference", ""] + fallbacks
     if report.get("targets"):
-        lines += ["", "## Targets", "", "| target | value | met |", "|---|---|---|"]
-        lines += [f"| {t['target']} | {t['value']:.3f} | {'yes' if t['met'] else 'NO'}"
+        lines += ["", "## Targets", "", "Speed: careful harness (user harness); met when both "
+                  "reach it.", "", "| target | value | met |", "|---|---|---|"]
+        lines += [f"| {t['target']} | {t['value']:.3f}"
+                  f"{' (' + format(t['user'], '.3f') + ')' if 'user' in t else ''} | "
+                  f"{'yes' if t['met'] else 'NO'}"
                   f"{' (' + t['note'] + ')' if t.get('note') else ''} |"
                   for t in report["targets"]]
     if report.get("sweep"):
@@ -498,7 +504,9 @@ def main(argv=None) -> dict[str, Any]:
         for name, v in r["variants"].items():
             print(f"{row} {name}: GEMMs cuBLASLt FP8/other · XLA FP8/other {_gemm_cell(v)}")
     for t in report["targets"]:
-        print(f"{t['target']}: {t['value']:.3f} {'met' if t['met'] else 'MISSED'}"
+        print(f"{t['target']}: {t['value']:.3f}"
+              f"{' (' + format(t['user'], '.3f') + ')' if 'user' in t else ''} "
+              f"{'met' if t['met'] else 'MISSED'}"
               f"{' (' + t['note'] + ')' if t.get('note') else ''}")
     if report["skipped"]:
         print(f"skipped (--max-s {args.max_s:.0f}): {', '.join(report['skipped'])}")
