@@ -1,8 +1,10 @@
 """FP8 training in the layers (SPEC §5): the `Fp8` config and the FP8 stack's custom VJP.
 
 `dense(..., fp8=...)` and `mlp(..., fp8=...)` run each chosen layer's three GEMMs with FP8
-operands, per-tensor *current* scaling: a tensor's scale comes from its own amax in the same
-step (no history). One `jax.custom_vjp` covers the whole stack, as `layers._stack` does:
+operands, per-tensor scaling: by default *current* scaling, a tensor's scale from its own amax
+in the same step; `Fp8(scaling="delayed")` (below) takes the scales of the tensors a GEMM
+writes from amax histories instead. One `jax.custom_vjp` covers the whole stack, as
+`layers._stack` does:
 
 - Forward, layer i: the input h and the kernel W are quantized to the forward format (e4m3),
   `q = largest / 2**margin / amax`, a saturating cast of `q·x`. The amax is one XLA reduction
@@ -44,9 +46,15 @@ K≈96 on random data; integer-valued data is exact), and since every scale come
 amax of the previous layer's result, such a difference can move later FP8 roundings by a
 quantum: compare GPU and CPU per GEMM or on data whose quantization is exact.
 
-Delayed scaling (an amax history kept between steps) is not built. It is what an FP8 result
-with its `result_amax` would serve: cuBLASLt has that only for the forward epilogs (BIAS,
-RELU_BIAS, RELU_AUX_BIAS, GELU_BIAS, GELU_AUX_BIAS to e4m3), not for the DRELU/DGELU backward.
+Delayed scaling (`Fp8(scaling="delayed")`, the state `fp8_state=`, one `Fp8History` of amax
+histories per layer, whose gradient is its next value): a scale known before the GEMM lets
+the GEMM write the FP8 tensor and its amax itself (cuBLASLt's FP8 result with `result_amax`),
+so the 16-bit tensor, its amax pass and its cast pass never exist. That is done where cuBLASLt
+has the kernel and the math allows it: a forward GEMM followed by an FP8 layer writes that
+layer's e4m3 input (`writes_fp8_result`), and the data-gradient GEMM below an FP8 ReLU layer
+writes its e5m2 gradient, ReLU's derivative then applied to the FP8 bits
+(`writes_fp8_gradient`). Every other tensor keeps current scaling, its amax recorded in the
+state all the same.
 """
 
 from __future__ import annotations

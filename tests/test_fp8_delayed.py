@@ -176,6 +176,32 @@ def test_jit_and_value_and_grad_training_loop():
     assert forward(params, state).shape == (12, 16)
 
 
+def test_the_documented_loop_calibrates_then_trains():
+    """docs/fp8.md's loop: a calibrating step with current scaling, then delayed steps with
+    the same jitted function (the config static)."""
+    import dataclasses
+
+    x, params = make_stack(15, (32, 64, 16), lead=(24,))
+    y = jnp.asarray(random_cotangent(6, (24, 16)))
+
+    def loss(params, state, x, y, config):
+        return jnp.mean((jax_epilog.mlp(x, params, fp8=config, fp8_state=state) - y) ** 2)
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnames="config")
+    update = lambda p, g: jax.tree.map(lambda a, b: a - 0.05 * b, p, g)
+    config = Fp8(layers="all", scaling="delayed", amax_history_length=8)
+    state = config.init_state(len(params))
+    first, (grads, state) = step(params, state, x, y,
+                                 config=dataclasses.replace(config, scaling="current"))
+    params = update(params, grads)
+    assert all(float(h.input[0]) > 0 and float(h.gradient[0]) > 0 for h in state)
+    for _ in range(5):
+        value, (grads, state) = step(params, state, x, y, config=config)
+        params = update(params, grads)
+    assert float(value) < float(first)
+    assert all(float(h.gradient[5]) > 0 for h in state)  # six steps recorded
+
+
 def test_dense_takes_one_history():
     x, params = make_stack(9, (24, 40), lead=(5,))
     (kernel, bias), = params
