@@ -419,12 +419,13 @@ def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=Non
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
     if fp8 is not None and any(fp8.quantized_layers(rows.shape[0], widths)):
         y = fp8_training.stack(stack, fp8, rows, params, fp8_state)
-    elif fp8_state is not None:  # delayed scaling, every layer bf16: the state passes through
-        y = fp8_training.carry_state(_stack(stack, rows, params), fp8_state)
-    elif _plain_is_faster(stack, rows.shape[0], widths, dtype):
-        y = _plain_stack(stack, rows, params)
     else:
-        y = _stack(stack, rows, params)
+        if _plain_is_faster(stack, rows.shape[0], widths, dtype):
+            y = _plain_stack(stack, rows, params)
+        else:
+            y = _stack(stack, rows, params)
+        if fp8_state is not None:  # every layer stayed bf16: the state passes through
+            y = fp8_training.carry_state(y, fp8_state)
     return y.reshape(*lead, y.shape[-1])
 
 

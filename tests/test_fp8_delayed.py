@@ -135,9 +135,14 @@ def test_bfloat16_steps_match_the_model_within_fp8_rounding():
         histories = want[3]
 
 
-def test_state_passes_through_layers_that_stay_bf16():
-    """`Fp8(layers="auto", scaling="delayed")` on layers too small for FP8: the plain stack's
-    values and gradients, the state's gradient is the state itself."""
+@pytest.mark.parametrize("plain_is_faster", [False, True])
+def test_state_passes_through_layers_that_stay_bf16(plain_is_faster, monkeypatch):
+    """`Fp8(layers="auto", scaling="delayed")` on layers too small for FP8: the bf16 stack's
+    values and gradients, on the path it takes without FP8 (the fused stack or, where
+    measured faster, XLA's plain expression), the state's gradient is the state itself."""
+    from jax_epilog import layers
+
+    monkeypatch.setattr(layers, "_plain_is_faster", lambda *args: plain_is_faster)
     config = Fp8(scaling="delayed", amax_history_length=2)
     x, params = make_stack(7, (16, 32, 8), lead=(4,))
     state = tuple(Fp8History(jnp.asarray([1.0, 2.0]), jnp.asarray([3.0, 4.0]))
@@ -151,6 +156,9 @@ def test_state_passes_through_layers_that_stay_bf16():
     for h, s in zip(next_state, state):
         np.testing.assert_array_equal(h.input, s.input)
         np.testing.assert_array_equal(h.gradient, s.gradient)
+    kernels = [c for c in gemm_calls(lambda x: jax_epilog.mlp(x, params, fp8=config,
+                                                            fp8_state=state), x)]
+    assert (kernels == []) == plain_is_faster
 
 
 def test_jit_and_value_and_grad_training_loop():
