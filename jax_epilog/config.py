@@ -32,7 +32,8 @@ SETTINGS = (
             "The file of tuned algorithms shared by the processes of the machine, keyed by GPU, "
             "cuBLASLt version and problem; set but empty: no file."),
     Setting("JAX_EPILOG_AUTOTUNE_LOG", "0",
-            "`1`: print each tuning (candidate times, choice) to stderr."),
+            "`1`: print each tuning (candidate times, choice), and why a problem was left "
+            "untuned, to stderr."),
     Setting("JAX_EPILOG_PLAN_CACHE_SIZE", "4096",
             "Most cuBLASLt plans kept per process; the least recently used is dropped first."),
     Setting("JAX_EPILOG_WORKSPACE_BYTES", "33554432",
