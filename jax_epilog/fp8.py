@@ -9,7 +9,7 @@ writes from amax histories instead. One `jax.custom_vjp` covers the whole stack,
 - Forward, layer i: the input h and the kernel W are quantized to the forward format (e4m3),
   `q = largest / 2**margin / amax`, a saturating cast of `q·x`. The amax is one XLA reduction
   of the tensor in the compute dtype, in the same jitted expression as the cast, so XLA fuses
-  it with what already reads the tensor (`quantize_current`). Then ONE `matmul` with FP8
+  it with what already reads the tensor (`quantize_scaled`). Then ONE `matmul` with FP8
   operands, the bias/ReLU/GELU epilog, the dequantization scales `1/q` and the result in the
   compute dtype. No GEMM is asked for `result_amax`: cuBLASLt gives the amax only with an FP8
   result (measured on the H200, cuBLASLt 13.1; docs/fp8.md has the table), and the layers'
@@ -256,8 +256,9 @@ def quantize_delayed(x, history, dtype: str, margin: int):
 
 def quantize_scaled(x, dtype: str, margin: int, history=None):
     """(x in FP8, its dequantization scale, amax(x)): delayed scaling from `history`, or
-    current scaling without one. Under current scaling the amax is the one the scale came
-    from, so recording it in a state costs nothing."""
+    current scaling without one: the amax and the cast in one expression (XLA fuses the
+    reduction with the producer of x or the cast's read of it), the amax the one the scale
+    came from, so recording it in a state costs nothing."""
     if history is not None:
         return quantize_delayed(x, history, dtype, margin)
     x_amax = amax(x)
@@ -272,12 +273,6 @@ def record(history, x_amax):
 #: The epilogs cuBLASLt 13.1 runs with FP8 operands and a float32 result (measured on the
 #: H200: no kernel with a bias, a bias gradient or an activation's auxiliary output).
 FLOAT32_KERNEL_EPILOGS = frozenset({Epilog.DEFAULT, Epilog.DRELU})
-
-
-def quantize_current(x, dtype: str, margin: int):
-    """`quantize(x, amax(x), ...)`: current scaling, the amax and the cast in one expression
-    (XLA fuses the reduction with the producer of x or the cast's read of it)."""
-    return quantize(x, amax(x), dtype, margin)
 
 
 def gemm_backend(requested: str, epilog: Epilog, result_dtype) -> str:
@@ -370,7 +365,7 @@ class Plan(NamedTuple):
 class Saved(NamedTuple):
     """What the backward keeps of one layer: its input (`(M, K)`, FP8 with `input_scale`, or
     in the compute dtype with None), its kernel (likewise, `(K, N)`), its activation's
-    residual, and under delayed scaling the input's amax (for the next state)."""
+    residual, and an FP8 input's amax (for the next state)."""
 
     input: Any
     input_scale: Any
@@ -425,7 +420,7 @@ def _forward(plan: Plan, x, params, state, keep_residuals: bool):
         else:
             h8, h_scale, h_amax = quantize_scaled(
                 h, fp8.forward, fp8.margin, state[i].input if fp8.delayed else None)
-        w8, w_scale = quantize_current(kernel, fp8.forward, fp8.margin)
+        w8, w_scale, _ = quantize_scaled(kernel, fp8.forward, fp8.margin)
         epilog = Epilog.find(layer.activation, layer.has_bias, keep)
         fp8_result = writes_fp8_result(plan, i, x.dtype)
         q_next = multiplier(jnp.max(state[i + 1].input), fp8.forward, fp8.margin) \
