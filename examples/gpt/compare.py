@@ -284,6 +284,7 @@ def main(argv=None) -> dict:
                         help="training steps per variant for the loss comparison (fewer if "
                              "the budget cannot hold them)")
     parser.add_argument("--eval-every", type=int, help="override the configs' eval_every")
+    parser.add_argument("--layers", type=int, help="override the configs' n_layers")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="seconds for the whole run, split evenly between the configs")
     parser.add_argument("--dtype", default="auto", choices=tuple(train.DTYPES))
@@ -297,9 +298,8 @@ def main(argv=None) -> dict:
     results = {}
     for i, name in enumerate(args.config):
         budget = (args.budget_s - (time.perf_counter() - start)) / (len(args.config) - i)
-        config = configs.get(name)
-        if args.eval_every:
-            config = config.replace(eval_every=args.eval_every)
+        overrides = {"eval_every": args.eval_every, "n_layers": args.layers}
+        config = configs.get(name).replace(**{k: v for k, v in overrides.items() if v})
         results[name] = compare_config(name, config, corpus, args.steps, budget, dtype)
     report = {"benchmark": "gpt_compare", "metadata": timing.run_metadata(),
               "versions": train.versions(), "dtype": np.dtype(dtype).name,

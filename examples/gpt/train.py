@@ -85,6 +85,10 @@ def make_optimizer(config: configs.TrainConfig) -> optax.GradientTransformation:
                     weight_decay=config.weight_decay, mask=decay_mask))
 
 
+_global_norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") \
+    else optax.global_norm  # optax < 0.2.5
+
+
 class TrainState(NamedTuple):
     """Everything a step changes (and a checkpoint holds, with the data position)."""
 
@@ -122,7 +126,7 @@ class Trainer:
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         return TrainState(state.step + 1, params, fp8, opt_state), \
-            {"loss": loss, "grad_norm": optax.global_norm(grads)}
+            {"loss": loss, "grad_norm": _global_norm(grads)}
 
     def _eval_loss(self, state: TrainState, inputs, targets):
         return self._loss(state.params, state.fp8, inputs, targets)
@@ -279,6 +283,7 @@ def main(argv=None) -> dict[str, Any]:
                         help="compute dtype (auto: bfloat16 on a GPU, else float32)")
     parser.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"))
     parser.add_argument("--steps", type=int, help="override the config's step count")
+    parser.add_argument("--warmup-steps", type=int)
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--layers", type=int, help="override the config's n_layers")
     parser.add_argument("--eval-every", type=int)
@@ -289,7 +294,7 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, help="write the JSON summary here")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    overrides = {"steps": args.steps, "batch_size": args.batch_size, "n_layers": args.layers,
+    overrides = {"steps": args.steps, "warmup_steps": args.warmup_steps, "batch_size": args.batch_size, "n_layers": args.layers,
                  "eval_every": args.eval_every, "seed": args.seed,
                  "checkpoint_every": args.checkpoint_every}
     config = configs.get(args.config).replace(
