@@ -242,6 +242,9 @@ def render(report: dict) -> str:
              f"Compute dtype {report['dtype']}. Method: examples/gpt/compare.py's docstring. "
              "Speed-ups are the baseline's step time over the variant's, careful harness (user "
              "harness in brackets).", ""]
+    if meta["platform"] != "gpu":
+        lines += ["Not a GPU: every variant runs plain XLA (FP8 emulated), so the speeds measure "
+                  "only this machine; the losses are the comparison.", ""]
     for config_name, result in report["results"].items():
         model = result["config"]["model"]
         ratios = speedups(result, "stock")

@@ -57,7 +57,7 @@ CONFIGS = {
     "tiny": TrainConfig(ModelConfig(d_model=64, n_layers=2, n_heads=4, seq_len=64),
                         batch_size=8, steps=60, learning_rate=3e-3, warmup_steps=10,
                         eval_every=20, eval_batches=2, log_every=5),
-    "small": TrainConfig(ModelConfig(d_model=2048, n_layers=8, n_heads=16, seq_len=1024),
+    "small": TrainConfig(ModelConfig(d_model=2048, n_layers=6, n_heads=16, seq_len=1024),
                          batch_size=16, steps=600, learning_rate=3e-4, warmup_steps=60,
                          eval_every=100, eval_batches=8),
     "large": TrainConfig(ModelConfig(d_model=4096, n_layers=4, n_heads=32, seq_len=1024),
