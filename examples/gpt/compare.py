@@ -168,14 +168,15 @@ def compare_config(config_name: str, config: configs.TrainConfig, corpus: data.C
     if len(fingerprints) != 1:
         raise AssertionError(f"the variants start from different weights: {fingerprints}")
 
-    # The first variant's warm-up steps estimate a step, to fit the steps into the budget
-    # (the careful harness keeps about a quarter of what is left).
-    probe = time.perf_counter()
+    # A step of the first variant after a warm-up one estimates a step, to fit the steps into
+    # the budget (the careful harness keeps about a quarter of what is left).
     estimate_state = jax.tree.map(lambda a: a.copy(), variants[0].state)
-    for _ in range(WARMUP_STEPS):
+    step_estimate = 0.0
+    for _ in range(2):
+        probe = time.perf_counter()
         estimate_state, metrics = variants[0].compiled(estimate_state, *first_batch)
-    jax.block_until_ready(metrics)
-    step_estimate = (time.perf_counter() - probe) / WARMUP_STEPS
+        jax.block_until_ready(metrics)
+        step_estimate = time.perf_counter() - probe
     del estimate_state
     room = 0.75 * (deadline - time.perf_counter())
     evals = steps // config.eval_every + 1
