@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 import timing
-from gpt import configs, data, train
+from gpt import configs, data, model, train
 
 #: (name, impl, jax-epilog FP8): the first is the baseline every ratio divides by.
 VARIANTS = (("stock", "stock", False), ("flax_fp8", "flax_fp8", False),
@@ -78,10 +78,10 @@ class Variant:
     record: dict
 
 
-def build(config: configs.TrainConfig, name: str, impl: str, fp8: bool, dtype,
+def build(config: configs.TrainConfig, name: str, impl: str, fp8: bool, dtype, attention: str,
           batch) -> Variant:
     start = time.perf_counter()
-    model = train.build_model(config, impl, fp8=fp8, dtype=dtype)
+    model = train.build_model(config, impl, fp8=fp8, dtype=dtype, attention=attention)
     trainer = train.Trainer(model, train.make_optimizer(config))
     compiled, memory = trainer.compile(trainer.initial, batch)
     hlo = compiled.as_text() or ""
@@ -152,18 +152,31 @@ def time_careful(variants: list[Variant], config: configs.TrainConfig, corpus: d
                                        "tokens_per_s": config.tokens_per_step / t.seconds}
 
 
+def _failure(config_name: str, name: str, stage: str, error: Exception) -> str:
+    """An error that stops one variant, as recorded (the other variants go on)."""
+    message = f"{stage}: {type(error).__name__}: {error}"[:2000]
+    print(f"{config_name} {name}: FAILED in {message}", file=sys.stderr, flush=True)
+    return message
+
+
 def compare_config(config_name: str, config: configs.TrainConfig, corpus: data.Corpus,
-                   steps: int, budget_s: float, dtype) -> dict[str, Any]:
+                   steps: int, budget_s: float, dtype, attention: str) -> dict[str, Any]:
     deadline = time.perf_counter() + budget_s
     validation = data.validation_batches(corpus.validation, config.batch_size,
                                          config.model.seq_len, config.eval_batches)
     first_batch = data.Batches(corpus.train, config.batch_size, config.model.seq_len,
                                config.seed).batch(0)
-    variants = []
+    variants, failed = [], {}
     for name, impl, fp8 in VARIANTS:
-        variants.append(build(config, name, impl, fp8, dtype, first_batch))
+        try:
+            variants.append(build(config, name, impl, fp8, dtype, attention, first_batch))
+        except Exception as error:  # noqa: BLE001 -- recorded; the other variants still run
+            failed[name] = _failure(config_name, name, "build and compile", error)
+            continue
         print(f"{config_name} {name}: built and compiled in "
               f"{variants[-1].record['build_and_compile_s']:.1f} s", flush=True)
+    if not variants:
+        raise RuntimeError(f"{config_name}: every variant failed: {failed}")
     fingerprints = {v.record["initial_params_sha256"] for v in variants}
     if len(fingerprints) != 1:
         raise AssertionError(f"the variants start from different weights: {fingerprints}")
@@ -183,8 +196,13 @@ def compare_config(config_name: str, config: configs.TrainConfig, corpus: data.C
     eval_estimate = config.eval_batches * step_estimate / 3 * evals  # a forward: ~1/3 step
     fitting = int((room / len(variants) - eval_estimate) / (1.25 * step_estimate))
     run_steps = max(WARMUP_STEPS + 1, min(steps, fitting))
-    for v in variants:
-        train_and_evaluate(v, config, corpus, run_steps, validation)
+    for v in list(variants):
+        try:
+            train_and_evaluate(v, config, corpus, run_steps, validation)
+        except Exception as error:  # noqa: BLE001 -- recorded; the other variants still run
+            failed[v.name] = _failure(config_name, v.name, "training", error)
+            variants.remove(v)
+            continue
         print(f"{config_name} {v.name}: {run_steps} steps, validation loss "
               f"{v.record['validation_loss'][-1][1]:.4f}", flush=True)
     left = max(0.0, deadline - time.perf_counter())
@@ -193,17 +211,16 @@ def compare_config(config_name: str, config: configs.TrainConfig, corpus: data.C
     return {"config": dataclasses.asdict(config), "steps": run_steps,
             "steps_requested": steps, "tokens_per_step": config.tokens_per_step,
             "budget_s": budget_s, "elapsed_s": budget_s - (deadline - time.perf_counter()),
-            "variants": {v.name: v.record for v in variants}}
+            "variants": {v.name: v.record for v in variants}, "failed": failed}
 
 
 def speedups(result: dict, baseline: str) -> dict[str, dict[str, Optional[float]]]:
     """Each variant's tokens/s over `baseline`'s, per harness."""
-    out = {}
+    out, base = {}, result["variants"].get(baseline)
     for name, record in result["variants"].items():
         out[name] = {}
         for harness in ("careful_harness", "user_harness"):
-            ours, theirs = record[harness]["step_s"], \
-                result["variants"][baseline][harness]["step_s"]
+            ours, theirs = record[harness]["step_s"], base and base[harness]["step_s"]
             out[name][harness] = theirs / ours if ours and theirs else None
     return out
 
@@ -215,13 +232,16 @@ def targets(results: dict[str, dict]) -> list[dict]:
     for config_name, variant, baseline, minimum in SPEED_TARGETS:
         if config_name not in results:
             continue
-        ratio = speedups(results[config_name], baseline)[variant]
+        ratio = speedups(results[config_name], baseline).get(
+            variant, {"careful_harness": None, "user_harness": None})
         rows.append({"target": f"{config_name}: {variant} >= {minimum}x {baseline} tokens/s",
                      "careful": ratio["careful_harness"], "user": ratio["user_harness"],
                      "met": all(r is not None and r >= minimum for r in ratio.values())})
     for config_name, result in results.items():
         final = {n: r["validation_loss"][-1][1] for n, r in result["variants"].items()}
         for fp8_name, bf16_name in (("epilog_fp8", "epilog"), ("flax_fp8", "stock")):
+            if fp8_name not in final or bf16_name not in final:
+                continue
             relative = final[fp8_name] / final[bf16_name] - 1
             rows.append({"target": f"{config_name}: {fp8_name} validation loss within "
                                    f"{LOSS_TOLERANCE:.0%} of {bf16_name}'s",
@@ -265,6 +285,8 @@ def render(report: dict) -> str:
                 f"{_mib(r['memory'])} | {r['build_and_compile_s']:.1f} | "
                 f"{r['validation_loss'][-1][1]:.4f} | {calls['jax_epilog']} / "
                 f"{calls['xla_fp8']} |")
+        lines += [f"| {name} | failed: {error} | | | | | | | |"
+                  for name, error in result["failed"].items()]
         lines.append("")
     lines += ["## Targets", "", "| target | value | met |", "|---|---|---|"]
     for row in report["targets"]:
@@ -292,6 +314,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="seconds for the whole run, split evenly between the configs")
     parser.add_argument("--dtype", default="auto", choices=tuple(train.DTYPES))
+    parser.add_argument("--attention", default="auto", choices=model.ATTENTION)
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON and .md")
     args = parser.parse_args(argv)
     if args.steps <= WARMUP_STEPS:
@@ -299,21 +322,22 @@ def main(argv=None) -> dict:
     corpus = data.load_corpus()
     dtype = train.compute_dtype(args.dtype)
     start = time.perf_counter()
-    results = {}
-    for i, name in enumerate(args.config):
-        budget = (args.budget_s - (time.perf_counter() - start)) / (len(args.config) - i)
-        overrides = {"eval_every": args.eval_every, "n_layers": args.layers}
-        config = configs.get(name).replace(**{k: v for k, v in overrides.items() if v})
-        results[name] = compare_config(name, config, corpus, args.steps, budget, dtype)
     report = {"benchmark": "gpt_compare", "metadata": timing.run_metadata(),
               "versions": train.versions(), "dtype": np.dtype(dtype).name,
               "corpus": {"root": corpus.root, "train_bytes": len(corpus.train),
                          "validation_bytes": len(corpus.validation),
                          "train_files": len(corpus.train_files),
                          "validation_files": len(corpus.validation_files)},
-              "results": results}
-    report["targets"] = targets(results)
-    timing.write_report(report, args.out, "gpt_compare", render)
+              "results": {}}
+    for i, name in enumerate(args.config):
+        budget = (args.budget_s - (time.perf_counter() - start)) / (len(args.config) - i)
+        overrides = {"eval_every": args.eval_every, "n_layers": args.layers}
+        config = configs.get(name).replace(**{k: v for k, v in overrides.items() if v})
+        report["results"][name] = compare_config(name, config, corpus, args.steps, budget,
+                                                 dtype, args.attention)
+        report["targets"] = targets(report["results"])
+        # Written after every config, so a run stopped later keeps what it finished.
+        timing.write_report(report, args.out, "gpt_compare", render)
     return report
 
 
