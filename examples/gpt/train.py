@@ -245,7 +245,7 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
             if step + 1 - interval_steps > start:  # the first interval includes warm-up
                 interval_step_times.append(elapsed / interval_steps)
             train_losses.append((done, loss))
-            bar.set_postfix(loss=f"{loss:.4f}",
+            bar.set_postfix(loss=f"{loss:.4f}", grad_norm=f"{float(metrics['grad_norm']):.3f}",
                             tok_s=f"{interval_steps * config.tokens_per_step / elapsed:,.0f}")
             interval_start, interval_steps = time.perf_counter(), 0
         if done % config.eval_every == 0 or done == config.steps:
