@@ -3,8 +3,9 @@
 Notebooks 1 and 2 compute everything they show (each checks its fused results against the
 naive ones with asserts, so a wrong result fails here); notebook 3 only reads the committed
 benchmark results; notebook 4 trains in bf16 and FP8 (asserting the accuracies agree) and
-reads the FP8 benchmark's results where they are committed. The kernel is the `python3` kernelspec, which jupyter_client starts with
-this interpreter.
+reads the FP8 benchmark's results where they are committed; notebook 5 reads the GPT example's
+committed comparison (`examples/gpt/results/`). The kernel is the `python3` kernelspec, which
+jupyter_client starts with this interpreter.
 """
 
 from pathlib import Path
@@ -16,7 +17,8 @@ nbformat = pytest.importorskip("nbformat")
 NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-NAMES = ["01_epilogs.ipynb", "02_flax_mlp.ipynb", "03_performance.ipynb", "04_fp8.ipynb"]
+NAMES = ["01_epilogs.ipynb", "02_flax_mlp.ipynb", "03_performance.ipynb", "04_fp8.ipynb",
+         "05_gpt.ipynb"]
 
 
 @pytest.mark.parametrize("name", NAMES)
