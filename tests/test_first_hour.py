@@ -101,6 +101,7 @@ def test_install_says_what_it_does_and_runs_once(setup):
     installs, said = setup.install()
     assert installs == [f"install -q {setup.root}[test]"]
     assert "building the C++ handler" in said and "minutes" in said
+    assert "NVIDIA driver" in said
     installs, said = setup.install()
     assert installs == [] and "skipping the reinstall" in said
 
@@ -122,6 +123,8 @@ def test_changed_dependencies_or_settings_reinstall(setup):
     assert setup.install(CC="clang")[0] == [f"install -q {setup.root}[test]"]
     assert setup.install(CC="clang")[0] == []
     assert setup.install(CC="clang", JAX_EPILOG_REINSTALL="1")[0] != []
+    # Whether the handler is built is a build setting too.
+    assert setup.install(CC="clang", JAX_EPILOG_BUILD_CUDA="1")[0] != []
 
 
 def test_another_extra_adds_its_dependencies_without_a_rebuild(setup):
