@@ -67,7 +67,7 @@ ROUNDS = 5
 L2_BYTES = 50 * 1024 * 1024  # H100/H200: small problems run copies until twice this is touched
 MAX_COPIES = 16
 
-# The benchmark grid of BENCHMARK.md: id -> (B, K, N) for act(x[B, K] @ W[K, N] + b[N]) ...
+# The benchmark grid of benchmarks/README.md: id -> (B, K, N) for act(x[B, K] @ W[K, N] + b[N]) ...
 GRID = {
     "G1": (65536, 4096, 4096),
     "G2": (8192, 8192, 8192),
