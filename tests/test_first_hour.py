@@ -251,6 +251,41 @@ def test_mask_helpers_are_public_and_match_the_kernel():
     np.testing.assert_array_equal(jax_epilog.unpack_relu_mask(packed, 130), not_negative)
 
 
+@pytest.mark.parametrize("dtype,margin", [("float8_e4m3fn", 0), (jnp.float8_e5m2, 0),
+                                          (jnp.float8_e4m3fn, 3)])
+def test_quantize_follows_the_quantization_scales_convention(dtype, margin):
+    x = jax.random.normal(jax.random.key(3), (33, 129), jnp.bfloat16) * 7
+    x8, scale = jax_epilog.quantize(x, dtype, margin=margin)
+    assert x8.dtype == jnp.dtype(dtype) and x8.shape == x.shape
+    assert scale.dtype == jnp.float32 and scale.shape == ()
+    largest = float(jnp.finfo(dtype).max) / 2 ** margin
+    wide, back = np.asarray(x, np.float32), np.asarray(x8, np.float32) * float(scale)
+    np.testing.assert_allclose(float(scale), np.abs(wide).max() / largest, rtol=1e-6)
+    assert np.abs(np.asarray(x8, np.float32)).max() <= largest
+    # x ≈ scale * x8 to the format's precision (3 mantissa bits for e4m3, 2 for e5m2).
+    step = 2.0 ** -(3 if jnp.dtype(dtype) == jnp.float8_e4m3fn else 2)
+    assert np.all(np.abs(back - wide) <= step * np.abs(wide) + float(scale) * 2 ** -9)
+    # and it is what matmul's quantization_scales take: a ≈ sa * a8.
+    w8, sw = jax_epilog.quantize(x.T[:, :31], jnp.float8_e4m3fn)  # no e5m2 x e5m2 GEMM
+    y = jax_epilog.matmul(x8, w8, quantization_scales={"a": scale, "b": sw},
+                          preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(y, back @ (np.asarray(w8, np.float32) * float(sw)), rtol=1e-4,
+                               atol=1e-3 * float(np.abs(y).max()))
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: jax_epilog.quantize(jnp.ones(3), jnp.bfloat16), ValueError,
+     "dtype: expected an FP8 format, float8_e4m3fn or float8_e5m2"),
+    (lambda: jax_epilog.quantize(jnp.ones(3), margin=-1), ValueError,
+     "margin: expected a non-negative int"),
+    (lambda: jax_epilog.quantize(jnp.arange(3)), TypeError,
+     "x: expected a floating-point array, got int32"),
+])
+def test_quantize_bad_arguments(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
 def test_flax_submodules_load_lazily():
     done = run_python("""
         import sys
@@ -390,6 +425,43 @@ def test_fp8_doc_tables_are_whole():
     """A table interrupted by a blank line renders as two (the second without a header)."""
     text = (ROOT / "docs" / "fp8.md").read_text()
     assert not re.search(r"^\|.*\|\n\n\|", text, re.M)
+
+
+def project_text_files():
+    """The checkout's own text files (not venvs, build trees or git's folder)."""
+    for path in ROOT.rglob("*"):
+        parts = path.relative_to(ROOT).parts
+        if path.is_file() and not any(p.startswith(".") and p != ".ci" or p == "build"
+                                      for p in parts[:-1]) \
+                and path.suffix in {".md", ".py", ".sh", ".toml", ".ipynb", ".cc", ".h", ""}:
+            yield path
+
+
+def test_nothing_cites_files_outside_the_project():
+    """A user's checkout has no ../shared: the method is in benchmarks/README.md."""
+    cited = [str(p.relative_to(ROOT)) for p in project_text_files()
+             if p != Path(__file__).resolve() and re.search(r"\.\./shared|shared/BENCHMARK|(?<![/\w])BENCHMARK\.md",
+                          p.read_text(errors="replace"))]
+    assert not cited
+    method = (ROOT / "benchmarks" / "README.md").read_text().split("## Method", 1)[1]
+    for needed in ("G1 | 65536 × 4096 × 4096", "G7 | 256 × 784 × 100", "M1 a 4-layer",
+                   "Two harnesses", "*user*", "*careful*"):
+        assert needed in method, needed
+
+
+def test_run_all_runs_what_the_benchmarks_readme_says():
+    script = (ROOT / "benchmarks" / "run_all.sh").read_text()
+    ran = re.search(r"selected=\(([\w ]+)\); fi", script).group(1).split()
+    running = (ROOT / "benchmarks" / "README.md").read_text().split("## Running", 1)[1]
+    said = re.search(r"runs the (\w+) benchmarks[^(]*\(([^)]*)\)", running)
+    assert re.split(r",\s+", said.group(2).replace("`", "")) == ran
+    assert said.group(1) == {4: "four"}.get(len(ran), str(len(ran)))
+    alone = re.search(r"run alone: (.*?) \(", running, re.S).group(1)
+    benchmarks = {p.stem for p in (ROOT / "benchmarks").glob("*.py")
+                  if "--out" in p.read_text()}
+    named = {re.sub(r"_bench$", "", b) for b in benchmarks}
+    assert named == set(ran) | {re.sub(r"_bench$", "", n) for n in
+                                re.findall(r"`(\w+)\.py`", alone)}
 
 
 def test_readme_documents_the_mask_interchange_with_nvmath():
