@@ -449,6 +449,28 @@ def test_nothing_cites_files_outside_the_project():
         assert needed in method, needed
 
 
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def test_results_are_the_current_ones_and_every_cited_one_exists():
+    """benchmarks/results/ keeps what the docs cite (git keeps the history), and what they
+    cite is there."""
+    files = [p for p in RESULTS.rglob("*") if p.is_file()]
+    assert len(files) <= 40, "prune benchmarks/results/: " + ", ".join(
+        sorted(str(p.relative_to(RESULTS)) for p in files))
+    missing = set()
+    for page in project_text_files():
+        if page.suffix not in (".md", ".ipynb") or RESULTS in page.parents:
+            continue
+        for line in page.read_text().splitlines():
+            if "git history" in line:  # a citation of an older commit's file
+                continue
+            for cited in re.findall(r"benchmarks/results/([\w./-]*\w)", line):
+                if not (RESULTS / cited).exists():
+                    missing.add(f"{page.relative_to(ROOT)}: {cited}")
+    assert not missing
+
+
 def test_run_all_runs_what_the_benchmarks_readme_says():
     script = (ROOT / "benchmarks" / "run_all.sh").read_text()
     ran = re.search(r"selected=\(([\w ]+)\); fi", script).group(1).split()
