@@ -141,6 +141,43 @@ def test_a_failed_install_is_retried(setup):
     assert setup.install()[0] == [f"install -q {setup.root}[test]"]
 
 
+PICK = """#!/usr/bin/env bash
+# %s: a stand-in; python3.12 works only with a pyenv version chosen, as pyenv's shim does.
+if [ "$(basename "$0")" = pyenv ]; then printf '3.11.7\\n3.12.1\\n3.12.10\\n3.13.0\\n'; exit 0; fi
+if [ "$(basename "$0")" = python3.12 ]; then
+  [ -n "${PYENV_VERSION:-}" ] || exit 127
+  echo "$PYENV_VERSION" > "$(dirname "$0")/chosen"
+fi
+exec %s "$@"
+"""
+
+
+@pytest.mark.parametrize("env,chosen", [({}, "3.12.10"), ({"PYTHON": "python3"}, None)])
+def test_env_sh_finds_python_on_path_or_through_pyenv(setup, tmp_path, env, chosen):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python3.12", "python3", "pyenv"):
+        (bin_dir / name).write_text(PICK % (name, sys.executable))
+        (bin_dir / name).chmod(0o755)
+    done = subprocess.run(
+        ["bash", "-c", f'source "{setup.root}/scripts/env.sh" && pick_python'],
+        capture_output=True, text=True, timeout=60,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "JAX_EPILOG_VENV": str(setup.venv), **env})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == sys.executable  # the interpreter itself, not a shim
+    assert ((bin_dir / "chosen").read_text().strip() if chosen else None) == chosen
+
+
+def test_env_sh_says_when_python_is_not_one(setup):
+    done = subprocess.run(
+        ["bash", "-c", f'source "{setup.root}/scripts/env.sh" && pick_python'],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHON": "no-such-python", "JAX_EPILOG_VENV": str(setup.venv)})
+    assert done.returncode != 0
+    assert "PYTHON=no-such-python is not a Python >= 3.11" in done.stderr
+    assert "/root/.pyenv" not in (ROOT / "scripts" / "env.sh").read_text()
+
+
 def test_scripts_install_through_the_stamp():
     for script, extra in (("test.sh", "test"), ("demo.sh", "demo")):
         assert f"install_project {extra}" in (ROOT / "scripts" / script).read_text()
