@@ -84,8 +84,8 @@ class SetUp:
         done = subprocess.run(
             ["bash", "-c", f'source "{self.root}/scripts/env.sh" && install_project {extra}'],
             capture_output=True, text=True, timeout=60,
-            env={**os.environ, "JAX_EPILOG_VENV": str(self.venv), "JAX_EPILOG_REINSTALL": "0",
-                 **env})
+            env={**{k: v for k, v in os.environ.items() if k != "JAX_EPILOG_BUILD_CUDA"},
+                 "JAX_EPILOG_VENV": str(self.venv), "JAX_EPILOG_REINSTALL": "0", **env})
         after = log.read_text().splitlines() if log.exists() else []
         if done.returncode:
             raise RuntimeError(done.stderr)
