@@ -290,7 +290,10 @@ def _check_c(c, alpha, beta, out, lead, m: int, n: int):
         raise TypeError(f"c: expected dtype {want} (y's dtype), got {got}")
     c = jnp.asarray(c)
     if tuple(c.shape) != (*lead, m, n):
-        raise ValueError(f"c: expected shape {(*lead, m, n)} (y's shape), got {tuple(c.shape)}")
+        hint = ("; a row of N added to every row is a bias: epilog='bias' (or 'relu_bias', ...) "
+                "with epilog_inputs={'bias': ...}" if tuple(c.shape) == (n,) else "")
+        raise ValueError(f"c: expected shape {(*lead, m, n)} (y's shape), got "
+                         f"{tuple(c.shape)}{hint}")
     alpha = jnp.ones((), jnp.float32) if alpha is None else _check_scale("alpha", alpha, "alpha")
     return (c, alpha, _check_scale("beta", beta, "beta"))
 
@@ -317,9 +320,14 @@ def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
     m, k = (a.shape[-1], a.shape[-2]) if transpose_a else (a.shape[-2], a.shape[-1])
     kb, n = (b.shape[-1], b.shape[-2]) if transpose_b else (b.shape[-2], b.shape[-1])
     if kb != k:
+        swapped = b.shape[-2] if transpose_b else b.shape[-1]
+        hint = (f"; b looks stored {'(K, N)' if transpose_b else '(N, K)'}: pass transpose_b="
+                f"{not transpose_b}" + (" (FP8 kernels read b as (N, K) with transpose_b=True)"
+                                        if fp8 and not transpose_b else "")
+                if swapped == k else "")
         raise ValueError(f"b: contraction size K={kb} (b shape {b.shape}, transpose_b="
                          f"{transpose_b}) does not match a's K={k} (a shape {a.shape}, "
-                         f"transpose_a={transpose_a})")
+                         f"transpose_a={transpose_a}){hint}")
     b_shared = b.ndim == 2
     if not b_shared and tuple(b.shape[:-2]) != lead:
         raise ValueError(f"b: leading dims {tuple(b.shape[:-2])} must equal a's leading dims "
