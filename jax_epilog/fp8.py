@@ -597,11 +597,12 @@ def _next_state(plan: Plan, saved, state, gradient_amaxes):
     unreduced = [a for a in manual_axes.varying_axes(amaxes)
                  if a not in manual_axes.varying_axes(jax.tree.leaves(state))]
     if unreduced:  # inside shard_map: each device would record its own amaxes
-        wanted = (*(plan.fp8.amax_reduction_axes or ()), *unreduced)
-        raise ValueError(f"fp8_state: this step's amaxes differ between the devices of the "
-                         f"mesh axes {tuple(unreduced)}, where fp8_state is the same on every "
-                         f"device; pass fp8=Fp8(..., amax_reduction_axes={wanted}) to reduce "
-                         f"them across those axes")
+        wanted = tuple(dict.fromkeys((*(plan.fp8.amax_reduction_axes or ()), *unreduced)))
+        raise ValueError(f"fp8_state: inside shard_map this step's amaxes may differ "
+                         f"between the devices along the mesh axes {tuple(unreduced)}, but "
+                         f"fp8_state is the same on every device; pass fp8=Fp8(..., "
+                         f"amax_reduction_axes={wanted}) so that every device records the "
+                         f"amaxes of the whole tensors")
     return tuple(Fp8History(record(h.input, s.input_amax), record(h.gradient,
                                                                    gradient_amaxes[i]))
                  if q else h for i, (q, s, h) in enumerate(zip(plan.quantized, saved, state)))
