@@ -210,7 +210,7 @@ def _axis_names(name: str, value) -> Optional[tuple[str, ...]]:
         return None
     names = (value,) if isinstance(value, str) else value
     if not isinstance(names, (tuple, list)) or not names or \
-            not all(isinstance(n, str) for n in names) or len(set(names)) != len(names):
+            not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
         raise ValueError(f"{name}: expected None, a mesh axis name or a tuple of distinct "
                          f"names (e.g. (\"data\", \"model\")), got {value!r}")
     return tuple(names)
