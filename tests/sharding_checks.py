@@ -416,13 +416,19 @@ _FP8_LAYOUTS = {  # mesh, x (and target) spec, (W1, b1, W2, b2) specs
     "data_megatron": ("data_model", P("data"),
                       (P(None, "model"), P("model"), P("model", None), P())),
 }
-# Every amax the shards reduce is the single device's, so every FP8 tensor quantizes to the
-# same bits. What may still differ is the order of sums: the psum over "data" of the bfloat16
-# weight and bias gradients (one bfloat16 rounding per add: 2**-8 of the largest), and over
-# "model" of the row-parallel layer's float32 partial products. Two bfloat16 ulps of the
-# largest value cover it; without the reduction the shards' scales differ and so does the
-# step, by far more (`test_fp8_shard_map_without_amax_reduction_differs`).
-FP8_TOL = 2.0**-7
+# Every amax the shards reduce is the single device's, so on the CPU, whose FP8 GEMMs are the
+# exact reference, every FP8 tensor quantizes to the same bits. What may still differ is the
+# order of sums: the psum over "data" of the bfloat16 weight and bias gradients (one bfloat16
+# rounding per add: 2**-8 of the largest), and over "model" of the row-parallel layer's
+# float32 partial products (a GEMM-written amax is of such sums: a few float32 ulps). Two
+# bfloat16 ulps of the largest value cover it. Without the reduction the step differs by
+# more than 2**-4 (`test_fp8_shard_map_without_amax_reduction_differs`; 17 to 25% measured).
+# On GPUs a shard's FP8 GEMM (fewer rows) may also accumulate in another order than one
+# device's (docs/fp8.md: ~2e-4 of the largest value), which can move a later FP8 rounding by a
+# quantum: looser bounds there, not yet measured (issue 27).
+FP8_EXACT = DEVICES[0].platform == "cpu"
+FP8_TOL = 2.0**-7 if FP8_EXACT else 2.0**-5
+FP8_STATE_RTOL = 2.0**-20 if FP8_EXACT else 2.0**-8
 
 
 def _fp8_config(scaling, axes):
@@ -504,11 +510,10 @@ def test_fp8_shard_map_step_matches_one_device(layout, scaling):
     assert _fp8_error((value, grads, dx), (want_value, want_grads, want_dx)) <= FP8_TOL
     for got, want in zip(jax.tree.leaves(next_state), jax.tree.leaves(want_state)):
         assert np.all(np.asarray(got[:2]) > 0)  # this step's amax and the calibrating one's
-        if "model" in _FP8_LAYOUTS[layout][0]:
-            # a GEMM-written amax is of float32 sums, partial over "model": a few ulps
-            np.testing.assert_allclose(got, want, rtol=2.0**-20)
-        else:  # the same rows, the same sums: the same amaxes, bit for bit
-            np.testing.assert_array_equal(got, want)
+        if FP8_EXACT and "model" not in _FP8_LAYOUTS[layout][0]:
+            np.testing.assert_array_equal(got, want)  # the same rows, the same sums
+        else:
+            np.testing.assert_allclose(got, want, rtol=FP8_STATE_RTOL)
 
 
 @pytest.mark.parametrize("layout", list(_FP8_LAYOUTS))
@@ -521,7 +526,7 @@ def test_fp8_shard_map_without_amax_reduction_differs(layout):
     value, (grads, _, dx) = _fp8_shard_map_step(layout, config)(params, None, x, target)
     want_value, (want_grads, _, want_dx) = jax.jit(_fp8_step(config))(params, None, x,
                                                                        target)
-    assert _fp8_error((value, grads, dx), (want_value, want_grads, want_dx)) > 4 * FP8_TOL
+    assert _fp8_error((value, grads, dx), (want_value, want_grads, want_dx)) > 2.0**-4
 
 
 @pytest.mark.parametrize("axes, match", [
@@ -563,10 +568,14 @@ def test_fp8_shard_map_delayed_state_without_vma_checks(axes):
     for got, one in zip(jax.tree.leaves(per_device), jax.tree.leaves(want)):
         assert got.shape == (len(DEVICES), 3)
         if axes:
-            np.testing.assert_array_equal(got, np.broadcast_to(one, got.shape))
+            np.testing.assert_allclose(got, np.broadcast_to(one, got.shape),
+                                       rtol=0 if FP8_EXACT else FP8_STATE_RTOL)
         else:  # this step's amax differs between devices (7 random rows each)
             assert len(set(np.asarray(got[:, 0]).tolist())) > 1
-            np.testing.assert_array_equal(np.max(got[:, 0]), one[0])  # the largest is one's
+    if not axes:  # the largest of the devices' input amaxes is one device's: the same rows
+        for got, one in zip(per_device, want):
+            np.testing.assert_allclose(np.max(got.input[:, 0]), one.input[0],
+                                       rtol=0 if FP8_EXACT else FP8_STATE_RTOL)
 
 
 def _all_gathers(text):
@@ -614,4 +623,4 @@ def test_fp8_step_gathers_nothing_the_bf16_step_does_not(scaling):
     assert _fp8_error(got[0], want[0]) <= FP8_TOL and _fp8_error(got[1][0], want[1][0]) \
         <= FP8_TOL
     for g, w in zip(jax.tree.leaves(got[1][1]), jax.tree.leaves(want[1][1])):
-        np.testing.assert_array_equal(g, w)
+        np.testing.assert_allclose(g, w, rtol=0 if FP8_EXACT else FP8_STATE_RTOL)
