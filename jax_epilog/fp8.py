@@ -70,7 +70,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from . import config, layers, manual_axes
 from .epilogs import FP8_DTYPES, Epilog
-from .matmul import matmul
+from .matmul import activation_gradient, data_gradient, matmul, weight_gradient
 from .reference import saturating_cast
 
 #: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`.
@@ -519,7 +519,8 @@ def _fp8_stack_bwd(plan: Plan, residuals, dy):
     stack, fp8, quantized = plan
     stack_layers = stack.layers
     fast = fp8.fast("gradient")
-    dz = layers._activation_grad(dy, saved[-1].residual, stack_layers[-1].activation)
+    dz = activation_gradient(dy, saved[-1].residual, stack_layers[-1].activation)
+    gemm = dict(precision=stack.precision, backend=stack.backward)
     dbias = None  # the current layer's bias gradient, when the step above has given it
     dz8 = None  # the current layer's (dZ8, scale), when the step above has written it
     grads, gradient_amaxes = [], {}
@@ -529,9 +530,12 @@ def _fp8_stack_bwd(plan: Plan, residuals, dy):
         previous_residual = saved[i - 1].residual if i else None
         need_bias_grad = layers._weight_grad_gives_bias_grad(stack_layers, i)
         if not quantized[i]:
-            dkernel, own_dbias = layers._weight_grad(s.input, dz, need_bias_grad, stack)
-            dz, next_dbias = layers._data_grad(dz, s.kernel, previous, previous_residual,
-                                               stack)
+            dkernel, own_dbias = weight_gradient(s.input, dz, bias_gradient=need_bias_grad,
+                                                 **gemm)
+            below = previous or layers.Layer(None, False)
+            dz, next_dbias = data_gradient(dz, s.kernel, activation=below.activation,
+                                           has_bias=below.has_bias, residual=previous_residual,
+                                           **gemm)
         else:
             if dz8 is None:
                 # Current scaling for gradients in 16 bits (`Fp8.scaling`).

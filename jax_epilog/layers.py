@@ -49,7 +49,8 @@ from jax.ad_checkpoint import checkpoint_name
 from . import config, cuda_library, epilogs, manual_axes
 from . import fp8 as fp8_training  # FP8 training (SPEC §5); it builds on this module's helpers
 from .epilogs import Epilog
-from .matmul import SUPPORTED_DTYPES, matmul
+from .matmul import (SUPPORTED_DTYPES, activation_gradient, data_gradient, matmul,
+                     weight_gradient)
 
 ACTIVATIONS = (None, "relu", "gelu")
 
@@ -116,14 +117,6 @@ def _stack_fwd(stack: Stack, x, params):
     return h, (tuple(inputs), kernels, tuple(residuals))
 
 
-def _activation_grad(dy, residual, activation: Optional[str]):
-    """dZ from dY = d act(Z) (elementwise): the mask for ReLU, gelu'(Z) for GELU."""
-    if activation is None:
-        return dy
-    dz = epilogs.ACTIVATIONS[activation].derivative(dy.astype(jnp.float32), residual, dy.shape[-1])
-    return dz.astype(dy.dtype)
-
-
 def _weight_grad_epilog(with_bias_grad: bool) -> Epilog:
     return Epilog.BGRADB if with_bias_grad else Epilog.DEFAULT
 
@@ -133,29 +126,6 @@ def _data_grad_epilog(previous: Optional[Layer]) -> Epilog:
     if previous is None or previous.activation is None:
         return Epilog.DEFAULT
     return Epilog.find_derivative(previous.activation, bias_gradient=previous.has_bias)
-
-
-def _weight_grad(h, dz, with_bias_grad: bool, stack: Stack):
-    """(dW = hᵀ dZ, its layer's bias gradient (BGRADB: dZ summed over the rows) or None)."""
-    epilog = _weight_grad_epilog(with_bias_grad)
-    out = matmul(h, dz, transpose_a=True, epilog=epilog, precision=stack.precision,
-                 backend=stack.backward)
-    return (out[0], out[1]["bgradb"]) if with_bias_grad else (out, None)
-
-
-def _data_grad(dz, kernel, previous: Optional[Layer], residual, stack: Stack):
-    """(dZ of the previous layer (dX for the first), its bias gradient or None).
-
-    The bias gradient is None where the previous layer has no bias or no activation (its
-    weight-gradient GEMM then gives it through BGRADB).
-    """
-    epilog = _data_grad_epilog(previous)
-    if epilog == Epilog.DEFAULT:
-        return matmul(dz, kernel, transpose_b=True, precision=stack.precision,
-                      backend=stack.backward), None
-    out = matmul(dz, kernel, transpose_b=True, epilog=epilog, precision=stack.precision,
-                 backend=stack.backward, epilog_inputs={epilog.aux_input: residual})
-    return (out[0], out[1][epilog.reduction_output]) if previous.has_bias else (out, None)
 
 
 def _weight_grad_gives_bias_grad(layers, i: int) -> bool:
@@ -168,15 +138,21 @@ def _weight_grad_gives_bias_grad(layers, i: int) -> bool:
 def _stack_bwd(stack: Stack, saved, dy):
     inputs, kernels, residuals = saved
     layers = stack.layers
-    dz = _activation_grad(dy, residuals[-1], layers[-1].activation)
+    dz = activation_gradient(dy, residuals[-1], layers[-1].activation)
+    gemm = dict(precision=stack.precision, backend=stack.backward)
     dbias = None  # the current layer's bias gradient, when the step above has given it
     grads = []
     for i in reversed(range(len(layers))):
         need_bias_grad = _weight_grad_gives_bias_grad(layers, i)
-        dkernel, fused_dbias = _weight_grad(inputs[i], dz, need_bias_grad, stack)
+        dkernel, fused_dbias = weight_gradient(inputs[i], dz, bias_gradient=need_bias_grad,
+                                               **gemm)
         grads.append((dkernel, fused_dbias if need_bias_grad else dbias))
-        previous = layers[i - 1] if i > 0 else None
-        dz, dbias = _data_grad(dz, kernels[i], previous, residuals[i - 1] if i else None, stack)
+        # The data-gradient GEMM also applies the layer below's activation derivative and
+        # reduces its bias gradient (DRELU_BGRAD and friends), where it has an activation.
+        below = layers[i - 1] if i > 0 else Layer(None, False)
+        dz, dbias = data_gradient(dz, kernels[i], activation=below.activation,
+                                  has_bias=below.has_bias,
+                                  residual=residuals[i - 1] if i else None, **gemm)
     return dz, tuple(reversed(grads))
 
 
