@@ -463,8 +463,8 @@ def _fp8_step(config, model_axis=None):
 
 def _calibrated_state(x, params, target):
     """The docs' first step: one step of current scaling on one device fills the histories."""
-    return _fp8_step(_fp8_config("current", None))(params, _fp8_config("current", None)
-                                                   .init_state(2), x, target)[1][1]
+    current = _fp8_config("current", None)
+    return _fp8_step(current)(params, current.init_state(2), x, target)[1][1]
 
 
 def _fp8_shard_map_step(layout, config, check_vma=True):
@@ -579,8 +579,9 @@ def test_fp8_shard_map_delayed_state_without_vma_checks(axes):
 
 
 def _all_gathers(text):
-    """The result types of the all-gathers in compiled HLO text, sorted."""
-    return sorted(re.findall(r"= (\S+) all-gather\(", text))
+    """The result types of the all-gathers (synchronous or started asynchronously) in
+    compiled HLO text, sorted."""
+    return sorted(re.findall(r"= (.+?) all-gather(?:-start)?\(", text))
 
 
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
