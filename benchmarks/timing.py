@@ -1,4 +1,4 @@
-"""Timing and run metadata shared by every benchmark (method: ../../shared/BENCHMARK.md).
+"""Timing and run metadata shared by every benchmark (method: benchmarks/README.md).
 
 A call is timed by the device's clock as seen from the host: many back-to-back asynchronous
 calls, one synchronisation at the end, so host dispatch overlaps device work and only the

@@ -74,7 +74,7 @@ from .matmul import activation_gradient, data_gradient, matmul, weight_gradient
 from .reference import saturating_cast
 
 #: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`.
-#: Measured on the H200 (BENCHMARK.md, XLA's FP8 step): M1's 65536×4096×4096 layers (2.2e12)
+#: Measured on the H200 (benchmarks/README.md, XLA's FP8 step): M1's 65536×4096×4096 layers (2.2e12)
 #: gain 1.46×, M2's 16384×1024×1024 layers (3.4e10) lose (0.72×). The crossover between them
 #: is what `benchmarks/fp8_bench.py --sweep` measures; until then this sits conservatively
 #: near M1's size.
@@ -152,9 +152,7 @@ class Fp8:
             raise ValueError("forward: float8_e5m2 for activations and weights would make the "
                              "forward GEMM e5m2 × e5m2, which cuBLASLt has no kernel for; use "
                              "float8_e4m3fn (and e5m2 for gradient=)")
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"margin: expected a non-negative int (scales are largest / "
-                             f"2**margin / amax), got {self.margin!r}")
+        _check_margin(self.margin)
         if self.layers not in LAYER_CHOICES:
             raise ValueError(f"layers: expected one of {LAYER_CHOICES}, got {self.layers!r}")
         if not (isinstance(self.fast_accumulation, bool) or self.fast_accumulation == "forward"):
@@ -191,6 +189,12 @@ class Fp8:
         """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8."""
         return tuple(self.layers == "all" or fp8_pays(rows, k, n)
                      for k, n in zip(widths, widths[1:]))
+
+
+def _check_margin(margin) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"margin: expected a non-negative int (scales are largest / "
+                         f"2**margin / amax), got {margin!r}")
 
 
 def _format(name: str, value) -> str:
@@ -311,6 +315,20 @@ def quantize_scaled(x, dtype: str, margin: int, history=None, amax_axes=None):
     return (*quantize(x, x_amax, dtype, margin), x_amax)
 
 
+def quantize_tensor(x, dtype="float8_e4m3fn", *, margin: int = 0):
+    """Per-tensor current scaling of `x`, as the layers' `fp8=True` does it: `(x8, scale)` with
+    `x ≈ scale * x8` (x8 in `dtype`, scale a float32 scalar), the convention of
+    `matmul(..., quantization_scales={"a": scale_a, "b": scale_b})`. The scale maps amax(x) to
+    the format's largest value divided by `2**margin`; values are rounded and saturated.
+    Public as `jax_epilog.quantize`."""
+    if not isinstance(x, jax.Array | np.ndarray) or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x: expected a floating-point array, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    _check_margin(margin)
+    x8, scale, _ = quantize_scaled(x, _format("dtype", dtype), margin)
+    return x8, scale
+
+
 def record(history, x_amax):
     """`history` with `x_amax` as its most recent entry (the oldest dropped)."""
     return jnp.concatenate([jnp.reshape(x_amax, (1,)).astype(history.dtype), history[:-1]])
@@ -343,7 +361,7 @@ def data_grad_backend(backward: str, epilog: Epilog) -> str:
     Under "auto", a GEMM that applies an activation's derivative (DRELU_BGRAD and friends)
     runs XLA's way: XLA's FP8 GEMM, then the derivative, the bias gradient and the amax as
     fusions. On the H200 cuBLASLt's FP8 DRELU_BGRAD ran at 672 TFLOP/s on G1 where its plain
-    FP8 GEMM ran at 1283 and XLA's at 1234 (BENCHMARK.md): ~1.5 ms lost per M1 layer against
+    FP8 GEMM ran at 1283 and XLA's at 1234 (benchmarks/README.md): ~1.5 ms lost per M1 layer against
     ~0.5 ms of elementwise passes. `backward="fused"` keeps the kernel (fp8_bench's
     ours_fp8_fused row measures both), and so does JAX_EPILOG_BACKEND=cublaslt, which
     replaces every automatic choice.

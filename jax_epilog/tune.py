@@ -67,7 +67,7 @@ ROUNDS = 5
 L2_BYTES = 50 * 1024 * 1024  # H100/H200: small problems run copies until twice this is touched
 MAX_COPIES = 16
 
-# The benchmark grid of BENCHMARK.md: id -> (B, K, N) for act(x[B, K] @ W[K, N] + b[N]) ...
+# The benchmark grid of benchmarks/README.md: id -> (B, K, N) for act(x[B, K] @ W[K, N] + b[N]) ...
 GRID = {
     "G1": (65536, 4096, 4096),
     "G2": (8192, 8192, 8192),
@@ -86,6 +86,12 @@ NETWORKS = {
 }
 DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "fp16": "float16", "f32": "float32",
                "fp32": "float32", "f64": "float64", "i32": "int32", "u8": "uint8"}
+
+
+#: What `--dry-run` prints first: how to read its lines.
+DRY_RUN_HEADER = ("problems: epilog dtype layout (N/T: a, b transposed or not) B×K×N (B rows, "
+                  "times batch= GEMMs); stacks: mode dtype B×K, then each layer's →N (+b: "
+                  "bias) and activation")
 
 
 class Problem(NamedTuple):
@@ -118,8 +124,8 @@ class Problem(NamedTuple):
 
     def __str__(self) -> str:
         t = "".join(("T" if self.transpose_a else "N", "T" if self.transpose_b else "N"))
-        batch = f"{self.batch}x" if self.batch > 1 else ""
-        return f"{self.epilog} {self.dtype} {t} {batch}{self.m}x{self.n}x{self.k}"
+        batch = f"batch={self.batch} " if self.batch > 1 else ""
+        return f"{self.epilog} {self.dtype} {t} {batch}{self.m}×{self.k}×{self.n}"  # README's B×K×N
 
 
 # --- 1. finding the problems ---------------------------------------------------------------
@@ -673,6 +679,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     problems, stacks = _collect(targets)
     if args.dry_run:
+        print(DRY_RUN_HEADER)
         for item in (*problems, *stacks):
             print(item)
         print(f"{len(problems)} distinct problems, {len(stacks)} stacks", flush=True)

@@ -184,11 +184,17 @@ def test_traced_alpha_beta_gradients_in_bf16_match_float32():
 @pytest.mark.parametrize("epilog", [Epilog.BIAS, Epilog.RELU_BIAS, Epilog.GELU_BIAS],
                          ids=lambda e: e.name)
 def test_gradient_on_the_gpu_matches_float32_within_a_rounding(epilog, layout, backend):
-    """The backward GEMMs on the GPU, cuBLASLt's kernels (BGRADB / BGRADA) or XLA's, against
-    the reference's float32 gradient; with a residual through c and traced alpha, beta."""
+    """The backward GEMMs on the GPU, cuBLASLt's kernels (BGRADB / BGRADA) or XLA's (for
+    `backend="xla"` the plain expression under JAX's autodiff), against the reference's float32
+    gradient; with a residual through c and traced alpha, beta. Integer operands and a bias
+    off the grid keep the pre-activation exact and never 0, so every path's ReLU mask agrees."""
     m, n, k = (129, 127, 72) if layout == "2d" else (33, 129, 127)
     a, b, inputs, probe, ta, tb = _problem(layout, epilog, "bfloat16", m=m, n=n, k=k, seed=4)
-    c = jnp.asarray(np.random.default_rng(9).standard_normal(probe.shape), jnp.bfloat16)
+    exact = lambda x, scale, offset=0.0: (jnp.round(x.astype(jnp.float32) * scale)
+                                          + offset).astype(jnp.bfloat16)
+    a, b = exact(a, 2.0), exact(b, np.sqrt(k))
+    inputs = {"bias": exact(inputs["bias"], 1.0, 0.125)}  # z = 0.75 P + 1.5 c + bias
+    c = exact(jnp.asarray(np.random.default_rng(9).standard_normal(probe.shape)), 2.0)
 
     def loss(fn, a, b, inputs, c, alpha, beta, **kw):
         y = fn(a, b, c, alpha=alpha, beta=beta, epilog=epilog, epilog_inputs=inputs,
