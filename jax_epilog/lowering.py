@@ -38,10 +38,10 @@ from jax.interpreters import mlir
 
 from . import config, cuda_library, padding, reference
 from .epilogs import Epilog, is_fp8
-from .primitive import Params, kernel_p, problem_of, result_dtype_of
+from .call import Params, kernel_p, problem_of, result_dtype_of
 
 
-def _lower_reference(ctx, *args, exact: bool = True, **params):
+def lower_reference(ctx, *args, exact: bool = True, **params):
     # `fast_accumulation`: the exact reference computes the float32 formula whatever the call
     # asks; XLA's way (not `exact`) asks XLA's FP8 dot for it (DEFAULT precision, which XLA
     # runs with fast accumulation; HIGHEST otherwise).
@@ -188,11 +188,11 @@ def _relaid_out(params: Params, layout: Layout):
     return call
 
 
-def _lower_cuda(ctx, *args, **params):
+def lower_cuda(ctx, *args, **params):
     params = Params(**params)
     way, layout = _way(ctx.avals_in, params)
     if way in ("reference", "xla"):
-        return _lower_reference(ctx, *args, exact=way == "reference", **params._asdict())
+        return lower_reference(ctx, *args, exact=way == "reference", **params._asdict())
     if way == "relayout":  # lowered again on the transposed operands
         return mlir.lower_fun(_relaid_out(params, layout), multiple_results=True)(ctx, *args)
     if way == "padded":  # lowered again with aligned K and N: the inner call takes the kernel
@@ -208,6 +208,3 @@ def _lower_cuda(ctx, *args, **params):
                    fast_accumulation=bool(params.fast_accumulation))
     return results[:-1]
 
-
-mlir.register_lowering(kernel_p, _lower_reference)
-mlir.register_lowering(kernel_p, _lower_cuda, platform="cuda")

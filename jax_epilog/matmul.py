@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import cuda_library
-from . import lowering  # noqa: F401  (registers the lowerings)
 from . import manual_axes
 from .epilogs import (ACTIVATIONS, ARRAYS, DEFAULT_FP8_RESULT, FP8_DTYPES, FP8_RESULT_DTYPES,
                       Epilog, array_dtype, as_epilog, dim_sizes, is_fp8, result_names,
