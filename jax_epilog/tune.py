@@ -8,9 +8,9 @@ actually runs:
 1. It traces functions (`jax.make_jaxpr`, walking nested jaxprs: jit, custom_vjp/custom_jvp,
    scan, cond, remat, custom_partitioning) and collects every `epilog_matmul` call left to
    ``backend="auto"``: epilog, dtype, transposes and the normalised problem (batch, M, N, K);
-   and every `dense`/`mlp` stack left to "auto" (`layers.recording_stacks`: dtype, rows,
-   widths, activations, biases; a training step where its custom VJP's forward was traced, an
-   inference forward where its primal was).
+   and every `dense`/`mlp` stack left to "auto" (the planning context's observer, `plan.Context`:
+   dtype, rows, widths, activations, biases; a training step where its custom VJP's forward was
+   traced, an inference forward where its primal was).
 2. It times each distinct problem with ``backend="cublaslt"`` and ``backend="xla"``:
    `jax_epilog.matmul` jitted on random operands of those shapes (a random bit mask for the
    DRELU epilogs), wall-clock rounds of back-to-back calls with one `block_until_ready` each,
@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from . import config, dispatch, layers
+from . import config, dispatch, layers, plan
 from .epilogs import Epilog, gelu_aux_columns, is_fp8, relu_mask_bytes
 from .epilogs import aux_dtype as aux_dtype_of
 from .layers import mlp
@@ -162,10 +162,17 @@ def traced(fn: Callable, *args, **kwargs) -> tuple[list[Problem], list[dispatch.
     "auto") of `fn(*args, **kwargs)`, in trace order, repeats included. `args` may be arrays or
     `jax.ShapeDtypeStruct`s."""
     # A function traced before (by jit, or a custom VJP's cached trace) would not run the
-    # layers' Python again: no stack recorded, and the path of that trace, not the fused one.
+    # layers' Python again: no stack seen, and the path of that trace, not the fused one.
     jax.clear_caches()
+    stacks = []
+
+    def observe(planned: plan.StackPlan, mode: str) -> None:
+        if mode != "planned" and plan.left_to_auto(planned.stack):
+            stacks.append(planned.key(mode))
+
     # The layers' fused path, whatever the tables say, so every GEMM and stack is seen.
-    with config.backend_forced("cublaslt"), layers.recording_stacks() as stacks:
+    forced = plan.default_context()._replace(override=lambda: "cublaslt", observe=observe)
+    with plan.planning(forced):
         jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
     problems = [_problem_of_eqn(eqn) for eqn in epilog_eqns(jaxpr)
                 if eqn.params.get("backend", "auto") == "auto"]
@@ -405,11 +412,19 @@ def _operand_sets(p: Problem) -> list[tuple]:
     return jax.block_until_ready([random_operands(p, seed) for seed in range(copies_for(p))])
 
 
-def stack_of(key: dispatch.StackKey) -> layers.Stack:
-    """The `layers.Stack` of a stack entry, every GEMM left to "auto"."""
-    return layers.Stack(layers=tuple(layers.Layer(act, bias)
-                                     for act, bias in zip(key.activations, key.biases)),
-                        precision=None, forward="auto", backward="auto")
+def stack_of(key: dispatch.StackKey) -> plan.Stack:
+    """The `plan.Stack` of a stack entry, every GEMM left to "auto"."""
+    return plan.Stack(layers=tuple(plan.Layer(act, bias)
+                                   for act, bias in zip(key.activations, key.biases)),
+                      precision=None, forward="auto", backward="auto")
+
+
+def plan_of(key: dispatch.StackKey, on_gpu: bool) -> plan.StackPlan:
+    """The plan of a stack entry: with `on_gpu`, its GEMMs' backends as "auto" chooses them
+    now on this CUDA GPU (inside `dispatch.measuring`, by this run's GEMM entries); without,
+    the fused stack throughout (the "fused" candidate, whatever the tables say)."""
+    ctx = plan.default_context()._replace(tables_decide=lambda: on_gpu)
+    return plan.plan_stack(ctx, stack_of(key), key.rows, key.widths, key.dtype)
 
 
 def stack_fn(key: dispatch.StackKey, candidate: str) -> Callable:
@@ -418,8 +433,10 @@ def stack_fn(key: dispatch.StackKey, candidate: str) -> Callable:
     step: (x, params, target) -> (loss, (dx, dparams)), `jax.value_and_grad` of
     `squared_error` w.r.t. x and the parameters, as a training step uses the layer (the loss
     gradient's elementwise work is then in the step, as it is in the user's)."""
-    run = {"plain": layers._plain_expression, "fused": layers._stack}[candidate]
-    forward = functools.partial(run, stack_of(key))
+    if candidate == "plain":
+        forward = functools.partial(layers._plain_expression, stack_of(key))
+    else:
+        forward = functools.partial(layers._stack, plan_of(key, on_gpu=False))
     if key.mode == "forward":
         return forward
 
@@ -432,15 +449,9 @@ def fused_gemm_backends(key: dispatch.StackKey) -> list[str]:
     """"cublaslt" or "xla" for each GEMM the fused candidate of `key` issues (the training
     step's forward and backward GEMMs, or the inference forward's), as "auto" chooses them now:
     inside `dispatch.measuring`, by this run's GEMM entries."""
-    stack = stack_of(key)
-    if key.mode == "forward":
-        gemms = [(Epilog.find(layer.activation, layer.has_bias, keep_residual=False),
-                  1, key.rows, n, k, False, False)
-                 for layer, k, n in zip(stack.layers, key.widths, key.widths[1:])]
-    else:
-        gemms = [gemm for _, gemm in layers._gemms(stack.layers, key.rows, key.widths)]
-    return [config.backend_override() or dispatch.choose(epilog, key.dtype, *problem)
-            for epilog, *problem in gemms]
+    planned = plan_of(key, on_gpu=True)
+    gemms = planned.forward_gemms if key.mode == "forward" else planned.gemms
+    return [gemm.backend for gemm in gemms]
 
 
 def stack_operands(key: dispatch.StackKey, seed: int = 0) -> tuple:
