@@ -80,7 +80,7 @@ def _warn_unavailable(reason: str) -> None:
                   "the plain-XLA reference instead.", RuntimeWarning, stacklevel=3)
 
 
-def _kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
+def kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
     """Whether cuBLASLt has a kernel for these operands, and if not why (None from the library:
     cannot ask here, e.g. no GPU on this host; trust the kernel)."""
     a, b = avals_in[0], avals_in[1]
@@ -117,7 +117,7 @@ def _relaid_out(params: Params, layout: plan.Layout):
 
 def lower_cuda(ctx, *args, **params):
     params = Params(**params)
-    call_plan = plan.plan_call(plan.context(), ctx.avals_in, params, _kernel_supports)
+    call_plan = plan.plan_call(plan.context(), ctx.avals_in, params, kernel_supports)
     if call_plan.warning == "unavailable":
         _warn_unavailable(cuda_library.unavailable_reason())
     elif call_plan.warning == "fp8-reference":

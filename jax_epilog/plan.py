@@ -332,7 +332,7 @@ class Gemm(NamedTuple):
     backend the layer asks of `matmul` (`requested`, and why where the layer changed it) and,
     where the plan is made for a CUDA GPU, what that becomes (`backend`, `why`)."""
 
-    layer: int
+    layer: Optional[int]  # None: a call of its own (`explanation`), not a stack's
     role: str  # "forward", "weight gradient" or "data gradient"
     epilog: Epilog
     dtype: str  # a's dtype, and b's after "x" where it differs (FP8)
