@@ -34,15 +34,15 @@ import math
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 import timing
-from jax_epilog import config, cuda_library, dispatch
-from jax_epilog.tune import (Workload, epilog_eqns, epilog_stack, forward_fn, grid_workloads,
-                             step_fn)
+from jax_epilog import Epilog, config, cuda_library, dense, dispatch, matmul
+from jax_epilog.tune import (GRID, NETWORKS, Workload, epilog_eqns, epilog_stack, forward_fn,
+                             grid_workloads, step_fn)
 
 DTYPE = jnp.bfloat16
 ROUNDS = 7
@@ -52,12 +52,10 @@ ROUNDS = 7
 SMALL_ROW_SECONDS, SMALL_ROUNDS, SMALL_ROUND_SECONDS = 0.5e-3, 21, 0.05
 MODES = {"forward": forward_fn, "step": step_fn}
 HARNESSES = ("careful", "user")
-SMOKE_WORKLOADS = [Workload("S1", 64, (48, 40), None, "relu", True),
-                   Workload("S1 gelu", 64, (48, 40), None, "gelu", True),
-                   Workload("T1", 33, (7, 129, 40, 10), "relu", None, False)]
-# The issue's targets: every row >= 0.98, geometric mean >= 1.05, and these rows.
+# The targets: every row >= 0.98, geometric mean >= 1.05, and these rows.
 MIN_RATIO, MIN_GEOMEAN = 0.98, 1.05
-ROW_TARGETS = {"M3 step": 1.00, "M2 step": 1.15, "G3 step": 1.10}
+ROW_TARGETS = {"M3 step": 1.00, "M2 step": 1.15, "G3 step": 1.10,
+               "T1 residual step": 1.00, "T2 residual step": 1.00}
 ACTIVATION = {"relu": jax.nn.relu, "gelu": lambda z: jax.nn.gelu(z, approximate=True),
               None: lambda z: z}
 
@@ -67,6 +65,82 @@ def xla_stack(x, params, activation, final_activation):
     for i, (kernel, bias) in enumerate(params):
         x = ACTIVATION[activation if i < len(params) - 1 else final_activation](x @ kernel + bias)
     return x
+
+
+def matmul_stack(x, params, activation, final_activation):
+    """One layer as the op itself, `jax_epilog.matmul` with the BIAS, RELU_BIAS or GELU_BIAS
+    epilog, differentiated by the op's own custom VJP (not the layers')."""
+    (kernel, bias), = params
+    return matmul(x, kernel, epilog=Epilog.find(final_activation, True),
+                  epilog_inputs={"bias": bias})
+
+
+def xla_residual_block(x, params, activation, final_activation):
+    """A transformer MLP block as a user writes it: x + act(x W1 + b1) W2 + b2."""
+    (w1, b1), (w2, b2) = params
+    return x + (ACTIVATION[activation](x @ w1 + b1) @ w2 + b2)
+
+
+def epilog_residual_block(x, params, activation, final_activation):
+    """The same block with the residual added by the second GEMM, through `c`."""
+    (w1, b1), (w2, b2) = params
+    h = dense(x, w1, b1, activation=activation)
+    return matmul(h, w2, x, beta=1.0, epilog="bias", epilog_inputs={"bias": b2})
+
+
+class Row(NamedTuple):
+    """What is measured: a workload, its modes, (XLA's side, ours), and the group that
+    `--rows` can name."""
+
+    workload: Workload
+    modes: tuple[str, ...]
+    stacks: tuple[Callable, Callable]
+    group: str
+
+
+MATMUL_ROWS = ("G1", "G3", "G6")  # `jax.grad` through `matmul` itself, per epilog
+RESIDUAL_BLOCKS = {"T1": (8192, 4096, 16384), "T2": (16384, 1024, 4096)}  # T, D, F
+GROUPS = ("grid", "matmul", "residual")
+LAYER_STACKS = (xla_stack, epilog_stack)
+MATMUL_STACKS = (xla_stack, matmul_stack)
+RESIDUAL_STACKS = (xla_residual_block, epilog_residual_block)
+SMOKE_ROWS = [Row(Workload("S1", 64, (48, 40), None, "relu", True), tuple(MODES), LAYER_STACKS,
+                  "grid"),
+              Row(Workload("S1 gelu", 64, (48, 40), None, "gelu", True), tuple(MODES),
+                  LAYER_STACKS, "grid"),
+              Row(Workload("T1", 33, (7, 129, 40, 10), "relu", None, False), tuple(MODES),
+                  LAYER_STACKS, "grid"),
+              Row(Workload("S1 matmul relu_bias", 64, (48, 40), None, "relu", True), ("step",),
+                  MATMUL_STACKS, "matmul"),
+              Row(Workload("S2 residual", 33, (40, 72, 40), "gelu", None, True), tuple(MODES),
+                  RESIDUAL_STACKS, "residual")]
+
+
+def benchmark_rows(rows: Optional[list[str]] = None) -> list[Row]:
+    """The grid rows and networks (both modes, `mlp` against the plain stack), `jax.grad`
+    through `matmul` with BIAS / RELU_BIAS / GELU_BIAS at G1, G3, G6, and the transformer MLP
+    block with its residual through `c` (both modes). `rows` names ids (G1..G7, M1..M3, T1,
+    T2) or groups (grid, matmul, residual); None: everything."""
+    wanted = None if rows is None else set(rows)
+    unknown = set() if wanted is None else \
+        wanted - set(GRID) - set(NETWORKS) - set(RESIDUAL_BLOCKS) - set(GROUPS)
+    if unknown:
+        raise ValueError(f"rows: unknown ids {sorted(unknown)}; expected some of "
+                         f"{', '.join([*GRID, *NETWORKS, *RESIDUAL_BLOCKS, *GROUPS])}")
+    picked = lambda row_id, group: wanted is None or row_id in wanted or group in wanted
+    selected = [Row(w, tuple(MODES), LAYER_STACKS, "grid") for w in grid_workloads()
+                if picked(w.name.split()[0], "grid")]
+    for row_id in MATMUL_ROWS:
+        if picked(row_id, "matmul"):
+            batch, k, n = GRID[row_id]
+            selected += [Row(Workload(f"{row_id} matmul {Epilog.find(act, True).name.lower()}",
+                                      batch, (k, n), None, act, True), ("step",), MATMUL_STACKS,
+                             "matmul") for act in (None, "relu", "gelu")]
+    for row_id, (t, d, f) in RESIDUAL_BLOCKS.items():
+        if picked(row_id, "residual"):
+            selected.append(Row(Workload(f"{row_id} residual", t, (d, f, d), "gelu", None, True),
+                                tuple(MODES), RESIDUAL_STACKS, "residual"))
+    return selected
 
 
 def random_inputs(w: Workload, seed: int) -> tuple:
@@ -106,11 +180,12 @@ def path_taken(fn, args: tuple) -> str:
         else "plain"
 
 
-def measure_row(w: Workload, mode: str, arg_sets: list[tuple], budget: timing.Budget):
+def measure_row(w: Workload, mode: str, arg_sets: list[tuple], budget: timing.Budget,
+                stacks: tuple[Callable, Callable] = LAYER_STACKS):
     """Both sides of one row jitted (as a user calls them), then timed in both harnesses."""
     sides = {}
     record: dict[str, Any] = {}
-    for side, stack in (("xla", xla_stack), ("jax_epilog", epilog_stack)):
+    for side, stack in zip(("xla", "jax_epilog"), stacks):
         sides[side] = jax.jit(MODES[mode](w, stack))
         lowered = sides[side].lower(*arg_sets[0])
         start = time.perf_counter()
@@ -173,11 +248,11 @@ def tables_used() -> dict[str, Any]:
             "shipped_table": shipped.name if shipped and shipped.exists() else None}
 
 
-def run(workloads: list[Workload], budget_seconds: float, out: Path) -> dict[str, Any]:
+def run(rows: list[Row], budget_seconds: float, out: Path) -> dict[str, Any]:
     started = time.perf_counter()
     # One measurement per harness and row: two sides' rounds each.
-    budget = timing.Budget(budget_seconds, len(HARNESSES) * len(MODES) * len(workloads),
-                           rounds=2 * ROUNDS)
+    measurements = sum(len(row.modes) for row in rows)
+    budget = timing.Budget(budget_seconds, len(HARNESSES) * measurements, rounds=2 * ROUNDS)
     report: dict[str, Any] = {
         "benchmark": "never_slower", "metadata": timing.run_metadata(),
         "method": {"dtype": jnp.dtype(DTYPE).name, "rounds": ROUNDS,
@@ -192,24 +267,24 @@ def run(workloads: list[Workload], budget_seconds: float, out: Path) -> dict[str
                    "ratio_spread": "min and max over rounds of XLA's round time / ours (the "
                                    "two sides' rounds i run back to back)"},
         "rows": [], "errors": [], "skipped": []}
-    with timing.progress_bar(len(workloads) * len(MODES), "never_slower") as bar:
-        for w in workloads:
+    with timing.progress_bar(measurements, "never_slower") as bar:
+        for w, modes, stacks, _ in rows:
             if budget.remaining <= 0:
-                report["skipped"] += [f"{w.name} {mode}" for mode in MODES]
-                bar.update(len(MODES))
+                report["skipped"] += [f"{w.name} {mode}" for mode in modes]
+                bar.update(len(modes))
                 continue
             try:
                 arg_sets = [random_inputs(w, seed) for seed in range(input_copies(w))]
             except Exception as e:  # noqa: BLE001  (e.g. out of memory: the next row may fit)
                 report["errors"] += [{"name": f"{w.name} {mode}", "error": repr(e)}
-                                     for mode in MODES]
-                bar.update(len(MODES))
+                                     for mode in modes]
+                bar.update(len(modes))
                 continue
-            for mode in MODES:
+            for mode in modes:
                 name = f"{w.name} {mode}"
                 bar.set_postfix_str(name, refresh=False)
                 try:
-                    record = measure_row(w, mode, arg_sets, budget)
+                    record = measure_row(w, mode, arg_sets, budget, stacks)
                     report["rows"].append({"name": name, "mode": mode, "batch": w.batch,
                                            "widths": list(w.widths), "flops": w.flops(mode),
                                            "input_copies": len(arg_sets), **record})
@@ -329,8 +404,9 @@ def write(report: dict[str, Any], out: Path) -> None:
 def main(argv=None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--rows", help="comma-separated ids: G1..G7, M1..M3 (default: all; "
-                                       "'G4' includes 'G4 gelu')")
+    parser.add_argument("--rows", help="comma-separated ids (G1..G7, M1..M3, T1, T2) or groups "
+                                       "(grid, matmul, residual); default: all. 'G4' includes "
+                                       "'G4 gelu', 'G1' its matmul rows")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="wall-clock seconds for the whole run; rows still waiting when it "
                              "is spent are skipped (default 240; smoke 30)")
@@ -344,14 +420,15 @@ def main(argv=None) -> dict[str, Any]:
         return report
     rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else None
     if args.smoke:
-        workloads = [w for w in SMOKE_WORKLOADS if rows is None or w.name.split()[0] in rows]
+        selected = [r for r in SMOKE_ROWS
+                    if rows is None or r.workload.name.split()[0] in rows or r.group in rows]
     else:
         try:
-            workloads = grid_workloads(rows)
+            selected = benchmark_rows(rows)
         except ValueError as e:
             parser.error(str(e))
-    budget = args.budget_s if args.budget_s is not None else (30.0 if args.smoke else 240.0)
-    report = run(workloads, budget, args.out)
+    budget = args.budget_s if args.budget_s is not None else (30.0 if args.smoke else 300.0)
+    report = run(selected, budget, args.out)
     for harness, s in report["summary"].items():
         print(f"{harness}: min {s['min']:.3f} ({s['min_row']}), geomean {s['geomean']:.3f} "
               f"over {s['rows']} rows")

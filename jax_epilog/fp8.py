@@ -70,10 +70,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from . import layer_gemms
 from .epilogs import FP8_DTYPES, Epilog
-from .layer_gemms import LAYER_INPUT_NAME, activation_grad, data_grad, layer_forward, weight_grad
-from .matmul import matmul
+from .layer_gemms import LAYER_INPUT_NAME, layer_forward
+from .matmul import activation_gradient, data_gradient, matmul, weight_gradient
 from .plan import (FLOAT32_KERNEL_EPILOGS, FP8_ALIGNMENT, FP8_MIN_FLOPS,  # noqa: F401
-                   FP8_RESULT_EPILOGS, StackPlan, fp8_pays, quantized_layers,
+                   FP8_RESULT_EPILOGS, Layer, StackPlan, fp8_pays, quantized_layers,
                    weight_grad_gives_bias_grad)
 from .reference import saturating_cast
 
@@ -368,7 +368,8 @@ def _fp8_stack_bwd(planned: StackPlan, residuals, dy):
     stack, fp8 = planned.stack, planned.fp8
     stack_layers = stack.layers
     fast = fp8.fast("gradient")
-    dz = activation_grad(dy, saved[-1].residual, stack_layers[-1].activation)
+    dz = activation_gradient(dy, saved[-1].residual, stack_layers[-1].activation)
+    gemm = dict(precision=stack.precision, backend=stack.backward)
     dbias = None  # the current layer's bias gradient, when the step above has given it
     dz8 = None  # the current layer's (dZ8, scale), when the step above has written it
     grads, gradient_amaxes = [], {}
@@ -378,10 +379,14 @@ def _fp8_stack_bwd(planned: StackPlan, residuals, dy):
         previous_residual = saved[i - 1].residual if i else None
         need_bias_grad = weight_grad_gives_bias_grad(stack_layers, i)
         if not planned.layers[i].fp8:
-            dkernel, own_dbias = weight_grad(s.input, dz, need_bias_grad, stack)
-            dz, next_dbias = data_grad(dz, s.kernel, previous, previous_residual, stack)
+            dkernel, own_dbias = weight_gradient(s.input, dz, bias_gradient=need_bias_grad,
+                                                 **gemm)
+            below = previous or Layer(None, False)
+            dz, next_dbias = data_gradient(dz, s.kernel, activation=below.activation,
+                                           has_bias=below.has_bias, residual=previous_residual,
+                                           **gemm)
         else:
-            below = planned.layers[i - 1] if i else None
+            below_plan = planned.layers[i - 1] if i else None
             data = planned.gemm(i, "data gradient")
             if dz8 is None:
                 # Current scaling for gradients in 16 bits (`Fp8.scaling`).
@@ -402,7 +407,7 @@ def _fp8_stack_bwd(planned: StackPlan, residuals, dy):
                                   planned.gemm(i, "weight gradient").requested, fast,
                                   transpose_b=True)
             dz8, dkernel = _barrier(dz8, dkernel)
-            if below is not None and below.writes_fp8_gradient:
+            if below_plan is not None and below_plan.writes_fp8_gradient:
                 # The previous layer's dZ8 straight from the GEMM (delayed scale, its amax),
                 # ReLU's derivative h8 > 0 applied to its bits, the bias gradient its sum.
                 q = multiplier(jnp.max(state[i - 1].gradient), fp8.gradient, fp8.margin)
@@ -415,7 +420,7 @@ def _fp8_stack_bwd(planned: StackPlan, residuals, dy):
                 next_dbias = (jnp.sum(dz8, axis=0, dtype=jnp.float32) / q).astype(dy.dtype) \
                     if previous.has_bias else None
                 dz8, dz = (dz8, 1.0 / q), None
-            elif below is not None and below.relu_from_next_input:
+            elif below_plan is not None and below_plan.relu_from_next_input:
                 # ReLU's derivative from this layer's own FP8 input h8 = Q(relu(z)), as XLA
                 # fusions after a plain FP8 GEMM (also the previous layer's bias gradient).
                 p, _ = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, dy.dtype,

@@ -48,8 +48,8 @@ from jax.ad_checkpoint import checkpoint_name
 from . import epilogs, manual_axes, plan
 from . import fp8 as fp8_training  # FP8 training (SPEC §5)
 from .layer_gemms import (GELU_PRE_ACTIVATION_NAME, LAYER_INPUT_NAME,  # noqa: F401
-                          RELU_MASK_NAME, activation_grad, data_grad, layer_forward, weight_grad)
-from .matmul import SUPPORTED_DTYPES
+                          RELU_MASK_NAME, layer_forward)
+from .matmul import SUPPORTED_DTYPES, activation_gradient, data_gradient, weight_gradient
 from .plan import Layer, Stack, StackPlan, weight_grad_gives_bias_grad
 
 ACTIVATIONS = (None, "relu", "gelu")
@@ -90,15 +90,21 @@ def _stack_bwd(planned: StackPlan, saved, dy):
     stack = planned.stack
     inputs, kernels, residuals = saved
     layers = stack.layers
-    dz = activation_grad(dy, residuals[-1], layers[-1].activation)
+    dz = activation_gradient(dy, residuals[-1], layers[-1].activation)
+    gemm = dict(precision=stack.precision, backend=stack.backward)
     dbias = None  # the current layer's bias gradient, when the step above has given it
     grads = []
     for i in reversed(range(len(layers))):
         need_bias_grad = weight_grad_gives_bias_grad(layers, i)
-        dkernel, fused_dbias = weight_grad(inputs[i], dz, need_bias_grad, stack)
+        dkernel, fused_dbias = weight_gradient(inputs[i], dz, bias_gradient=need_bias_grad,
+                                               **gemm)
         grads.append((dkernel, fused_dbias if need_bias_grad else dbias))
-        previous = layers[i - 1] if i > 0 else None
-        dz, dbias = data_grad(dz, kernels[i], previous, residuals[i - 1] if i else None, stack)
+        # The data-gradient GEMM also applies the layer below's activation derivative and
+        # reduces its bias gradient (DRELU_BGRAD and friends), where it has an activation.
+        below = layers[i - 1] if i > 0 else Layer(None, False)
+        dz, dbias = data_gradient(dz, kernels[i], activation=below.activation,
+                                  has_bias=below.has_bias,
+                                  residual=residuals[i - 1] if i else None, **gemm)
     return dz, tuple(reversed(grads))
 
 

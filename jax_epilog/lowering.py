@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Optional
 
 import jax
 import jax.numpy as jnp

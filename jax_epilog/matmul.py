@@ -394,12 +394,27 @@ def _kernel(params: Params, a, b, *inputs):
     return tuple(manual_axes.vary(o, axes) for o in outputs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _forward(params: Params, a, b, *inputs):
+class _Scalars(NamedTuple):
+    """alpha and beta where the caller passed Python numbers (None where they are arrays):
+    known at trace time, they have nothing to differentiate and cost the backward nothing."""
+
+    alpha: Optional[float]
+    beta: Optional[float]
+
+
+def _python_number(x, default=None) -> Optional[float]:
+    if x is None:
+        return default
+    is_number = isinstance(x, (int, float)) and not isinstance(x, (bool, np.bool_, np.ndarray))
+    return float(x) if is_number else None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _forward(params: Params, scalars: _Scalars, a, b, *inputs):
     return _kernel(params, a, b, *inputs)
 
 
-def _forward_fwd(params: Params, a, b, *inputs):
+def _forward_fwd(params: Params, scalars: _Scalars, a, b, *inputs):
     epilog = Epilog(params.epilog)
     # Keep the backward's residual: the bit mask for ReLU, the pre-activation for GELU.
     outputs = _kernel(params._replace(epilog=int(epilog.with_aux)), a, b, *inputs)
@@ -410,44 +425,130 @@ def _forward_fwd(params: Params, a, b, *inputs):
     return visible, (a, b, residual, bias, c_args)
 
 
-def _forward_bwd(params: Params, saved, cotangents):
+# The backward GEMMs, shared with the layers (`layers._stack_bwd`): each is a `matmul` call, so
+# `backend="auto"` picks cuBLASLt's epilog or XLA's GEMM per problem, as for any call, and 16-bit
+# operands stay 16-bit (float32 accumulation inside the GEMM, as XLA's own transpose of a dot).
+
+def activation_gradient(dy, residual, activation: Optional[str], extra=None):
+    """dZ from dY = d act(Z), elementwise (the mask for ReLU, gelu'(Z) for GELU), in dY's
+    dtype, computed in float32 in one pass; `extra` (a cotangent of Z itself) adds on."""
+    if activation is None and extra is None:
+        return dy
+    dz = dy.astype(jnp.float32)
+    if activation is not None:
+        dz = ACTIVATIONS[activation].derivative(dz, residual, dy.shape[-1])
+    if extra is not None:
+        dz = dz + extra.astype(jnp.float32)
+    return dz.astype(dy.dtype)
+
+
+def weight_gradient(h, dz, *, bias_gradient: bool, precision, backend: str,
+                    transpose_h: bool = False, transpose_result: bool = False):
+    """(dW, dbias or None) for Z = op(h) @ W: dW = op(h)ᵀ dZ (K, N), or with `transpose_result`
+    dWᵀ = dZᵀ op(h) (N, K) for a W stored transposed. `h` is (R, K), or (K, R) with
+    `transpose_h`. The bias gradient, dZ summed over the rows, comes from the same GEMM
+    (BGRADB, or BGRADA for the transposed result: the summed operand is then A)."""
+    if transpose_result:
+        epilog, name = Epilog.BGRADA, "bgrada"
+        out = matmul(dz, h, transpose_a=True, transpose_b=transpose_h, precision=precision,
+                     backend=backend, epilog=epilog if bias_gradient else Epilog.DEFAULT)
+    else:
+        epilog, name = Epilog.BGRADB, "bgradb"
+        out = matmul(h, dz, transpose_a=not transpose_h, precision=precision, backend=backend,
+                     epilog=epilog if bias_gradient else Epilog.DEFAULT)
+    return (out[0], out[1][name]) if bias_gradient else (out, None)
+
+
+def data_gradient(dz, w, *, precision, backend: str, transpose_w: bool = False,
+                  activation: Optional[str] = None, has_bias: bool = False, residual=None):
+    """(dX, dbias or None) for Z = X @ op(W): dX = dZ op(W)ᵀ. With the `activation` of the
+    layer below (its `residual` kept by the forward), the same GEMM applies its derivative and,
+    where that layer `has_bias`, reduces its bias gradient (DRELU_BGRAD / DGELU_BGRAD, DRELU /
+    DGELU without a bias)."""
+    if activation is None:
+        return matmul(dz, w, transpose_b=not transpose_w, precision=precision,
+                      backend=backend), None
+    epilog = Epilog.find_derivative(activation, bias_gradient=has_bias)
+    out = matmul(dz, w, transpose_b=not transpose_w, epilog=epilog, precision=precision,
+                 backend=backend, epilog_inputs={epilog.aux_input: residual})
+    return (out[0], out[1][epilog.reduction_output]) if has_bias else (out, None)
+
+
+def _forward_bwd(params: Params, scalars: _Scalars, saved, cotangents):
     a, b, residual, bias, c_args = saved
     epilog = Epilog(params.epilog)
-    dy = cotangents[0].astype(jnp.float32)
-    n = dy.shape[-1]
-    dz = dy
-    if epilog.activation:
-        dz = ACTIVATIONS[epilog.activation].derivative(dy, residual, n)
-        if epilog.activation == "gelu" and epilog.aux_output:
-            # The pre-activation was an output too: its cotangent adds on.
-            dz = dz + cotangents[1][..., :n].astype(jnp.float32)
-    # dz is (batch, M, N); op(a) is (batch, M, K), op(b) is (batch|1, K, N).
-    precision = jax.lax.Precision.DEFAULT if params.allow_tf32 else jax.lax.Precision.HIGHEST
-    a_mk = jnp.swapaxes(a, 1, 2) if params.transpose_a else a
-    b_kn = jnp.swapaxes(b, 1, 2) if params.transpose_b else b
-    b_spec = "ckn" if b.shape[0] == 1 else "bkn"
-    da = jnp.einsum(f"bmn,{b_spec}->bmk", dz, b_kn.astype(jnp.float32), precision=precision)
-    db = jnp.einsum("bmk,bmn->bkn", a_mk.astype(jnp.float32), dz, precision=precision)
-    if c_args is not None:  # Z = alpha · P + beta · C (+ bias): dP = alpha · dZ
-        c, alpha, beta = c_args
-        dc = (beta * dz).astype(c.dtype)
-        dbeta = jnp.sum(dz * c.astype(jnp.float32))
-        # d alpha = sum(dZ ⊙ P) = sum((dZ @ op(b)ᵀ) ⊙ op(a)): no extra product
-        dalpha = jnp.sum(da * a_mk.astype(jnp.float32))
-        da, db = alpha * da, alpha * db
-    if b.shape[0] == 1:
-        db = db.sum(axis=0, keepdims=True)
-    da = jnp.swapaxes(da, 1, 2) if params.transpose_a else da
-    db = jnp.swapaxes(db, 1, 2) if params.transpose_b else db
-    grads = [da.astype(a.dtype), db.astype(b.dtype)]
+    # The pre-activation, when it was an output too, has a cotangent of its own.
+    extra = cotangents[1][..., :cotangents[0].shape[-1]] if (
+        epilog.activation == "gelu" and epilog.aux_output) else None
+    dz = activation_gradient(cotangents[0], residual, epilog.activation, extra)
+    gemm = dict(precision=jax.lax.Precision.DEFAULT if params.allow_tf32 else
+                jax.lax.Precision.HIGHEST, backend=params.backend)
+    ta, tb = params.transpose_a, params.transpose_b
+    batch = dz.shape[0]
+    # The bias gradient comes from the weight-gradient GEMM where that GEMM sums the same rows:
+    # a bias shared by the batch with a shared b (one GEMM over every row), or a batched b.
+    shared_b = b.shape[0] == 1
+    fused_dbias = bias is not None and (not shared_b or bias.shape[0] == 1)
+
+    # dA = dZ op(b)ᵀ, in a's stored layout: (batch, M, K), or (batch, K, M) with transpose_a.
+    if not ta:
+        da, _ = data_gradient(dz, b[0] if shared_b else b, transpose_w=tb, **gemm)
+    elif not shared_b:
+        da = matmul(b, dz, transpose_a=tb, transpose_b=True, **gemm)
+    elif batch == 1:  # dAᵀ = op(b) dZᵀ: one GEMM that writes a's layout
+        da = matmul(b[0], dz[0], transpose_a=tb, transpose_b=True, **gemm)[None]
+    else:  # a shared b under a batched, transposed a: XLA transposes the result
+        da = jnp.swapaxes(data_gradient(dz, b[0], transpose_w=tb, **gemm)[0], 1, 2)
+
+    # dB = op(a)ᵀ dZ, in b's stored layout: (·, K, N), or (·, N, K) with transpose_b.
+    if shared_b:  # every row of every batch contributes: one GEMM over all of them
+        if batch == 1:
+            h, transpose_h = a[0], ta
+        else:  # a batched, transposed a has no contiguous rows: XLA transposes it first
+            rows = jnp.swapaxes(a, 1, 2) if ta else a
+            h, transpose_h = rows.reshape(-1, rows.shape[-1]), False
+        db, dbias = weight_gradient(h, dz.reshape(-1, dz.shape[-1]), bias_gradient=fused_dbias,
+                                    transpose_h=transpose_h, transpose_result=tb, **gemm)
+        db = db[None]
+        dbias = None if dbias is None else dbias[None]
+    else:
+        db, dbias = weight_gradient(a, dz, bias_gradient=fused_dbias, transpose_h=ta,
+                                    transpose_result=tb, **gemm)
+        if dbias is not None and bias.shape[0] == 1:
+            dbias = jnp.sum(dbias, axis=0, keepdims=True, dtype=jnp.float32).astype(bias.dtype)
+    if bias is not None and dbias is None:  # a per-batch bias with a shared b
+        dbias = jnp.sum(dz, axis=1, dtype=jnp.float32).astype(bias.dtype)
+
+    grads = [da, db]
     if bias is not None:
-        dbias = dz.sum(axis=1)
-        if bias.shape[0] == 1:
-            dbias = dbias.sum(axis=0, keepdims=True)
-        grads.append(dbias.astype(a.dtype))
-    if c_args is not None:
-        grads += [dc, dalpha, dbeta]
+        grads.append(dbias)
+    if c_args is not None:  # Z = alpha · P + beta · C (+ bias): dP = alpha · dZ
+        grads += _c_gradients(scalars, c_args, a, da, dz)
+        alpha = c_args[1] if scalars.alpha is None else scalars.alpha
+        if scalars.alpha != 1.0:
+            grads[0], grads[1] = (_scaled(g, alpha) for g in grads[:2])
     return tuple(grads)
+
+
+def _c_gradients(scalars: _Scalars, c_args, a, da, dz) -> list:
+    """[dC, d alpha, d beta] for Z = alpha · P + beta · C (+ bias), `da` being dZ op(b)ᵀ in a's
+    layout before the alpha scale: d alpha = sum(dZ ⊙ P) = sum(da ⊙ a), no extra product."""
+    c, alpha, beta = c_args
+    if scalars.beta == 1.0 and c.dtype == dz.dtype:
+        dc = dz
+    else:
+        beta_value = beta if scalars.beta is None else scalars.beta
+        dc = (dz.astype(jnp.float32) * beta_value).astype(c.dtype)  # one fused pass
+    zero = jnp.zeros((), jnp.float32)
+    dalpha = zero if scalars.alpha is not None else jnp.sum(
+        da.astype(jnp.float32) * a.astype(jnp.float32))
+    dbeta = zero if scalars.beta is not None else jnp.sum(
+        dz.astype(jnp.float32) * c.astype(jnp.float32))
+    return [dc, dalpha, dbeta]
+
+
+def _scaled(g, alpha):
+    return (g * jnp.asarray(alpha, jnp.float32)).astype(g.dtype)
 
 
 _forward.defvjp(_forward_fwd, _forward_bwd)
@@ -520,9 +621,10 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
                     fast_accumulation)
     axes = manual_axes.varying_axes((call.a, call.b, *call.inputs))  # inside shard_map
     operands = [manual_axes.vary(x, axes) for x in (call.a, call.b, *call.inputs)]
-    differentiable = not (Epilog(call.params.epilog).is_backward or is_fp8(call.a.dtype))
-    run = _forward if differentiable else _kernel
-    return _finish(call, run(call.params, *operands))
+    if Epilog(call.params.epilog).is_backward or is_fp8(call.a.dtype):  # not differentiable
+        return _finish(call, _kernel(call.params, *operands))
+    scalars = _Scalars(_python_number(alpha, 1.0), _python_number(beta))
+    return _finish(call, _forward(call.params, scalars, *operands))
 
 
 def reference_matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,

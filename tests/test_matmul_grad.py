@@ -1,0 +1,178 @@
+"""`jax.grad` through `jax_epilog.matmul`: its backward runs in the operands' precision.
+
+The float32 values are checked against the float64 model in test_matmul.py and
+test_c_alpha_beta.py; here: 16-bit operands give 16-bit GEMMs (float32 accumulation inside the
+GEMM, no float32 dot anywhere in the lowered gradient, on the CPU and in the CUDA export), the
+16-bit gradients match the float32 ones within a 16-bit rounding at odd shapes, and `c`, `alpha`
+and `beta` cost the backward nothing where nothing asks for them.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_epilog
+from jax_epilog import Epilog
+from problems import make_problem
+
+EPILOGS = [Epilog.DEFAULT, Epilog.BIAS, Epilog.RELU_BIAS, Epilog.GELU_BIAS, Epilog.RELU_AUX_BIAS]
+LAYOUTS = {  # lead, b batched, bias batched, transpose_a, transpose_b
+    "2d": ((), False, False, False, False),
+    "transposed": ((), False, False, True, True),
+    "lead_shared_b": ((2, 3), False, False, False, True),
+    "lead_transposed_a": ((3,), False, False, True, False),
+    "batched_b": ((3,), True, False, True, True),
+    "batched_bias": ((2,), False, True, False, False),
+}
+DOT_OPERANDS = re.compile(r"stablehlo\.dot_general.*?:\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)")
+
+
+def _loss(fn, epilog, transpose_a, transpose_b, probe, **kw):
+    def loss(a, b, inputs):
+        out = fn(a, b, epilog=epilog, epilog_inputs=inputs or None, transpose_a=transpose_a,
+                 transpose_b=transpose_b, **kw)
+        y = out[0] if isinstance(out, tuple) else out
+        return jnp.sum(y.astype(jnp.float32) * probe)
+    return loss
+
+
+def _problem(layout, epilog, dtype, m=6, n=9, k=5, seed=0):
+    lead, b_batched, bias_batched, ta, tb = LAYOUTS[layout]
+    rng = np.random.default_rng(seed)
+    a, b, inputs = make_problem(rng, epilog, m=m, n=n, k=k, lead=lead, b_batched=b_batched,
+                                bias_batched=bias_batched, transpose_a=ta, transpose_b=tb,
+                                dtype=dtype)
+    probe = jnp.asarray(rng.standard_normal((*lead, m, n)), jnp.float32)
+    return a, b, inputs, probe, ta, tb
+
+
+def dot_operand_types(text: str) -> list[tuple[str, str]]:
+    pairs = DOT_OPERANDS.findall(text)
+    assert text.count("stablehlo.dot_general") == len(pairs), "a dot_general was not parsed"
+    return pairs
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("epilog", EPILOGS, ids=lambda e: e.name)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_gradient_has_no_float32_dot(dtype, epilog, layout):
+    a, b, inputs, probe, ta, tb = _problem(layout, epilog, dtype)
+    loss = _loss(jax_epilog.matmul, epilog, ta, tb, probe)
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    text = grad.lower(a, b, inputs).as_text()
+    pairs = dot_operand_types(text)
+    assert len(pairs) == 3, pairs  # the forward, the data gradient, the weight gradient
+    short = {"bfloat16": "bf16", "float16": "f16"}[dtype]
+    for pair in pairs:
+        assert all(t.endswith(f"x{short}>") for t in pair), pair
+
+
+@pytest.mark.parametrize("epilog", [Epilog.RELU_BIAS, Epilog.GELU_BIAS], ids=lambda e: e.name)
+def test_cuda_export_of_the_gradient(epilog):
+    """On CUDA the backward GEMMs are `matmul` calls too: the kernel (three custom calls) or,
+    where `backend="xla"` (or `auto`'s choice), XLA's own GEMMs on bf16 operands."""
+    a, b, inputs, probe, ta, tb = _problem("2d", epilog, "bfloat16", m=64, n=48, k=32)
+    for backend, custom_calls in (("cublaslt", 3), ("xla", 0)):
+        loss = _loss(jax_epilog.matmul, epilog, ta, tb, probe, backend=backend)
+        exported = jax.export.export(
+            jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))), platforms=("cuda",),
+            disabled_checks=list(jax_epilog.EXPORT_SAFETY_CHECKS))(a, b, inputs)
+        text = exported.mlir_module()
+        assert text.count(f'@{jax_epilog.cuda_library.TARGET_NAME}(') + text.count(
+            f'"{jax_epilog.cuda_library.TARGET_NAME}"') >= custom_calls
+        for pair in dot_operand_types(text):
+            assert all(t.endswith("xbf16>") for t in pair), (backend, pair)
+        if backend == "xla":
+            assert len(dot_operand_types(text)) == 3
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("epilog", [Epilog.BIAS, Epilog.RELU_BIAS, Epilog.GELU_BIAS],
+                         ids=lambda e: e.name)
+def test_16_bit_gradient_matches_float32_within_a_rounding(epilog, layout):
+    m, n, k = (129, 127, 1) if layout == "2d" else (1, 129, 127)
+    a, b, inputs, probe, ta, tb = _problem(layout, epilog, "bfloat16", m=m, n=n, k=k, seed=3)
+    got = jax.grad(_loss(jax_epilog.matmul, epilog, ta, tb, probe), argnums=(0, 1, 2))(
+        a, b, inputs)
+    f32 = lambda tree: jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+    want = jax.grad(_loss(jax_epilog.reference_matmul, epilog, ta, tb, probe,
+                          precision="highest"), argnums=(0, 1, 2))(*f32((a, b, inputs)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.dtype == jnp.bfloat16 and g.shape == w.shape
+        scale = float(jnp.max(jnp.abs(w)))
+        # The forward output and dZ are rounded to bf16 once each (as XLA's plain expression
+        # does): a few bf16 ulps of the gradient's magnitude.
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=0.03 * scale, rtol=0.03)
+
+
+def _c_problem(dtype="bfloat16", seed=5):
+    rng = np.random.default_rng(seed)
+    a, b, inputs = make_problem(rng, Epilog.BIAS, m=33, n=17, k=9, dtype=dtype)
+    c = jnp.asarray(rng.standard_normal((33, 17)), dtype)
+    probe = jnp.asarray(rng.standard_normal((33, 17)), dtype)
+    return a, b, c, inputs["bias"], probe
+
+
+def test_residual_through_c_passes_the_cotangent_unchanged():
+    """beta=1.0 (a Python number) with no activation: dc is the cotangent itself, bit for bit."""
+    a, b, c, bias, probe = _c_problem()
+
+    def f(c):
+        return jax_epilog.matmul(a, b, c, beta=1.0, epilog="bias", epilog_inputs={"bias": bias})
+
+    _, pullback = jax.vjp(f, c)
+    (dc,) = pullback(probe)
+    assert dc.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(dc, np.float32), np.asarray(probe, np.float32))
+
+
+def _reductions(jaxpr) -> int:
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == "reduce_sum"
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                count += _reductions(inner)
+    return count
+
+
+def test_python_alpha_beta_cost_no_reduction_and_traced_ones_one_each():
+    a, b, c, bias, probe = _c_problem()
+
+    def loss(a, b, c, alpha, beta):
+        y = jax_epilog.matmul(a, b, c, alpha=alpha, beta=beta, epilog="bias",
+                              epilog_inputs={"bias": bias})
+        return jnp.sum(y.astype(jnp.float32) * probe.astype(jnp.float32))
+
+    # Python numbers are closed over (make_jaxpr would trace positional ones).
+    python = jax.make_jaxpr(jax.grad(lambda a, b, c: loss(a, b, c, 2.0, 1.0),
+                                     argnums=(0, 1, 2)))(a, b, c).jaxpr
+    traced = jax.make_jaxpr(jax.grad(loss, argnums=range(5)))(
+        a, b, c, jnp.float32(2.0), jnp.float32(1.0)).jaxpr
+    # The loss's own sum; the bias gradient comes from the weight-gradient GEMM (BGRADB).
+    assert _reductions(python) == 1
+    assert _reductions(traced) == 3  # d alpha and d beta: one reduction each
+
+
+def test_traced_alpha_beta_gradients_in_bf16_match_float32():
+    a, b, c, bias, probe = _c_problem(seed=6)
+
+    def loss(a, b, c, alpha, beta, fn=jax_epilog.matmul, **kw):
+        y = fn(a, b, c, alpha=alpha, beta=beta, epilog="relu_bias",
+               epilog_inputs={"bias": bias.astype(a.dtype)}, **kw)
+        return jnp.sum(y.astype(jnp.float32) * probe.astype(jnp.float32))
+
+    args = (a, b, c, jnp.float32(0.75), jnp.float32(-1.25))
+    got = jax.grad(loss, argnums=range(5))(*args)
+    f32 = [x.astype(jnp.float32) for x in args]
+    want = jax.grad(lambda *x: loss(*x, fn=jax_epilog.reference_matmul, precision="highest"),
+                    argnums=range(5))(*f32)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == args[i].dtype, i
+        scale = float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=0.03 * scale, rtol=0.03,
+                                   err_msg=f"argument {i}")
