@@ -220,7 +220,8 @@ def fp8_pays_why(rows: int, k: int, n: int) -> Choice:
     if flops < FP8_MIN_FLOPS:
         return Choice("bf16", f"2·rows·K·N = {flops:.3g} FLOPs < FP8_MIN_FLOPS "
                               f"({FP8_MIN_FLOPS:.3g}): quantizing costs more than FP8 saves")
-    return Choice("fp8", f"2·rows·K·N = {flops:.3g} FLOPs >= FP8_MIN_FLOPS ({FP8_MIN_FLOPS:.3g})")
+    return Choice("fp8", f"2·rows·K·N = {flops:.3g} FLOPs >= FP8_MIN_FLOPS "
+                         f"({FP8_MIN_FLOPS:.3g})")
 
 
 def fp8_pays(rows: int, k: int, n: int) -> bool:
@@ -567,7 +568,8 @@ def plan_call(ctx: Context, avals_in, params: Params, supports) -> CallPlan:
         return CallPlan("relayout", "cuBLASLt's FP8 kernels take only a (M, K) and b (N, K)",
                         K_MAJOR)
     if padding.needed(avals_in, params.transpose_a, params.transpose_b):
-        return CallPlan("padded", "K or N is not a multiple of 16 bytes (JAX_EPILOG_PAD_UNALIGNED)")
+        return CallPlan("padded", "K or N is not a multiple of 16 bytes "
+                                  "(JAX_EPILOG_PAD_UNALIGNED)")
     if ctx.library():
         supported, why = supports(avals_in, params)
         if not supported:
