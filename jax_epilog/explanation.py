@@ -27,7 +27,8 @@ import numpy as np
 from . import cuda_library, dispatch, lowering, plan
 from .call import Params, problem_of
 from .epilogs import Epilog
-from .tune import epilog_eqns, load_callable, parse_arg_spec
+from .command_line import load_callable, parse_arg_spec
+from .tune import epilog_eqns
 
 
 class Call(NamedTuple):
