@@ -19,22 +19,22 @@ writes from amax histories instead. One `jax.custom_vjp` covers the whole stack,
   in FP8 and its scale, the 1-bit ReLU mask (the GELU pre-activation); never a 16/32-bit copy
   of an FP8 layer's input, which is where FP8 saves memory. Under `backward="auto"` a ReLU
   layer followed by an FP8 layer keeps no mask: the next layer's `h8 > 0` is its derivative
-  (`relu_from_next_input`).
+  (`plan.relu_from_next_input`).
 - Backward: dZ is quantized to the gradient format (e5m2), its amax one XLA reduction fused
   with the cast (and, for the last layer, with its bias gradient: a sum of dZ, FP8 GEMMs have
   no BGRADB). dW = h8ᵀ dZ8 (e4m3 × e5m2) and dZ_{i-1} = dZ8 W8ᵀ with DRELU_BGRAD /
   DGELU_BGRAD for the previous layer (e5m2 × e4m3), which also gives its bias gradient, both
   with results in the compute dtype. Under `backward="auto"` that GEMM runs XLA's way
-  (`gemm_backend`: measured faster on the H200 than cuBLASLt's FP8 DRELU_BGRAD), or, for a
-  ReLU whose derivative comes from h8 (`relu_from_next_input`), is a plain FP8 GEMM followed
-  by XLA fusions.
+  (`plan.fp8_gemm_backend`: measured faster on the H200 than cuBLASLt's FP8 DRELU_BGRAD), or,
+  for a ReLU whose derivative comes from h8 (`plan.relu_from_next_input`), is a plain FP8 GEMM
+  followed by XLA fusions.
 - Compute dtype float32: cuBLASLt 13.1 has no FP8 kernel with a float32 result for any epilog
   but DEFAULT and DRELU (no bias, no BGRAD). Those layers keep FP8, and under "auto" their
-  other GEMMs run XLA's way (XLA's FP8 GEMM to float32, the epilog as fusions; `gemm_backend`)
-  instead of the reference fallback. The default, bf16 compute, runs every GEMM as a kernel.
+  other GEMMs run XLA's way (XLA's FP8 GEMM to float32, the epilog as fusions;
+  `plan.fp8_gemm_backend`) instead of the reference fallback. The default, bf16 compute, runs every GEMM as a kernel.
 
 Which layers run FP8: `Fp8(layers="all")` every one; `"auto"` (what `fp8=True` means) only
-those whose GEMM is large enough for FP8 to pay for its quantization passes (`fp8_pays`),
+those whose GEMM is large enough for FP8 to pay for its quantization passes (`plan.fp8_pays`),
 decided from the shapes alone, so every platform computes the same thing. The other layers
 are the bf16 (compute dtype) layers of `layers.py`, inside the same custom VJP.
 
@@ -46,14 +46,18 @@ K≈96 on random data; integer-valued data is exact), and since every scale come
 amax of the previous layer's result, such a difference can move later FP8 roundings by a
 quantum: compare GPU and CPU per GEMM or on data whose quantization is exact.
 
+Every choice above (which layers, where each FP8 tensor comes from, each GEMM's epilog and
+backend) is made by `plan.plan_stack`; this module carries the plan out
+(`jax_epilog.explain` prints it).
+
 Delayed scaling (`Fp8(scaling="delayed")`, the state `fp8_state=`, one `Fp8History` of amax
 histories per layer, whose gradient is its next value): a scale known before the GEMM lets
 the GEMM write the FP8 tensor and its amax itself (cuBLASLt's FP8 result with `result_amax`),
 so the 16-bit tensor, its amax pass and its cast pass never exist. That is done where cuBLASLt
 has the kernel and the math allows it: a forward GEMM followed by an FP8 layer writes that
-layer's e4m3 input (`writes_fp8_result`), and the data-gradient GEMM below an FP8 ReLU layer
+layer's e4m3 input (`plan.writes_fp8_result`), and the data-gradient GEMM below an FP8 ReLU layer
 writes its e5m2 gradient, ReLU's derivative then applied to the FP8 bits
-(`writes_fp8_gradient`). Every other tensor keeps current scaling, its amax recorded in the
+(`plan.writes_fp8_gradient`). Every other tensor keeps current scaling, its amax recorded in the
 state all the same.
 """
 
