@@ -31,7 +31,8 @@ writes from amax histories instead. One `jax.custom_vjp` covers the whole stack,
 - Compute dtype float32: cuBLASLt 13.1 has no FP8 kernel with a float32 result for any epilog
   but DEFAULT and DRELU (no bias, no BGRAD). Those layers keep FP8, and under "auto" their
   other GEMMs run XLA's way (XLA's FP8 GEMM to float32, the epilog as fusions;
-  `plan.fp8_gemm_backend`) instead of the reference fallback. The default, bf16 compute, runs every GEMM as a kernel.
+  `plan.fp8_gemm_backend`) instead of the reference fallback. The default, bf16 compute, runs
+  every GEMM as a kernel.
 
 Which layers run FP8: `Fp8(layers="all")` every one; `"auto"` (what `fp8=True` means) only
 those whose GEMM is large enough for FP8 to pay for its quantization passes (`plan.fp8_pays`),
