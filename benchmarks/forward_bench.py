@@ -1,4 +1,4 @@
-"""Forward epilog benchmark: grid G1–G7 (../../shared/BENCHMARK.md), one process, one run.
+"""Forward epilog benchmark: grid G1–G7 (benchmarks/README.md), one process, one run.
 
 For each shape and dtype, the plain GEMM `x @ W` is timed once, then for each forward epilog:
   - XLA on the plain-JAX expression (the inference form `act(x @ W + b)`; for the *_AUX_*

@@ -1,7 +1,7 @@
 """FP8 training steps (issue 13 part 2): jax_epilog's `fp8=` layers against XLA, bf16 and FP8.
 
 For M1 (4 ReLU layers 4096 wide, batch 65536), G1 (one dense ReLU layer 65536×4096→4096, its
-input differentiated too) and M2 (8 layers 1024 wide, batch 16384) of ../../shared/BENCHMARK.md,
+input differentiated too) and M2 (8 layers 1024 wide, batch 16384) of benchmarks/README.md,
 one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
 
 - xla_bf16: the plain-JAX expression `relu(x @ W + b)` in bf16 (what users have);
@@ -31,7 +31,7 @@ one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
   the gradients in float32): the user's step with ours_fp8_fast's accumulation.
 
 All variants are compiled and timed in one process on the same inputs, in both harnesses of
-BENCHMARK.md (careful: rotated inputs; user: the same inputs every call), their rounds
+benchmarks/README.md (careful: rotated inputs; user: the same inputs every call), their rounds
 interleaved. Reported per row: ms, TFLOP/s, the ratios against xla_bf16 and xla_fp8, the
 compiled step's temporaries (`memory_analysis().temp_size_in_bytes`), and how far each
 variant's loss and gradients are from xla_bf16's (FP8 rounding), and which GEMMs of the

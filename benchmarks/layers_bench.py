@@ -1,6 +1,6 @@
 """Layer benchmark: `jax_epilog.dense` / `jax_epilog.mlp` forward, backward and training step.
 
-Method: ../../shared/BENCHMARK.md (timing in `timing.py`). Two parts, with every backend choice
+Method: benchmarks/README.md (timing in `timing.py`). Two parts, with every backend choice
 of `auto` read from the tables `jax_epilog.dispatch` finds (tune first: `python -m
 jax_epilog.tune --grid`):
 
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import forward_bench
 import timing
 from jax_epilog import dense, mlp
-from jax_epilog.tune import GELU_ROWS, NETWORKS  # BENCHMARK.md's networks M1-M3
+from jax_epilog.tune import GELU_ROWS, NETWORKS  # benchmarks/README.md's networks M1-M3
 
 DTYPE = jnp.bfloat16
 ROUNDS = forward_bench.ROUNDS
@@ -171,7 +171,7 @@ class Clock:
 
 def stack_flops(batch: int, widths, part: str) -> int:
     """1 / 2 / 3 GEMMs per layer (a network step's first-layer dX is counted too, as in the
-    reference figures of BENCHMARK.md)."""
+    reference figures of benchmarks/README.md)."""
     gemms = {"forward": 1, "backward": 2, "step": 3}[part]
     return gemms * sum(timing.gemm_flops(batch, k, n) for k, n in zip(widths, widths[1:]))
 

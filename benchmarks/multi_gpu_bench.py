@@ -1,7 +1,7 @@
 """Two GPUs and more: data-parallel M1, a tensor-parallel MLP block, and whether the
 all-reduces overlap jax-epilog's custom calls (issue 12 part 5).
 
-- **Data parallel, M1** (BENCHMARK.md): a 4-layer ReLU MLP of width 4096, batch 65536, bf16,
+- **Data parallel, M1** (benchmarks/README.md): a 4-layer ReLU MLP of width 4096, batch 65536, bf16,
   `value_and_grad` of a mean-squared loss. On n devices the batch is sharded over a 1-D mesh
   ("data") and the parameters replicated; jax-epilog's partitioning runs every GEMM on the local
   rows and XLA all-reduces the weight gradients.

@@ -1,7 +1,7 @@
 """Never slower than XLA (issue 12): plain JAX against jax_epilog with every choice on "auto".
 
 Every grid row G1–G7 (a dense layer with ReLU; G4/G5 with GELU too) and network M1–M3 of
-../../shared/BENCHMARK.md, each as the inference forward and as a training step
+benchmarks/README.md, each as the inference forward and as a training step
 (`jax.value_and_grad` of a squared error; a grid row also differentiates its input, as a layer
 inside a network does), the same definitions `python -m jax_epilog.tune --grid` tunes. Both
 sides are jitted and compiled once and timed in one process, in both harnesses:

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Every benchmark of jax-epilog, one after the other, results under one folder.
+# The four benchmarks behind the README's bf16 tables (forward, overhead, layers,
+# never_slower), one after the other, results under one folder. The others (autotune, fp8,
+# fp8_profile, multi_gpu, soak) run alone: see benchmarks/README.md.
 #
 #   bash benchmarks/run_all.sh [OUT [NAME...]]   # OUT defaults to benchmarks/results
 #   bash benchmarks/run_all.sh OUT forward overhead  # only these (forward, overhead, layers,

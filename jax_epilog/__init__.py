@@ -7,14 +7,16 @@ else. `dense` and `mlp` are differentiable layers built on it; `jax_epilog.nnx` 
 when first used, so `import jax_epilog` never imports Flax). `pack_relu_mask` and
 `unpack_relu_mask` convert between a boolean array and cuBLASLt's packed ReLU mask. `Fp8`
 configures FP8 training in the layers (`fp8=`); `Fp8History` is a layer's delayed-scaling
-state (`fp8_state=`). `explain(fn, *args)` prints how each stack and GEMM of a program runs on
-CUDA and which rule or table entry decided it (`jax_epilog.plan`).
+state (`fp8_state=`); `quantize` makes an FP8 operand and its scale for `matmul`.
+`explain(fn, *args)` prints how each stack and GEMM of a program runs on CUDA and which rule
+or table entry decided it (`jax_epilog.plan`).
 """
 
 import importlib
 
 from .epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
 from .fp8 import Fp8, Fp8History
+from .fp8 import quantize_tensor as quantize
 from .layers import dense, mlp
 from .matmul import EXPORT_SAFETY_CHECKS, matmul, reference_matmul
 from .reference import pack_relu_mask, unpack_relu_mask
@@ -32,6 +34,7 @@ __all__ = [
     "matmul",
     "mlp",
     "pack_relu_mask",
+    "quantize",
     "reference_matmul",
     "relu_mask_bytes",
     "unpack_relu_mask",

@@ -77,7 +77,7 @@ class _Library:
             self.error = "disabled by JAX_EPILOG_DISABLE_CUDA"
             return
         if not path.exists():
-            self.error = f"{path} was not built (install jax-epilog with pip to build it)"
+            self.error = _not_built_reason(path)
             return
         try:
             _preload_cuda_libraries()
@@ -119,6 +119,19 @@ class _Library:
             stages = {"execute": jax.ffi.pycapsule(getattr(handle, execute)),
                       "initialize": jax.ffi.pycapsule(getattr(handle, execute + "Initialize"))}
             jax.ffi.register_ffi_target(target, stages, platform="CUDA")
+
+
+#: How to get the handler into an install that lacks it.
+BUILD_HINT = ("to build it, reinstall with a C++17 compiler and JAX_EPILOG_BUILD_CUDA=1: "
+              "JAX_EPILOG_BUILD_CUDA=1 pip install --force-reinstall --no-deps . in a checkout")
+
+
+def _not_built_reason(path: Path) -> str:
+    """Why `path` is absent (the line the build backend left in the package, if it did) and
+    how to build it."""
+    reason = path.with_name("_no_cuda_handler.txt")  # build_backend/jax_epilog_build.py
+    why = reason.read_text().strip() if reason.exists() else f"{path.name} was not built"
+    return f"{why} ({BUILD_HINT})"
 
 
 def _path_bytes(path: Optional[os.PathLike]) -> bytes:

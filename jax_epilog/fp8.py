@@ -137,9 +137,7 @@ class Fp8:
             raise ValueError("forward: float8_e5m2 for activations and weights would make the "
                              "forward GEMM e5m2 × e5m2, which cuBLASLt has no kernel for; use "
                              "float8_e4m3fn (and e5m2 for gradient=)")
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"margin: expected a non-negative int (scales are largest / "
-                             f"2**margin / amax), got {self.margin!r}")
+        _check_margin(self.margin)
         if self.layers not in LAYER_CHOICES:
             raise ValueError(f"layers: expected one of {LAYER_CHOICES}, got {self.layers!r}")
         if not (isinstance(self.fast_accumulation, bool) or self.fast_accumulation == "forward"):
@@ -174,6 +172,12 @@ class Fp8:
         """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8
         (`plan.quantized_layers` says why)."""
         return tuple(c.choice == "fp8" for c in quantized_layers(self, rows, widths))
+
+
+def _check_margin(margin) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
+        raise ValueError(f"margin: expected a non-negative int (scales are largest / "
+                         f"2**margin / amax), got {margin!r}")
 
 
 def _format(name: str, value) -> str:
@@ -250,6 +254,20 @@ def quantize_scaled(x, dtype: str, margin: int, history=None):
         return quantize_delayed(x, history, dtype, margin)
     x_amax = amax(x)
     return (*quantize(x, x_amax, dtype, margin), x_amax)
+
+
+def quantize_tensor(x, dtype="float8_e4m3fn", *, margin: int = 0):
+    """Per-tensor current scaling of `x`, as the layers' `fp8=True` does it: `(x8, scale)` with
+    `x ≈ scale * x8` (x8 in `dtype`, scale a float32 scalar), the convention of
+    `matmul(..., quantization_scales={"a": scale_a, "b": scale_b})`. The scale maps amax(x) to
+    the format's largest value divided by `2**margin`; values are rounded and saturated.
+    Public as `jax_epilog.quantize`."""
+    if not isinstance(x, jax.Array | np.ndarray) or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"x: expected a floating-point array, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    _check_margin(margin)
+    x8, scale, _ = quantize_scaled(x, _format("dtype", dtype), margin)
+    return x8, scale
 
 
 def record(history, x_amax):

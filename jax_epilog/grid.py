@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from .layers import mlp
 
-# The benchmark grid: id -> (B, K, N) for act(x[B, K] @ W[K, N] + b[N]) ...
+# The benchmark grid of benchmarks/README.md: id -> (B, K, N) for act(x[B, K] @ W[K, N] + b[N]) ...
 GRID = {
     "G1": (65536, 4096, 4096),
     "G2": (8192, 8192, 8192),

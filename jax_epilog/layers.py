@@ -163,6 +163,10 @@ def _describe_callable(fn) -> str:
     return f"{module}.{name}" if module and name else repr(fn)
 
 
+_ONLY_RELU_GELU = ("cuBLASLt's epilogs fuse only ReLU and GELU (tanh approximation), so apply "
+                   "any other activation to the layer's output")
+
+
 def activation_name(activation, name: str = "activation") -> Optional[str]:
     """The activation as the layers name it: None, "relu" or "gelu".
 
@@ -170,11 +174,13 @@ def activation_name(activation, name: str = "activation") -> Optional[str]:
     approximation cuBLASLt's GELU epilogs compute) stand for "relu" and "gelu"; anything else
     raises an error naming `name`, what is accepted and what came.
     """
-    if activation is None or (isinstance(activation, str) and activation in ACTIVATIONS):
-        return activation
+    if activation is None:
+        return None
     accepted = "None, 'relu' or 'gelu' (or jax.nn.relu / jax.nn.gelu)"
     if isinstance(activation, str):
-        raise ValueError(f"{name}: expected {accepted}, got {activation!r}")
+        if activation.strip().lower() in ACTIVATIONS:  # names are case-insensitive, as epilogs'
+            return activation.strip().lower()
+        raise ValueError(f"{name}: expected {accepted}, got {activation!r}; {_ONLY_RELU_GELU}")
     if activation is jax.nn.relu:
         return "relu"
     partial = isinstance(activation, functools.partial)
@@ -187,8 +193,7 @@ def activation_name(activation, name: str = "activation") -> Optional[str]:
                          "not what cuBLASLt's GELU epilogs compute; they use the tanh "
                          "approximation: pass 'gelu' or jax.nn.gelu")
     raise TypeError(f"{name}: expected {accepted}, got {_describe_callable(activation)}; "
-                    "cuBLASLt's epilogs fuse only ReLU and GELU (tanh approximation), so apply "
-                    "any other activation to the layer's output")
+                    f"{_ONLY_RELU_GELU}")
 
 
 def _check_activation(name: str, activation) -> Optional[str]:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import cuda_library
+from . import cuda_library, plan
 from . import manual_axes
 from .epilogs import (ACTIVATIONS, ARRAYS, DEFAULT_FP8_RESULT, FP8_DTYPES, FP8_RESULT_DTYPES,
                       Epilog, array_dtype, as_epilog, dim_sizes, is_fp8, result_names,
@@ -289,7 +289,10 @@ def _check_c(c, alpha, beta, out, lead, m: int, n: int):
         raise TypeError(f"c: expected dtype {want} (y's dtype), got {got}")
     c = jnp.asarray(c)
     if tuple(c.shape) != (*lead, m, n):
-        raise ValueError(f"c: expected shape {(*lead, m, n)} (y's shape), got {tuple(c.shape)}")
+        hint = ("; a row of N added to every row is a bias: epilog='bias' (or 'relu_bias', ...) "
+                "with epilog_inputs={'bias': ...}" if tuple(c.shape) == (n,) else "")
+        raise ValueError(f"c: expected shape {(*lead, m, n)} (y's shape), got "
+                         f"{tuple(c.shape)}{hint}")
     alpha = jnp.ones((), jnp.float32) if alpha is None else _check_scale("alpha", alpha, "alpha")
     return (c, alpha, _check_scale("beta", beta, "beta"))
 
@@ -316,9 +319,14 @@ def _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
     m, k = (a.shape[-1], a.shape[-2]) if transpose_a else (a.shape[-2], a.shape[-1])
     kb, n = (b.shape[-1], b.shape[-2]) if transpose_b else (b.shape[-2], b.shape[-1])
     if kb != k:
+        swapped = b.shape[-2] if transpose_b else b.shape[-1]
+        hint = (f"; b looks stored {'(K, N)' if transpose_b else '(N, K)'}: pass transpose_b="
+                f"{not transpose_b}" + (" (FP8 kernels read b as (N, K) with transpose_b=True)"
+                                        if fp8 and not transpose_b else "")
+                if swapped == k else "")
         raise ValueError(f"b: contraction size K={kb} (b shape {b.shape}, transpose_b="
                          f"{transpose_b}) does not match a's K={k} (a shape {a.shape}, "
-                         f"transpose_a={transpose_a})")
+                         f"transpose_a={transpose_a}){hint}")
     b_shared = b.ndim == 2
     if not b_shared and tuple(b.shape[:-2]) != lead:
         raise ValueError(f"b: leading dims {tuple(b.shape[:-2])} must equal a's leading dims "
@@ -414,11 +422,23 @@ def _forward(params: Params, scalars: _Scalars, a, b, *inputs):
     return _kernel(params, a, b, *inputs)
 
 
+def _keeps_output(epilog: Epilog) -> bool:
+    """Whether the backward reads ReLU's derivative off the output (y > 0), as XLA's own
+    gradient of `relu(x @ w + b)` does: the caller holds y anyway, so no mask is written. Where
+    the call returns the mask (RELU_AUX*), the backward uses it."""
+    return epilog.activation == "relu" and not epilog.aux_output
+
+
+def _forward_epilog(epilog: Epilog) -> Epilog:
+    """The epilog the training forward runs: with the residual the backward needs (the
+    pre-activation for GELU), or as called where ReLU's output is the residual."""
+    return epilog if _keeps_output(epilog) or not epilog.activation else epilog.with_aux
+
+
 def _forward_fwd(params: Params, scalars: _Scalars, a, b, *inputs):
     epilog = Epilog(params.epilog)
-    # Keep the backward's residual: the bit mask for ReLU, the pre-activation for GELU.
-    outputs = _kernel(params._replace(epilog=int(epilog.with_aux)), a, b, *inputs)
-    residual = outputs[1] if epilog.activation else None
+    outputs = _kernel(params._replace(epilog=int(_forward_epilog(epilog))), a, b, *inputs)
+    residual = outputs[0] if _keeps_output(epilog) else outputs[1] if epilog.activation else None
     visible = outputs if epilog.aux_output or not epilog.activation else outputs[:1]
     bias = inputs[0] if epilog.has_bias else None
     c_args = tuple(inputs[-3:]) if params.has_c else None  # (c, alpha, beta)
@@ -480,7 +500,10 @@ def _forward_bwd(params: Params, scalars: _Scalars, saved, cotangents):
     # The pre-activation, when it was an output too, has a cotangent of its own.
     extra = cotangents[1][..., :cotangents[0].shape[-1]] if (
         epilog.activation == "gelu" and epilog.aux_output) else None
-    dz = activation_gradient(cotangents[0], residual, epilog.activation, extra)
+    if _keeps_output(epilog):  # jax.nn.relu's derivative: 0 at 0
+        dz = jnp.where(residual > 0, cotangents[0], jnp.zeros_like(cotangents[0]))
+    else:
+        dz = activation_gradient(cotangents[0], residual, epilog.activation, extra)
     gemm = dict(precision=jax.lax.Precision.DEFAULT if params.allow_tf32 else
                 jax.lax.Precision.HIGHEST, backend=params.backend)
     ta, tb = params.transpose_a, params.transpose_b
@@ -554,6 +577,24 @@ def _scaled(g, alpha):
 _forward.defvjp(_forward_fwd, _forward_bwd)
 
 
+def _step_runs_xla(call: _Call) -> bool:
+    """Whether the plan runs the call's training step as the plain expression under JAX's
+    autodiff (`plan.plan_matmul_step`: every GEMM of the step runs XLA's way on this CUDA GPU;
+    XLA then compiles it as it compiles a user's own, the never-slower rule the layers follow
+    per stack)."""
+    p = call.params
+    step = plan.plan_matmul_step(plan.context(), p, call.a.shape, call.b.shape, call.a.dtype,
+                                 _forward_epilog(Epilog(p.epilog)))
+    return step.choice == "plain"
+
+
+def _plain(params: Params, a, b, *inputs):
+    """The call as the plain expression, for JAX's own autodiff (`_step_runs_xla`)."""
+    return reference_kernel(a, b, *inputs, epilog=params.epilog, exact=False,
+                            transpose_a=params.transpose_a, transpose_b=params.transpose_b,
+                            allow_tf32=params.allow_tf32, has_c=params.has_c)
+
+
 def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
            epilog_inputs: Optional[Mapping[str, Any]] = None,
            transpose_a: bool = False, transpose_b: bool = False, precision=None,
@@ -623,6 +664,8 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     operands = [manual_axes.vary(x, axes) for x in (call.a, call.b, *call.inputs)]
     if Epilog(call.params.epilog).is_backward or is_fp8(call.a.dtype):  # not differentiable
         return _finish(call, _kernel(call.params, *operands))
+    if _step_runs_xla(call):
+        return _finish(call, _plain(call.params, *operands))
     scalars = _Scalars(_python_number(alpha, 1.0), _python_number(beta))
     return _finish(call, _forward(call.params, scalars, *operands))
 

@@ -194,8 +194,8 @@ def gemm_backend(ctx: Context, requested: str, epilog, dtype, batch: int, m: int
 # --- FP8: which layers, and where each FP8 tensor comes from ----------------------------------
 
 #: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`.
-#: Measured on the H200 (BENCHMARK.md, XLA's FP8 step): M1's 65536×4096×4096 layers (2.2e12)
-#: gain 1.46×, M2's 16384×1024×1024 layers (3.4e10) lose (0.72×). The crossover between them
+#: Measured on the H200 (benchmarks/README.md, XLA's FP8 step): M1's 65536×4096×4096 layers
+#: (2.2e12) gain 1.46×, M2's 16384×1024×1024 layers (3.4e10) lose (0.72×). The crossover between them
 #: is what `benchmarks/fp8_bench.py --sweep` measures; until then this sits conservatively
 #: near M1's size.
 FP8_MIN_FLOPS = 2**40
@@ -250,7 +250,7 @@ def fp8_gemm_backend(requested: str, epilog: Epilog, result_dtype, override) -> 
     - the GEMM applies an activation's derivative (DRELU_BGRAD and friends): XLA's FP8 GEMM,
       then the derivative, the bias gradient and the amax as fusions. On the H200 cuBLASLt's
       FP8 DRELU_BGRAD ran at 672 TFLOP/s on G1 where its plain FP8 GEMM ran at 1283 and XLA's
-      at 1234 (BENCHMARK.md): ~1.5 ms lost per M1 layer against ~0.5 ms of elementwise
+      at 1234 (benchmarks/README.md): ~1.5 ms lost per M1 layer against ~0.5 ms of elementwise
       passes. `backward="fused"` keeps the kernel (fp8_bench's ours_fp8_fused row measures
       both), and so does JAX_EPILOG_BACKEND=cublaslt.
     """
@@ -509,6 +509,36 @@ def plan_stack(ctx: Context, stack: Stack, rows: int, widths, dtype, fp8=None) -
             Choice(step.choice, "as the training step (no inference entry)")
     return partial._replace(stack=stack._replace(inference=inference.choice), step=step,
                             inference=inference, gemms=gemms, forward_gemms=forward_gemms)
+
+
+def matmul_step_gemms(params: Params, a_shape, b_shape, dtype,
+                      forward_epilog: Epilog) -> tuple[Gemm, ...]:
+    """The GEMMs of a differentiated `matmul` call's training step: its forward
+    (`forward_epilog`: with the residual its backward needs), the data gradient dA and the
+    weight gradient dB (with the bias gradient, BGRADB, where the call has a bias)."""
+    batch, m, n, k = problem_of(a_shape, b_shape, params.transpose_a, params.transpose_b)
+    dtype, requested = np.dtype(dtype).name, params.backend
+    weight = Epilog.BGRADB if Epilog(params.epilog).has_bias else Epilog.DEFAULT
+    return (Gemm(None, "forward", forward_epilog, dtype, dtype, batch, m, n, k,
+                 params.transpose_a, params.transpose_b, requested),
+            Gemm(None, "data gradient", Epilog.DEFAULT, dtype, dtype, batch, m, k, n, False,
+                 not params.transpose_b, requested),
+            Gemm(None, "weight gradient", weight, dtype, dtype, 1, k, n, batch * m, True, False,
+                 requested))
+
+
+def plan_matmul_step(ctx: Context, params: Params, a_shape, b_shape, dtype,
+                     forward_epilog: Epilog) -> Choice:
+    """"plain" where every GEMM of a `matmul` call's training step runs XLA's way on this CUDA
+    GPU (asked for, the override, or the tables): JAX then differentiates the plain expression,
+    which XLA compiles as it compiles a user's own; else "fused" (the call's custom VJP)."""
+    if not ctx.tables_decide():
+        return Choice("fused", "not a CUDA GPU with the library")
+    gemms = _on_cuda(ctx, matmul_step_gemms(params, a_shape, b_shape, dtype, forward_epilog),
+                     dtype)
+    if all(g.backend == "xla" for g in gemms):
+        return Choice("plain", "every GEMM of the step runs XLA's way")
+    return Choice("fused", "a GEMM of the step runs cuBLASLt")
 
 
 # --- one call's plan at lowering -------------------------------------------------------------

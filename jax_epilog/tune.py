@@ -68,6 +68,12 @@ ROUNDS = 5
 MAX_COPIES = 16  # of a problem's operands, until twice the L2 is touched (`timing.input_copies`)
 
 
+#: What `--dry-run` prints first: how to read its lines.
+DRY_RUN_HEADER = ("problems: epilog dtype layout (N/T: a, b transposed or not) B×K×N (B rows, "
+                  "times batch= GEMMs); stacks: mode dtype B×K, then each layer's →N (+b: "
+                  "bias) and activation")
+
+
 class Problem(NamedTuple):
     """One `epilog_matmul` call as the kernel sees it (normalised operands)."""
 
@@ -98,8 +104,8 @@ class Problem(NamedTuple):
 
     def __str__(self) -> str:
         t = "".join(("T" if self.transpose_a else "N", "T" if self.transpose_b else "N"))
-        batch = f"{self.batch}x" if self.batch > 1 else ""
-        return f"{self.epilog} {self.dtype} {t} {batch}{self.m}x{self.n}x{self.k}"
+        batch = f"batch={self.batch} " if self.batch > 1 else ""
+        return f"{self.epilog} {self.dtype} {t} {batch}{self.m}×{self.k}×{self.n}"  # README's B×K×N
 
 
 # --- 1. finding the problems ---------------------------------------------------------------
@@ -539,6 +545,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     problems, stacks = _collect(targets)
     if args.dry_run:
+        print(DRY_RUN_HEADER)
         for item in (*problems, *stacks):
             print(item)
         print(f"{len(problems)} distinct problems, {len(stacks)} stacks", flush=True)

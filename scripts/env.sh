@@ -4,14 +4,23 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${JAX_EPILOG_VENV:-$ROOT/.venv}"
 say() { echo "jax-epilog: $*" >&2; }
+# The venv's interpreter, as an absolute path: $PYTHON if set, else python3.12 (through pyenv's
+# newest 3.12 where pyenv's shim has none chosen), else python3; at least 3.11.
+python_path() {
+  "$@" -c 'import sys; assert sys.version_info >= (3, 11); print(sys.executable)' 2>/dev/null
+}
 pick_python() {
-  for candidate in "${PYTHON:-}" python3.12 /root/.pyenv/versions/3.12.1/bin/python3 python3; do
-    if [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 \
-        && "$candidate" -c 'import sys; assert sys.version_info >= (3, 11)' 2>/dev/null; then
-      echo "$candidate"; return
-    fi
-  done
-  echo "no Python >= 3.11 found" >&2; exit 1
+  if [ -n "${PYTHON:-}" ]; then
+    python_path "$PYTHON" || { echo "PYTHON=$PYTHON is not a Python >= 3.11" >&2; return 1; }
+    return
+  fi
+  python_path python3.12 && return
+  local version
+  version="$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$' | sort -V | tail -n 1)"
+  [ -n "$version" ] && PYENV_VERSION="$version" python_path python3.12 && return
+  python_path python3 && return
+  echo "no Python >= 3.11 found: set PYTHON=/path/to/python3.12" >&2
+  return 1
 }
 if [ ! -x "$VENV/bin/python" ]; then
   python="$(pick_python)"
@@ -30,7 +39,7 @@ source_hash() {
   (cd "$ROOT" && find pyproject.toml README.md ffi jax_epilog -type f \
       ! -path '*/__pycache__/*' ! -name '*.pyc' ! -name '*.so' -print0 \
     | LC_ALL=C sort -z | xargs -0 sha256sum
-   env | grep -E '^(CC|CXX|CFLAGS|CXXFLAGS|LDFLAGS|CMAKE_[A-Z_]*|SKBUILD_[A-Z_]*|PIP_[A-Z_]*)=' \
+   env | grep -E '^(CC|CXX|CFLAGS|CXXFLAGS|LDFLAGS|CMAKE_[A-Z_]*|SKBUILD_[A-Z_]*|PIP_[A-Z_]*|JAX_EPILOG_BUILD_CUDA)=' \
      | LC_ALL=C sort || true
    "${CXX:-c++}" --version 2>/dev/null | head -n 1 || true
    "$VENV/bin/python" -c 'import sys; print(sys.version)') | sha256sum | cut -d' ' -f1
@@ -61,8 +70,8 @@ install_project() {
     installed_freeze > "$STAMP.freeze"
     return
   fi
-  say "installing jax-epilog[$1] into $VENV: building the C++ handler and fetching the" \
-      "dependencies, about 1-2 minutes (more on a first run)..."
+  say "installing jax-epilog[$1] into $VENV: fetching the dependencies and, where there is an" \
+      "NVIDIA driver, building the C++ handler; about 1-2 minutes (more on a first run)..."
   rm -f "$STAMP.hash"  # an interrupted install leaves no stamp
   local start=$SECONDS
   "$VENV/bin/python" -m pip install -q "$ROOT[$1]"
@@ -70,4 +79,16 @@ install_project() {
   installed_freeze > "$STAMP.freeze"
   echo "$hash" > "$STAMP.hash"
   say "installed in $((SECONDS - start)) s"
+  say_without_handler
+}
+
+# pip shows the build's output only with -v: repeat the line a wheel built without the CUDA
+# handler carries (build_backend/jax_epilog_build.py), if this one does.
+say_without_handler() {
+  local line
+  line="$(cd / && "$VENV/bin/python" -c 'import importlib.util, pathlib
+spec = importlib.util.find_spec("jax_epilog")
+note = pathlib.Path(spec.origin).with_name("_no_cuda_handler.txt") if spec else None
+print(note.read_text().strip() if note and note.exists() else "")' 2>/dev/null || true)"
+  if [ -n "$line" ]; then say "$line (JAX_EPILOG_BUILD_CUDA=1 builds it)"; fi
 }

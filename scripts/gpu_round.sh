@@ -50,13 +50,17 @@ for stage in $STAGES; do
   start=$SECONDS
   case "$stage" in
     build)
-      "$PY" -m pip install -q --no-build-isolation --no-deps "$ROOT" > "$OUT/build.log" 2>&1
+      # The handler is the point of this round: build it whatever `auto` would decide.
+      JAX_EPILOG_BUILD_CUDA="${JAX_EPILOG_BUILD_CUDA:-1}" \
+        "$PY" -m pip install -v --no-build-isolation --no-deps "$ROOT" > "$OUT/build.log" 2>&1
       rc=$?
       (cd /tmp && "$PY" -c "import jax, jax_epilog.cuda_library as c; \
 print('jax', jax.__version__, 'devices', jax.devices()); \
-print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c.cublaslt_version())") \
+print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c.cublaslt_version()); \
+c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason())") \
         2>&1 | tee -a "$OUT/build.log"
-      note "build: rc=$rc ($((SECONDS - start)) s); $(tail -n 1 "$OUT/build.log")" ;;
+      note "build: rc=$rc ($((SECONDS - start)) s); $(grep -h 'jax-epilog: ' "$OUT/build.log" | tail -n 1)"
+      note "build: $(tail -n 1 "$OUT/build.log")" ;;
     tests)
       # From /tmp so the installed package (with its library) is imported, not the sources.
       # PYTEST_WORKERS=N: N pytest-xdist processes share the GPU(s), each with a slice of memory.

@@ -69,7 +69,10 @@ CATALOGUE = {
     "k_mismatch_transpose_b": case(ValueError, B + "contraction size K=5", transpose_b=True),
     "k_mismatch_both_transposed": case(ValueError, B + ".*K=", transpose_a=True,
                                        transpose_b=True),
-    "k_needs_transpose_b": case(ValueError, B + ".*K=", b=arr(N, K)),
+    "k_needs_transpose_b": case(ValueError, B + r".*K=.*; b looks stored \(N, K\): pass "
+                                "transpose_b=True", b=arr(N, K)),
+    "k_needs_no_transpose_b": case(ValueError, B + r".*; b looks stored \(K, N\): pass "
+                                   "transpose_b=False", transpose_b=True),
     # --- leading dims ---
     "lead_differ": case(ValueError, B + "leading dims", a=arr(2, M, K), b=arr(3, K, N)),
     "lead_b_only": case(ValueError, B + "leading dims", b=arr(2, K, N)),
@@ -157,6 +160,13 @@ CATALOGUE = {
     "gelu_aux_to_drelu": case(ValueError, INPUTS + r"epilog DRELU takes \['relu_aux'\], got "
                               r"unexpected \['gelu_aux'\]; missing \['relu_aux'\]",
                               epilog="drelu", epilog_inputs={"gelu_aux": arr(M, 8)}),
+    # --- c ---
+    "c_vector_is_a_bias": case(ValueError, r"^c: expected shape \(4, 5\) \(y's shape\), got "
+                               r"\(5,\); a row of N added to every row is a bias: "
+                               r"epilog='bias'.* epilog_inputs=\{'bias': \.\.\.\}",
+                               c=arr(N), beta=1.0),
+    "c_wrong_shape": case(ValueError, r"^c: expected shape \(4, 5\) \(y's shape\), got "
+                          r"\(5, 4\)(?!;)", c=arr(N, M), beta=1.0),
     # --- epilog ---
     "epilog_unknown_name": case(ValueError, "^epilog: unknown name 'swish'", epilog="swish"),
     "epilog_misspelt": case(ValueError, "^epilog: unknown name", epilog="relu-aux"),
@@ -364,3 +374,36 @@ def test_cublaslt_failure_is_an_exception_and_the_next_call_works():
         pytest.skip("JAX_EPILOG_WORKSPACE_BYTES=0 forced no cuBLASLt failure: needs a test hook")
     raised = next(line for line in lines if line.startswith("RAISED"))
     assert "CUBLAS_STATUS_" in raised, raised
+
+
+# --- FP8 operands and the layers' activations -------------------------------------------------
+
+def test_fp8_weight_stored_n_by_k_says_transpose_b():
+    x8, sx = jax_epilog.quantize(arr(M, 32), jnp.float8_e4m3fn)
+    w8, sw = jax_epilog.quantize(arr(48, 32), jnp.float8_e4m3fn)  # (N, K), as FP8 kernels read
+    with pytest.raises(ValueError, match=r"^b: contraction size K=48 .*; b looks stored \(N, K\): "
+                                         r"pass transpose_b=True \(FP8 kernels read b as \(N, K\) "
+                                         r"with transpose_b=True\)$"):
+        jax_epilog.matmul(x8, w8, quantization_scales={"a": sx, "b": sw})
+    y = jax_epilog.matmul(x8, w8, transpose_b=True, quantization_scales={"a": sx, "b": sw})
+    assert y.shape == (M, 48)
+
+
+@pytest.mark.parametrize("name,same", [("Relu", "relu"), ("GELU", "gelu"), (" relu ", "relu")])
+def test_activation_names_are_case_insensitive(name, same):
+    x, w, b = arr(7, 33), arr(33, 17) / 6, arr(17)
+    np.testing.assert_array_equal(jax_epilog.dense(x, w, b, activation=name),
+                                  jax_epilog.dense(x, w, b, activation=same))
+    np.testing.assert_array_equal(
+        jax_epilog.mlp(x, [(w, b)], final_activation=name),
+        jax_epilog.mlp(x, [(w, b)], final_activation=same))
+
+
+@pytest.mark.parametrize("name", ["tanh", "swish", "Sigmoid"])
+def test_unknown_activation_name_says_to_apply_it_to_the_output(name):
+    x, w = arr(7, 33), arr(33, 17)
+    with pytest.raises(ValueError, match=rf"^activation: expected None, 'relu' or 'gelu' .*got "
+                                         rf"'{name}'; .*apply any other activation to the "
+                                         rf"layer's output$"):
+        jax_epilog.dense(x, w, activation=name)
+

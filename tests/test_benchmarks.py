@@ -1,6 +1,6 @@
 """The benchmark scripts run end to end on tiny shapes and write complete reports.
 
-Timings are never asserted (BENCHMARK.md); what is checked is that every variant ran, computed
+Timings are never asserted (benchmarks/README.md); what is checked is that every variant ran, computed
 the layer (jax_epilog's y equals XLA's) and was reported.
 """
 

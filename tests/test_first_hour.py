@@ -84,8 +84,8 @@ class SetUp:
         done = subprocess.run(
             ["bash", "-c", f'source "{self.root}/scripts/env.sh" && install_project {extra}'],
             capture_output=True, text=True, timeout=60,
-            env={**os.environ, "JAX_EPILOG_VENV": str(self.venv), "JAX_EPILOG_REINSTALL": "0",
-                 **env})
+            env={**{k: v for k, v in os.environ.items() if k != "JAX_EPILOG_BUILD_CUDA"},
+                 "JAX_EPILOG_VENV": str(self.venv), "JAX_EPILOG_REINSTALL": "0", **env})
         after = log.read_text().splitlines() if log.exists() else []
         if done.returncode:
             raise RuntimeError(done.stderr)
@@ -101,6 +101,7 @@ def test_install_says_what_it_does_and_runs_once(setup):
     installs, said = setup.install()
     assert installs == [f"install -q {setup.root}[test]"]
     assert "building the C++ handler" in said and "minutes" in said
+    assert "NVIDIA driver" in said
     installs, said = setup.install()
     assert installs == [] and "skipping the reinstall" in said
 
@@ -122,6 +123,8 @@ def test_changed_dependencies_or_settings_reinstall(setup):
     assert setup.install(CC="clang")[0] == [f"install -q {setup.root}[test]"]
     assert setup.install(CC="clang")[0] == []
     assert setup.install(CC="clang", JAX_EPILOG_REINSTALL="1")[0] != []
+    # Whether the handler is built is a build setting too.
+    assert setup.install(CC="clang", JAX_EPILOG_BUILD_CUDA="1")[0] != []
 
 
 def test_another_extra_adds_its_dependencies_without_a_rebuild(setup):
@@ -136,6 +139,43 @@ def test_a_failed_install_is_retried(setup):
     with pytest.raises(RuntimeError):
         setup.install(FAKE_PIP_STATUS="1")
     assert setup.install()[0] == [f"install -q {setup.root}[test]"]
+
+
+PICK = """#!/usr/bin/env bash
+# %s: a stand-in; python3.12 works only with a pyenv version chosen, as pyenv's shim does.
+if [ "$(basename "$0")" = pyenv ]; then printf '3.11.7\\n3.12.1\\n3.12.10\\n3.13.0\\n'; exit 0; fi
+if [ "$(basename "$0")" = python3.12 ]; then
+  [ -n "${PYENV_VERSION:-}" ] || exit 127
+  echo "$PYENV_VERSION" > "$(dirname "$0")/chosen"
+fi
+exec %s "$@"
+"""
+
+
+@pytest.mark.parametrize("env,chosen", [({}, "3.12.10"), ({"PYTHON": "python3"}, None)])
+def test_env_sh_finds_python_on_path_or_through_pyenv(setup, tmp_path, env, chosen):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("python3.12", "python3", "pyenv"):
+        (bin_dir / name).write_text(PICK % (name, sys.executable))
+        (bin_dir / name).chmod(0o755)
+    done = subprocess.run(
+        ["bash", "-c", f'source "{setup.root}/scripts/env.sh" && pick_python'],
+        capture_output=True, text=True, timeout=60,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "JAX_EPILOG_VENV": str(setup.venv), **env})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == sys.executable  # the interpreter itself, not a shim
+    assert ((bin_dir / "chosen").read_text().strip() if chosen else None) == chosen
+
+
+def test_env_sh_says_when_python_is_not_one(setup):
+    done = subprocess.run(
+        ["bash", "-c", f'source "{setup.root}/scripts/env.sh" && pick_python'],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHON": "no-such-python", "JAX_EPILOG_VENV": str(setup.venv)})
+    assert done.returncode != 0
+    assert "PYTHON=no-such-python is not a Python >= 3.11" in done.stderr
+    assert "/root/.pyenv" not in (ROOT / "scripts" / "env.sh").read_text()
 
 
 def test_scripts_install_through_the_stamp():
@@ -248,6 +288,41 @@ def test_mask_helpers_are_public_and_match_the_kernel():
     np.testing.assert_array_equal(jax_epilog.unpack_relu_mask(packed, 130), not_negative)
 
 
+@pytest.mark.parametrize("dtype,margin", [("float8_e4m3fn", 0), (jnp.float8_e5m2, 0),
+                                          (jnp.float8_e4m3fn, 3)])
+def test_quantize_follows_the_quantization_scales_convention(dtype, margin):
+    x = jax.random.normal(jax.random.key(3), (33, 129), jnp.bfloat16) * 7
+    x8, scale = jax_epilog.quantize(x, dtype, margin=margin)
+    assert x8.dtype == jnp.dtype(dtype) and x8.shape == x.shape
+    assert scale.dtype == jnp.float32 and scale.shape == ()
+    largest = float(jnp.finfo(dtype).max) / 2 ** margin
+    wide, back = np.asarray(x, np.float32), np.asarray(x8, np.float32) * float(scale)
+    np.testing.assert_allclose(float(scale), np.abs(wide).max() / largest, rtol=1e-6)
+    assert np.abs(np.asarray(x8, np.float32)).max() <= largest
+    # x ≈ scale * x8 to the format's precision (3 mantissa bits for e4m3, 2 for e5m2).
+    step = 2.0 ** -(3 if jnp.dtype(dtype) == jnp.float8_e4m3fn else 2)
+    assert np.all(np.abs(back - wide) <= step * np.abs(wide) + float(scale) * 2 ** -9)
+    # and it is what matmul's quantization_scales take: a ≈ sa * a8.
+    w8, sw = jax_epilog.quantize(x.T[:, :31], jnp.float8_e4m3fn)  # no e5m2 x e5m2 GEMM
+    y = jax_epilog.matmul(x8, w8, quantization_scales={"a": scale, "b": sw},
+                          preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(y, back @ (np.asarray(w8, np.float32) * float(sw)), rtol=1e-4,
+                               atol=1e-3 * float(np.abs(y).max()))
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: jax_epilog.quantize(jnp.ones(3), jnp.bfloat16), ValueError,
+     "dtype: expected an FP8 format, float8_e4m3fn or float8_e5m2"),
+    (lambda: jax_epilog.quantize(jnp.ones(3), margin=-1), ValueError,
+     "margin: expected a non-negative int"),
+    (lambda: jax_epilog.quantize(jnp.arange(3)), TypeError,
+     "x: expected a floating-point array, got int32"),
+])
+def test_quantize_bad_arguments(call, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        call()
+
+
 def test_flax_submodules_load_lazily():
     done = run_python("""
         import sys
@@ -344,12 +419,108 @@ def test_input_width_against_in_features():
 
 # --- docs and notebooks ---------------------------------------------------------------------
 
-def test_readme_export_example_runs():
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+
+
+README_BLOCKS = python_blocks(README)
+
+
+@pytest.mark.parametrize("index", range(len(README_BLOCKS)))
+def test_readme_code_block_runs_as_written(index):
+    """Each README block on its own, in a fresh namespace: nothing it uses is left undefined."""
+    code = README_BLOCKS[index]
+    exec(compile(code, f"README.md, python block {index + 1}", "exec"), {})  # noqa: S102
+
+
+def test_readme_blocks_cover_the_sections():
+    assert len(README_BLOCKS) >= 7
+    joined = "\n".join(README_BLOCKS)
+    for needed in ("jax_epilog.quantize(", "quantization_scales=", "beta=1.0",
+                   "fp8=True", "jax_epilog.nnx.MLP(", "jax_epilog.linen.MLP(", "deserialize("):
+        assert needed in joined, needed
+
+
+def test_readme_export_example():
     section = README.split("### Exporting", 1)[1].split("\n## ", 1)[0]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    (code,) = python_blocks(section)
     assert "serialize()" in code and "deserialize(" in code and '"cuda"' in code
     assert CHECKOUT_HINT.format("export") in section
-    exec(compile(code, "README.md#exporting", "exec"), {})  # noqa: S102
+
+
+def test_fp8_doc_delayed_scaling_loop_runs():
+    section = (ROOT / "docs" / "fp8.md").read_text().split("### Delayed scaling", 1)[1]
+    code = python_blocks(section)[0]
+    namespace = {}
+    exec(compile(code, "docs/fp8.md, delayed scaling", "exec"), namespace)  # noqa: S102
+    # The loop ran its steps: every layer's histories recorded an amax.
+    for history in namespace["state"]:
+        assert float(history.input[0]) > 0 and float(history.gradient[0]) > 0
+
+
+def test_fp8_doc_tables_are_whole():
+    """A table interrupted by a blank line renders as two (the second without a header)."""
+    text = (ROOT / "docs" / "fp8.md").read_text()
+    assert not re.search(r"^\|.*\|\n\n\|", text, re.M)
+
+
+def project_text_files():
+    """The checkout's own text files (not venvs, build trees or git's folder)."""
+    for path in ROOT.rglob("*"):
+        parts = path.relative_to(ROOT).parts
+        if path.is_file() and not any(p.startswith(".") and p != ".ci" or p == "build"
+                                      for p in parts[:-1]) \
+                and path.suffix in {".md", ".py", ".sh", ".toml", ".ipynb", ".cc", ".h", ""}:
+            yield path
+
+
+def test_nothing_cites_files_outside_the_project():
+    """A user's checkout has no ../shared: the method is in benchmarks/README.md."""
+    cited = [str(p.relative_to(ROOT)) for p in project_text_files()
+             if p != Path(__file__).resolve() and re.search(r"\.\./shared|shared/BENCHMARK|(?<![/\w])BENCHMARK\.md",
+                          p.read_text(errors="replace"))]
+    assert not cited
+    method = (ROOT / "benchmarks" / "README.md").read_text().split("## Method", 1)[1]
+    for needed in ("G1 | 65536 × 4096 × 4096", "G7 | 256 × 784 × 100", "M1 a 4-layer",
+                   "Two harnesses", "*user*", "*careful*"):
+        assert needed in method, needed
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def test_results_are_the_current_ones_and_every_cited_one_exists():
+    """benchmarks/results/ keeps what the docs cite (git keeps the history), and what they
+    cite is there."""
+    files = [p for p in RESULTS.rglob("*") if p.is_file()]
+    assert len(files) <= 40, "prune benchmarks/results/: " + ", ".join(
+        sorted(str(p.relative_to(RESULTS)) for p in files))
+    missing = set()
+    for page in project_text_files():
+        if page.suffix not in (".md", ".ipynb") or RESULTS in page.parents:
+            continue
+        for line in page.read_text().splitlines():
+            if "git history" in line:  # a citation of an older commit's file
+                continue
+            for cited in re.findall(r"benchmarks/results/([\w./-]*\w)", line):
+                if not (RESULTS / cited).exists():
+                    missing.add(f"{page.relative_to(ROOT)}: {cited}")
+    assert not missing
+
+
+def test_run_all_runs_what_the_benchmarks_readme_says():
+    script = (ROOT / "benchmarks" / "run_all.sh").read_text()
+    ran = re.search(r"selected=\(([\w ]+)\); fi", script).group(1).split()
+    running = (ROOT / "benchmarks" / "README.md").read_text().split("## Running", 1)[1]
+    said = re.search(r"runs the (\w+) benchmarks[^(]*\(([^)]*)\)", running)
+    assert re.split(r",\s+", said.group(2).replace("`", "")) == ran
+    assert said.group(1) == {4: "four"}.get(len(ran), str(len(ran)))
+    alone = re.search(r"run alone: (.*?) \(", running, re.S).group(1)
+    benchmarks = {p.stem for p in (ROOT / "benchmarks").glob("*.py")
+                  if "--out" in p.read_text()}
+    named = {re.sub(r"_bench$", "", b) for b in benchmarks}
+    assert named == set(ran) | {re.sub(r"_bench$", "", n) for n in
+                                re.findall(r"`(\w+)\.py`", alone)}
 
 
 def test_readme_documents_the_mask_interchange_with_nvmath():

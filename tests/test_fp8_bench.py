@@ -1,6 +1,6 @@
 """benchmarks/fp8_bench.py runs end to end on tiny shapes and writes a complete report.
 
-Timings are never asserted (BENCHMARK.md): what is checked is that every variant ran, computed
+Timings are never asserted (benchmarks/README.md): what is checked is that every variant ran, computed
 the same step as XLA's bf16 one (to FP8 rounding), and was reported, and that the user's FP8
 step written in the script is a correct FP8 step.
 """

@@ -2,7 +2,7 @@
 call against the float64 model (`fp8_reference`), SPEC §5.
 
 Every test here is marked `gpu` and skipped where JAX sees no CUDA device. What must run the
-kernel is what was measured to (BENCHMARK.md, cuBLASLt 13.1 on the H200, through nvmath):
+kernel is what was measured to (benchmarks/README.md, cuBLASLt 13.1 on the H200, through nvmath):
 BIAS, RELU_BIAS, RELU_AUX_BIAS, GELU_BIAS, GELU_AUX_BIAS, DRELU, DRELU_BGRAD and DGELU_BGRAD
 with e4m3 x e4m3, e5m2 x e4m3 and e4m3 x e5m2 operands and a bfloat16 result. Other results
 (float16, float32, FP8) and `result_amax` are checked for their values whichever way they run;

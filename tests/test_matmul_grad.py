@@ -176,3 +176,43 @@ def test_traced_alpha_beta_gradients_in_bf16_match_float32():
         scale = float(jnp.max(jnp.abs(w)))
         np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=0.03 * scale, rtol=0.03,
                                    err_msg=f"argument {i}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cublaslt", "xla"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("epilog", [Epilog.BIAS, Epilog.RELU_BIAS, Epilog.GELU_BIAS],
+                         ids=lambda e: e.name)
+def test_gradient_on_the_gpu_matches_float32_within_a_rounding(epilog, layout, backend):
+    """The backward GEMMs on the GPU, cuBLASLt's kernels (BGRADB / BGRADA) or XLA's (for
+    `backend="xla"` the plain expression under JAX's autodiff), against the reference's float32
+    gradient; with a residual through c and traced alpha, beta. Integer operands and a bias
+    off the grid keep the pre-activation exact and never 0, so every path's ReLU mask agrees."""
+    m, n, k = (129, 127, 72) if layout == "2d" else (33, 129, 127)
+    a, b, inputs, probe, ta, tb = _problem(layout, epilog, "bfloat16", m=m, n=n, k=k, seed=4)
+    exact = lambda x, scale, offset=0.0: (jnp.round(x.astype(jnp.float32) * scale)
+                                          + offset).astype(jnp.bfloat16)
+    a, b = exact(a, 2.0), exact(b, np.sqrt(k))
+    inputs = {"bias": exact(inputs["bias"], 1.0, 0.125)}  # z = 0.75 P + 1.5 c + bias
+    c = exact(jnp.asarray(np.random.default_rng(9).standard_normal(probe.shape)), 2.0)
+
+    def loss(fn, a, b, inputs, c, alpha, beta, **kw):
+        y = fn(a, b, c, alpha=alpha, beta=beta, epilog=epilog, epilog_inputs=inputs,
+               transpose_a=ta, transpose_b=tb, **kw)
+        return jnp.sum(y.astype(jnp.float32) * probe)
+
+    args = (a, b, inputs, c, jnp.float32(0.75), jnp.float32(1.5))
+    got = jax.jit(jax.grad(lambda *x: loss(jax_epilog.matmul, *x, backend=backend),
+                           argnums=range(6)))(*args)
+    f32 = jax.tree.map(lambda x: x.astype(jnp.float32), args)
+    want = jax.grad(lambda *x: loss(jax_epilog.reference_matmul, *x, precision="highest"),
+                    argnums=range(6))(*f32)
+    y = loss(jax_epilog.reference_matmul, *f32, precision="highest")
+    # d alpha and d beta are sums of m·n terms that cancel: their 16-bit rounding error grows
+    # with the terms' root-sum-square, not with the (smaller) result.
+    terms = float(jnp.linalg.norm(probe)) * max(float(jnp.max(jnp.abs(f32[3]))), 4.0)
+    assert np.isfinite(float(y))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        scale = 0.01 * terms if w.shape == () else 0.03 * float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), atol=scale,
+                                   rtol=0.03)

@@ -258,12 +258,13 @@ def test_grid_covers_every_row_and_network():
 
 def test_dry_run_lists_the_grid_problems_and_stacks(capsys):
     assert tune.main(["--grid", "--rows", "G7,M3", "--dry-run"]) == 0
-    out = capsys.readouterr().out.splitlines()
+    header, *out = capsys.readouterr().out.splitlines()
+    assert header == tune.DRY_RUN_HEADER and "B×K×N" in header  # as the README's tables
     problems, stacks = (int(n) for n in re.fullmatch(r"(\d+) distinct problems, (\d+) stacks",
                                                      out[-1]).groups())
     assert problems + stacks == len(out) - 1 and stacks == 4
-    assert "RELU_BIAS bfloat16 NN 256x100x784" in out  # G7's inference forward
-    assert "RELU_AUX_BIAS bfloat16 NN 256x100x784" in out  # its training forward
+    assert "RELU_BIAS bfloat16 NN 256×784×100" in out  # G7's inference forward (B×K×N)
+    assert "RELU_AUX_BIAS bfloat16 NN 256×784×100" in out  # its training forward
     assert out[problems:-1] == [  # largest first
         "stack step bfloat16 256×784 →100+b relu →100+b relu →10+b",
         "stack step bfloat16 256×784 →100+b relu",
@@ -274,7 +275,8 @@ def test_dry_run_lists_the_grid_problems_and_stacks(capsys):
 def test_dry_run_of_a_function(capsys):
     assert tune.main(["--fn", "jax_epilog.layers:dense", "--args", "bf16[64,32]",
                       "bf16[32,16]", "bf16[16]", "--dry-run"]) == 0
-    assert capsys.readouterr().out.splitlines() == ["BIAS bfloat16 NN 64x16x32",
+    assert capsys.readouterr().out.splitlines() == [tune.DRY_RUN_HEADER,
+                                                    "BIAS bfloat16 NN 64×32×16",
                                                     "stack forward bfloat16 64×32 →16+b",
                                                     "1 distinct problems, 1 stacks"]
 
@@ -407,7 +409,7 @@ def test_progress_without_tqdm_prints_lines(fake_gpu, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
     p = tune.Problem("DEFAULT", "bfloat16", False, False, 1, 8, 8, 8)
     tune.tune([p], measure=lambda *a, **k: 1e-5, progress=True)
-    assert "[1/1] DEFAULT bfloat16 NN 8x8x8: cublaslt 10.0 us, xla 10.0 us -> xla" in \
+    assert "[1/1] DEFAULT bfloat16 NN 8×8×8: cublaslt 10.0 us, xla 10.0 us -> xla" in \
         capsys.readouterr().out
 
 

@@ -1,0 +1,221 @@
+"""A GPT-style decoder-only transformer in Flax NNX, built from one of three sets of layers.
+
+`GPT(config, impl=..., rngs=...)`: token and learned position embeddings, `n_layers` pre-LayerNorm
+blocks (causal self-attention, then a GELU MLP, each with its residual), a final LayerNorm and
+the head (tied to the token embedding, or its own projection). The projections come from `impl`:
+
+- "stock": `nnx.Linear`, `jax.nn.gelu` between the MLP's two layers.
+- "epilog": `jax_epilog.nnx.Dense` (QKV and output projections) and `jax_epilog.nnx.MLP` (both MLP
+  layers as one fused call, GELU in the first GEMM's epilog); `fp8=` trains them in FP8.
+- "flax_fp8": Flax's own FP8, `linen.Dense(dot_general_cls=Fp8DirectDotGeneralOp)` wrapped for
+  NNX by `nnx.bridge.ToNNX`.
+
+Every impl draws the same parameters from the same `nnx.Rngs`, in the same order, under the same
+names (`blocks/0/attention/qkv/kernel`, `blocks/0/mlp/layers/1/bias`, ...), so one seed gives one
+set of initial weights whichever layers run, and a checkpoint of one loads into the others. The
+head stays in the compute dtype under FP8 (its N is the 256-byte vocabulary: too small to gain).
+
+FP8 scaling state (`jax_epilog.nnx.AmaxHistory` under delayed scaling, Flax's
+"_overwrite_with_gradient" variables) is selected by `FP8_STATE`: its gradient is its next value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import linen, nnx
+from flax.linen import fp8_ops
+
+import jax_epilog
+import jax_epilog.nnx
+
+IMPLS = ("stock", "epilog", "flax_fp8")
+ATTENTION = ("auto", "cudnn", "xla")
+
+# Flax >= 0.12 wants lists of modules wrapped so it can see their state; older Flax takes lists.
+_ModuleList = getattr(nnx, "List", list)
+
+#: The NNX variable type `nnx.bridge` gives Flax's FP8 collection ("_overwrite_with_gradient").
+FlaxFp8State = nnx.variablelib.variable_type_from_name(fp8_ops.OVERWRITE_WITH_GRADIENT,
+                                                       allow_register=True)
+#: Every FP8 scaling variable: not a parameter; its gradient is its next value.
+FP8_STATE = nnx.Any(jax_epilog.nnx.AmaxHistory, FlaxFp8State)
+
+#: GPT-2's embedding initialisation (the projections keep Flax's default, LeCun normal).
+EMBEDDING_INIT = nnx.initializers.normal(stddev=0.02)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The architecture. `vocab_size` 256: bytes."""
+
+    d_model: int
+    n_layers: int
+    n_heads: int
+    seq_len: int
+    vocab_size: int = 256
+    mlp_ratio: int = 4
+    tie_head: bool = True
+
+    def __post_init__(self):
+        for name in ("d_model", "n_layers", "n_heads", "seq_len", "vocab_size", "mlp_ratio"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive int, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads: expected a divisor of d_model={self.d_model}, got "
+                             f"{self.n_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def hidden(self) -> int:
+        return self.mlp_ratio * self.d_model
+
+
+def attention_implementation(choice: str, dtype) -> str:
+    """`jax.nn.dot_product_attention`'s implementation for `choice`: "auto" is cuDNN's fused
+    attention on a GPU in 16-bit, XLA's otherwise. (JAX's own None currently means XLA on every
+    platform, which materialises the T x T scores.)"""
+    if choice not in ATTENTION:
+        raise ValueError(f"attention: expected one of {ATTENTION}, got {choice!r}")
+    if choice != "auto":
+        return choice
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    return "cudnn" if jax.default_backend() == "gpu" and sixteen_bit else "xla"
+
+
+class StackedMLP(nnx.Module):
+    """Two projections with GELU (tanh approximation, as cuBLASLt's epilog) between, stored as
+    `layers` like `jax_epilog.nnx.MLP`."""
+
+    def __init__(self, up: nnx.Module, down: nnx.Module):
+        self.layers = _ModuleList([up, down])
+
+    def __call__(self, x):
+        return self.layers[1](jax.nn.gelu(self.layers[0](x), approximate=True))
+
+
+def flax_fp8_linear(stock: nnx.Linear) -> nnx.Module:
+    """`stock`'s layer (same parameters) as Flax's FP8 dense layer:
+    `linen.Dense(dot_general_cls=Fp8DirectDotGeneralOp)` under `nnx.bridge.ToNNX`. Its FP8
+    scales and amax histories are `FlaxFp8State` variables."""
+    layer = nnx.bridge.ToNNX(
+        linen.Dense(stock.out_features, use_bias=stock.bias is not None, dtype=stock.dtype,
+                    param_dtype=stock.param_dtype,
+                    dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp),
+        rngs=nnx.Rngs(0))  # draws thrown away: the parameters are `stock`'s
+    nnx.bridge.lazy_init(layer, jnp.zeros((1, stock.in_features), stock.param_dtype))
+    layer.to_nnx__rngs = None  # a dense layer draws nothing when applied
+    nnx.update(layer, nnx.state(stock, nnx.Param))
+    return layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Layers:
+    """Builds the model's projections for one `impl` (module docstring), in `dtype`, with
+    `fp8` (a `jax_epilog.Fp8`, "epilog" only) on the quantized ones."""
+
+    impl: str
+    dtype: Any
+    fp8: Optional[jax_epilog.Fp8] = None
+
+    def __post_init__(self):
+        if self.impl not in IMPLS:
+            raise ValueError(f"impl: expected one of {IMPLS}, got {self.impl!r}")
+        if self.fp8 is not None and self.impl != "epilog":
+            raise ValueError(f"fp8: jax_epilog's FP8 is for impl='epilog', got impl="
+                             f"{self.impl!r} (Flax's own FP8 is impl='flax_fp8')")
+
+    def dense(self, in_features: int, out_features: int, *, rngs: nnx.Rngs,
+              use_bias: bool = True, quantized: bool = True) -> nnx.Module:
+        if self.impl == "epilog":
+            return jax_epilog.nnx.Dense(in_features, out_features, use_bias=use_bias,
+                                        dtype=self.dtype, fp8=self.fp8 if quantized else None,
+                                        rngs=rngs)
+        stock = nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=self.dtype,
+                           rngs=rngs)
+        return flax_fp8_linear(stock) if self.impl == "flax_fp8" and quantized else stock
+
+    def mlp(self, d_model: int, hidden: int, *, rngs: nnx.Rngs) -> nnx.Module:
+        if self.impl == "epilog":
+            return jax_epilog.nnx.MLP(d_model, [hidden, d_model], activation="gelu",
+                                      dtype=self.dtype, fp8=self.fp8, rngs=rngs)
+        return StackedMLP(self.dense(d_model, hidden, rngs=rngs),
+                          self.dense(hidden, d_model, rngs=rngs))
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, config: ModelConfig, layers: Layers, attention: str, *, rngs: nnx.Rngs):
+        self.n_heads = config.n_heads
+        self.implementation = attention_implementation(attention, layers.dtype)
+        self.qkv = layers.dense(config.d_model, 3 * config.d_model, rngs=rngs)
+        self.out = layers.dense(config.d_model, config.d_model, rngs=rngs)
+
+    def __call__(self, x):
+        batch, length, width = x.shape
+        qkv = self.qkv(x).reshape(batch, length, 3, self.n_heads, width // self.n_heads)
+        y = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2],
+                                         is_causal=True, implementation=self.implementation)
+        return self.out(y.reshape(batch, length, width))
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layers: Layers, attention: str, *, rngs: nnx.Rngs):
+        norm = dict(dtype=layers.dtype, rngs=rngs)
+        self.attention_norm = nnx.LayerNorm(config.d_model, **norm)
+        self.attention = CausalSelfAttention(config, layers, attention, rngs=rngs)
+        self.mlp_norm = nnx.LayerNorm(config.d_model, **norm)
+        self.mlp = layers.mlp(config.d_model, config.hidden, rngs=rngs)
+
+    def __call__(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nnx.Module):
+    """`GPT(config, impl=..., dtype=..., fp8=..., rngs=...)(tokens)`: logits `(B, T, vocab)` in
+    the compute dtype for `tokens` `(B, T)` of ints below `vocab_size`, `T <= seq_len`.
+
+    Args:
+      impl: "stock", "epilog" or "flax_fp8" (module docstring).
+      dtype: the compute dtype (parameters are float32).
+      fp8: None, or a `jax_epilog.Fp8` for every projection of impl "epilog".
+      attention: "auto", "cudnn" or "xla" (`attention_implementation`).
+    """
+
+    def __init__(self, config: ModelConfig, *, impl: str = "stock", dtype: Any = jnp.float32,
+                 fp8: Optional[jax_epilog.Fp8] = None, attention: str = "auto",
+                 rngs: nnx.Rngs):
+        layers = Layers(impl, dtype, fp8)
+        self.config = config
+        embed = dict(embedding_init=EMBEDDING_INIT, dtype=dtype, rngs=rngs)
+        self.token_embedding = nnx.Embed(config.vocab_size, config.d_model, **embed)
+        self.position_embedding = nnx.Embed(config.seq_len, config.d_model, **embed)
+        self.blocks = _ModuleList([Block(config, layers, attention, rngs=rngs)
+                                   for _ in range(config.n_layers)])
+        self.final_norm = nnx.LayerNorm(config.d_model, dtype=dtype, rngs=rngs)
+        self.head = None if config.tie_head else layers.dense(
+            config.d_model, config.vocab_size, use_bias=False, quantized=False, rngs=rngs)
+
+    def __call__(self, tokens):
+        if tokens.ndim != 2 or tokens.shape[1] > self.config.seq_len:
+            raise ValueError(f"tokens: expected shape (batch, length <= {self.config.seq_len}), "
+                             f"got {tokens.shape}")
+        x = self.token_embedding(tokens) + self.position_embedding(jnp.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        x = self.final_norm(x)
+        return self.token_embedding.attend(x) if self.head is None else self.head(x)
+
+
+def split(model: GPT):
+    """(graphdef, parameters, FP8 scaling state, the rest) of `model`, for a functional step."""
+    return nnx.split(model, nnx.Param, FP8_STATE, ...)

@@ -1,0 +1,319 @@
+"""Train the GPT of `model.py` on the standard library's sources, bytes as tokens.
+
+    python examples/gpt/train.py --config tiny                       # CPU, a minute
+    python examples/gpt/train.py --config small --impl epilog --fp8  # one H200
+    python examples/gpt/train.py --config large --impl stock --checkpoint-dir /tmp/gpt --out run.json
+
+AdamW with linear warm-up and cosine decay, global-norm clipping, a tqdm bar with the loss and
+tokens/s, the validation loss every `eval_every` steps, orbax checkpoints (parameters, optimizer
+state, FP8 scaling state, data position and step) that resume bit for bit: a run stopped and
+resumed from `--checkpoint-dir` takes exactly the steps an uninterrupted run takes. `--out`
+writes a JSON summary: tokens/s, median step time, the compiled step's memory, the loss
+histories and the versions. Compute is bfloat16 on a GPU (float32 parameters), float32
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, NamedTuple, Optional
+
+if __package__ in (None, ""):  # run as a script: make `gpt` (this folder) importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm import tqdm
+
+import jax_epilog
+from gpt import configs, data
+from gpt.model import GPT, IMPLS, split
+
+#: jax-epilog's FP8 recipe here: every projection in FP8 (`layers="all"`: at 16384 rows most of
+#: them are under `fp8_pays`'s threshold), delayed scaling, docs/fp8.md's fastest on the H200.
+#: Under GELU only the MLP's hidden activation is delayed-scaled (the up projection's GEMM
+#: writes it in FP8); a fresh history's scale of 1 holds GELU outputs up to e4m3's 448, so no
+#: calibrating step of current scaling is needed.
+FP8_RECIPE = jax_epilog.Fp8(scaling="delayed", layers="all")
+DTYPES = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def compute_dtype(name: str = "auto"):
+    """bfloat16 on a GPU, float32 elsewhere ("auto"), or the dtype named."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype: expected one of {tuple(DTYPES)}, got {name!r}")
+    if name == "auto":
+        return jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    return DTYPES[name]
+
+
+def build_model(config: configs.TrainConfig, impl: str, *, fp8: bool = False,
+                dtype=jnp.float32, attention: str = "auto") -> GPT:
+    """The model for `impl` (with jax-epilog's FP8 where `fp8`), initialised from the config's
+    seed: the same weights for every impl."""
+    if fp8 and impl != "epilog":
+        raise ValueError(f"fp8: jax-epilog's FP8 needs impl='epilog', got impl={impl!r} "
+                         "(Flax's own FP8 is impl='flax_fp8')")
+    return GPT(config.model, impl=impl, dtype=dtype, fp8=FP8_RECIPE if fp8 else None,
+               attention=attention, rngs=nnx.Rngs(config.seed))
+
+
+def learning_rate_schedule(config: configs.TrainConfig) -> optax.Schedule:
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
+        decay_steps=config.steps,
+        end_value=config.learning_rate * config.min_learning_rate_ratio)
+
+
+def make_optimizer(config: configs.TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW; weight decay on matrices only (not biases or norms)."""
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        optax.adamw(learning_rate_schedule(config), b1=config.b1, b2=config.b2,
+                    weight_decay=config.weight_decay, mask=decay_mask))
+
+
+_global_norm = optax.tree.norm if hasattr(getattr(optax, "tree", None), "norm") \
+    else optax.global_norm  # optax < 0.2.5
+
+
+class TrainState(NamedTuple):
+    """Everything a step changes (and a checkpoint holds, with the data position)."""
+
+    step: Any       # int32 scalar
+    params: Any     # nnx.State of nnx.Param
+    fp8: Any        # nnx.State of the FP8 scaling variables (empty without FP8)
+    opt_state: Any
+
+
+def cross_entropy(logits, targets):
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), targets).mean()
+
+
+class Trainer:
+    """The jitted train and eval steps of one model, functional over `TrainState`."""
+
+    def __init__(self, model: GPT, optimizer: optax.GradientTransformation):
+        self.graphdef, params, fp8, self.rest = split(model)
+        self.optimizer = optimizer
+        self.initial = TrainState(jnp.zeros((), jnp.int32), params, fp8,
+                                  optimizer.init(params))
+        self.step = jax.jit(self._step, donate_argnums=0)
+        self.eval_loss = jax.jit(self._eval_loss)
+
+    def _loss(self, params, fp8, inputs, targets):
+        model = nnx.merge(self.graphdef, params, fp8, self.rest)
+        return cross_entropy(model(inputs), targets)
+
+    def _step(self, state: TrainState, inputs, targets):
+        # The FP8 state's gradient is its next value ("overwrite with gradient"): it replaces
+        # the state and never reaches the optimizer.
+        loss, (grads, fp8) = jax.value_and_grad(self._loss, argnums=(0, 1))(
+            state.params, state.fp8, inputs, targets)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(state.step + 1, params, fp8, opt_state), \
+            {"loss": loss, "grad_norm": _global_norm(grads)}
+
+    def _eval_loss(self, state: TrainState, inputs, targets):
+        return self._loss(state.params, state.fp8, inputs, targets)
+
+    def compile(self, state: TrainState, batch) -> tuple[Any, Optional[dict]]:
+        """(the compiled train step, its `memory_analysis()` in bytes, or None where the
+        backend gives none)."""
+        compiled = self.step.lower(state, *batch).compile()
+        return compiled, memory_stats(compiled)
+
+    def validation_loss(self, state: TrainState, batches) -> float:
+        return float(np.mean([self.eval_loss(state, *batch) for batch in batches]))
+
+
+def memory_stats(compiled) -> Optional[dict]:
+    try:
+        stats = compiled.memory_analysis()
+    except (NotImplementedError, RuntimeError):
+        return None
+    if stats is None:
+        return None
+    return {name: int(getattr(stats, name)) for name in (
+        "temp_size_in_bytes", "argument_size_in_bytes", "output_size_in_bytes",
+        "alias_size_in_bytes", "generated_code_size_in_bytes")}
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+
+def checkpoint_manager(directory: Path, max_to_keep: int = 2):
+    import orbax.checkpoint as ocp
+    # Saved synchronously: the step donates the state's buffers as soon as the next step runs.
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                           enable_async_checkpointing=False)
+    return ocp.CheckpointManager(Path(directory).resolve(), options=options)
+
+
+def save_checkpoint(manager, state: TrainState, batches: data.Batches,
+                    config: configs.TrainConfig) -> None:
+    import orbax.checkpoint as ocp
+    meta = {"data_position": batches.position, "data_seed": batches.seed,
+            "config": json.loads(json.dumps(dataclasses.asdict(config)))}
+    manager.save(int(state.step), args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+
+
+def restore_checkpoint(manager, like: TrainState, batches: data.Batches,
+                       config: configs.TrainConfig) -> Optional[TrainState]:
+    """The latest checkpoint's state (shaped as `like`), with `batches` moved to its data
+    position; None where the directory has none."""
+    import orbax.checkpoint as ocp
+    step = manager.latest_step()
+    if step is None:
+        return None
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    meta = restored["meta"]
+    saved_config = meta["config"]
+    if saved_config != json.loads(json.dumps(dataclasses.asdict(config))):
+        raise ValueError(f"checkpoint_dir: step {step} there was trained with another "
+                         f"configuration ({saved_config}); use another directory")
+    batches.position, batches.seed = meta["data_position"], meta["data_seed"]
+    return restored["state"]
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+def versions() -> dict[str, Any]:
+    found = {"python": platform.python_version()}
+    for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy", "jax-epilog"):
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    device = jax.devices()[0]
+    found.update(platform=device.platform, device=device.device_kind)
+    return found
+
+
+def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False,
+          dtype_name: str = "auto", attention: str = "auto",
+          checkpoint_dir: Optional[Path] = None, corpus: Optional[data.Corpus] = None,
+          progress: bool = True, stop_after: Optional[int] = None) -> dict[str, Any]:
+    """Trains (or resumes from `checkpoint_dir`) to `config.steps`, or stops after step
+    `stop_after` (checkpointing there, as an interrupted run would have); returns the summary."""
+    dtype = compute_dtype(dtype_name)
+    corpus = corpus if corpus is not None else data.load_corpus()
+    model = build_model(config, impl, fp8=fp8, dtype=dtype, attention=attention)
+    trainer = Trainer(model, make_optimizer(config))
+    batches = data.Batches(corpus.train, config.batch_size, config.model.seq_len, config.seed)
+    validation = data.validation_batches(corpus.validation, config.batch_size,
+                                         config.model.seq_len, config.eval_batches)
+    state = trainer.initial
+    manager = checkpoint_manager(checkpoint_dir) if checkpoint_dir is not None else None
+    resumed_from = None
+    if manager is not None:
+        restored = restore_checkpoint(manager, state, batches, config)
+        if restored is not None:
+            state, resumed_from = restored, int(restored.step)
+
+    compile_start = time.perf_counter()
+    step_fn, memory = trainer.compile(state, batches.batch(batches.position))
+    compile_seconds = time.perf_counter() - compile_start
+    start, end = int(state.step), min(config.steps, stop_after or config.steps)
+    train_losses, val_losses, interval_step_times = [], [], []
+    bar = tqdm(range(start, end), desc=f"{impl}{' fp8' if fp8 else ''}", unit="step",
+               disable=not progress, initial=start, total=config.steps)
+    interval_start, interval_steps = time.perf_counter(), 0
+    for step in bar:
+        state, metrics = step_fn(state, *next(batches))
+        interval_steps += 1
+        done = step + 1
+        if done % config.log_every == 0 or done == end:
+            loss = float(metrics["loss"])  # waits for the step
+            elapsed = time.perf_counter() - interval_start
+            if step + 1 - interval_steps > start:  # the first interval includes warm-up
+                interval_step_times.append(elapsed / interval_steps)
+            train_losses.append((done, loss))
+            bar.set_postfix(loss=f"{loss:.4f}", grad_norm=f"{float(metrics['grad_norm']):.3f}",
+                            tok_s=f"{interval_steps * config.tokens_per_step / elapsed:,.0f}")
+            interval_start, interval_steps = time.perf_counter(), 0
+        if done % config.eval_every == 0 or done == config.steps:
+            val_losses.append((done, trainer.validation_loss(state, validation)))
+            bar.write(f"step {done}: validation loss {val_losses[-1][1]:.4f}")
+            interval_start, interval_steps = time.perf_counter(), 0
+        if manager is not None and (done == end or (
+                config.checkpoint_every and done % config.checkpoint_every == 0)):
+            save_checkpoint(manager, state, batches, config)
+    bar.close()
+    step_time = statistics.median(interval_step_times) if interval_step_times else None
+    return {
+        "config": dataclasses.asdict(config), "impl": impl, "fp8": fp8,
+        "fp8_recipe": repr(FP8_RECIPE) if fp8 else None, "dtype": jnp.dtype(dtype).name,
+        "attention": model.blocks[0].attention.implementation,
+        "steps": [start, end], "resumed_from": resumed_from,
+        "tokens_per_step": config.tokens_per_step,
+        "step_time_median_s": step_time,
+        "tokens_per_s": config.tokens_per_step / step_time if step_time else None,
+        "compile_s": compile_seconds, "memory": memory,
+        "train_loss": train_losses, "validation_loss": val_losses,
+        "versions": versions(), "state": state,
+    }
+
+
+def main(argv=None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="tiny", choices=tuple(configs.CONFIGS))
+    parser.add_argument("--impl", default="stock", choices=IMPLS,
+                        help="stock nnx.Linear, jax-epilog's layers, or Flax's own FP8")
+    parser.add_argument("--fp8", action="store_true",
+                        help="jax-epilog's FP8 on every projection (with --impl epilog)")
+    parser.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
+                        help="compute dtype (auto: bfloat16 on a GPU, else float32)")
+    parser.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"))
+    parser.add_argument("--steps", type=int, help="override the config's step count")
+    parser.add_argument("--warmup-steps", type=int)
+    parser.add_argument("--batch-size", type=int)
+    parser.add_argument("--layers", type=int, help="override the config's n_layers")
+    parser.add_argument("--eval-every", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--checkpoint-dir", type=Path,
+                        help="save here (and resume from the latest checkpoint here)")
+    parser.add_argument("--checkpoint-every", type=int)
+    parser.add_argument("--out", type=Path, help="write the JSON summary here")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    overrides = {"steps": args.steps, "warmup_steps": args.warmup_steps, "batch_size": args.batch_size, "n_layers": args.layers,
+                 "eval_every": args.eval_every, "seed": args.seed,
+                 "checkpoint_every": args.checkpoint_every}
+    config = configs.get(args.config).replace(
+        **{k: v for k, v in overrides.items() if v is not None})
+    if args.fp8 and args.impl != "epilog":
+        parser.error(f"--fp8 is jax-epilog's FP8 and needs --impl epilog (got --impl "
+                     f"{args.impl}); Flax's own FP8 is --impl flax_fp8")
+    summary = train(config, args.impl, fp8=args.fp8, dtype_name=args.dtype,
+                    attention=args.attention, checkpoint_dir=args.checkpoint_dir,
+                    progress=not args.no_progress)
+    summary.pop("state")
+    print(f"tokens/s {summary['tokens_per_s'] or float('nan'):,.0f}, validation loss "
+          f"{summary['validation_loss'][-1][1] if summary['validation_loss'] else 'n/a'}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=1))
+        print(f"wrote {args.out}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""The GPT example (examples/gpt/): the data split, the same model from stock and jax-epilog
+layers, training with a falling loss, bit-for-bit resumption, and the side-by-side benchmark.
+
+On the CPU with the `tiny` config (a few seconds of compilation per model)."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("optax")
+pytest.importorskip("tqdm")
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+from flax import nnx  # noqa: E402
+
+from gpt import configs, data, model, train  # noqa: E402
+
+TINY = configs.get("tiny").replace(n_layers=1)  # one block: compiles in half the time
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return data.load_corpus()
+
+
+def params_of(module):
+    return nnx.state(module, nnx.Param)
+
+
+# --- data ------------------------------------------------------------------------------------
+
+def test_split_is_by_file_deterministic_and_disjoint(corpus):
+    again = data.load_corpus()
+    assert again.train_files == corpus.train_files
+    assert again.validation_files == corpus.validation_files
+    np.testing.assert_array_equal(again.validation, corpus.validation)
+    assert not set(corpus.train_files) & set(corpus.validation_files)
+    assert set(corpus.train_files) | set(corpus.validation_files) == \
+        set(data.source_files(Path(corpus.root)))
+    assert all("site-packages" not in f for f in corpus.train_files)
+    assert 0.01 < len(corpus.validation_files) / len(corpus.train_files) < 0.15
+    # Each split is its files' bytes joined by the separator, nothing else.
+    root = Path(corpus.root)
+    first = (root / corpus.validation_files[0]).read_bytes()
+    assert corpus.validation[:len(first)].tobytes() == first
+    assert corpus.validation[len(first)] == data.FILE_SEPARATOR
+    separators = np.count_nonzero(corpus.validation == data.FILE_SEPARATOR)
+    assert separators >= len(corpus.validation_files) - 1
+
+
+def test_split_follows_a_hash_of_the_path_not_the_file_set(tmp_path):
+    """Adding a file moves no other file between the splits."""
+    for i in range(60):
+        (tmp_path / f"module_{i}.py").write_text(f"x = {i}\n")
+    before = data.load_corpus(tmp_path, validation_percent=20)
+    (tmp_path / "new_module.py").write_text("y = 1\n")
+    after = data.load_corpus(tmp_path, validation_percent=20)
+    assert set(before.validation_files) <= set(after.validation_files)
+    assert set(before.train_files) <= set(after.train_files)
+
+
+def test_batches_are_a_function_of_seed_and_position(corpus):
+    batches = data.Batches(corpus.train, batch_size=3, seq_len=17, seed=5)
+    drawn = [next(batches) for _ in range(4)]
+    resumed = data.Batches(corpus.train, batch_size=3, seq_len=17, seed=5, position=2)
+    for (x, y), (rx, ry) in zip(drawn[2:], [next(resumed), next(resumed)]):
+        np.testing.assert_array_equal(x, rx)
+        np.testing.assert_array_equal(y, ry)
+    x, y = drawn[0]
+    assert x.shape == y.shape == (3, 17) and x.dtype == np.int32
+    np.testing.assert_array_equal(x[:, 1:], y[:, :-1])  # targets are the next bytes
+    assert not np.array_equal(drawn[0][0], drawn[1][0])
+
+
+def test_bad_arguments_name_themselves(tmp_path):
+    with pytest.raises(ValueError, match="validation_percent"):
+        data.load_corpus(validation_percent=0)
+    with pytest.raises(ValueError, match="seq_len"):
+        data.Batches(np.zeros(10, np.uint8), batch_size=1, seq_len=10, seed=0)
+    with pytest.raises(ValueError, match="impl"):
+        model.GPT(TINY.model, impl="torch", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="fp8"):
+        train.build_model(TINY, "stock", fp8=True)
+    with pytest.raises(ValueError, match="n_heads"):
+        model.ModelConfig(d_model=64, n_layers=1, n_heads=5, seq_len=8)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        TINY.replace(steps=4, warmup_steps=5)
+    with pytest.raises(ValueError, match="tokens"):
+        model.GPT(TINY.model, rngs=nnx.Rngs(0))(jnp.zeros((1, TINY.model.seq_len + 1), int))
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tie_head", [True, False])
+def test_every_impl_starts_from_the_same_weights(tie_head):
+    config = dataclasses.replace(TINY, model=dataclasses.replace(TINY.model, tie_head=tie_head))
+    stock = params_of(train.build_model(config, "stock"))
+    for impl, fp8 in [("epilog", False), ("epilog", True), ("flax_fp8", False)]:
+        other = params_of(train.build_model(config, impl, fp8=fp8))
+        assert jax.tree.structure(other) == jax.tree.structure(stock)
+        for a, b in zip(jax.tree.leaves(other), jax.tree.leaves(stock)):
+            np.testing.assert_array_equal(a, b)
+    different_seed = params_of(train.build_model(config.replace(seed=1), "stock"))
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(different_seed),
+                                                        jax.tree.leaves(stock)))
+
+
+@pytest.mark.parametrize("tie_head", [True, False])
+def test_stock_and_epilog_give_the_same_logits_in_float32(tie_head):
+    config = model.ModelConfig(d_model=48, n_layers=1, n_heads=3, seq_len=33,
+                               tie_head=tie_head)
+    logits_and_grads = nnx.jit(lambda m, tokens: (m(tokens), nnx.grad(
+        lambda m: jnp.mean(m(tokens) ** 2))(m)))
+    stock = model.GPT(config, impl="stock", rngs=nnx.Rngs(3))
+    ours = model.GPT(config, impl="epilog", rngs=nnx.Rngs(3))
+    # Trained-looking weights: random, nonzero biases and norm scales.
+    rng = np.random.default_rng(0)
+    weights = jax.tree.map(lambda p: jnp.asarray(
+        p + 0.05 * rng.standard_normal(p.shape), p.dtype), params_of(stock))
+    nnx.update(stock, weights)
+    nnx.update(ours, weights)
+    tokens = jnp.asarray(rng.integers(0, 256, (3, 31)))
+    with jax.default_matmul_precision("highest"):
+        expected, stock_grads = logits_and_grads(stock, tokens)
+        got, our_grads = logits_and_grads(ours, tokens)
+    stock_grads, our_grads = params_of(stock_grads), params_of(our_grads)
+    assert got.shape == (3, 31, 256) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+    for a, b in zip(jax.tree.leaves(our_grads), jax.tree.leaves(stock_grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)
+
+
+def test_the_fp8_variants_carry_their_scaling_state():
+    epilog_fp8 = train.build_model(TINY, "epilog", fp8=True)
+    flax_fp8 = train.build_model(TINY, "flax_fp8")
+    n_projections = 4 * TINY.model.n_layers  # qkv, out, mlp up and down
+    _, _, epilog_state, rest = model.split(epilog_fp8)
+    _, _, flax_state, _ = model.split(flax_fp8)
+    assert len(jax.tree.leaves(epilog_state)) == 2 * n_projections  # input, gradient
+    assert len(jax.tree.leaves(flax_state)) == 6 * n_projections    # 3 scales, 3 histories
+    assert not jax.tree.leaves(rest)
+    assert not jax.tree.leaves(model.split(train.build_model(TINY, "stock"))[2])
+
+
+# --- training ----------------------------------------------------------------------------------
+
+def test_tiny_config_trains_with_a_falling_loss(corpus):
+    config = TINY.replace(steps=24, warmup_steps=4, eval_every=12, log_every=4)
+    summary = train.train(config, "epilog", corpus=corpus, progress=False)
+    losses = [loss for _, loss in summary["train_loss"]]
+    assert losses[-1] < losses[0] - 1.0, losses
+    (_, first), (_, last) = summary["validation_loss"]
+    assert last < first < np.log(256)
+    assert summary["steps"] == [0, 24] and summary["tokens_per_s"] > 0
+    assert summary["memory"] is None or summary["memory"]["temp_size_in_bytes"] > 0
+
+
+@pytest.mark.parametrize("impl, fp8", [("epilog", True)])
+def test_resume_from_a_checkpoint_takes_the_same_steps_bit_for_bit(corpus, tmp_path, impl,
+                                                                     fp8):
+    pytest.importorskip("orbax.checkpoint")
+    config = TINY.replace(steps=5, warmup_steps=2, eval_every=5, log_every=1)
+    straight = train.train(config, impl, fp8=fp8, corpus=corpus, progress=False)
+    stopped = train.train(config, impl, fp8=fp8, corpus=corpus, progress=False,
+                          checkpoint_dir=tmp_path, stop_after=3)
+    resumed = train.train(config, impl, fp8=fp8, corpus=corpus, progress=False,
+                          checkpoint_dir=tmp_path)
+    assert stopped["steps"] == [0, 3] and resumed["resumed_from"] == 3
+    assert resumed["steps"] == [3, 5]
+    assert resumed["train_loss"] == straight["train_loss"][3:]
+    assert resumed["validation_loss"] == straight["validation_loss"]
+    leaves = jax.tree.leaves(straight["state"])
+    assert len(jax.tree.leaves(straight["state"].fp8)) > 0
+    assert jax.tree.structure(resumed["state"]) == jax.tree.structure(straight["state"])
+    for a, b in zip(jax.tree.leaves(resumed["state"]), leaves):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="checkpoint_dir"):
+        train.train(config.replace(learning_rate=1e-3), impl, fp8=fp8, corpus=corpus,
+                    progress=False, checkpoint_dir=tmp_path)
+
+
+def test_train_script_writes_its_summary(tmp_path):
+    out = tmp_path / "run.json"
+    subprocess.run([sys.executable, str(EXAMPLES / "gpt" / "train.py"), "--config", "tiny",
+                    "--layers", "1", "--steps", "3", "--warmup-steps", "1", "--eval-every", "3",
+                    "--no-progress", "--out", str(out)], check=True, timeout=300)
+    summary = json.loads(out.read_text())
+    assert summary["steps"] == [0, 3] and summary["impl"] == "stock"
+    assert summary["versions"]["jax"] == jax.__version__
+    assert len(summary["validation_loss"]) == 1
+
+
+def test_compare_runs_the_four_variants_side_by_side(tmp_path):
+    subprocess.run([sys.executable, str(EXAMPLES / "gpt" / "compare.py"), "--config", "tiny",
+                    "--layers", "1", "--steps", "4", "--eval-every", "2", "--budget-s", "20",
+                    "--out", str(tmp_path)], check=True, timeout=300)
+    report = json.loads((tmp_path / "gpt_compare.json").read_text())
+    variants = report["results"]["tiny"]["variants"]
+    assert list(variants) == ["stock", "flax_fp8", "epilog", "epilog_fp8"]
+    assert len({v["initial_params_sha256"] for v in variants.values()}) == 1
+    for v in variants.values():
+        assert len(v["train_loss"]) == report["results"]["tiny"]["steps"]
+        assert v["careful_harness"]["step_s"] > 0 and v["user_harness"]["step_s"] > 0
+        assert [step for step, _ in v["validation_loss"]][-1] == \
+            report["results"]["tiny"]["steps"]
+    # bf16 and FP8 start from the same weights on the same batches: the first losses agree
+    # to FP8's rounding, the stock and jax-epilog ones closely.
+    first = {name: v["train_loss"][0] for name, v in variants.items()}
+    assert abs(first["epilog"] - first["stock"]) < 1e-4
+    assert abs(first["epilog_fp8"] - first["stock"]) < 0.05
+    assert "| epilog_fp8 |" in (tmp_path / "gpt_compare.md").read_text()
