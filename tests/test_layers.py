@@ -19,7 +19,7 @@ from jax.test_util import check_grads
 
 import jax_epilog
 import numpy_reference
-from jax_epilog import Epilog, cuda_library, layers
+from jax_epilog import Epilog, cuda_library, layers, plan
 
 
 @pytest.fixture(autouse=True)
@@ -551,6 +551,8 @@ def test_plain_expression_where_every_gemm_runs_xla(monkeypatch, xla_gemms, plai
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(cuda_library, "available", lambda: True)
     monkeypatch.setattr(dispatch, "decision", decision)
+    # The layers' choices are under test, not matmul's own for a call whose step runs XLA.
+    monkeypatch.setattr(plan, "plan_matmul_step", lambda *args: plan.Choice("fused", "test"))
     x, params = make_stack(17, (24, 40, 16), lead=(6,))
     fn = jax.grad(loss_of(mlp_fn("relu", None)), (0, 1))
     backends = backends_by_epilog(jax.make_jaxpr(fn)(x, params))
@@ -566,6 +568,8 @@ def test_forced_backends_decide_without_dispatch(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(cuda_library, "available", lambda: True)
     monkeypatch.setattr(dispatch, "decision", lambda *a: pytest.fail("dispatch asked"))
+    # The layers' choices are under test, not matmul's own for a call whose step runs XLA.
+    monkeypatch.setattr(plan, "plan_matmul_step", lambda *args: plan.Choice("fused", "test"))
     x, params = make_stack(18, (24, 40, 16), lead=(6,))
     plain = mlp_fn("relu", None, "unfused", forward="xla")
     assert backends_by_epilog(jax.make_jaxpr(plain)(x, params)) == {}
