@@ -8,6 +8,8 @@ when first used, so `import jax_epilog` never imports Flax). `pack_relu_mask` an
 `unpack_relu_mask` convert between a boolean array and cuBLASLt's packed ReLU mask. `Fp8`
 configures FP8 training in the layers (`fp8=`); `Fp8History` is a layer's delayed-scaling
 state (`fp8_state=`); `quantize` makes an FP8 operand and its scale for `matmul`.
+`explain(fn, *args)` prints how each stack and GEMM of a program runs on CUDA and which rule
+or table entry decided it (`jax_epilog.plan`).
 """
 
 import importlib
@@ -27,6 +29,7 @@ __all__ = [
     "Fp8",
     "Fp8History",
     "dense",
+    "explain",
     "gelu_aux_columns",
     "matmul",
     "mlp",
@@ -42,14 +45,18 @@ _LAZY_SUBMODULES = ("nnx", "linen")
 
 def __getattr__(name):
     """`jax_epilog.nnx` / `jax_epilog.linen` without an import of their own (Flax is loaded
-    on first use, not by `import jax_epilog`)."""
+    on first use, not by `import jax_epilog`); `jax_epilog.explain` likewise (so that
+    `python -m jax_epilog.tune` and `python -m jax_epilog.explanation` run modules not imported
+    yet)."""
     if name in _LAZY_SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name == "explain":
+        return importlib.import_module(f"{__name__}.explanation").explain
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted([*globals(), *_LAZY_SUBMODULES])
+    return sorted([*globals(), *_LAZY_SUBMODULES, "explain"])
 
 
 def _install_hint(extra: str) -> str:

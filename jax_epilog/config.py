@@ -1,9 +1,6 @@
-"""Every `JAX_EPILOG_*` setting: its variable, default, meaning and parser, in one place.
-
-The environment is read here and nowhere else (the C++ library gets its values through the
-setters `cuda_library` calls when it loads), when a value is needed, so a variable set before
-the first call, or changed by a test, is honoured. The README's settings table lists `SETTINGS`
-(a test checks that it does).
+"""The settings from Python: every `JAX_EPILOG_*` setting (parsed in `settings`, re-exported
+here), and the setters that change one for this process, the processes it starts and the loaded
+C++ library (which gets its values through the setters `cuda_library` calls when it loads).
 
     from jax_epilog import config
     config.set_autotune(False)    # or JAX_EPILOG_AUTOTUNE=0 in the environment
@@ -11,179 +8,30 @@ the first call, or changed by a test, is honoured. The README's settings table l
 
 from __future__ import annotations
 
-import contextlib
-import os
-from pathlib import Path
-from typing import Callable, NamedTuple, Optional
-
-
-class Setting(NamedTuple):
-    variable: str
-    default: str  # as written in the README
-    meaning: str
-
-
-SETTINGS = (
-    Setting("JAX_EPILOG_AUTOTUNE", "1",
-            "`1`: time cuBLASLt's top candidates (up to 8) the first time a problem runs and keep "
-            "the fastest (on the H200: G3 forward 1.21x, 3-250 ms once per problem); `0`: take "
-            "the heuristic's first. Applies to problems not planned yet."),
-    Setting("JAX_EPILOG_AUTOTUNE_CACHE", "`~/.cache/jax_epilog/autotune.txt`",
-            "The file of tuned algorithms shared by the processes of the machine, keyed by GPU, "
-            "cuBLASLt version and problem; set but empty: no file."),
-    Setting("JAX_EPILOG_AUTOTUNE_LOG", "0",
-            "`1`: print each tuning (candidate times, choice), and why a problem was left "
-            "untuned, to stderr."),
-    Setting("JAX_EPILOG_PLAN_CACHE_SIZE", "4096",
-            "Most cuBLASLt plans kept per process; the least recently used is dropped first."),
-    Setting("JAX_EPILOG_WORKSPACE_BYTES", "33554432",
-            "cuBLASLt's workspace per call (an XLA temporary; 32 MiB is cuBLASLt's advice for "
-            "Hopper). Read when a call is lowered."),
-    Setting("JAX_EPILOG_PAD_UNALIGNED", "1",
-            "`1`: zero-pad a K or N that is not a multiple of 16 bytes before the kernel (as XLA "
-            "does for its GEMMs); `0`: call the kernel on the unaligned problem."),
-    Setting("JAX_EPILOG_BACKEND", "auto",
-            "Overrides the `auto` choice between the cuBLASLt kernel and XLA's lowering of the "
-            "same computation: `cublaslt` or `xla` for every call that did not choose itself."),
-    Setting("JAX_EPILOG_DECISIONS", "`~/.cache/jax_epilog/decisions.json`",
-            "The table `python -m jax_epilog.tune` writes and `auto` reads before the shipped "
-            "one; set but empty: none."),
-    Setting("JAX_EPILOG_DISABLE_CUDA", "0",
-            "`1`: never load the C++ library; CUDA calls run XLA's lowering of the reference "
-            "(with a warning)."),
-)
-_DEFAULTS = {s.variable: s.default for s in SETTINGS}
-BACKENDS = ("auto", "cublaslt", "xla")
-
-# Kept for callers of the earlier API.
-AUTOTUNE_ENV = "JAX_EPILOG_AUTOTUNE"
-AUTOTUNE_CACHE_ENV = "JAX_EPILOG_AUTOTUNE_CACHE"
-AUTOTUNE_DEFAULT = _DEFAULTS["JAX_EPILOG_AUTOTUNE"] == "1"
-
-
-def _raw(variable: str) -> Optional[str]:
-    assert variable in _DEFAULTS, variable  # every variable is listed in SETTINGS
-    return os.environ.get(variable)
-
-
-def _flag(variable: str) -> bool:
-    """"1" on, "0" off, anything else (unset included) the default."""
-    return {"1": True, "0": False}.get(_raw(variable) or "", _DEFAULTS[variable] == "1")
-
-
-def _positive_int(variable: str, default: int, minimum: int) -> int:
-    value = _raw(variable)
-    if value is None or value == "":
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        number = minimum - 1
-    if number < minimum:
-        raise ValueError(f"{variable}={value!r}: expected an integer >= {minimum}")
-    return number
-
-
-def _cache_file(variable: str, name: str) -> Optional[Path]:
-    """$variable (set but empty: None), else ~/.cache/jax_epilog/<name> (no HOME: None)."""
-    path = _raw(variable)
-    if path is not None:
-        return Path(path) if path else None
-    home = os.environ.get("HOME")
-    return Path(home) / ".cache" / "jax_epilog" / name if home else None
-
-
-# --- the settings -----------------------------------------------------------------------------
-
-def autotune() -> bool:
-    """Whether new problems are autotuned (JAX_EPILOG_AUTOTUNE)."""
-    return _flag("JAX_EPILOG_AUTOTUNE")
+from . import cuda_library
+from .settings import (AUTOTUNE_CACHE_ENV, AUTOTUNE_DEFAULT, AUTOTUNE_ENV,  # noqa: F401
+                       BACKENDS, SETTINGS, Setting, autotune, autotune_cache_path, autotune_log,
+                       backend_forced, backend_override, cuda_disabled, decisions_path,
+                       pad_unaligned, plan_cache_capacity, set_variable, workspace_bytes)
 
 
 def autotune_enabled() -> bool:
     """The library's answer where it is loaded, else what it will be told: `autotune()`."""
-    from . import cuda_library  # the library imports this module
     enabled = cuda_library.autotune_enabled()
     return autotune() if enabled is None else enabled
-
-
-def autotune_log() -> bool:
-    return _flag("JAX_EPILOG_AUTOTUNE_LOG")
-
-
-def autotune_cache_path() -> Optional[Path]:
-    """The file of tuned algorithms (JAX_EPILOG_AUTOTUNE_CACHE)."""
-    return _cache_file("JAX_EPILOG_AUTOTUNE_CACHE", "autotune.txt")
-
-
-def decisions_path() -> Optional[Path]:
-    """The user's measured table of backend choices (JAX_EPILOG_DECISIONS)."""
-    return _cache_file("JAX_EPILOG_DECISIONS", "decisions.json")
-
-
-def plan_cache_capacity() -> int:
-    return _positive_int("JAX_EPILOG_PLAN_CACHE_SIZE", 4096, minimum=1)
-
-
-def workspace_bytes() -> int:
-    return _positive_int("JAX_EPILOG_WORKSPACE_BYTES", 32 * 1024 * 1024, minimum=0)
-
-
-def pad_unaligned() -> bool:
-    return _flag("JAX_EPILOG_PAD_UNALIGNED")
-
-
-def cuda_disabled() -> bool:
-    return _flag("JAX_EPILOG_DISABLE_CUDA")
-
-
-def backend_override() -> Optional[str]:
-    """`cublaslt` / `xla` from JAX_EPILOG_BACKEND, or None (unset or `auto`)."""
-    value = (_raw("JAX_EPILOG_BACKEND") or "auto").strip().lower()
-    if value not in BACKENDS:
-        raise ValueError(f"JAX_EPILOG_BACKEND={value!r}: expected one of {', '.join(BACKENDS)}")
-    return None if value == "auto" else value
-
-
-@contextlib.contextmanager
-def backend_forced(backend: str):
-    """Within the block, JAX_EPILOG_BACKEND is `backend` (e.g. for tracing the epilog path as
-    `python -m jax_epilog.tune` does, whatever the tables say)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    previous = os.environ.get("JAX_EPILOG_BACKEND")
-    os.environ["JAX_EPILOG_BACKEND"] = backend
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["JAX_EPILOG_BACKEND"]
-        else:
-            os.environ["JAX_EPILOG_BACKEND"] = previous
-
-
-# --- setters: this process, the processes it starts, and the loaded library --------------------
-
-def _set(variable: str, value: str, push: Callable[[], None]) -> None:
-    # The environment reaches child processes and a library loaded later; `push` reaches one
-    # already loaded.
-    os.environ[variable] = value
-    push()
 
 
 def set_autotune(enabled: bool) -> None:
     """Turn autotuning on or off for problems not planned yet."""
     if not isinstance(enabled, bool):
         raise TypeError(f"enabled: expected a bool, got {type(enabled).__name__} {enabled!r}")
-    from . import cuda_library
-    _set("JAX_EPILOG_AUTOTUNE", "1" if enabled else "0",
-         lambda: cuda_library.set_autotune(enabled))
+    set_variable("JAX_EPILOG_AUTOTUNE", "1" if enabled else "0")
+    cuda_library.set_autotune(enabled)
 
 
 def set_plan_cache_capacity(plans: int) -> None:
     """Keep at most `plans` cuBLASLt plans in this process (least recently used dropped)."""
     if isinstance(plans, bool) or not isinstance(plans, int) or plans < 1:
         raise ValueError(f"plans: expected an int >= 1, got {plans!r}")
-    from . import cuda_library
-    _set("JAX_EPILOG_PLAN_CACHE_SIZE", str(plans),
-         lambda: cuda_library.set_plan_cache_capacity(plans))
+    set_variable("JAX_EPILOG_PLAN_CACHE_SIZE", str(plans))
+    cuda_library.set_plan_cache_capacity(plans)

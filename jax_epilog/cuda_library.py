@@ -7,8 +7,9 @@ importing jax_epilog on a machine without a driver, or without the wheels, just 
 path unavailable (the reason is kept for the error or warning that needs it).
 
 The library reads no environment variable: right after loading it, its settings (autotuning, its
-log, the autotune file, the plan cache's capacity) are set from `jax_epilog.config`, which parses
-them, and config's setters reach the loaded library through the wrappers here.
+log, the autotune file, the plan cache's capacity) are set from `jax_epilog.settings`, which
+parses them, and `jax_epilog.config`'s setters reach the loaded library through the wrappers
+here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Optional
 
 import jax
+
+from . import settings
 
 TARGET_NAME = "jax_epilog_matmul"
 # Calls with a C matrix (SPEC §6): the same handler, c, alpha and beta as its last operands.
@@ -67,12 +70,10 @@ class _Library:
     """The loaded library, or why it could not be loaded."""
 
     def __init__(self):
-        from . import config  # here: config's setters call back into this module
-
         self.handle: Optional[ctypes.CDLL] = None
         self.error: Optional[str] = None
         path = Path(__file__).with_name(_LIBRARY_FILE)
-        if config.cuda_disabled():
+        if settings.cuda_disabled():
             self.error = "disabled by JAX_EPILOG_DISABLE_CUDA"
             return
         if not path.exists():
@@ -102,16 +103,14 @@ class _Library:
         for name, restype, argtypes in _CONTROLS:
             getattr(lib, name).restype = restype
             getattr(lib, name).argtypes = argtypes
-        lib.jax_epilog_set_autotune(int(config.autotune()))
-        lib.jax_epilog_set_plan_cache_capacity(config.plan_cache_capacity())
+        lib.jax_epilog_set_autotune(int(settings.autotune()))
+        lib.jax_epilog_set_plan_cache_capacity(settings.plan_cache_capacity())
         self.apply_file_settings()
 
     def apply_file_settings(self) -> None:
-        """The autotune file and log, as config gives them now (read again on every clear)."""
-        from . import config
-
-        self.handle.jax_epilog_set_autotune_log(int(config.autotune_log()))
-        self.handle.jax_epilog_set_autotune_cache_path(_path_bytes(config.autotune_cache_path()))
+        """The autotune file and log, as the settings give them now (read again on every clear)."""
+        self.handle.jax_epilog_set_autotune_log(int(settings.autotune_log()))
+        self.handle.jax_epilog_set_autotune_cache_path(_path_bytes(settings.autotune_cache_path()))
 
     def register(self) -> None:
         for target, execute in ((TARGET_NAME, "JaxEpilogMatmul"),

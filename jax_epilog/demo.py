@@ -10,7 +10,7 @@ so their ratio only shows that the reference lowering costs nothing extra, withi
 of repeated timings that is printed beside it.
 
 Needs the demo extra: `pip install ".[demo]"` in a checkout (`pip install "jax-epilog[demo]"`
-from a package index). The command line is `jax_epilog.__main__`'s.
+from a package index). The command line is `jax_epilog.demo_cli`'s.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ except ImportError as error:
 
 from . import cuda_library
 from . import nnx as fused_nnx
-from .__main__ import parse_args
+from .demo_cli import parse_args
 
 
 class Digits(NamedTuple):

@@ -367,18 +367,19 @@ def shipped_table_path(device: str) -> Path:
     return TABLES_DIR / f"{slug(device)}.json"
 
 
-def _sources(user_path: Optional[Path]) -> tuple[tuple[str, Optional[Table]], ...]:
-    """(source, this GPU's section) in the order they decide: what tune is measuring right now,
-    the user's table, the shipped one."""
-    device, version = device_identity()
+def _sources(user_path: Optional[Path],
+             identity: tuple) -> tuple[tuple[str, Optional[Table]], ...]:
+    """(source, the GPU's section) in the order they decide: what tune is measuring right now,
+    the user's table, the shipped one; `identity`: (GPU model, cuBLASLt version)."""
+    device, version = identity
     user = _section(load_tables(user_path), device, version) if user_path else None
     shipped = _section(load_tables(shipped_table_path(device)), device, version) \
         if device else None
     return (("measuring", _measuring), ("user", user), ("shipped", shipped))
 
 
-def _decide(problem: tuple, user_path: Optional[Path]) -> Decision:
-    sources = _sources(user_path)
+def _decide(problem: tuple, user_path: Optional[Path], identity: tuple) -> Decision:
+    sources = _sources(user_path, identity)
     for source, table in sources:
         close = nearby(table, problem)
         if close:
@@ -396,19 +397,20 @@ def _decide(problem: tuple, user_path: Optional[Path]) -> Decision:
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_decision(problem: tuple, user_path: Optional[Path]) -> Decision:
-    return _decide(problem, user_path)
+def _cached_decision(problem: tuple, user_path: Optional[Path], identity: tuple) -> Decision:
+    return _decide(problem, user_path, identity)
 
 
 def decision(epilog, dtype, batch: int, m: int, n: int, k: int, transpose_a: bool,
-             transpose_b: bool) -> Decision:
-    """`choose`'s answer with where it came from (for reports and debugging)."""
+             transpose_b: bool, identity: Optional[tuple] = None) -> Decision:
+    """`choose`'s answer with where it came from (for reports and debugging); `identity`:
+    (GPU model, cuBLASLt version) whose tables decide, this host's first GPU by default."""
     override = config.backend_override()
     if override is not None:
         return Decision(override, "override")
     problem = (as_epilog(epilog).name, jnp.dtype(dtype).name, bool(transpose_a),
                bool(transpose_b), int(batch) * int(m), int(n), int(k))
-    return _cached_decision(problem, config.decisions_path())
+    return _cached_decision(problem, config.decisions_path(), identity or device_identity())
 
 
 def choose(epilog: Epilog, dtype, batch: int, m: int, n: int, k: int, transpose_a: bool,
@@ -419,22 +421,23 @@ def choose(epilog: Epilog, dtype, batch: int, m: int, n: int, k: int, transpose_
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_stack_decision(key: StackKey, user_path: Optional[Path]) -> Optional[Decision]:
-    for source, table in _sources(user_path):
+def _cached_stack_decision(key: StackKey, user_path: Optional[Path],
+                           identity: tuple) -> Optional[Decision]:
+    for source, table in _sources(user_path, identity):
         close = nearby_stacks(table, key)
         if close:
             return Decision(close[0].choice, source, close[0])
     return None
 
 
-def stack_decision(key: StackKey) -> Optional[Decision]:
+def stack_decision(key: StackKey, identity: Optional[tuple] = None) -> Optional[Decision]:
     """"fused" or "plain" for a whole `dense`/`mlp` stack left to "auto", from the nearest
     measured stack entry; None where there is none nearby, under the override
     (``JAX_EPILOG_BACKEND``), or while tune measures stacks (each candidate is timed as
     itself): the layers then fall back to the per-GEMM rule."""
     if config.backend_override() is not None or _measuring_stacks:
         return None
-    return _cached_stack_decision(key, config.decisions_path())
+    return _cached_stack_decision(key, config.decisions_path(), identity or device_identity())
 
 
 # While tune times the stacks: the GEMM entries it has just measured decide first (as they will

@@ -2,9 +2,9 @@
 
 `Epilog` mirrors `cublasLtEpilogue_t` (and nvmath-python's `MatmulEpilog`) value for value.
 Every other module learns about an epilog from `TABLE` (through `Epilog`'s properties):
-abstract evaluation, the reference, the VJP, padding, sharding and the argument checks. To add
+abstract evaluation, the reference, padding, sharding and the argument checks. To add
 an input or output to an epilog, change its row here (and `ARRAYS` for a new kind of array),
-and the C++ table in `ffi/epilogs.h`; nothing else restates it (docs/architecture.md).
+and the C++ table in `ffi/epilogs.h`; docs/architecture.md lists what restates parts of it.
 """
 
 from __future__ import annotations

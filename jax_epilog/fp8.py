@@ -19,22 +19,23 @@ writes from amax histories instead. One `jax.custom_vjp` covers the whole stack,
   in FP8 and its scale, the 1-bit ReLU mask (the GELU pre-activation); never a 16/32-bit copy
   of an FP8 layer's input, which is where FP8 saves memory. Under `backward="auto"` a ReLU
   layer followed by an FP8 layer keeps no mask: the next layer's `h8 > 0` is its derivative
-  (`relu_from_next_input`).
+  (`plan.relu_from_next_input`).
 - Backward: dZ is quantized to the gradient format (e5m2), its amax one XLA reduction fused
   with the cast (and, for the last layer, with its bias gradient: a sum of dZ, FP8 GEMMs have
   no BGRADB). dW = h8ᵀ dZ8 (e4m3 × e5m2) and dZ_{i-1} = dZ8 W8ᵀ with DRELU_BGRAD /
   DGELU_BGRAD for the previous layer (e5m2 × e4m3), which also gives its bias gradient, both
   with results in the compute dtype. Under `backward="auto"` that GEMM runs XLA's way
-  (`gemm_backend`: measured faster on the H200 than cuBLASLt's FP8 DRELU_BGRAD), or, for a
-  ReLU whose derivative comes from h8 (`relu_from_next_input`), is a plain FP8 GEMM followed
-  by XLA fusions.
+  (`plan.fp8_gemm_backend`: measured faster on the H200 than cuBLASLt's FP8 DRELU_BGRAD), or,
+  for a ReLU whose derivative comes from h8 (`plan.relu_from_next_input`), is a plain FP8 GEMM
+  followed by XLA fusions.
 - Compute dtype float32: cuBLASLt 13.1 has no FP8 kernel with a float32 result for any epilog
   but DEFAULT and DRELU (no bias, no BGRAD). Those layers keep FP8, and under "auto" their
-  other GEMMs run XLA's way (XLA's FP8 GEMM to float32, the epilog as fusions; `gemm_backend`)
-  instead of the reference fallback. The default, bf16 compute, runs every GEMM as a kernel.
+  other GEMMs run XLA's way (XLA's FP8 GEMM to float32, the epilog as fusions;
+  `plan.fp8_gemm_backend`) instead of the reference fallback. The default, bf16 compute, runs
+  every GEMM as a kernel.
 
 Which layers run FP8: `Fp8(layers="all")` every one; `"auto"` (what `fp8=True` means) only
-those whose GEMM is large enough for FP8 to pay for its quantization passes (`fp8_pays`),
+those whose GEMM is large enough for FP8 to pay for its quantization passes (`plan.fp8_pays`),
 decided from the shapes alone, so every platform computes the same thing. The other layers
 are the bf16 (compute dtype) layers of `layers.py`, inside the same custom VJP.
 
@@ -46,14 +47,18 @@ K≈96 on random data; integer-valued data is exact), and since every scale come
 amax of the previous layer's result, such a difference can move later FP8 roundings by a
 quantum: compare GPU and CPU per GEMM or on data whose quantization is exact.
 
+Every choice above (which layers, where each FP8 tensor comes from, each GEMM's epilog and
+backend) is made by `plan.plan_stack`; this module carries the plan out
+(`jax_epilog.explain` prints it).
+
 Delayed scaling (`Fp8(scaling="delayed")`, the state `fp8_state=`, one `Fp8History` of amax
 histories per layer, whose gradient is its next value): a scale known before the GEMM lets
 the GEMM write the FP8 tensor and its amax itself (cuBLASLt's FP8 result with `result_amax`),
 so the 16-bit tensor, its amax pass and its cast pass never exist. That is done where cuBLASLt
 has the kernel and the math allows it: a forward GEMM followed by an FP8 layer writes that
-layer's e4m3 input (`writes_fp8_result`), and the data-gradient GEMM below an FP8 ReLU layer
+layer's e4m3 input (`plan.writes_fp8_result`), and the data-gradient GEMM below an FP8 ReLU layer
 writes its e5m2 gradient, ReLU's derivative then applied to the FP8 bits
-(`writes_fp8_gradient`). Every other tensor keeps current scaling, its amax recorded in the
+(`plan.writes_fp8_gradient`). Every other tensor keeps current scaling, its amax recorded in the
 state all the same.
 """
 
@@ -68,26 +73,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from . import config, layers, manual_axes
+from . import layer_gemms, manual_axes
 from .epilogs import FP8_DTYPES, Epilog
+from .layer_gemms import LAYER_INPUT_NAME, layer_forward
 from .matmul import activation_gradient, data_gradient, matmul, weight_gradient
+from .plan import (FLOAT32_KERNEL_EPILOGS, FP8_ALIGNMENT, FP8_MIN_FLOPS,  # noqa: F401
+                   FP8_RESULT_EPILOGS, Layer, StackPlan, fp8_pays, quantized_layers,
+                   weight_grad_gives_bias_grad)
 from .reference import saturating_cast
 
-#: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`.
-#: Measured on the H200 (benchmarks/README.md, XLA's FP8 step): M1's 65536×4096×4096 layers (2.2e12)
-#: gain 1.46×, M2's 16384×1024×1024 layers (3.4e10) lose (0.72×). The crossover between them
-#: is what `benchmarks/fp8_bench.py --sweep` measures; until then this sits conservatively
-#: near M1's size.
-FP8_MIN_FLOPS = 2**40
-#: FP8 GEMMs want K and N in multiples of 16 elements; others would be padded (a copy) first.
-FP8_ALIGNMENT = 16
 LAYER_CHOICES = ("auto", "all")
 SCALING_CHOICES = ("current", "delayed")
-#: The epilogs whose FP8 GEMM cuBLASLt 13.1 can write as e4m3 with its amax (measured on the
-#: H200, docs/fp8.md's kernel table): under delayed scaling such a layer writes the next
-#: layer's FP8 input itself.
-FP8_RESULT_EPILOGS = frozenset({Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS,
-                                Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,9 +182,9 @@ class Fp8:
                                                   self.fast_accumulation == "forward")
 
     def quantized_layers(self, rows: int, widths) -> tuple[bool, ...]:
-        """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8."""
-        return tuple(self.layers == "all" or fp8_pays(rows, k, n)
-                     for k, n in zip(widths, widths[1:]))
+        """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8
+        (`plan.quantized_layers` says why)."""
+        return tuple(c.choice == "fp8" for c in quantized_layers(self, rows, widths))
 
 
 def _check_margin(margin) -> None:
@@ -230,15 +226,6 @@ def as_fp8(fp8) -> Optional[Fp8]:
         return fp8
     raise TypeError(f"fp8: expected None, a bool or jax_epilog.Fp8(...), got "
                     f"{type(fp8).__name__} {fp8!r}")
-
-
-def fp8_pays(rows: int, k: int, n: int) -> bool:
-    """Whether `Fp8(layers="auto")` runs a layer `(rows, k) @ (k, n)` in FP8: its GEMM has at
-    least `FP8_MIN_FLOPS` FLOPs, and K and N are multiples of 16 (no padding copy). Below
-    that, the amax and cast passes over the activations cost more than the faster FP8 GEMMs
-    save (the single place this is decided)."""
-    aligned = k % FP8_ALIGNMENT == 0 and n % FP8_ALIGNMENT == 0
-    return aligned and 2 * rows * k * n >= FP8_MIN_FLOPS
 
 
 class Fp8History(NamedTuple):
@@ -334,55 +321,18 @@ def record(history, x_amax):
     return jnp.concatenate([jnp.reshape(x_amax, (1,)).astype(history.dtype), history[:-1]])
 
 
-#: The epilogs cuBLASLt 13.1 runs with FP8 operands and a float32 result (measured on the
-#: H200: no kernel with a bias, a bias gradient or an activation's auxiliary output).
-FLOAT32_KERNEL_EPILOGS = frozenset({Epilog.DEFAULT, Epilog.DRELU})
-
-
-def gemm_backend(requested: str, epilog: Epilog, result_dtype) -> str:
-    """The backend of one FP8 GEMM of the layers, given the stack's `forward`/`backward`.
-
-    Only "auto" is changed (an explicit backend runs as asked), to XLA's FP8 GEMM and fusions
-    (or JAX_EPILOG_BACKEND, which replaces every automatic choice) where:
-
-    - the result is float32 and cuBLASLt has no FP8 kernel for the epilog
-      (`FLOAT32_KERNEL_EPILOGS`): XLA's FP8 GEMM to float32 rather than the reference fallback;
-    - the GEMM applies an activation's derivative (`data_grad_backend`).
-    """
-    if requested == "auto" and jnp.dtype(result_dtype) == jnp.float32 and \
-            epilog not in FLOAT32_KERNEL_EPILOGS:
-        return config.backend_override() or "xla"
-    return data_grad_backend(requested, epilog)
-
-
-def data_grad_backend(backward: str, epilog: Epilog) -> str:
-    """The backend of an FP8 data-gradient GEMM under the stack's `backward` backend.
-
-    Under "auto", a GEMM that applies an activation's derivative (DRELU_BGRAD and friends)
-    runs XLA's way: XLA's FP8 GEMM, then the derivative, the bias gradient and the amax as
-    fusions. On the H200 cuBLASLt's FP8 DRELU_BGRAD ran at 672 TFLOP/s on G1 where its plain
-    FP8 GEMM ran at 1283 and XLA's at 1234 (benchmarks/README.md): ~1.5 ms lost per M1 layer against
-    ~0.5 ms of elementwise passes. `backward="fused"` keeps the kernel (fp8_bench's
-    ours_fp8_fused row measures both), and so does JAX_EPILOG_BACKEND=cublaslt, which
-    replaces every automatic choice.
-    """
-    if backward == "auto" and epilog.derivative:
-        return config.backend_override() or "xla"
-    return backward
-
-
 def _matmul8(a8, sa, b8, sb, dtype, backend, fast: bool, *, epilog=Epilog.DEFAULT,
              inputs=None, result_scale=None, **transposes):
-    """(y in `dtype`, aux dict) of one FP8 GEMM, `(sa·a8) @ (sb·b8)` with `epilog`, on
-    `gemm_backend(backend, ...)`, with fast accumulation if `fast`. With `result_scale` (the
-    quantization multiplier of an FP8 `dtype`), y is FP8 and `aux["result_amax"]` its amax:
-    cuBLASLt gives an amax only with an FP8 result (docs/fp8.md); a 16/32-bit y's amax is the
-    caller's XLA reduction."""
+    """(y in `dtype`, aux dict) of one FP8 GEMM, `(sa·a8) @ (sb·b8)` with `epilog`, asking
+    `matmul` for `backend` (the plan's `requested`), with fast accumulation if `fast`. With
+    `result_scale` (the quantization multiplier of an FP8 `dtype`), y is FP8 and
+    `aux["result_amax"]` its amax: cuBLASLt gives an amax only with an FP8 result
+    (docs/fp8.md); a 16/32-bit y's amax is the caller's XLA reduction."""
     scales = {"a": sa, "b": sb}
     if result_scale is not None:
         scales["d"] = result_scale
     out = matmul(a8, b8, epilog=epilog, epilog_inputs=inputs,
-                 backend=gemm_backend(backend, epilog, dtype),
+                 backend=backend,
                  quantization_scales=scales, preferred_element_type=dtype,
                  result_amax=result_scale is not None, fast_accumulation=fast, **transposes)
     return out if isinstance(out, tuple) else (out, {})
@@ -417,15 +367,6 @@ def _barrier(*arrays):
 
 # --- the custom VJP over a stack --------------------------------------------------------------
 
-class Plan(NamedTuple):
-    """Static description of an FP8 stack (hashable: the custom_vjp's non-differentiable
-    argument): the bf16 stack, the config, and which layers run FP8."""
-
-    stack: layers.Stack
-    fp8: Fp8
-    quantized: tuple[bool, ...]
-
-
 class Saved(NamedTuple):
     """What the backward keeps of one layer: its input (`(M, K)`, FP8 with `input_scale`, or
     in the compute dtype with None), its kernel (likewise, `(K, N)`), its activation's
@@ -439,44 +380,17 @@ class Saved(NamedTuple):
     input_amax: Any = None
 
 
-def relu_from_next_input(plan: Plan, i: int) -> bool:
-    """Whether layer i's ReLU derivative is taken from the next layer's FP8 input, `h8 > 0`
-    (`h8 = Q(relu(z))`, which that layer keeps anyway), so that layer i keeps no mask and its
-    forward GEMM has no aux output (RELU_BIAS, not RELU_AUX_BIAS). The one rule: a ReLU layer
-    followed by an FP8 layer, under `backward="auto"` (whose data gradients through ReLU then
-    are plain FP8 GEMMs and XLA fusions); an explicit backend keeps the packed mask (
-    `"fused"`: cuBLASLt's DRELU_BGRAD reads it; `"unfused"`: XLA's FP8 GEMM then the mask's
-    derivative, the path "auto" took before). The derivative differs from the mask's only
-    where z > 0 quantizes to 0 (`q(h)·z` under 2**-10, half e4m3's smallest subnormal: about
-    2**-19 of h's amax) and at z = ±0 (and NaN): 0 there, `jax.nn.relu`'s own convention at 0,
-    where cuBLASLt's mask bit passes the gradient."""
-    stack, _, quantized = plan
-    return stack.layers[i].activation == "relu" and i + 1 < len(quantized) and \
-        quantized[i + 1] and stack.backward == "auto"
-
-
-def writes_fp8_result(plan: Plan, i: int, dtype) -> bool:
-    """Whether layer i's forward GEMM writes the next layer's FP8 input (and its amax) itself,
-    so that input needs no cast and no amax pass: under delayed scaling (the scale is known
-    before the GEMM), a next layer in FP8, an epilog cuBLASLt has an e4m3 result for
-    (`FP8_RESULT_EPILOGS`), and bfloat16 compute (an FP8 result's bias and aux are bfloat16,
-    SPEC §5)."""
-    stack, fp8, quantized = plan
-    layer = stack.layers[i]
-    epilog = Epilog.find(layer.activation, layer.has_bias, False)
-    return fp8.delayed and i + 1 < len(quantized) and quantized[i] and quantized[i + 1] and \
-        jnp.dtype(dtype) == jnp.bfloat16 and epilog in FP8_RESULT_EPILOGS
-
-
-def _forward(plan: Plan, x, params, state, keep_residuals: bool):
-    stack, fp8, quantized = plan
+def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
+    stack, fp8 = planned.stack, planned.fp8
+    mode = "step" if keep_residuals else "forward"
     h, saved = x, []
     h8 = None  # the current layer's FP8 input (scale, amax), when the layer before wrote it
     for i, (layer, (kernel, bias)) in enumerate(zip(stack.layers, params)):
-        keep = keep_residuals and not relu_from_next_input(plan, i)
-        if not quantized[i]:
-            layer_input = checkpoint_name(h, layers.LAYER_INPUT_NAME)
-            h, residual = layers._layer_forward(stack, layer, h, kernel, bias, keep)
+        own = planned.layers[i]
+        keep = keep_residuals and not own.relu_from_next_input
+        if not own.fp8:
+            layer_input = checkpoint_name(h, LAYER_INPUT_NAME)
+            h, residual = layer_forward(stack, layer, h, kernel, bias, keep)
             saved.append(Saved(layer_input, None, kernel, None, residual))
             continue
         if h8 is not None:
@@ -487,22 +401,21 @@ def _forward(plan: Plan, x, params, state, keep_residuals: bool):
                 fp8.amax_reduction_axes)
         w8, w_scale, _ = quantize_scaled(kernel, fp8.forward, fp8.margin,
                                          amax_axes=fp8.amax_reduction_axes)
-        epilog = Epilog.find(layer.activation, layer.has_bias, keep)
-        fp8_result = writes_fp8_result(plan, i, x.dtype)
+        gemm = planned.gemm(i, "forward", mode)
+        epilog, fp8_result = gemm.epilog, own.writes_fp8_result
         q_next = multiplier(jnp.max(state[i + 1].input), fp8.forward, fp8.margin) \
             if fp8_result else None
         out, aux = _matmul8(h8, h_scale, w8, w_scale, fp8.forward if fp8_result else x.dtype,
-                            stack.forward, fp8.fast("forward"), epilog=epilog,
+                            gemm.requested, fp8.fast("forward"), epilog=epilog,
                             inputs={"bias": bias} if layer.has_bias else None,
                             result_scale=q_next)
         residual = aux.get(epilog.aux_output) if epilog.aux_output else None
         if residual is not None:
-            residual = checkpoint_name(residual, layers.RELU_MASK_NAME if layer.activation ==
-                                       "relu" else layers.GELU_PRE_ACTIVATION_NAME)
+            residual = checkpoint_name(residual, layer_gemms.residual_name(layer.activation))
         # Kept as h8 (M, K), as the forward GEMM read it: the previous layer's ReLU derivative
         # reads it elementwise (`relu_from_next_input`); the weight gradient's K-major h8ᵀ is
         # made in the backward, from this one byte per element.
-        saved.append(Saved(checkpoint_name(h8, layers.LAYER_INPUT_NAME), h_scale, w8,
+        saved.append(Saved(checkpoint_name(h8, LAYER_INPUT_NAME), h_scale, w8,
                            w_scale, residual, h_amax))
         if fp8_result:
             h, h8 = None, (out, 1.0 / q_next,
@@ -513,28 +426,18 @@ def _forward(plan: Plan, x, params, state, keep_residuals: bool):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_stack(plan: Plan, x, params, state):
-    return _forward(plan, x, params, state, keep_residuals=False)[0]
+def _fp8_stack(planned: StackPlan, x, params, state):
+    return _forward(planned, x, params, state, keep_residuals=False)[0]
 
 
-def _fp8_stack_fwd(plan: Plan, x, params, state):
-    y, saved = _forward(plan, x, params, state, keep_residuals=True)
+def _fp8_stack_fwd(planned: StackPlan, x, params, state):
+    y, saved = _forward(planned, x, params, state, keep_residuals=True)
     return y, (saved, state)
 
 
-def writes_fp8_gradient(plan: Plan, i: int) -> bool:
-    """Whether the data-gradient GEMM of layer i + 1 writes layer i's FP8 gradient dZ8 (and
-    its amax) itself, so the 16-bit data gradient never exists: under delayed scaling (the
-    scale known before the GEMM), for a ReLU whose derivative comes from the next layer's
-    input (`relu_from_next_input`: a 0/1 mask, which commutes with the quantization, applied
-    to the FP8 bits), layer i in FP8. The amax is the GEMM's, before the mask: an upper bound
-    of dZ's."""
-    return plan.fp8.delayed and plan.quantized[i] and relu_from_next_input(plan, i)
-
-
-def _fp8_stack_bwd(plan: Plan, residuals, dy):
+def _fp8_stack_bwd(planned: StackPlan, residuals, dy):
     saved, state = residuals
-    stack, fp8, quantized = plan
+    stack, fp8 = planned.stack, planned.fp8
     stack_layers = stack.layers
     fast = fp8.fast("gradient")
     dz = activation_gradient(dy, saved[-1].residual, stack_layers[-1].activation)
@@ -546,15 +449,17 @@ def _fp8_stack_bwd(plan: Plan, residuals, dy):
         s = saved[i]
         previous = stack_layers[i - 1] if i else None
         previous_residual = saved[i - 1].residual if i else None
-        need_bias_grad = layers._weight_grad_gives_bias_grad(stack_layers, i)
-        if not quantized[i]:
+        need_bias_grad = weight_grad_gives_bias_grad(stack_layers, i)
+        if not planned.layers[i].fp8:
             dkernel, own_dbias = weight_gradient(s.input, dz, bias_gradient=need_bias_grad,
                                                  **gemm)
-            below = previous or layers.Layer(None, False)
+            below = previous or Layer(None, False)
             dz, next_dbias = data_gradient(dz, s.kernel, activation=below.activation,
                                            has_bias=below.has_bias, residual=previous_residual,
                                            **gemm)
         else:
+            below_plan = planned.layers[i - 1] if i else None
+            data = planned.gemm(i, "data gradient")
             if dz8 is None:
                 # Current scaling for gradients in 16 bits (`Fp8.scaling`).
                 dz8, dz_scale, gradient_amaxes[i] = quantize_scaled(
@@ -571,14 +476,15 @@ def _fp8_stack_bwd(plan: Plan, residuals, dy):
                 if need_bias_grad else None
             dz8, h8, own_dbias = _barrier(dz8, s.input, own_dbias)
             dkernel, _ = _matmul8(h8.T, s.input_scale, dz8.T, dz_scale, dy.dtype,
-                                  stack.backward, fast, transpose_b=True)
+                                  planned.gemm(i, "weight gradient").requested, fast,
+                                  transpose_b=True)
             dz8, dkernel = _barrier(dz8, dkernel)
-            if i and writes_fp8_gradient(plan, i - 1):
+            if below_plan is not None and below_plan.writes_fp8_gradient:
                 # The previous layer's dZ8 straight from the GEMM (delayed scale, its amax),
                 # ReLU's derivative h8 > 0 applied to its bits, the bias gradient its sum.
                 q = multiplier(jnp.max(state[i - 1].gradient), fp8.gradient, fp8.margin)
                 p8, aux = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, fp8.gradient,
-                                   stack.backward, fast, transpose_b=True, result_scale=q)
+                                   data.requested, fast, transpose_b=True, result_scale=q)
                 gradient_amaxes[i - 1] = reduce_amax(aux["result_amax"],
                                                      fp8.amax_reduction_axes)
                 bits = jnp.where(positive(h8), jax.lax.bitcast_convert_type(p8, jnp.uint8),
@@ -587,18 +493,18 @@ def _fp8_stack_bwd(plan: Plan, residuals, dy):
                 next_dbias = (jnp.sum(dz8, axis=0, dtype=jnp.float32) / q).astype(dy.dtype) \
                     if previous.has_bias else None
                 dz8, dz = (dz8, 1.0 / q), None
-            elif i and relu_from_next_input(plan, i - 1):
+            elif below_plan is not None and below_plan.relu_from_next_input:
                 # ReLU's derivative from this layer's own FP8 input h8 = Q(relu(z)), as XLA
                 # fusions after a plain FP8 GEMM (also the previous layer's bias gradient).
                 p, _ = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, dy.dtype,
-                                stack.backward, fast, transpose_b=True)
+                                data.requested, fast, transpose_b=True)
                 dz = jnp.where(positive(h8), p, jnp.zeros((), p.dtype))
                 next_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \
                     if previous.has_bias else None
             else:
-                epilog = layers._data_grad_epilog(previous)
+                epilog = data.epilog
                 dz, aux = _matmul8(
-                    dz8, dz_scale, s.kernel, s.kernel_scale, dy.dtype, stack.backward, fast,
+                    dz8, dz_scale, s.kernel, s.kernel_scale, dy.dtype, data.requested, fast,
                     epilog=epilog, transpose_b=True,
                     inputs={epilog.aux_input: previous_residual} if epilog.aux_input else None)
                 next_dbias = aux.get(epilog.reduction_output) if previous is not None and \
@@ -607,10 +513,10 @@ def _fp8_stack_bwd(plan: Plan, residuals, dy):
                 dz8 = None
         grads.append((dkernel, own_dbias if need_bias_grad else dbias))
         dbias = next_dbias
-    return dz, tuple(reversed(grads)), _next_state(plan, saved, state, gradient_amaxes)
+    return dz, tuple(reversed(grads)), _next_state(planned, saved, state, gradient_amaxes)
 
 
-def _next_state(plan: Plan, saved, state, gradient_amaxes):
+def _next_state(planned: StackPlan, saved, state, gradient_amaxes):
     """The state's cotangent: its next value (Flax's "overwrite with gradient"), each FP8
     layer's histories with this step's amaxes recorded; a bf16 layer's unchanged."""
     if state is None:
@@ -619,7 +525,7 @@ def _next_state(plan: Plan, saved, state, gradient_amaxes):
     unreduced = [a for a in manual_axes.varying_axes(amaxes)
                  if a not in manual_axes.varying_axes(jax.tree.leaves(state))]
     if unreduced:  # inside shard_map: each device would record its own amaxes
-        wanted = tuple(dict.fromkeys((*(plan.fp8.amax_reduction_axes or ()), *unreduced)))
+        wanted = tuple(dict.fromkeys((*(planned.fp8.amax_reduction_axes or ()), *unreduced)))
         raise ValueError(f"fp8_state: inside shard_map this step's amaxes may differ "
                          f"between the devices along the mesh axes {tuple(unreduced)}, but "
                          f"fp8_state is the same on every device; pass fp8=Fp8(..., "
@@ -627,7 +533,7 @@ def _next_state(plan: Plan, saved, state, gradient_amaxes):
                          f"amaxes of the whole tensors")
     return tuple(Fp8History(record(h.input, s.input_amax), record(h.gradient,
                                                                    gradient_amaxes[i]))
-                 if q else h for i, (q, s, h) in enumerate(zip(plan.quantized, saved, state)))
+                 if q else h for i, (q, s, h) in enumerate(zip(planned.quantized, saved, state)))
 
 
 _fp8_stack.defvjp(_fp8_stack_fwd, _fp8_stack_bwd)
@@ -679,9 +585,8 @@ def carry_state(y, state):
 carry_state.defvjp(lambda y, state: (y, state), lambda state, dy: (dy, state))
 
 
-def stack(stack: layers.Stack, fp8: Fp8, rows, params, state=None):
-    """The stack on `rows` `(M, K)` with FP8 where `fp8` chooses (called by `layers._run`);
-    `state`: the `Fp8History` of each layer under delayed scaling, else None."""
-    widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
-    return _fp8_stack(Plan(stack, fp8, fp8.quantized_layers(rows.shape[0], widths)), rows,
-                      params, state)
+def stack(planned: StackPlan, rows, params, state=None):
+    """The stack on `rows` `(M, K)` as `planned` (`plan.plan_stack`, with FP8 layers) says
+    (called by `layers._run`); `state`: the `Fp8History` of each layer under delayed scaling,
+    else None."""
+    return _fp8_stack(planned, rows, params, state)

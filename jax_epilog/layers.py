@@ -13,12 +13,14 @@ one layer), so the backward can use the epilogs that cross a layer boundary:
   data-gradient GEMM dZ_i W_iᵀ also applies layer i-1's activation derivative and reduces its
   bias gradient (DRELU_BGRAD / DGELU_BGRAD, DRELU / DGELU without a bias). Each of these fused
   steps has an unfused equivalent (XLA's GEMM, elementwise derivative, reduction); which runs is
-  chosen per GEMM from measurements at lowering time (`backend="auto"`, see `dispatch`), and
-  likewise for the forward GEMMs. On a CUDA GPU the whole stack may instead be the plain
-  expression `act(x @ kernel + bias)` under JAX's own autodiff (`jax.nn.relu`'s gradient at 0
-  is then 0, where the mask's is 1): where the table's entry for this stack (measured whole by
+  chosen per GEMM from measurements at lowering time (`backend="auto"`, see `plan` and
+  `dispatch`), and likewise for the forward GEMMs. On a CUDA GPU the whole stack may instead
+  be the plain expression `act(x @ kernel + bias)` under JAX's own autodiff (`jax.nn.relu`'s
+  gradient at 0 is then 0, where the mask's is 1): where the table's entry for this stack (measured whole by
   `python -m jax_epilog.tune`, the training step and the inference forward each on its own)
   chose it, or, without an entry, where every GEMM of the training step would run XLA's way.
+  `plan.plan_stack` makes these choices when the stack is traced; `jax_epilog.explain` shows
+  them.
 
 Dtypes, as Flax's `Dense` does it: everything is cast to one computation dtype before the
 matmul: `dtype` if given, else `jnp.result_type` of `x` and the parameters (what the plain
@@ -36,106 +38,58 @@ differentiate a `custom_vjp` in forward mode, and a `custom_jvp` would give up t
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from . import config, cuda_library, epilogs, manual_axes
-from . import fp8 as fp8_training  # FP8 training (SPEC §5); it builds on this module's helpers
-from .epilogs import Epilog
-from .matmul import (SUPPORTED_DTYPES, activation_gradient, data_gradient, matmul,
-                     weight_gradient)
+from . import epilogs, manual_axes, plan
+from . import fp8 as fp8_training  # FP8 training (SPEC §5)
+from .layer_gemms import (GELU_PRE_ACTIVATION_NAME, LAYER_INPUT_NAME,  # noqa: F401
+                          RELU_MASK_NAME, layer_forward)
+from .matmul import SUPPORTED_DTYPES, activation_gradient, data_gradient, weight_gradient
+from .plan import Layer, Stack, StackPlan, weight_grad_gives_bias_grad
 
 ACTIVATIONS = (None, "relu", "gelu")
-
-#: `checkpoint_name`s of the residuals, for `jax.checkpoint_policies.save_only_these_names`.
-RELU_MASK_NAME = "jax_epilog_relu_mask"
-GELU_PRE_ACTIVATION_NAME = "jax_epilog_gelu_pre_activation"
-LAYER_INPUT_NAME = "jax_epilog_layer_input"
 
 #: `forward=` / `backward=` of the layers, as the `backend` of the GEMMs they issue.
 FORWARD_CHOICES = {"auto": "auto", "fused": "cublaslt", "xla": "xla"}
 BACKWARD_CHOICES = {"auto": "auto", "fused": "cublaslt", "unfused": "xla"}
 
 
-class Layer(NamedTuple):
-    """What the custom VJP needs to know, statically, about one layer."""
-
-    activation: Optional[str]
-    has_bias: bool
-
-
-class Stack(NamedTuple):
-    """Static description of a stack (hashable: the custom_vjp's non-differentiable argument)."""
-
-    layers: tuple[Layer, ...]
-    precision: Any
-    forward: str   # the `backend` of the forward GEMMs
-    backward: str  # and of the backward ones
-
-
 # --- the custom VJP over a stack ----------------------------------------------------------
 
-def _layer_forward(stack: Stack, layer: Layer, h, kernel, bias, keep_residual: bool):
-    """(act(h @ kernel + bias), residual or None), in one epilog GEMM."""
-    epilog = Epilog.find(layer.activation, layer.has_bias, keep_residual)
-    out = matmul(h, kernel, epilog=epilog, precision=stack.precision, backend=stack.forward,
-                 epilog_inputs={"bias": bias} if layer.has_bias else None)
-    if not epilog.aux_output:
-        return out, None
-    y, aux = out
-    name = RELU_MASK_NAME if layer.activation == "relu" else GELU_PRE_ACTIVATION_NAME
-    return y, checkpoint_name(aux[epilog.aux_output], name)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _stack(stack: Stack, x, params):
+def _stack(planned: StackPlan, x, params):
     # The primal runs only where nothing differentiates the stack: the inference forward.
-    _record(stack, x, params, "forward")
-    if _measured_path(stack, *_problem(x, params), "forward") == "plain":
+    stack = planned.stack
+    _observe(planned, "forward")
+    if stack.inference == "plain":
         return _plain_expression(stack, x, params)
     h = x
     for layer, (kernel, bias) in zip(stack.layers, params):
-        h, _ = _layer_forward(stack, layer, h, kernel, bias, keep_residual=False)
+        h, _ = layer_forward(stack, layer, h, kernel, bias, keep_residual=False)
     return h
 
 
-def _stack_fwd(stack: Stack, x, params):
-    _record(stack, x, params, "step")
+def _stack_fwd(planned: StackPlan, x, params):
+    stack = planned.stack
+    _observe(planned, "step")
     h, inputs, residuals = x, [], []
     for layer, (kernel, bias) in zip(stack.layers, params):
         inputs.append(checkpoint_name(h, LAYER_INPUT_NAME))
-        h, residual = _layer_forward(stack, layer, h, kernel, bias, keep_residual=True)
+        h, residual = layer_forward(stack, layer, h, kernel, bias, keep_residual=True)
         residuals.append(residual)
     kernels = tuple(kernel for kernel, _ in params)
     return h, (tuple(inputs), kernels, tuple(residuals))
 
 
-def _weight_grad_epilog(with_bias_grad: bool) -> Epilog:
-    return Epilog.BGRADB if with_bias_grad else Epilog.DEFAULT
-
-
-def _data_grad_epilog(previous: Optional[Layer]) -> Epilog:
-    """DRELU_BGRAD and friends where the previous layer is activated, else a plain GEMM."""
-    if previous is None or previous.activation is None:
-        return Epilog.DEFAULT
-    return Epilog.find_derivative(previous.activation, bias_gradient=previous.has_bias)
-
-
-def _weight_grad_gives_bias_grad(layers, i: int) -> bool:
-    """Whether layer i's bias gradient comes from its weight-gradient GEMM (BGRADB): it has a
-    bias that the data-gradient GEMM of layer i + 1 does not reduce (DRELU_BGRAD and friends)."""
-    given_above = i + 1 < len(layers) and _data_grad_epilog(layers[i]).reduction_output
-    return layers[i].has_bias and not given_above
-
-
-def _stack_bwd(stack: Stack, saved, dy):
+def _stack_bwd(planned: StackPlan, saved, dy):
+    stack = planned.stack
     inputs, kernels, residuals = saved
     layers = stack.layers
     dz = activation_gradient(dy, residuals[-1], layers[-1].activation)
@@ -143,7 +97,7 @@ def _stack_bwd(stack: Stack, saved, dy):
     dbias = None  # the current layer's bias gradient, when the step above has given it
     grads = []
     for i in reversed(range(len(layers))):
-        need_bias_grad = _weight_grad_gives_bias_grad(layers, i)
+        need_bias_grad = weight_grad_gives_bias_grad(layers, i)
         dkernel, fused_dbias = weight_gradient(inputs[i], dz, bias_gradient=need_bias_grad,
                                                **gemm)
         grads.append((dkernel, fused_dbias if need_bias_grad else dbias))
@@ -159,101 +113,15 @@ def _stack_bwd(stack: Stack, saved, dy):
 _stack.defvjp(_stack_fwd, _stack_bwd)
 
 
-# --- per stack: the plain expression or the fused stack, whichever was faster ---------------
-
-def _gemms(layers, rows: int, widths) -> list:
-    """(direction, (epilog, batch, M, N, K, transpose_a, transpose_b)) of every GEMM of a
-    training step, as `_stack_fwd` and `_stack_bwd` issue them."""
-    gemms = []
-    for i, layer in enumerate(layers):
-        k, n = widths[i], widths[i + 1]
-        forward = Epilog.find(layer.activation, layer.has_bias, keep_residual=True)
-        weight = _weight_grad_epilog(_weight_grad_gives_bias_grad(layers, i))
-        data = _data_grad_epilog(layers[i - 1] if i else None)
-        gemms += [("forward", (forward, 1, rows, n, k, False, False)),
-                  ("backward", (weight, 1, k, n, rows, True, False)),
-                  ("backward", (data, 1, rows, k, n, False, True))]
-    return gemms
+def _observe(planned: StackPlan, mode: str) -> None:
+    """Tells the planning context's observer (`tune`, `explain`) that the stack's fused form
+    is traced as `mode` ("step" or "forward")."""
+    observe = plan.context().observe
+    if observe is not None:
+        observe(planned, mode)
 
 
-def _on_cuda_gpu() -> bool:
-    # Other platforms run the reference: the layer is the same code whichever path it takes.
-    return jax.default_backend() == "gpu" and cuda_library.available()
-
-
-def _problem(x, params) -> tuple:
-    """(rows, widths, dtype) of a stack called on the rows `x`, as `_run` computes them."""
-    return x.shape[0], [x.shape[1]] + [kernel.shape[1] for kernel, _ in params], x.dtype
-
-
-def _stack_key(stack: Stack, rows: int, widths, dtype, mode: str):
-    from . import dispatch
-    layers = stack.layers
-    return dispatch.make_stack_key(dtype, rows, widths, [layer.activation for layer in layers],
-                                   [layer.has_bias for layer in layers], mode)
-
-
-def _left_to_auto(stack: Stack) -> bool:
-    return stack.forward == "auto" and stack.backward == "auto"
-
-
-_recorded: Optional[list] = None  # while `recording_stacks()` collects
-
-
-@contextlib.contextmanager
-def recording_stacks():
-    """Collects (in the list it yields) the `dispatch.StackKey` of every stack left to "auto"
-    whose fused form is traced in the block: its custom VJP's forward as a training step, its
-    primal as an inference forward. `python -m jax_epilog.tune` finds a program's stacks so."""
-    global _recorded
-    previous, _recorded = _recorded, []
-    try:
-        yield _recorded
-    finally:
-        _recorded = previous
-
-
-def _record(stack: Stack, x, params, mode: str) -> None:
-    if _recorded is not None and _left_to_auto(stack):
-        _recorded.append(_stack_key(stack, *_problem(x, params), mode))
-
-
-def _measured_path(stack: Stack, rows: int, widths, dtype, mode: str) -> Optional[str]:
-    """"plain" or "fused": what the stack's nearest measured entry for `mode` ("step" or
-    "forward") chose on this CUDA GPU (`dispatch.stack_decision`); None without one, or where
-    forward=/backward= asked for a backend (the GEMMs then run as asked)."""
-    if not _on_cuda_gpu() or not _left_to_auto(stack):
-        return None
-    from . import dispatch
-    decision = dispatch.stack_decision(_stack_key(stack, rows, widths, dtype, mode))
-    return decision.choice if decision is not None else None
-
-
-def _plain_is_faster(stack: Stack, rows: int, widths, dtype) -> bool:
-    """Whether the stack's training step runs as the plain expression on this CUDA GPU: where
-    its measured stack entry chose "plain", else (no entry) where every GEMM of the step runs
-    XLA's way (asked for, or chosen per problem by `dispatch`). The plain expression is
-    compiled by XLA exactly as a user's own (no bit mask to keep, nothing to pack).
-
-    The layer cannot know here whether it will be differentiated, so this follows the training
-    step, which users optimise; the inference forward follows its own entry where it has one
-    (in `_stack`'s primal and in `_plain_stack`)."""
-    if not _on_cuda_gpu():
-        return False
-    measured = _measured_path(stack, rows, widths, dtype, "step")
-    if measured is not None:
-        return measured == "plain"
-    from . import dispatch
-
-    def backend(choice, epilog, *problem):
-        if choice != "auto":
-            return choice
-        return config.backend_override() or dispatch.choose(epilog, dtype, *problem)
-
-    choices = {"forward": stack.forward, "backward": stack.backward}
-    return all(backend(choices[direction], *gemm) == "xla"
-               for direction, gemm in _gemms(stack.layers, rows, widths))
-
+# --- the plain expression, where the plan chose it ------------------------------------------
 
 def _plain_expression(stack: Stack, h, params):
     for layer, (kernel, bias) in zip(stack.layers, params):
@@ -263,24 +131,18 @@ def _plain_expression(stack: Stack, h, params):
     return h
 
 
-def _plain_stack(stack: Stack, h, params):
-    """The plain expression under JAX's autodiff; where the stack's inference entry chose the
-    fused stack, that is what runs when nothing differentiates it."""
-    if _measured_path(stack, *_problem(h, params), "forward") == "fused":
-        return _plain_step(stack, h, params)
-    return _plain_expression(stack, h, params)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _plain_step(stack: Stack, x, params):
-    return _stack(stack, x, params)  # the primal: the inference forward
+def _plain_step(planned: StackPlan, x, params):
+    """The plain expression under JAX's autodiff, the fused stack where nothing differentiates
+    it (the plan chose the fused inference forward and the plain training step)."""
+    return _stack(planned, x, params)  # the primal: the inference forward
 
 
-def _plain_step_fwd(stack: Stack, x, params):
-    return jax.vjp(functools.partial(_plain_expression, stack), x, params)  # (y, pullback)
+def _plain_step_fwd(planned: StackPlan, x, params):
+    return jax.vjp(functools.partial(_plain_expression, planned.stack), x, params)  # (y, pullback)
 
 
-def _plain_step_bwd(stack: Stack, pullback, dy):
+def _plain_step_bwd(planned: StackPlan, pullback, dy):
     return pullback(dy)
 
 
@@ -396,17 +258,22 @@ def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=Non
     rows = manual_axes.vary(rows, axes)  # inside shard_map (see manual_axes)
     params = tuple((manual_axes.vary(kernel, axes), manual_axes.vary(bias, axes))
                    for kernel, bias in params)
-    stack = Stack(layers, precision, *stack_backends)
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
-    if fp8 is not None and any(fp8.quantized_layers(rows.shape[0], widths)):
-        y = fp8_training.stack(stack, fp8, rows, params, fp8_state)
+    ctx = plan.context()
+    planned = plan.plan_stack(ctx, Stack(layers, precision, *stack_backends), rows.shape[0],
+                              widths, dtype, fp8)
+    if ctx.observe is not None:
+        ctx.observe(planned, "planned")
+    if planned.any_fp8:
+        return fp8_training.stack(planned, rows, params, fp8_state).reshape(*lead, widths[-1])
+    if planned.step.choice == "fused":
+        y = _stack(planned, rows, params)
+    elif planned.inference.choice == "fused":
+        y = _plain_step(planned, rows, params)
     else:
-        if _plain_is_faster(stack, rows.shape[0], widths, dtype):
-            y = _plain_stack(stack, rows, params)
-        else:
-            y = _stack(stack, rows, params)
-        if fp8_state is not None:  # every layer stayed bf16: the state passes through
-            y = fp8_training.carry_state(y, fp8_state)
+        y = _plain_expression(planned.stack, rows, params)
+    if fp8_state is not None:  # every layer stayed bf16: the state passes through
+        y = fp8_training.carry_state(y, fp8_state)
     return y.reshape(*lead, y.shape[-1])
 
 

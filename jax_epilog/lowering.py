@@ -1,5 +1,6 @@
 """How the inner primitive `kernel_p` runs: the cuBLASLt custom call on CUDA, the reference
-elsewhere. Every choice between the two is made here, at lowering time, in `_way`:
+elsewhere. On CUDA the way is chosen at lowering time by `plan.plan_call`, and carried out
+here:
 
 - not CUDA: the reference, exact (identical semantics on every platform);
 - CUDA, an empty problem: the reference (nothing for a GEMM to do);
@@ -9,7 +10,7 @@ elsewhere. Every choice between the two is made here, at lowering time, in `_way
   faster way for this problem on this GPU): the reference in XLA's way (`exact=False`), so XLA
   runs its own GEMM and fusions;
 - CUDA, operands in a layout cuBLASLt has no kernel for, where it has one for another layout
-  (`_kernel_layout`): the operand(s) transposed in XLA (a transpose XLA fuses into the
+  (`plan.kernel_layout`): the operand(s) transposed in XLA (a transpose XLA fuses into the
   operand's producer where it can), then the kernel in that layout. FP8 operands must be
   K-major (cuBLASLt's FP8 kernels take only a `(M, K)` and b `(N, K)`), decided before
   padding without asking; for other problems cuBLASLt is asked, e.g. on the H200 BGRADA and
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -36,12 +36,12 @@ import numpy as np
 from jax.core import ShapedArray
 from jax.interpreters import mlir
 
-from . import config, cuda_library, padding, reference
+from . import config, cuda_library, padding, plan, reference
+from .call import Params, kernel_p, problem_of, result_dtype_of
 from .epilogs import Epilog, is_fp8
-from .primitive import Params, kernel_p, problem_of, result_dtype_of
 
 
-def _lower_reference(ctx, *args, exact: bool = True, **params):
+def lower_reference(ctx, *args, exact: bool = True, **params):
     # `fast_accumulation`: the exact reference computes the float32 formula whatever the call
     # asks; XLA's way (not `exact`) asks XLA's FP8 dot for it (DEFAULT precision, which XLA
     # runs with fast accumulation; HIGHEST otherwise).
@@ -79,29 +79,7 @@ def _warn_unavailable(reason: str) -> None:
                   "the plain-XLA reference instead.", RuntimeWarning, stacklevel=3)
 
 
-@functools.cache
-def _has_cuda_devices() -> bool:
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
-
-
-def _backend(params: Params, avals_in) -> str:
-    """'cublaslt' or 'xla': the call's own choice, else the environment's, else dispatch's."""
-    if params.backend != "auto":
-        return params.backend
-    forced = config.backend_override()
-    if forced or not _has_cuda_devices():  # exporting from a host without a GPU: the kernel
-        return forced or "cublaslt"
-    from . import dispatch  # measured tables; loaded on the first CUDA lowering
-    a = avals_in[0]
-    p = problem_of(a.shape, avals_in[1].shape, params.transpose_a, params.transpose_b)
-    return dispatch.choose(Epilog(params.epilog), np.dtype(a.dtype), p.batch, p.m, p.n, p.k,
-                           params.transpose_a, params.transpose_b)
-
-
-def _kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
+def kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
     """Whether cuBLASLt has a kernel for these operands, and if not why (None from the library:
     cannot ask here, e.g. no GPU on this host; trust the kernel)."""
     a, b = avals_in[0], avals_in[1]
@@ -122,59 +100,7 @@ def _kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
     return supported is not False, message
 
 
-Layout = tuple[bool, bool]  # (transpose_a, transpose_b)
-K_MAJOR: Layout = (False, True)  # a (M, K), b (N, K): the only layout of cuBLASLt's FP8 kernels
-
-
-def _transposed(aval, flip: bool):
-    """`aval` (a rank-3 operand) with its last two axes swapped when `flip`."""
-    return aval.update(shape=(*aval.shape[:-2], aval.shape[-1], aval.shape[-2])) if flip else aval
-
-
-def _kernel_layout(avals_in, params: Params) -> Optional[Layout]:
-    """For a call in a layout cuBLASLt has no kernel for: the other layout it has one for with
-    the fewest bytes to transpose, or None. On the H200 (cuBLASLt 13.1) BGRADA runs only with a
-    stored (K, M) and BGRADB only with b stored (K, N): the summed operand with K by rows."""
-    own = (params.transpose_a, params.transpose_b)
-    a, b = avals_in[0], avals_in[1]
-    cost = {(ta, tb): (ta != own[0]) * a.size * a.dtype.itemsize +
-            (tb != own[1]) * b.size * b.dtype.itemsize
-            for ta in (False, True) for tb in (False, True) if (ta, tb) != own}
-    for ta, tb in sorted(cost, key=cost.get):
-        avals = [_transposed(a, ta != own[0]), _transposed(b, tb != own[1]), *avals_in[2:]]
-        if _kernel_supports(avals, params._replace(transpose_a=ta, transpose_b=tb))[0]:
-            return ta, tb
-    return None
-
-
-def _way(avals_in, params: Params) -> tuple[str, Optional[Layout]]:
-    """'reference', 'xla', 'relayout', 'padded' or 'kernel' (see the module docstring), and
-    for 'relayout' the layout the kernel runs in."""
-    if any(0 in x.shape for x in avals_in[:2]):
-        return "reference", None
-    if not cuda_library.available() and _has_cuda_devices():
-        _warn_unavailable(cuda_library.unavailable_reason())
-        return "reference", None
-    if _backend(params, avals_in) == "xla":
-        return "xla", None
-    fp8 = is_fp8(avals_in[0].dtype)
-    if fp8 and (params.transpose_a, params.transpose_b) != K_MAJOR:
-        return "relayout", K_MAJOR
-    if padding.needed(avals_in, params.transpose_a, params.transpose_b):
-        return "padded", None
-    if cuda_library.available():
-        supported, why = _kernel_supports(avals_in, params)
-        if not supported:
-            layout = None if fp8 else _kernel_layout(avals_in, params)
-            if layout is not None:
-                return "relayout", layout
-            if fp8:
-                _warn_fp8_reference(avals_in, params, why)
-            return "reference", None
-    return "kernel", None
-
-
-def _relaid_out(params: Params, layout: Layout):
+def _relaid_out(params: Params, layout: plan.Layout):
     """The inner call on operands transposed in XLA to `layout`; the results do not depend on
     the operands' layout."""
     transpose_a, transpose_b = layout
@@ -188,11 +114,16 @@ def _relaid_out(params: Params, layout: Layout):
     return call
 
 
-def _lower_cuda(ctx, *args, **params):
+def lower_cuda(ctx, *args, **params):
     params = Params(**params)
-    way, layout = _way(ctx.avals_in, params)
+    call_plan = plan.plan_call(plan.context(), ctx.avals_in, params, kernel_supports)
+    if call_plan.warning == "unavailable":
+        _warn_unavailable(cuda_library.unavailable_reason())
+    elif call_plan.warning == "fp8-reference":
+        _warn_fp8_reference(ctx.avals_in, params, call_plan.why)
+    way, layout = call_plan.way, call_plan.layout
     if way in ("reference", "xla"):
-        return _lower_reference(ctx, *args, exact=way == "reference", **params._asdict())
+        return lower_reference(ctx, *args, exact=way == "reference", **params._asdict())
     if way == "relayout":  # lowered again on the transposed operands
         return mlir.lower_fun(_relaid_out(params, layout), multiple_results=True)(ctx, *args)
     if way == "padded":  # lowered again with aligned K and N: the inner call takes the kernel
@@ -208,6 +139,3 @@ def _lower_cuda(ctx, *args, **params):
                    fast_accumulation=bool(params.fast_accumulation))
     return results[:-1]
 
-
-mlir.register_lowering(kernel_p, _lower_reference)
-mlir.register_lowering(kernel_p, _lower_cuda, platform="cuda")

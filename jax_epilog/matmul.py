@@ -22,13 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import config, cuda_library, dispatch
-from . import lowering  # noqa: F401  (registers the lowerings)
+from . import cuda_library, plan
 from . import manual_axes
 from .epilogs import (ACTIVATIONS, ARRAYS, DEFAULT_FP8_RESULT, FP8_DTYPES, FP8_RESULT_DTYPES,
                       Epilog, array_dtype, as_epilog, dim_sizes, is_fp8, result_names,
                       scale_names)
-from .primitive import BACKENDS, Params, epilog_matmul_p, problem_of
+from .primitive import BACKENDS, Params, epilog_matmul_p
 from .reference import epilog_matmul as reference_kernel
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -579,23 +578,14 @@ _forward.defvjp(_forward_fwd, _forward_bwd)
 
 
 def _step_runs_xla(call: _Call) -> bool:
-    """Whether every GEMM of the call's training step (the forward and both backward GEMMs)
-    runs XLA's way on this CUDA GPU, asked for or chosen per problem by `dispatch`. JAX then
-    differentiates the plain expression (the reference in XLA's way), which XLA compiles as it
-    compiles a user's own: the never-slower rule the layers follow per stack."""
-    if jax.default_backend() != "gpu" or not cuda_library.available():
-        return False
+    """Whether the plan runs the call's training step as the plain expression under JAX's
+    autodiff (`plan.plan_matmul_step`: every GEMM of the step runs XLA's way on this CUDA GPU;
+    XLA then compiles it as it compiles a user's own, the never-slower rule the layers follow
+    per stack)."""
     p = call.params
-    if p.backend != "auto" or config.backend_override():
-        return (config.backend_override() if p.backend == "auto" else p.backend) == "xla"
-    epilog = Epilog(p.epilog)
-    batch, m, n, k = problem_of(call.a.shape, call.b.shape, p.transpose_a, p.transpose_b)
-    dtype = np.dtype(call.a.dtype)
-    weight = Epilog.BGRADB if epilog.has_bias else Epilog.DEFAULT
-    gemms = [(_forward_epilog(epilog), batch, m, n, k, p.transpose_a, p.transpose_b),
-             (Epilog.DEFAULT, batch, m, k, n, False, not p.transpose_b),
-             (weight, 1, k, n, batch * m, True, False)]
-    return all(dispatch.choose(e, dtype, *problem) == "xla" for e, *problem in gemms)
+    step = plan.plan_matmul_step(plan.context(), p, call.a.shape, call.b.shape, call.a.dtype,
+                                 _forward_epilog(Epilog(p.epilog)))
+    return step.choice == "plain"
 
 
 def _plain(params: Params, a, b, *inputs):

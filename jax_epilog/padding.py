@@ -23,7 +23,7 @@ import numpy as np
 
 from . import config
 from .epilogs import ARRAYS, dim_sizes
-from .primitive import Params, names_of, problem_of
+from .call import Params, names_of, problem_of
 
 
 def aligned(size: int, dtype) -> int:

@@ -1,4 +1,6 @@
-"""The two primitives (the outer/inner pattern of JAX's cuDNN attention and TransformerEngine).
+"""The rules of the two primitives (the outer/inner pattern of JAX's cuDNN attention and
+TransformerEngine), all registered here; the primitives and a call's parameters are declared in
+`call.py`.
 
 - `epilog_matmul_p`, the OUTER primitive, is what a user's jaxpr contains: abstract evaluation,
   the one batching rule, the readable error under differentiation, and a lowering that hands the
@@ -15,76 +17,17 @@ Shapes and dtypes of every input and output come from `epilogs.TABLE`.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax._src import dispatch as _jax_dispatch
 from jax.core import ShapedArray
-from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from .epilogs import (ARRAYS, Epilog, array_dtype, dim_sizes, is_fp8, operand_names,
-                      result_names)
-
-BACKENDS = ("auto", "cublaslt", "xla")
-
-
-class Params(NamedTuple):
-    """The static parameters of a call (hashable: a custom_vjp non-differentiable argument).
-
-    The scales of an FP8 call are operands, not parameters: traced values work under `jit`.
-    """
-
-    epilog: int
-    transpose_a: bool
-    transpose_b: bool
-    allow_tf32: bool
-    backend: str = "auto"  # "cublaslt", "xla", or "auto": per problem (dispatch.py)
-    result_dtype: Optional[str] = None  # y's dtype name; None: the operands' dtype
-    result_amax: bool = False  # FP8 calls: also return max |R| (SPEC §5)
-    has_c: bool = False  # operands c, alpha, beta follow (SPEC §6): R = epilog(αP + βC)
-    # FP8 calls only: cuBLASLt's FP8 fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM) on
-    # the kernel; the reference ignores it (it computes the exact float32 formula).
-    fast_accumulation: bool = False
-
-
-def result_dtype_of(params, operand_dtype) -> np.dtype:
-    """y's dtype for `params` (a `Params` or its dict) and operands of `operand_dtype`."""
-    name = params["result_dtype"] if isinstance(params, dict) else params.result_dtype
-    return jnp.dtype(name or operand_dtype)
-
-
-def names_of(params, operand_dtype) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(operand names, result names) of a call, in the kernel's order (`epilogs.ARRAYS` keys
-    and "a", "b", "y")."""
-    get = params.get if isinstance(params, dict) else functools.partial(getattr, params)
-    epilog = Epilog(get("epilog"))
-    return (operand_names(epilog, operand_dtype, result_dtype_of(params, operand_dtype),
-                          bool(get("has_c", False))),
-            result_names(epilog, bool(get("result_amax", False))))
-
-
-class Problem(NamedTuple):
-    """The sizes of one normalised call."""
-
-    batch: int
-    m: int
-    n: int
-    k: int
-
-
-def problem_of(a_shape, b_shape, transpose_a: bool, transpose_b: bool) -> Problem:
-    batch = a_shape[0]
-    m, k = (a_shape[2], a_shape[1]) if transpose_a else (a_shape[1], a_shape[2])
-    n = b_shape[1] if transpose_b else b_shape[2]
-    return Problem(batch, m, n, k)
-
-
-def array_shape(name: str, p: Problem, bias_batch: int = 1) -> tuple[int, ...]:
-    sizes = dim_sizes(p.batch, p.m, p.n, bias_batch)
-    return tuple(sizes[d] for d in ARRAYS[name].dims)
+from . import lowering, reference, sharding
+from .call import (BACKENDS, Params, Problem, array_shape, epilog_matmul_p,  # noqa: F401
+                   kernel_p, names_of, plain_product, problem_of, result_dtype_of)
+from .epilogs import ARRAYS, Epilog, array_dtype, is_fp8
 
 
 def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, backend,
@@ -125,8 +68,6 @@ def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, ba
         ShapedArray(array_shape(name, p), array_dtype(name, out)) for name in output_names[1:]]
 
 
-epilog_matmul_p = Primitive("epilog_matmul")
-kernel_p = Primitive("epilog_matmul_kernel")
 for _p in (epilog_matmul_p, kernel_p):
     _p.multiple_results = True
     _p.def_abstract_eval(_abstract_eval)
@@ -144,17 +85,14 @@ def _impl(*args, **params):
 
 epilog_matmul_p.def_impl(_impl)
 
-
-def _lower_outer(ctx, *args, **params):
-    from . import sharding  # sharding binds kernel_p, defined above
-    fn = functools.partial(sharding.partitioned, Params(**params))
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
-
-
-mlir.register_lowering(epilog_matmul_p, _lower_outer)
+# The outer primitive lowers to the SPMD partitioner's call of the inner one (`sharding.py`).
 # That lowering runs the partitioner's callback, which needs the devices, as JAX declares for
 # `custom_partitioning_p` itself (JAX's cuDNN attention and TransformerEngine do the same).
+mlir.register_lowering(epilog_matmul_p, sharding.lower_partitioned)
 _jax_dispatch.prim_requires_devices_during_lowering.add(epilog_matmul_p)
+# The inner one: the reference everywhere, the cuBLASLt custom call on CUDA (`lowering.py`).
+mlir.register_lowering(kernel_p, lowering.lower_reference)
+mlir.register_lowering(kernel_p, lowering.lower_cuda, platform="cuda")
 
 
 # --- batching: a vmapped axis is folded into the batch axis ---------------------------------
@@ -187,16 +125,6 @@ def _fold_batch_axis(x, bdim, name: str, size: int, batch: int):
     return x.reshape(size * batch, *x.shape[2:])
 
 
-def plain_product(primitive, params: Params, a, b):
-    """`primitive` (either of the two) computing only the plain product P = a @ b of a call, as
-    float32 for FP8 operands (unit scales: the caller applies the real ones), else in the
-    operands' dtype."""
-    plain = params._replace(epilog=int(Epilog.DEFAULT), result_amax=False, has_c=False,
-                            result_dtype="float32" if is_fp8(a.dtype) else None)
-    ones = [jnp.ones((), jnp.float32)] * (2 if is_fp8(a.dtype) else 0)
-    return primitive.bind(a, b, *ones, **plain._asdict())[0]
-
-
 def _batch_rule(args, dims, **params):
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     names, _ = names_of(params, args[0].dtype)
@@ -214,7 +142,6 @@ def _batch_rule(args, dims, **params):
 
 def _batch_unfolded(args, dims, size: int, batch: int, params: Params):
     """A vmapped call with per-example scales, alpha or beta, or an amax (see above)."""
-    from . import reference  # reference imports this module's neighbours, not this one
     a, b = (_fold_batch_axis(x, d, name, size, batch)
             for x, d, name in zip(args[:2], dims[:2], ("a", "b")))
     if is_fp8(a.dtype):

@@ -36,11 +36,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
+from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import reference
 from .epilogs import ARRAYS, AUX_DIM_COLUMNS, Epilog, is_fp8
-from .primitive import Params, kernel_p, names_of, plain_product, problem_of
+from .call import Params, kernel_p, names_of, plain_product, problem_of
+
+
+def lower_partitioned(ctx, *args, **params):
+    """The outer primitive's lowering: `partitioned` lowered in its place."""
+    fn = functools.partial(partitioned, Params(**params))
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
 def partitioned(params: Params, *operands):

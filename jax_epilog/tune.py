@@ -8,9 +8,9 @@ actually runs:
 1. It traces functions (`jax.make_jaxpr`, walking nested jaxprs: jit, custom_vjp/custom_jvp,
    scan, cond, remat, custom_partitioning) and collects every `epilog_matmul` call left to
    ``backend="auto"``: epilog, dtype, transposes and the normalised problem (batch, M, N, K);
-   and every `dense`/`mlp` stack left to "auto" (`layers.recording_stacks`: dtype, rows,
-   widths, activations, biases; a training step where its custom VJP's forward was traced, an
-   inference forward where its primal was).
+   and every `dense`/`mlp` stack left to "auto" (the planning context's observer, `plan.Context`:
+   dtype, rows, widths, activations, biases; a training step where its custom VJP's forward was
+   traced, an inference forward where its primal was).
 2. It times each distinct problem with ``backend="cublaslt"`` and ``backend="xla"``:
    `jax_epilog.matmul` jitted on random operands of those shapes (a random bit mask for the
    DRELU epilogs), wall-clock rounds of back-to-back calls with one `block_until_ready` each,
@@ -34,58 +34,38 @@ actually runs:
     python -m jax_epilog.tune --grid --output jax_epilog/tables/nvidia-h200.json
 
 From Python: ``jax_epilog.tune.tune([(train_step, (params, batch)), ...])`` (any pytrees of
-arrays or `jax.ShapeDtypeStruct`s), or `tune` on `Problem`s from `problems_of`.
+arrays or `jax.ShapeDtypeStruct`s), or `tune` on `Problem`s from `problems_of`. The grid's
+workloads are `jax_epilog.grid`'s, the timing loop `jax_epilog.timing`'s (the benchmarks'),
+the command line's argument parsing `jax_epilog.command_line`'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import math
-import re
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from . import config, dispatch, layers
+from . import config, dispatch, layers, plan, timing
+from .command_line import DTYPE_NAMES, load_callable, parse_arg_spec  # noqa: F401
 from .epilogs import Epilog, gelu_aux_columns, is_fp8, relu_mask_bytes
 from .epilogs import aux_dtype as aux_dtype_of
-from .layers import mlp
+from .grid import (GELU_ROWS, GRID, NETWORKS, Workload, epilog_stack,  # noqa: F401
+                   forward_fn, grid_functions, grid_workloads, squared_error, step_fn)
 from .matmul import matmul
 from .primitive import epilog_matmul_p, problem_of
 
 SECONDS_PER_CANDIDATE = 0.3
 ROUNDS = 5
-L2_BYTES = 50 * 1024 * 1024  # H100/H200: small problems run copies until twice this is touched
-MAX_COPIES = 16
-
-# The benchmark grid of benchmarks/README.md: id -> (B, K, N) for act(x[B, K] @ W[K, N] + b[N]) ...
-GRID = {
-    "G1": (65536, 4096, 4096),
-    "G2": (8192, 8192, 8192),
-    "G3": (8192, 1024, 4096),
-    "G4": (16384, 4096, 16384),
-    "G5": (16384, 16384, 4096),
-    "G6": (4096, 1024, 1024),
-    "G7": (256, 784, 100),
-}
-GELU_ROWS = ("G4", "G5")  # the transformer rows run GELU too
-# ... and its networks: id -> (batch, widths), ReLU between layers, none after the last.
-NETWORKS = {
-    "M1": (65536, (4096,) * 5),
-    "M2": (16384, (1024,) * 9),
-    "M3": (256, (784, 100, 100, 10)),
-}
-DTYPE_NAMES = {"bf16": "bfloat16", "f16": "float16", "fp16": "float16", "f32": "float32",
-               "fp32": "float32", "f64": "float64", "i32": "int32", "u8": "uint8"}
+MAX_COPIES = 16  # of a problem's operands, until twice the L2 is touched (`timing.input_copies`)
 
 
 #: What `--dry-run` prints first: how to read its lines.
@@ -168,10 +148,17 @@ def traced(fn: Callable, *args, **kwargs) -> tuple[list[Problem], list[dispatch.
     "auto") of `fn(*args, **kwargs)`, in trace order, repeats included. `args` may be arrays or
     `jax.ShapeDtypeStruct`s."""
     # A function traced before (by jit, or a custom VJP's cached trace) would not run the
-    # layers' Python again: no stack recorded, and the path of that trace, not the fused one.
+    # layers' Python again: no stack seen, and the path of that trace, not the fused one.
     jax.clear_caches()
+    stacks = []
+
+    def observe(planned: plan.StackPlan, mode: str) -> None:
+        if mode != "planned" and plan.left_to_auto(planned.stack):
+            stacks.append(planned.key(mode))
+
     # The layers' fused path, whatever the tables say, so every GEMM and stack is seen.
-    with config.backend_forced("cublaslt"), layers.recording_stacks() as stacks:
+    forced = plan.default_context()._replace(override=lambda: "cublaslt", observe=observe)
+    with plan.planning(forced):
         jaxpr = jax.make_jaxpr(fn)(*args, **kwargs).jaxpr
     problems = [_problem_of_eqn(eqn) for eqn in epilog_eqns(jaxpr)
                 if eqn.params.get("backend", "auto") == "auto"]
@@ -205,118 +192,6 @@ def stack_flops(key: dispatch.StackKey) -> int:
 def distinct_stacks(stacks: Iterable[dispatch.StackKey]) -> list[dispatch.StackKey]:
     """Each stack once, largest first."""
     return sorted(set(stacks), key=lambda key: (-stack_flops(key), key.order))
-
-
-# --- the grid's functions ----------------------------------------------------------------------
-
-class Workload(NamedTuple):
-    """A stack of dense layers run as inference (forward) or as a training step
-    (`jax.value_and_grad` of a squared error; a grid row also differentiates its input, as a
-    layer inside a network must)."""
-
-    name: str
-    batch: int
-    widths: tuple[int, ...]
-    activation: Optional[str]  # between layers
-    final_activation: Optional[str]
-    grad_x: bool
-
-    def shapes(self, dtype=jnp.bfloat16):
-        """(params, x, target) as `jax.ShapeDtypeStruct`s."""
-        params = tuple((jax.ShapeDtypeStruct((k, n), dtype), jax.ShapeDtypeStruct((n,), dtype))
-                       for k, n in zip(self.widths, self.widths[1:]))
-        return (params, jax.ShapeDtypeStruct((self.batch, self.widths[0]), dtype),
-                jax.ShapeDtypeStruct((self.batch, self.widths[-1]), jnp.float32))
-
-    def flops(self, mode: str) -> int:
-        """1 GEMM per layer forward, 3 per layer for a step (2 for a network's first layer)."""
-        per_layer = [2 * self.batch * k * n for k, n in zip(self.widths, self.widths[1:])]
-        if mode == "forward":
-            return sum(per_layer)
-        return 3 * sum(per_layer) - (0 if self.grad_x else per_layer[0])
-
-
-def grid_workloads(rows: Optional[Sequence[str]] = None) -> list[Workload]:
-    """The grid rows (a dense layer, ReLU; GELU too on G4/G5) and networks, as `Workload`s;
-    `rows` filters by id (G1..G7, M1..M3)."""
-    wanted = set(GRID) | set(NETWORKS) if rows is None else set(rows)
-    unknown = wanted - set(GRID) - set(NETWORKS)
-    if unknown:
-        raise ValueError(f"rows: unknown ids {sorted(unknown)}; expected some of "
-                         f"{', '.join([*GRID, *NETWORKS])}")
-    workloads = []
-    for row, (batch, k, n) in GRID.items():
-        if row in wanted:
-            for act in ("relu", "gelu") if row in GELU_ROWS else ("relu",):
-                name = row if act == "relu" else f"{row} gelu"
-                workloads.append(Workload(name, batch, (k, n), None, act, True))
-    for name, (batch, widths) in NETWORKS.items():
-        if name in wanted:
-            workloads.append(Workload(name, batch, widths, "relu", None, False))
-    return workloads
-
-
-def forward_fn(w: Workload, stack: Callable) -> Callable:
-    """Inference: (params, x, target) -> y, with `stack(x, params, activation, final)`."""
-    return lambda params, x, target: stack(x, params, w.activation, w.final_activation)
-
-
-def squared_error(y, target):
-    """The training loss of every measured step: 0.5 · mean((y - target)²) in float32. The grid's
-    steps (`step_fn`, which `benchmarks/never_slower.py` times) and tune's stack steps
-    (`stack_fn`) both use this one definition, so tune decides on the step that is checked."""
-    error = y.astype(jnp.float32) - target
-    return 0.5 * jnp.mean(error * error)
-
-
-def step_fn(w: Workload, stack: Callable) -> Callable:
-    """A training step: (params, x, target) -> (loss, grads) by `jax.value_and_grad` of
-    `squared_error`."""
-    def loss(params, x, target):
-        return squared_error(stack(x, params, w.activation, w.final_activation), target)
-    return jax.value_and_grad(loss, argnums=(0, 1) if w.grad_x else 0)
-
-
-def epilog_stack(x, params, activation, final_activation):
-    """The stack as `jax_epilog.mlp` runs it (every backend choice left to "auto")."""
-    return mlp(x, params, activation=activation, final_activation=final_activation)
-
-
-def grid_functions(rows: Optional[Sequence[str]] = None) -> list[tuple[str, Callable, tuple]]:
-    """(name, function, example args) for the inference forward and the training step of every
-    grid row and network."""
-    return [(f"{w.name} {mode}", make(w, epilog_stack), w.shapes())
-            for w in grid_workloads(rows)
-            for mode, make in (("forward", forward_fn), ("step", step_fn))]
-
-
-# --- --fn and --args --------------------------------------------------------------------------
-
-def parse_arg_spec(spec: str) -> jax.ShapeDtypeStruct:
-    """"bf16[256,784]" (or "bfloat16[256, 784]", "f32[]") -> a `jax.ShapeDtypeStruct`."""
-    match = re.fullmatch(r"\s*([A-Za-z0-9_]+)\s*\[([\d,\s]*)\]\s*", spec)
-    if not match:
-        raise ValueError(f"--args: expected DTYPE[D0,D1,...] such as bf16[256,784], got {spec!r}")
-    name, dims = match.groups()
-    try:
-        dtype = jnp.dtype(DTYPE_NAMES.get(name.lower(), name.lower()))
-    except TypeError:
-        raise ValueError(f"--args: unknown dtype {name!r} in {spec!r}") from None
-    shape = tuple(int(d) for d in dims.replace(" ", "").split(",") if d)
-    return jax.ShapeDtypeStruct(shape, dtype)
-
-
-def load_callable(target: str) -> Callable:
-    """"package.module:attribute" -> the callable."""
-    module_name, _, attribute = target.partition(":")
-    if not module_name or not attribute:
-        raise ValueError(f"--fn: expected module:callable, got {target!r}")
-    obj = importlib.import_module(module_name)
-    for part in attribute.split("."):
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise TypeError(f"--fn: {target} is a {type(obj).__name__}, not callable")
-    return obj
 
 
 # --- 2. timing ----------------------------------------------------------------------------------
@@ -370,7 +245,7 @@ def call_fn(p: Problem, backend: str) -> Callable:
 
 def _copies(nbytes: int) -> int:
     """Copies of `nbytes` of operands that touch twice the L2 (at most `MAX_COPIES`)."""
-    return max(1, min(MAX_COPIES, math.ceil(2 * L2_BYTES / max(nbytes, 1))))
+    return timing.input_copies(max(nbytes, 1), max_copies=MAX_COPIES)
 
 
 def copies_for(p: Problem) -> int:
@@ -379,31 +254,18 @@ def copies_for(p: Problem) -> int:
     return _copies(size * p.batch * (p.m * p.k + p.m * p.n) + size * p.b_batch * p.k * p.n)
 
 
-def _seconds_per_call(call: Callable[[int], Any], seconds: float, rounds: int) -> float:
-    """`call(i)` makes the i-th call: the median of `rounds` wall-clock rounds of back-to-back
-    calls (one `block_until_ready` per round) after a warm-up, about `seconds` in all."""
-    def timed(calls: int) -> float:
-        start = time.perf_counter()
-        out = None
-        for i in range(calls):
-            out = call(i)
-        jax.block_until_ready(out)
-        return time.perf_counter() - start
-
-    estimate = min(timed(1), timed(1))
-    calls = max(1, min(10_000, round(seconds / rounds / max(estimate, 1e-7))))
-    return statistics.median(timed(calls) / calls for _ in range(rounds))
-
-
 def time_problem(p: Problem, backend: str, *, seconds: float = SECONDS_PER_CANDIDATE,
                  rounds: int = ROUNDS) -> float:
-    """Seconds per call of `p` on `backend` (`_seconds_per_call`). Each call runs
-    `copies_for(p)` independent problems; the result is per problem."""
+    """Seconds per call of `p` on `backend` (`timing.time_calls`: rounds of `seconds /
+    rounds`). Each call runs `copies_for(p)` independent problems; the result is per
+    problem."""
     operands = _operand_sets(p)
     call = call_fn(p, backend)
     run_all = jax.jit(lambda sets: [call(*s) for s in sets])
     jax.block_until_ready(run_all(operands))  # compile, plan, autotune
-    return _seconds_per_call(lambda i: run_all(operands), seconds, rounds) / len(operands)
+    measured = timing.time_calls(run_all, [(operands,)], rounds=rounds,
+                                 round_seconds=seconds / rounds)
+    return measured.seconds / len(operands)
 
 
 @functools.lru_cache(maxsize=1)  # both candidates of a problem time the same arrays
@@ -411,11 +273,19 @@ def _operand_sets(p: Problem) -> list[tuple]:
     return jax.block_until_ready([random_operands(p, seed) for seed in range(copies_for(p))])
 
 
-def stack_of(key: dispatch.StackKey) -> layers.Stack:
-    """The `layers.Stack` of a stack entry, every GEMM left to "auto"."""
-    return layers.Stack(layers=tuple(layers.Layer(act, bias)
-                                     for act, bias in zip(key.activations, key.biases)),
-                        precision=None, forward="auto", backward="auto")
+def stack_of(key: dispatch.StackKey) -> plan.Stack:
+    """The `plan.Stack` of a stack entry, every GEMM left to "auto"."""
+    return plan.Stack(layers=tuple(plan.Layer(act, bias)
+                                   for act, bias in zip(key.activations, key.biases)),
+                      precision=None, forward="auto", backward="auto")
+
+
+def plan_of(key: dispatch.StackKey, on_gpu: bool) -> plan.StackPlan:
+    """The plan of a stack entry: with `on_gpu`, its GEMMs' backends as "auto" chooses them
+    now on this CUDA GPU (inside `dispatch.measuring`, by this run's GEMM entries); without,
+    the fused stack throughout (the "fused" candidate, whatever the tables say)."""
+    ctx = plan.default_context()._replace(tables_decide=lambda: on_gpu)
+    return plan.plan_stack(ctx, stack_of(key), key.rows, key.widths, key.dtype)
 
 
 def stack_fn(key: dispatch.StackKey, candidate: str) -> Callable:
@@ -424,8 +294,10 @@ def stack_fn(key: dispatch.StackKey, candidate: str) -> Callable:
     step: (x, params, target) -> (loss, (dx, dparams)), `jax.value_and_grad` of
     `squared_error` w.r.t. x and the parameters, as a training step uses the layer (the loss
     gradient's elementwise work is then in the step, as it is in the user's)."""
-    run = {"plain": layers._plain_expression, "fused": layers._stack}[candidate]
-    forward = functools.partial(run, stack_of(key))
+    if candidate == "plain":
+        forward = functools.partial(layers._plain_expression, stack_of(key))
+    else:
+        forward = functools.partial(layers._stack, plan_of(key, on_gpu=False))
     if key.mode == "forward":
         return forward
 
@@ -438,15 +310,9 @@ def fused_gemm_backends(key: dispatch.StackKey) -> list[str]:
     """"cublaslt" or "xla" for each GEMM the fused candidate of `key` issues (the training
     step's forward and backward GEMMs, or the inference forward's), as "auto" chooses them now:
     inside `dispatch.measuring`, by this run's GEMM entries."""
-    stack = stack_of(key)
-    if key.mode == "forward":
-        gemms = [(Epilog.find(layer.activation, layer.has_bias, keep_residual=False),
-                  1, key.rows, n, k, False, False)
-                 for layer, k, n in zip(stack.layers, key.widths, key.widths[1:])]
-    else:
-        gemms = [gemm for _, gemm in layers._gemms(stack.layers, key.rows, key.widths)]
-    return [config.backend_override() or dispatch.choose(epilog, key.dtype, *problem)
-            for epilog, *problem in gemms]
+    planned = plan_of(key, on_gpu=True)
+    gemms = planned.forward_gemms if key.mode == "forward" else planned.gemms
+    return [gemm.backend for gemm in gemms]
 
 
 def stack_operands(key: dispatch.StackKey, seed: int = 0) -> tuple:
@@ -481,13 +347,13 @@ def _stack_operand_sets(key: dispatch.StackKey) -> list[tuple]:
 
 def time_stack(key: dispatch.StackKey, candidate: str, *,
                seconds: float = SECONDS_PER_CANDIDATE, rounds: int = ROUNDS) -> float:
-    """Seconds per call of the stack as `candidate` (`_seconds_per_call`): one jitted call per
+    """Seconds per call of the stack as `candidate` (`timing.time_calls`): one jitted call per
     step, each on the next copy of the inputs (so the inputs come from HBM, and each call pays
     its custom calls' own cost, as in a real program). Call it inside `dispatch.measuring`."""
     sets = _stack_operand_sets(key)
     fn = jax.jit(stack_fn(key, candidate))
     jax.block_until_ready([fn(*s) for s in sets])  # compile, plan, autotune
-    return _seconds_per_call(lambda i: fn(*sets[i % len(sets)]), seconds, rounds)
+    return timing.time_calls(fn, sets, rounds=rounds, round_seconds=seconds / rounds).seconds
 
 
 # --- 3. the run ---------------------------------------------------------------------------------

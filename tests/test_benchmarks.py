@@ -125,16 +125,14 @@ def test_the_plain_path_is_the_users_program(monkeypatch, forward_choice):
     any ratio away from 1 on such a row is timing noise. With the inference entry on "fused"
     (M3), the step still is (the custom VJP that keeps the fused forward for inference leaves
     no trace in the differentiated module)."""
-    import types
-
     import never_slower
 
-    from jax_epilog import dispatch, layers, tune
+    from jax_epilog import dispatch, plan, tune
 
     choices = {"step": "plain", "forward": forward_choice}
-    monkeypatch.setattr(layers, "_on_cuda_gpu", lambda: True)  # the CPU poses as a CUDA GPU
+    monkeypatch.setattr(plan, "on_cuda_gpu", lambda: True)  # the CPU poses as a CUDA GPU
     monkeypatch.setattr(dispatch, "stack_decision",
-                        lambda key: types.SimpleNamespace(choice=choices[key.mode]))
+                        lambda key: dispatch.Decision(choices[key.mode], "shipped"))
     modes = ("forward", "step") if forward_choice == "plain" else ("step",)
     for w in tune.grid_workloads(["G7", "G4", "M3"]):
         for mode in modes:

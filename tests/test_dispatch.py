@@ -399,8 +399,10 @@ def test_override_and_measuring_leave_stacks_to_the_per_gemm_rule(tables, monkey
 
 @pytest.fixture
 def layer_gpu(tables, monkeypatch):
-    from jax_epilog import layers
-    monkeypatch.setattr(layers, "_on_cuda_gpu", lambda: True)
+    from jax_epilog import plan
+    monkeypatch.setattr(plan, "on_cuda_gpu", lambda: True)
+    # The layers' choices are under test, not matmul's own for a call whose step runs XLA.
+    monkeypatch.setattr(plan, "plan_matmul_step", lambda *args: plan.Choice("fused", "test"))
     return tables
 
 

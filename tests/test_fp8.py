@@ -23,7 +23,7 @@ import pytest
 import fp8_reference
 import jax_epilog
 from fp8_reference import PAIRS, RESULTS, make, mismatches
-from jax_epilog import Epilog, dispatch, lowering
+from jax_epilog import Epilog, dispatch, lowering, plan
 from jax_epilog.primitive import epilog_matmul_p
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -375,7 +375,7 @@ def _lower_for_cuda(monkeypatch, *, fp8_library: bool, supported):
     monkeypatch.setattr(lowering.cuda_library, "supports_fp8", lambda: fp8_library, raising=False)
     monkeypatch.setattr(lowering.cuda_library, "query_support",
                         lambda *args, **kw: (supported, "CUBLAS_STATUS_NOT_SUPPORTED (test)"))
-    monkeypatch.setattr(lowering, "_has_cuda_devices", lambda: False)
+    monkeypatch.setattr(plan, "has_cuda_devices", lambda: False)
     rng = np.random.default_rng(15)
     a, b, inputs, qs = make(rng, Epilog.BGRADB, m=16, n=32, k=16, transpose_b=True)
 

@@ -19,7 +19,7 @@ import pytest
 
 import jax_epilog
 import numpy_reference
-from jax_epilog import Fp8, fp8
+from jax_epilog import Fp8, fp8, plan
 from test_layers import make_stack, saved_residuals
 
 ALL = Fp8(layers="all")
@@ -339,13 +339,16 @@ def test_no_gemm_asks_for_an_amax_and_float32_avoids_missing_kernels(dtype, back
     else:
         assert len(moved) == (3 if activation == "relu" else 5) and all(e not in fp8.FLOAT32_KERNEL_EPILOGS for e, _ in moved)
         assert all(b == "auto" for e, b, *_ in calls if e == jax_epilog.Epilog.DEFAULT)
-    assert fp8.gemm_backend("cublaslt", jax_epilog.Epilog.BIAS, jnp.float32) == "cublaslt"
-    assert fp8.gemm_backend("auto", jax_epilog.Epilog.BIAS, jnp.bfloat16) == "auto"
+    no_override = lambda: None
+    assert plan.fp8_gemm_backend("cublaslt", jax_epilog.Epilog.BIAS, jnp.float32,
+                                 no_override).choice == "cublaslt"
+    assert plan.fp8_gemm_backend("auto", jax_epilog.Epilog.BIAS, jnp.bfloat16,
+                                 no_override).choice == "auto"
 
 
 def test_mixed_fp8_and_plain_layers_match_the_model(monkeypatch):
     """`Fp8()` (auto) with a low threshold: aligned layers FP8, unaligned ones not."""
-    monkeypatch.setattr(fp8, "FP8_MIN_FLOPS", 1)
+    monkeypatch.setattr(plan, "FP8_MIN_FLOPS", 1)
     widths = (32, 48, 64, 129, 16)
     x, params = make_stack(3, widths, lead=(11,))
     activations = ("gelu", "gelu", "gelu", None)

@@ -1,4 +1,4 @@
-"""The CUDA lowering's re-layout (`lowering._kernel_layout`): where cuBLASLt has no kernel for a
+"""The CUDA lowering's re-layout (`plan.kernel_layout`): where cuBLASLt has no kernel for a
 call's operand layout but has one for another, the operand(s) are transposed in XLA and the
 custom call runs in that layout, instead of the reference.
 
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jax_epilog
-from jax_epilog import Epilog, lowering
+from jax_epilog import Epilog, lowering, plan
 from jax_epilog.primitive import Params, kernel_p
 from problems import make_problem
 
@@ -38,7 +38,7 @@ def _on_cuda(monkeypatch, query=_h200_gaps):
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     monkeypatch.setattr(lowering.cuda_library, "available", lambda: True)
     monkeypatch.setattr(lowering.cuda_library, "query_support", query)
-    monkeypatch.setattr(lowering, "_has_cuda_devices", lambda: False)
+    monkeypatch.setattr(plan, "has_cuda_devices", lambda: False)
 
 
 def _export(f, *args) -> str:

@@ -19,7 +19,7 @@ from jax.test_util import check_grads
 
 import jax_epilog
 import numpy_reference
-from jax_epilog import Epilog, layers
+from jax_epilog import Epilog, cuda_library, layers, plan
 
 
 @pytest.fixture(autouse=True)
@@ -542,19 +542,22 @@ def test_plain_expression_where_every_gemm_runs_xla(monkeypatch, xla_gemms, plai
     from jax_epilog import dispatch
     seen = []
 
-    def choose(epilog, dtype, *problem):
+    def decision(epilog, dtype, *problem):
         seen.append(epilog)
-        return "cublaslt" if xla_gemms == "all but one" and len(seen) == 2 else "xla"
+        choice = "cublaslt" if xla_gemms == "all but one" and len(seen) == 2 else "xla"
+        return dispatch.Decision(choice, "test")
 
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(layers.cuda_library, "available", lambda: True)
-    monkeypatch.setattr(dispatch, "choose", choose)
+    monkeypatch.setattr(cuda_library, "available", lambda: True)
+    monkeypatch.setattr(dispatch, "decision", decision)
+    # The layers' choices are under test, not matmul's own for a call whose step runs XLA.
+    monkeypatch.setattr(plan, "plan_matmul_step", lambda *args: plan.Choice("fused", "test"))
     x, params = make_stack(17, (24, 40, 16), lead=(6,))
     fn = jax.grad(loss_of(mlp_fn("relu", None)), (0, 1))
     backends = backends_by_epilog(jax.make_jaxpr(fn)(x, params))
     assert (backends == {}) == plain
-    assert len(seen) == (6 if plain else 2)  # 3 GEMMs per layer; the first "cublaslt" stops
+    assert len(seen) == 8  # the plan asks for each GEMM: 3 per layer in a step, 1 inference
     got = jax.jit(fn)(x, params)
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert_trees_close(got, jax.jit(fn)(x, params), rtol=2e-5, atol=2e-5)
@@ -563,8 +566,10 @@ def test_plain_expression_where_every_gemm_runs_xla(monkeypatch, xla_gemms, plai
 def test_forced_backends_decide_without_dispatch(monkeypatch):
     from jax_epilog import dispatch
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(layers.cuda_library, "available", lambda: True)
-    monkeypatch.setattr(dispatch, "choose", lambda *a: pytest.fail("dispatch asked"))
+    monkeypatch.setattr(cuda_library, "available", lambda: True)
+    monkeypatch.setattr(dispatch, "decision", lambda *a: pytest.fail("dispatch asked"))
+    # The layers' choices are under test, not matmul's own for a call whose step runs XLA.
+    monkeypatch.setattr(plan, "plan_matmul_step", lambda *args: plan.Choice("fused", "test"))
     x, params = make_stack(18, (24, 40, 16), lead=(6,))
     plain = mlp_fn("relu", None, "unfused", forward="xla")
     assert backends_by_epilog(jax.make_jaxpr(plain)(x, params)) == {}

@@ -1,0 +1,611 @@
+"""The plan: every choice about how a call or a stack of layers runs, made here, once, from what
+is known when it is traced or lowered, with the rule or table entry that made it.
+
+Two plans, made by pure functions of their inputs and of a `Context` (what the choices depend
+on beyond the call: the backend override, whether this host has a CUDA GPU and the library,
+the decision tables of `dispatch`, cuBLASLt's support answers):
+
+- `plan_stack`, when a `dense`/`mlp` stack is traced (`layers._run`): for each layer whether it
+  runs FP8 (`Fp8`), where its ReLU derivative comes from and which GEMMs write FP8 tensors;
+  every GEMM of the stack (`stack_gemms`: the one list of what the layers issue) with its
+  epilog, layout and the backend the layer asks `matmul` for, and what that backend becomes
+  on CUDA; and whether the training step and the inference forward run the fused stack or the
+  plain expression. `layers` and `fp8` carry it out, `tune` times its stacks and GEMMs.
+- `plan_call`, when one call of the inner primitive is lowered for CUDA (`lowering.lower_cuda`):
+  the cuBLASLt kernel, XLA's own GEMM, the reference, a padded or relaid-out kernel.
+
+Both resolve a GEMM's ``backend="auto"`` through `gemm_backend` (explicit backend, then
+``JAX_EPILOG_BACKEND``, then the tables), the one place that does. `jax_epilog.explain` prints
+the plans of a program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
+
+import jax
+import numpy as np
+
+from . import config, cuda_library, dispatch, padding
+from .call import Params, problem_of
+from .epilogs import Epilog, is_fp8
+
+
+# --- a stack as the layers describe it --------------------------------------------------------
+
+class Layer(NamedTuple):
+    """What the custom VJP needs to know, statically, about one layer."""
+
+    activation: Optional[str]
+    has_bias: bool
+
+
+class Stack(NamedTuple):
+    """Static description of a stack (hashable: the custom_vjp's non-differentiable argument).
+
+    `inference`: what the stack's primal (the inference forward, where nothing differentiates
+    it) runs, "fused" or "plain", as `plan_stack` chose."""
+
+    layers: tuple[Layer, ...]
+    precision: Any
+    forward: str   # the `backend` of the forward GEMMs
+    backward: str  # and of the backward ones
+    inference: str = "fused"
+
+
+def weight_grad_epilog(with_bias_grad: bool) -> Epilog:
+    return Epilog.BGRADB if with_bias_grad else Epilog.DEFAULT
+
+
+def data_grad_epilog(previous: Optional[Layer]) -> Epilog:
+    """DRELU_BGRAD and friends where the previous layer is activated, else a plain GEMM."""
+    if previous is None or previous.activation is None:
+        return Epilog.DEFAULT
+    return Epilog.find_derivative(previous.activation, bias_gradient=previous.has_bias)
+
+
+def weight_grad_gives_bias_grad(layers, i: int) -> bool:
+    """Whether layer i's bias gradient comes from its weight-gradient GEMM (BGRADB): it has a
+    bias that the data-gradient GEMM of layer i + 1 does not reduce (DRELU_BGRAD and friends)."""
+    given_above = i + 1 < len(layers) and data_grad_epilog(layers[i]).reduction_output
+    return layers[i].has_bias and not given_above
+
+
+# --- what is known beyond the call ----------------------------------------------------------
+
+@functools.cache
+def has_cuda_devices() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+def on_cuda_gpu() -> bool:
+    """Whether the layers run on a CUDA GPU with the library (elsewhere they run the reference:
+    the layer is the same code whichever path it takes)."""
+    return jax.default_backend() == "gpu" and cuda_library.available()
+
+
+class Context(NamedTuple):
+    """What the choices depend on beyond the call itself, each asked only when a choice needs it
+    (`context()` gives this process's; tests and `explain` pass their own)."""
+
+    override: Callable[[], Optional[str]]  # JAX_EPILOG_BACKEND: "cublaslt", "xla" or None
+    tables_decide: Callable[[], bool]  # layers: a CUDA GPU whose tables choose stacks and GEMMs
+    cuda_devices: Callable[[], bool]  # lowering: this host has CUDA devices (else an export)
+    library: Callable[[], bool]  # the cuBLASLt library is loaded
+    gemm_table: Callable[..., dispatch.Decision]  # (epilog, dtype, batch, m, n, k, ta, tb)
+    stack_table: Callable[[dispatch.StackKey], Optional[dispatch.Decision]]
+    # Told of each stack whose fused form is traced, and how ("step" or "forward"): how `tune`
+    # and `explain` find a program's stacks. Decides nothing.
+    observe: Optional[Callable[[StackPlan, str], None]] = None
+
+
+def default_context() -> Context:
+    """This process's context: its settings, its devices, its tables (each read when asked)."""
+    return Context(override=lambda: config.backend_override(),
+                   tables_decide=lambda: on_cuda_gpu(),
+                   cuda_devices=lambda: has_cuda_devices(),
+                   library=lambda: cuda_library.available(),
+                   gemm_table=lambda *problem: dispatch.decision(*problem),
+                   stack_table=lambda key: dispatch.stack_decision(key))
+
+
+_active: contextvars.ContextVar[Optional[Context]] = contextvars.ContextVar(
+    "jax_epilog_plan_context", default=None)
+
+
+def context() -> Context:
+    """The context the layers and the lowering plan with: the one `planning` set, else
+    `default_context()`."""
+    return _active.get() or default_context()
+
+
+@contextlib.contextmanager
+def planning(ctx: Context):
+    """Within the block (in this thread), traces and lowerings plan with `ctx`. A function jitted
+    before keeps its cached trace: `tune` and `explain` clear JAX's caches first."""
+    token = _active.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _active.reset(token)
+
+
+# --- one GEMM's backend ------------------------------------------------------------------------
+
+class Choice(NamedTuple):
+    """A choice and the rule or table entry that made it."""
+
+    choice: str
+    why: str
+
+
+def describe(decision: dispatch.Decision) -> str:
+    """Why `dispatch` decided as it did, in words."""
+    entry = decision.entry
+    measured = ""
+    if entry is not None and hasattr(entry, "seconds"):
+        times = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in entry.seconds.items()
+                          if isinstance(v, float))
+        where = (f"{entry.epilog} {entry.dtype} rows={entry.m} N={entry.n} K={entry.k}"
+                 if isinstance(entry, dispatch.Entry) else str(entry.key))
+        measured = f": nearest entry {where} ({times})"
+    return {
+        "override": "JAX_EPILOG_BACKEND",
+        "measuring": "this tune run's measurement" + measured,
+        "user": "your table (JAX_EPILOG_DECISIONS)" + measured,
+        "shipped": "the table shipped for this GPU" + measured,
+        "fp8": "FP8 operands without a nearby entry: the kernel (SPEC §5)",
+        "none": "no nearby entry in this GPU's tables: XLA",
+        "reference-gpu": ("no table for this GPU: the kernel only where every nearby entry "
+                          "of the reference GPU's table chose it") + measured,
+    }.get(decision.source, decision.source)
+
+
+def auto_backend(ctx: Context, epilog, dtype, batch: int, m: int, n: int, k: int,
+                 transpose_a: bool, transpose_b: bool) -> Choice:
+    """What ``backend="auto"`` runs on a CUDA GPU: the override, else the tables."""
+    override = ctx.override()
+    if override is not None:
+        return Choice(override, "JAX_EPILOG_BACKEND")
+    decision = ctx.gemm_table(Epilog(epilog), np.dtype(dtype), batch, m, n, k, transpose_a,
+                              transpose_b)
+    return Choice(decision.choice, describe(decision))
+
+
+def gemm_backend(ctx: Context, requested: str, epilog, dtype, batch: int, m: int, n: int,
+                 k: int, transpose_a: bool, transpose_b: bool) -> Choice:
+    """"cublaslt" or "xla" for one normalised problem lowered for CUDA with
+    ``backend=requested``: as asked, else `auto_backend`; exported from a host without a CUDA
+    device (no tables for the device it will run on): the kernel."""
+    if requested != "auto":
+        return Choice(requested, f"backend={requested!r} asked for")
+    if ctx.override() is None and not ctx.cuda_devices():
+        return Choice("cublaslt", "no CUDA device on this host (an export): the kernel")
+    return auto_backend(ctx, epilog, dtype, batch, m, n, k, transpose_a, transpose_b)
+
+
+# --- FP8: which layers, and where each FP8 tensor comes from ----------------------------------
+
+#: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`.
+#: Measured on the H200 (benchmarks/README.md, XLA's FP8 step): M1's 65536×4096×4096 layers
+#: (2.2e12) gain 1.46×, M2's 16384×1024×1024 layers (3.4e10) lose (0.72×). The crossover between them
+#: is what `benchmarks/fp8_bench.py --sweep` measures; until then this sits conservatively
+#: near M1's size.
+FP8_MIN_FLOPS = 2**40
+#: FP8 GEMMs want K and N in multiples of 16 elements; others would be padded (a copy) first.
+FP8_ALIGNMENT = 16
+#: The epilogs whose FP8 GEMM cuBLASLt 13.1 can write as e4m3 with its amax (measured on the
+#: H200, docs/fp8.md's kernel table): under delayed scaling such a layer writes the next
+#: layer's FP8 input itself.
+FP8_RESULT_EPILOGS = frozenset({Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS,
+                                Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS})
+#: The epilogs cuBLASLt 13.1 runs with FP8 operands and a float32 result (measured on the
+#: H200: no kernel with a bias, a bias gradient or an activation's auxiliary output).
+FLOAT32_KERNEL_EPILOGS = frozenset({Epilog.DEFAULT, Epilog.DRELU})
+
+
+def fp8_pays_why(rows: int, k: int, n: int) -> Choice:
+    """`fp8_pays` with its reason."""
+    if k % FP8_ALIGNMENT or n % FP8_ALIGNMENT:
+        return Choice("bf16", f"K={k} or N={n} is not a multiple of {FP8_ALIGNMENT} (FP8 "
+                              "would pad, a copy)")
+    flops = 2 * rows * k * n
+    if flops < FP8_MIN_FLOPS:
+        return Choice("bf16", f"2·rows·K·N = {flops:.3g} FLOPs < FP8_MIN_FLOPS "
+                              f"({FP8_MIN_FLOPS:.3g}): quantizing costs more than FP8 saves")
+    return Choice("fp8", f"2·rows·K·N = {flops:.3g} FLOPs >= FP8_MIN_FLOPS "
+                         f"({FP8_MIN_FLOPS:.3g})")
+
+
+def fp8_pays(rows: int, k: int, n: int) -> bool:
+    """Whether `Fp8(layers="auto")` runs a layer `(rows, k) @ (k, n)` in FP8: its GEMM has at
+    least `FP8_MIN_FLOPS` FLOPs, and K and N are multiples of 16 (no padding copy). Below
+    that, the amax and cast passes over the activations cost more than the faster FP8 GEMMs
+    save (the single place this is decided)."""
+    return fp8_pays_why(rows, k, n).choice == "fp8"
+
+
+def quantized_layers(fp8, rows: int, widths) -> tuple[Choice, ...]:
+    """Per layer "fp8" or "bf16" (the compute dtype) under the `Fp8` config `fp8`, and why."""
+    if fp8.layers == "all":
+        return tuple(Choice("fp8", 'Fp8(layers="all")') for _ in widths[1:])
+    return tuple(fp8_pays_why(rows, k, n) for k, n in zip(widths, widths[1:]))
+
+
+def fp8_gemm_backend(requested: str, epilog: Epilog, result_dtype, override) -> Choice:
+    """The backend the FP8 layers ask of `matmul` for one FP8 GEMM under the stack's
+    `forward`/`backward` (`override`: ``JAX_EPILOG_BACKEND``). Only "auto" is changed (an
+    explicit backend runs as asked), to XLA's FP8 GEMM and fusions (or the override, which
+    replaces every automatic choice) where:
+
+    - the result is float32 and cuBLASLt has no FP8 kernel for the epilog
+      (`FLOAT32_KERNEL_EPILOGS`): XLA's FP8 GEMM to float32 rather than the reference fallback;
+    - the GEMM applies an activation's derivative (DRELU_BGRAD and friends): XLA's FP8 GEMM,
+      then the derivative, the bias gradient and the amax as fusions. On the H200 cuBLASLt's
+      FP8 DRELU_BGRAD ran at 672 TFLOP/s on G1 where its plain FP8 GEMM ran at 1283 and XLA's
+      at 1234 (benchmarks/README.md): ~1.5 ms lost per M1 layer against ~0.5 ms of elementwise
+      passes. `backward="fused"` keeps the kernel (fp8_bench's ours_fp8_fused row measures
+      both), and so does JAX_EPILOG_BACKEND=cublaslt.
+    """
+    if requested != "auto":
+        return Choice(requested, f"backend={requested!r} asked for")
+    if np.dtype(result_dtype) == np.float32 and epilog not in FLOAT32_KERNEL_EPILOGS:
+        return Choice(override() or "xla", f"cuBLASLt 13.1 has no FP8 {epilog.name} kernel "
+                                           "with a float32 result: XLA's FP8 GEMM")
+    if epilog.derivative:
+        return Choice(override() or "xla", "an FP8 GEMM applying a derivative runs faster "
+                                           "as XLA's FP8 GEMM and fusions (H200)")
+    return Choice("auto", "")
+
+
+class LayerPlan(NamedTuple):
+    """One layer of a stack: FP8 or the compute dtype, and, for FP8 stacks, where tensors come
+    from (the rules are `relu_from_next_input`, `writes_fp8_result`, `writes_fp8_gradient`)."""
+
+    fp8: bool
+    why: str
+    relu_from_next_input: bool = False
+    writes_fp8_result: bool = False
+    writes_fp8_gradient: bool = False
+
+
+def relu_from_next_input(stack: Stack, quantized, i: int) -> bool:
+    """Whether layer i's ReLU derivative is taken from the next layer's FP8 input, `h8 > 0`
+    (`h8 = Q(relu(z))`, which that layer keeps anyway), so that layer i keeps no mask and its
+    forward GEMM has no aux output (RELU_BIAS, not RELU_AUX_BIAS). The one rule: a ReLU layer
+    followed by an FP8 layer, under `backward="auto"` (whose data gradients through ReLU then
+    are plain FP8 GEMMs and XLA fusions); an explicit backend keeps the packed mask (
+    `"fused"`: cuBLASLt's DRELU_BGRAD reads it; `"unfused"`: XLA's FP8 GEMM then the mask's
+    derivative, the path "auto" took before). The derivative differs from the mask's only
+    where z > 0 quantizes to 0 (`q(h)·z` under 2**-10, half e4m3's smallest subnormal: about
+    2**-19 of h's amax) and at z = ±0 (and NaN): 0 there, `jax.nn.relu`'s own convention at 0,
+    where cuBLASLt's mask bit passes the gradient."""
+    return stack.layers[i].activation == "relu" and i + 1 < len(quantized) and \
+        quantized[i + 1] and stack.backward == "auto"
+
+
+def writes_fp8_result(stack: Stack, fp8, quantized, i: int, dtype) -> bool:
+    """Whether layer i's forward GEMM writes the next layer's FP8 input (and its amax) itself,
+    so that input needs no cast and no amax pass: under delayed scaling (the scale is known
+    before the GEMM), a next layer in FP8, an epilog cuBLASLt has an e4m3 result for
+    (`FP8_RESULT_EPILOGS`), and bfloat16 compute (an FP8 result's bias and aux are bfloat16,
+    SPEC §5)."""
+    layer = stack.layers[i]
+    epilog = Epilog.find(layer.activation, layer.has_bias, False)
+    return fp8.delayed and i + 1 < len(quantized) and quantized[i] and quantized[i + 1] and \
+        np.dtype(dtype) == np.dtype("bfloat16") and epilog in FP8_RESULT_EPILOGS
+
+
+def writes_fp8_gradient(stack: Stack, fp8, quantized, i: int) -> bool:
+    """Whether the data-gradient GEMM of layer i + 1 writes layer i's FP8 gradient dZ8 (and
+    its amax) itself, so the 16-bit data gradient never exists: under delayed scaling (the
+    scale known before the GEMM), for a ReLU whose derivative comes from the next layer's
+    input (`relu_from_next_input`: a 0/1 mask, which commutes with the quantization, applied
+    to the FP8 bits), layer i in FP8. The amax is the GEMM's, before the mask: an upper bound
+    of dZ's."""
+    return fp8.delayed and quantized[i] and relu_from_next_input(stack, quantized, i)
+
+
+def _layer_plans(stack: Stack, fp8, rows: int, widths, dtype) -> tuple[LayerPlan, ...]:
+    if fp8 is None:
+        return tuple(LayerPlan(False, "no fp8=") for _ in stack.layers)
+    choices = quantized_layers(fp8, rows, widths)
+    quantized = tuple(c.choice == "fp8" for c in choices)
+    if not any(quantized):
+        return tuple(LayerPlan(False, c.why) for c in choices)
+    return tuple(LayerPlan(q, c.why, relu_from_next_input(stack, quantized, i),
+                           writes_fp8_result(stack, fp8, quantized, i, dtype),
+                           writes_fp8_gradient(stack, fp8, quantized, i))
+                 for i, (q, c) in enumerate(zip(quantized, choices)))
+
+
+# --- the GEMMs of a stack -------------------------------------------------------------------
+
+class Gemm(NamedTuple):
+    """One GEMM a stack issues, as the kernel sees it (batch, M, N, K normalised), with the
+    backend the layer asks of `matmul` (`requested`, and why where the layer changed it) and,
+    where the plan is made for a CUDA GPU, what that becomes (`backend`, `why`)."""
+
+    layer: Optional[int]  # None: a call of its own (`explanation`), not a stack's
+    role: str  # "forward", "weight gradient" or "data gradient"
+    epilog: Epilog
+    dtype: str  # a's dtype, and b's after "x" where it differs (FP8)
+    result_dtype: str
+    batch: int
+    m: int
+    n: int
+    k: int
+    transpose_a: bool
+    transpose_b: bool
+    requested: str
+    requested_why: str = ""
+    backend: Optional[str] = None
+    why: str = ""
+
+    @property
+    def problem(self) -> tuple:
+        """`dispatch`'s arguments after the epilog and dtype."""
+        return (self.batch, self.m, self.n, self.k, self.transpose_a, self.transpose_b)
+
+    @property
+    def operand_dtype(self) -> str:
+        return self.dtype.split(" x ")[0]
+
+
+def stack_gemms(stack: Stack, layer_plans, rows: int, widths, dtype, fp8, mode: str,
+                override: Callable[[], Optional[str]] = lambda: None) -> tuple[Gemm, ...]:
+    """Every GEMM the stack issues, in the order the layers issue them: the forward GEMMs
+    (`mode` "forward": only those, without residuals), then for "step" the backward's, from
+    the last layer down (its weight gradient, then its data gradient). The one list of them."""
+    dtype = np.dtype(dtype).name
+    step = mode == "step"
+    forward, backward = [], []
+    for i, (layer, lp) in enumerate(zip(stack.layers, layer_plans)):
+        k, n = widths[i], widths[i + 1]
+        keep = step and not lp.relu_from_next_input
+        epilog = Epilog.find(layer.activation, layer.has_bias, keep)
+        if not lp.fp8:
+            forward.append(Gemm(i, "forward", epilog, dtype, dtype, 1, rows, n, k, False, False,
+                                stack.forward))
+            weight = weight_grad_epilog(weight_grad_gives_bias_grad(stack.layers, i))
+            backward.append((
+                Gemm(i, "weight gradient", weight, dtype, dtype, 1, k, n, rows, True, False,
+                     stack.backward),
+                Gemm(i, "data gradient", data_grad_epilog(stack.layers[i - 1] if i else None),
+                     dtype, dtype, 1, rows, k, n, False, True, stack.backward)))
+            continue
+        result = fp8.forward if lp.writes_fp8_result else dtype
+        requested = fp8_gemm_backend(stack.forward, epilog, result, override)
+        forward.append(Gemm(i, "forward", epilog, fp8.forward, result, 1, rows, n, k, False,
+                            False, *requested))
+        weight = fp8_gemm_backend(stack.backward, Epilog.DEFAULT, dtype, override)
+        below = layer_plans[i - 1] if i else None
+        if below is not None and below.writes_fp8_gradient:
+            data, result = Epilog.DEFAULT, fp8.gradient
+        elif below is not None and below.relu_from_next_input:
+            data, result = Epilog.DEFAULT, dtype
+        else:
+            data, result = data_grad_epilog(stack.layers[i - 1] if i else None), dtype
+        gradient = f"{fp8.gradient} x {fp8.forward}"
+        backward.append((
+            Gemm(i, "weight gradient", Epilog.DEFAULT, f"{fp8.forward} x {fp8.gradient}", dtype,
+                 1, k, n, rows, False, True, *weight),
+            Gemm(i, "data gradient", data, gradient, result, 1, rows, k, n, False, True,
+                 *fp8_gemm_backend(stack.backward, data, result, override))))
+    if not step:
+        return tuple(forward)
+    return (*forward, *(g for pair in reversed(backward) for g in pair))
+
+
+# --- the stack's plan ----------------------------------------------------------------------
+
+class StackPlan(NamedTuple):
+    """How one traced `dense`/`mlp` stack runs (hashable: the FP8 custom VJP's
+    non-differentiable argument)."""
+
+    stack: Stack  # its `inference` is the inference forward's path
+    rows: int
+    widths: tuple[int, ...]
+    dtype: str
+    fp8: Any  # the `Fp8` config, or None
+    layers: tuple[LayerPlan, ...]
+    step: Choice  # "fused", "plain" or "fp8": the training step
+    inference: Choice  # "fused", "plain" or "fp8": the forward where nothing differentiates
+    gemms: tuple[Gemm, ...]  # of the training step (`stack_gemms`), planned for CUDA
+    forward_gemms: tuple[Gemm, ...]  # of the inference forward
+
+    @property
+    def quantized(self) -> tuple[bool, ...]:
+        return tuple(lp.fp8 for lp in self.layers)
+
+    @property
+    def any_fp8(self) -> bool:
+        return any(self.quantized)
+
+    def gemm(self, layer: int, role: str, mode: str = "step") -> Gemm:
+        """The planned GEMM of `layer` in `role` ("forward", "weight gradient", "data
+        gradient") of the training step or ("forward" mode) of the inference forward."""
+        gemms = self.gemms if mode == "step" else self.forward_gemms
+        return next(g for g in gemms if g.layer == layer and g.role == role)
+
+    def key(self, mode: str) -> dispatch.StackKey:
+        """The stack's entry in the decision tables for `mode` ("step" or "forward")."""
+        layers = self.stack.layers
+        return dispatch.make_stack_key(self.dtype, self.rows, self.widths,
+                                       [layer.activation for layer in layers],
+                                       [layer.has_bias for layer in layers], mode)
+
+
+def left_to_auto(stack: Stack) -> bool:
+    return stack.forward == "auto" and stack.backward == "auto"
+
+
+def _on_cuda(ctx: Context, gemms, dtype) -> tuple[Gemm, ...]:
+    """`gemms` with what each runs on a CUDA GPU (the tables consulted where the GEMM is left
+    to "auto")."""
+    planned = []
+    for g in gemms:
+        if g.requested == "auto":
+            choice = auto_backend(ctx, g.epilog, g.operand_dtype, *g.problem)
+        else:
+            choice = Choice(g.requested, g.requested_why or f"backend={g.requested!r} asked for")
+        planned.append(g._replace(backend=choice.choice, why=choice.why))
+    return tuple(planned)
+
+
+def _measured(ctx: Context, plan_key: dispatch.StackKey, stack: Stack) -> Optional[Choice]:
+    """The stack's nearest measured entry for its mode, where the tables decide: none for a
+    stack that asked for a backend, nor under the override (its GEMMs then run as asked)."""
+    if not left_to_auto(stack) or ctx.override() is not None:
+        return None
+    decision = ctx.stack_table(plan_key)
+    if decision is None:
+        return None
+    return Choice(decision.choice, f"stack entry ({describe(decision)})")
+
+
+def plan_stack(ctx: Context, stack: Stack, rows: int, widths, dtype, fp8=None) -> StackPlan:
+    """The plan of a stack on `rows` rows (`widths`: K of the first layer, then each layer's
+    N) in the computation dtype `dtype`, under the `Fp8` config `fp8` (or None).
+
+    The training step is the plain expression under JAX's autodiff on a CUDA GPU where the
+    stack's measured entry chose it, or, without an entry, where every GEMM of the step runs
+    XLA's way (the plain expression is then exactly what XLA makes of a user's own); the
+    inference forward follows its own entry where it has one, else the step. Elsewhere (no
+    CUDA GPU: the reference runs, the same code whichever path) the fused stack."""
+    widths = tuple(int(w) for w in widths)
+    dtype = np.dtype(dtype).name
+    layer_plans = _layer_plans(stack, fp8, rows, widths, dtype)
+    on_gpu = ctx.tables_decide()
+    gemms = stack_gemms(stack, layer_plans, rows, widths, dtype, fp8, "step", ctx.override)
+    forward_gemms = stack_gemms(stack, layer_plans, rows, widths, dtype, fp8, "forward",
+                                ctx.override)
+    partial = StackPlan(stack, rows, widths, dtype, fp8, layer_plans, Choice("fused", ""),
+                        Choice("fused", ""), gemms, forward_gemms)
+    if on_gpu:
+        gemms, forward_gemms = _on_cuda(ctx, gemms, dtype), _on_cuda(ctx, forward_gemms, dtype)
+    if any(lp.fp8 for lp in layer_plans):
+        why = "FP8 layers: one FP8 custom VJP over the stack"
+        return partial._replace(step=Choice("fp8", why), inference=Choice("fp8", why),
+                                gemms=gemms, forward_gemms=forward_gemms)
+    if not on_gpu:
+        step = Choice("fused", "not a CUDA GPU with the library: the fused stack, whose GEMMs "
+                               "run the reference here")
+        inference = step
+    else:
+        step = _measured(ctx, partial.key("step"), stack)
+        if step is None:
+            plain = all(g.backend == "xla" for g in gemms)
+            step = Choice("plain", "every GEMM of the step runs XLA's way") if plain else \
+                Choice("fused", "no stack entry, and a GEMM runs cuBLASLt")
+        inference = _measured(ctx, partial.key("forward"), stack) or \
+            Choice(step.choice, "as the training step (no inference entry)")
+    return partial._replace(stack=stack._replace(inference=inference.choice), step=step,
+                            inference=inference, gemms=gemms, forward_gemms=forward_gemms)
+
+
+def matmul_step_gemms(params: Params, a_shape, b_shape, dtype,
+                      forward_epilog: Epilog) -> tuple[Gemm, ...]:
+    """The GEMMs of a differentiated `matmul` call's training step: its forward
+    (`forward_epilog`: with the residual its backward needs), the data gradient dA and the
+    weight gradient dB (with the bias gradient, BGRADB, where the call has a bias)."""
+    batch, m, n, k = problem_of(a_shape, b_shape, params.transpose_a, params.transpose_b)
+    dtype, requested = np.dtype(dtype).name, params.backend
+    weight = Epilog.BGRADB if Epilog(params.epilog).has_bias else Epilog.DEFAULT
+    return (Gemm(None, "forward", forward_epilog, dtype, dtype, batch, m, n, k,
+                 params.transpose_a, params.transpose_b, requested),
+            Gemm(None, "data gradient", Epilog.DEFAULT, dtype, dtype, batch, m, k, n, False,
+                 not params.transpose_b, requested),
+            Gemm(None, "weight gradient", weight, dtype, dtype, 1, k, n, batch * m, True, False,
+                 requested))
+
+
+def plan_matmul_step(ctx: Context, params: Params, a_shape, b_shape, dtype,
+                     forward_epilog: Epilog) -> Choice:
+    """"plain" where every GEMM of a `matmul` call's training step runs XLA's way on this CUDA
+    GPU (asked for, the override, or the tables): JAX then differentiates the plain expression,
+    which XLA compiles as it compiles a user's own; else "fused" (the call's custom VJP)."""
+    if not ctx.tables_decide():
+        return Choice("fused", "not a CUDA GPU with the library")
+    gemms = _on_cuda(ctx, matmul_step_gemms(params, a_shape, b_shape, dtype, forward_epilog),
+                     dtype)
+    if all(g.backend == "xla" for g in gemms):
+        return Choice("plain", "every GEMM of the step runs XLA's way")
+    return Choice("fused", "a GEMM of the step runs cuBLASLt")
+
+
+# --- one call's plan at lowering -------------------------------------------------------------
+
+Layout = tuple[bool, bool]  # (transpose_a, transpose_b)
+K_MAJOR: Layout = (False, True)  # a (M, K), b (N, K): the only layout of cuBLASLt's FP8 kernels
+
+
+class CallPlan(NamedTuple):
+    """How one call of the inner primitive lowers for CUDA: `way` is "reference" (exact),
+    "xla" (the reference in XLA's way: its own GEMM and fusions), "relayout" (operands
+    transposed in XLA to `layout`, then the kernel), "padded" (K or N zero-padded, then the
+    kernel) or "kernel" (the cuBLASLt custom call); `warning` says what to warn of."""
+
+    way: str
+    why: str
+    layout: Optional[Layout] = None
+    warning: Optional[str] = None  # "unavailable" or "fp8-reference"
+
+
+def _transposed(aval, flip: bool):
+    """`aval` (a rank-3 operand) with its last two axes swapped when `flip`."""
+    return aval.update(shape=(*aval.shape[:-2], aval.shape[-1], aval.shape[-2])) if flip else aval
+
+
+def kernel_layout(avals_in, params: Params, supports) -> Optional[Layout]:
+    """For a call in a layout cuBLASLt has no kernel for: the other layout it has one for with
+    the fewest bytes to transpose, or None. On the H200 (cuBLASLt 13.1) BGRADA runs only with a
+    stored (K, M) and BGRADB only with b stored (K, N): the summed operand with K by rows."""
+    own = (params.transpose_a, params.transpose_b)
+    a, b = avals_in[0], avals_in[1]
+    cost = {(ta, tb): (ta != own[0]) * a.size * a.dtype.itemsize +
+            (tb != own[1]) * b.size * b.dtype.itemsize
+            for ta in (False, True) for tb in (False, True) if (ta, tb) != own}
+    for ta, tb in sorted(cost, key=cost.get):
+        avals = [_transposed(a, ta != own[0]), _transposed(b, tb != own[1]), *avals_in[2:]]
+        if supports(avals, params._replace(transpose_a=ta, transpose_b=tb))[0]:
+            return ta, tb
+    return None
+
+
+def plan_call(ctx: Context, avals_in, params: Params, supports) -> CallPlan:
+    """The way one call lowers for CUDA (`lowering.py`'s module doc lists the cases).
+    `supports(avals, params) -> (bool, why)`: cuBLASLt's answer (True where it cannot tell)."""
+    if any(0 in x.shape for x in avals_in[:2]):
+        return CallPlan("reference", "an empty problem: nothing for a GEMM to do")
+    if not ctx.library() and ctx.cuda_devices():
+        return CallPlan("reference", "the cuBLASLt library is unavailable", warning="unavailable")
+    a, b = avals_in[0], avals_in[1]
+    p = problem_of(a.shape, b.shape, params.transpose_a, params.transpose_b)
+    backend = gemm_backend(ctx, params.backend, params.epilog, a.dtype, p.batch, p.m, p.n, p.k,
+                           params.transpose_a, params.transpose_b)
+    if backend.choice == "xla":
+        return CallPlan("xla", backend.why)
+    fp8 = is_fp8(a.dtype)
+    if fp8 and (params.transpose_a, params.transpose_b) != K_MAJOR:
+        return CallPlan("relayout", "cuBLASLt's FP8 kernels take only a (M, K) and b (N, K)",
+                        K_MAJOR)
+    if padding.needed(avals_in, params.transpose_a, params.transpose_b):
+        return CallPlan("padded", "K or N is not a multiple of 16 bytes "
+                                  "(JAX_EPILOG_PAD_UNALIGNED)")
+    if ctx.library():
+        supported, why = supports(avals_in, params)
+        if not supported:
+            layout = None if fp8 else kernel_layout(avals_in, params, supports)
+            if layout is not None:
+                return CallPlan("relayout", f"cuBLASLt has a kernel only in another layout "
+                                            f"({why})", layout)
+            return CallPlan("reference", why, warning="fp8-reference" if fp8 else None)
+    return CallPlan("kernel", backend.why)
