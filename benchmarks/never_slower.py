@@ -110,7 +110,7 @@ SMOKE_ROWS = [Row(Workload("S1", 64, (48, 40), None, "relu", True), tuple(MODES)
                   LAYER_STACKS, "grid"),
               Row(Workload("T1", 33, (7, 129, 40, 10), "relu", None, False), tuple(MODES),
                   LAYER_STACKS, "grid"),
-              Row(Workload("S1 matmul relu_bias", 64, (48, 40), None, "relu", True), ("step",),
+              Row(Workload("S3 matmul relu_bias", 64, (48, 40), None, "relu", True), ("step",),
                   MATMUL_STACKS, "matmul"),
               Row(Workload("S2 residual", 33, (40, 72, 40), "gelu", None, True), tuple(MODES),
                   RESIDUAL_STACKS, "residual")]
