@@ -73,7 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from . import layer_gemms
+from . import layer_gemms, manual_axes
 from .epilogs import FP8_DTYPES, Epilog
 from .layer_gemms import LAYER_INPUT_NAME, layer_forward
 from .matmul import activation_gradient, data_gradient, matmul, weight_gradient
@@ -120,6 +120,16 @@ class Fp8:
         state (`fp8_state=` is optional there and records the amaxes its scales came from).
       amax_history_length: the steps of amax history under delayed scaling (1024, as in
         TransformerEngine and Flax); the scale follows the largest.
+      amax_reduction_axes: None (default), a mesh axis name or a tuple of names: inside
+        `jax.shard_map`, every amax the layers take (the ones that set current scales, the
+        ones recorded in the state, the ones FP8-result GEMMs write) is the largest over the
+        devices along these axes (`jax.lax.pmax`), as TransformerEngine reduces amaxes over
+        its data- and tensor-parallel groups: name every axis that splits the batch, an
+        activation or a weight, and the shards' scales and next state are the single-device
+        ones. Without it each device scales with its own shard's amaxes. Outside `shard_map`
+        (one device, or `jax.jit` with sharded arrays, where an amax is already over the
+        whole array) an axis that is not bound does nothing; a name that is not an axis of
+        the mesh in use raises an error.
     """
 
     forward: Any = "float8_e4m3fn"
@@ -129,6 +139,7 @@ class Fp8:
     fast_accumulation: Any = False
     scaling: str = "current"
     amax_history_length: int = 1024
+    amax_reduction_axes: Any = None
 
     def __post_init__(self):
         for name in ("forward", "gradient"):
@@ -148,6 +159,8 @@ class Fp8:
         length = self.amax_history_length
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"amax_history_length: expected a positive int, got {length!r}")
+        object.__setattr__(self, "amax_reduction_axes",
+                           _axis_names("amax_reduction_axes", self.amax_reduction_axes))
 
     @property
     def delayed(self) -> bool:
@@ -189,6 +202,18 @@ def _format(name: str, value) -> str:
         raise ValueError(f"{name}: expected an FP8 format, {' or '.join(FP8_DTYPES)}, got "
                          f"{value!r}")
     return dtype
+
+
+def _axis_names(name: str, value) -> Optional[tuple[str, ...]]:
+    """None, or `value` (a mesh axis name or a sequence of them) as a tuple of names."""
+    if value is None:
+        return None
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (tuple, list)) or not names or \
+            not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"{name}: expected None, a mesh axis name or a tuple of distinct "
+                         f"names (e.g. (\"data\", \"model\")), got {value!r}")
+    return tuple(names)
 
 
 def as_fp8(fp8) -> Optional[Fp8]:
@@ -237,22 +262,43 @@ def quantize(x, x_amax, dtype: str, margin: int):
     return saturating_cast(x.astype(jnp.float32) * q, dtype), 1.0 / q
 
 
-def quantize_delayed(x, history, dtype: str, margin: int):
+def reduce_amax(x_amax, axes):
+    """`x_amax`, the largest over the devices along the bound axes among `axes`
+    (`Fp8.amax_reduction_axes`), so that inside `shard_map` it is the whole tensor's amax.
+    Axes that are not bound (outside `shard_map`, where the amax already covers the whole
+    array) are skipped; a name that is not an axis of the mesh in use is an error."""
+    bound = []
+    for name in axes or ():
+        try:
+            jax.lax.axis_size(name)
+        except NameError:
+            mesh = jax.sharding.get_abstract_mesh()
+            if not mesh.empty and name not in mesh.axis_names:
+                raise ValueError(f"amax_reduction_axes: {name!r} is not an axis of the mesh "
+                                 f"in use, whose axes are {mesh.axis_names}; name the axes "
+                                 f"that split the batch, activations or weights") from None
+            continue
+        bound.append(name)
+    return jax.lax.pmax(x_amax, tuple(bound)) if bound else x_amax
+
+
+def quantize_delayed(x, history, dtype: str, margin: int, amax_axes=None):
     """(x in FP8, its dequantization scale, amax(x)): delayed scaling, the scale from the
-    largest amax of `history` (earlier steps), x's own amax recorded for the next step. The
-    cast and the amax read x in one expression, which XLA fuses into one pass."""
+    largest amax of `history` (earlier steps), x's own amax (over `amax_axes`,
+    `reduce_amax`) recorded for the next step. The cast and the amax read x in one
+    expression, which XLA fuses into one pass."""
     x8, scale = quantize(x, jnp.max(history), dtype, margin)
-    return x8, scale, amax(x)
+    return x8, scale, reduce_amax(amax(x), amax_axes)
 
 
-def quantize_scaled(x, dtype: str, margin: int, history=None):
+def quantize_scaled(x, dtype: str, margin: int, history=None, amax_axes=None):
     """(x in FP8, its dequantization scale, amax(x)): delayed scaling from `history`, or
-    current scaling without one: the amax and the cast in one expression (XLA fuses the
-    reduction with the producer of x or the cast's read of it), the amax the one the scale
-    came from, so recording it in a state costs nothing."""
+    current scaling without one: the amax (over `amax_axes`, `reduce_amax`) and the cast in
+    one expression (XLA fuses the reduction with the producer of x or the cast's read of it),
+    the amax the one the scale came from, so recording it in a state costs nothing."""
     if history is not None:
-        return quantize_delayed(x, history, dtype, margin)
-    x_amax = amax(x)
+        return quantize_delayed(x, history, dtype, margin, amax_axes)
+    x_amax = reduce_amax(amax(x), amax_axes)
     return (*quantize(x, x_amax, dtype, margin), x_amax)
 
 
@@ -351,8 +397,10 @@ def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
             h8, h_scale, h_amax = h8
         else:
             h8, h_scale, h_amax = quantize_scaled(
-                h, fp8.forward, fp8.margin, state[i].input if fp8.delayed else None)
-        w8, w_scale, _ = quantize_scaled(kernel, fp8.forward, fp8.margin)
+                h, fp8.forward, fp8.margin, state[i].input if fp8.delayed else None,
+                fp8.amax_reduction_axes)
+        w8, w_scale, _ = quantize_scaled(kernel, fp8.forward, fp8.margin,
+                                         amax_axes=fp8.amax_reduction_axes)
         gemm = planned.gemm(i, "forward", mode)
         epilog, fp8_result = gemm.epilog, own.writes_fp8_result
         q_next = multiplier(jnp.max(state[i + 1].input), fp8.forward, fp8.margin) \
@@ -370,7 +418,8 @@ def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
         saved.append(Saved(checkpoint_name(h8, LAYER_INPUT_NAME), h_scale, w8,
                            w_scale, residual, h_amax))
         if fp8_result:
-            h, h8 = None, (out, 1.0 / q_next, aux["result_amax"])
+            h, h8 = None, (out, 1.0 / q_next,
+                           reduce_amax(aux["result_amax"], fp8.amax_reduction_axes))
         else:
             h, h8 = out, None
     return h, tuple(saved)
@@ -413,8 +462,8 @@ def _fp8_stack_bwd(planned: StackPlan, residuals, dy):
             data = planned.gemm(i, "data gradient")
             if dz8 is None:
                 # Current scaling for gradients in 16 bits (`Fp8.scaling`).
-                dz8, dz_scale, gradient_amaxes[i] = quantize_scaled(dz, fp8.gradient,
-                                                                    fp8.margin)
+                dz8, dz_scale, gradient_amaxes[i] = quantize_scaled(
+                    dz, fp8.gradient, fp8.margin, amax_axes=fp8.amax_reduction_axes)
             else:  # written by the step above (`writes_fp8_gradient`); its bias gradient too
                 dz8, dz_scale = dz8
             # Memory (docs/fp8.md, "Memory"): dZ8ᵀ and h8ᵀ, the weight gradient's K-major
@@ -436,7 +485,8 @@ def _fp8_stack_bwd(planned: StackPlan, residuals, dy):
                 q = multiplier(jnp.max(state[i - 1].gradient), fp8.gradient, fp8.margin)
                 p8, aux = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, fp8.gradient,
                                    data.requested, fast, transpose_b=True, result_scale=q)
-                gradient_amaxes[i - 1] = aux["result_amax"]
+                gradient_amaxes[i - 1] = reduce_amax(aux["result_amax"],
+                                                     fp8.amax_reduction_axes)
                 bits = jnp.where(positive(h8), jax.lax.bitcast_convert_type(p8, jnp.uint8),
                                  jnp.zeros((), jnp.uint8))
                 dz8 = jax.lax.bitcast_convert_type(bits, p8.dtype)
@@ -471,6 +521,16 @@ def _next_state(planned: StackPlan, saved, state, gradient_amaxes):
     layer's histories with this step's amaxes recorded; a bf16 layer's unchanged."""
     if state is None:
         return None
+    amaxes = [s.input_amax for s in saved] + list(gradient_amaxes.values())
+    unreduced = [a for a in manual_axes.varying_axes(amaxes)
+                 if a not in manual_axes.varying_axes(jax.tree.leaves(state))]
+    if unreduced:  # inside shard_map: each device would record its own amaxes
+        wanted = tuple(dict.fromkeys((*(planned.fp8.amax_reduction_axes or ()), *unreduced)))
+        raise ValueError(f"fp8_state: inside shard_map this step's amaxes may differ "
+                         f"between the devices along the mesh axes {tuple(unreduced)}, but "
+                         f"fp8_state is the same on every device; pass fp8=Fp8(..., "
+                         f"amax_reduction_axes={wanted}) so that every device records the "
+                         f"amaxes of the whole tensors")
     return tuple(Fp8History(record(h.input, s.input_amax), record(h.gradient,
                                                                    gradient_amaxes[i]))
                  if q else h for i, (q, s, h) in enumerate(zip(planned.quantized, saved, state)))

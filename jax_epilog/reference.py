@@ -37,7 +37,7 @@ def _product(a, b, transpose_a: bool, transpose_b: bool, reduced_precision: bool
     a_contract = 1 if transpose_a else 2
     b_contract = 2 if transpose_b else 1
     precision = jax.lax.Precision.DEFAULT if reduced_precision else jax.lax.Precision.HIGHEST
-    if b.shape[0] == 1 and a.shape[0] != 1:
+    if b.shape[0] == 1:  # as `x @ w` with a 2-D w: no batch dimension in the dot
         dims = (((a_contract,), (b_contract - 1,)), ((), ()))
         b = b[0]
     else:

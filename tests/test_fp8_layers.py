@@ -9,6 +9,8 @@ rounding only (more than float32 rounding, so the comparison with the model can 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -566,6 +568,12 @@ def test_zero_and_nonfinite_amax():
     (dict(layers="some"), ValueError, "layers: expected one of"),
     (dict(fast_accumulation="all"), ValueError, "fast_accumulation: expected False"),
     (dict(fast_accumulation=1), ValueError, "fast_accumulation"),
+    (dict(amax_reduction_axes=()), ValueError, "amax_reduction_axes: expected None, a mesh "
+                                               "axis name or a tuple of distinct names"),
+    (dict(amax_reduction_axes=""), ValueError, "amax_reduction_axes"),
+    (dict(amax_reduction_axes=("data", "data")), ValueError, "amax_reduction_axes"),
+    (dict(amax_reduction_axes=("data", 1)), ValueError, "amax_reduction_axes"),
+    (dict(amax_reduction_axes={"data"}), ValueError, "amax_reduction_axes"),
 ])
 def test_bad_config_names_the_argument(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -578,6 +586,10 @@ def test_config_is_frozen_hashable_and_normalised():
     assert config.forward == "float8_e4m3fn" and config.gradient == "float8_e5m2"
     with pytest.raises(Exception):
         config.margin = 2
+    assert Fp8(amax_reduction_axes="data").amax_reduction_axes == ("data",)
+    assert Fp8(amax_reduction_axes=["data", "model"]) == Fp8(amax_reduction_axes=("data",
+                                                                                 "model"))
+    assert Fp8().amax_reduction_axes is None
 
 
 @pytest.mark.parametrize("value", ["yes", 1, Fp8])
@@ -587,6 +599,73 @@ def test_bad_fp8_argument_names_itself(value):
         jax_epilog.mlp(x, params, fp8=value)
     with pytest.raises(TypeError, match="fp8:"):
         jax_epilog.dense(x, *params[0], fp8=value)
+
+
+
+# --- amax_reduction_axes where no mesh axis is bound (in shard_map: tests/sharding_checks.py) --
+
+def _step_with(config, x, params, state=None):
+    """(y, dx, grads, next state) of a two-layer mlp."""
+    def fn(x, params, state):
+        return jax_epilog.mlp(x, params, fp8=config, fp8_state=state)
+    y, vjp = jax.vjp(fn, x, params, state)
+    return (y, *vjp(jnp.asarray(random_cotangent(0, y.shape), y.dtype)))
+
+
+def _under(mesh, fn, *args):
+    with jax.set_mesh(mesh):
+        return fn(*args)
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_amax_reduction_axes_outside_shard_map_changes_nothing(scaling):
+    """On one device, and under `jax.set_mesh` (whose axes `jit` partitions, so every amax is
+    already over the whole array), an axis that is not bound is skipped: the step is the one
+    without the option, bit for bit. A name the mesh in use does not have is an error."""
+    x, params = make_stack(16, (24, 40, 8), lead=(9,), bias=True)
+    config = Fp8(layers="all", scaling=scaling, amax_history_length=2)
+    state = config.init_state(2) if scaling == "delayed" else None
+    named = dataclasses.replace(config, amax_reduction_axes=("data", "model"))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    for step in (_step_with, jax.jit(_step_with, static_argnums=0)):
+        want = jax.tree.leaves(step(config, x, params, state))
+        for got in (step(named, x, params, state), _under(mesh, step, named, x, params, state)):
+            for g, w in zip(jax.tree.leaves(got), want):
+                np.testing.assert_array_equal(g, w)
+    typo = dataclasses.replace(config, amax_reduction_axes="dat")
+    with jax.set_mesh(mesh), pytest.raises(
+            ValueError, match=r"amax_reduction_axes: 'dat' is not an axis of the mesh in use, "
+                              r"whose axes are \('data', 'model'\)"):
+        _step_with(typo, x, params, state)
+
+
+def test_amax_reduction_over_a_vmapped_axis_is_the_whole_batch(cpu_device):
+    """A bound axis of `vmap(axis_name=)` reduces like a mesh axis: vmapped over 3 blocks of
+    rows, each block scaled with the amaxes of all three is the unmapped call on all rows
+    (on the CPU, whose FP8 GEMMs are exact: equal amaxes, equal FP8 values)."""
+    with jax.default_device(cpu_device):
+        _vmapped_reduction()
+
+
+def _vmapped_reduction():
+    x, params = make_stack(17, (24, 40, 8), lead=(3, 7), bias=True)
+    config = Fp8(layers="all", amax_reduction_axes="blocks")
+    dy = jnp.asarray(random_cotangent(1, (3, 7, 8)))
+    fn = lambda x, params: jax_epilog.mlp(x, params, fp8=config)
+    y, vjp = jax.vjp(fn, x, params)
+    dx, _ = vjp(dy)
+
+    def per_block(x, dy):
+        y, vjp = jax.vjp(lambda x: fn(x, params), x)
+        return y, vjp(dy)[0]
+
+    # The same FP8 values; the GEMMs of a vmap may sum in another order (jax 0.10): a few
+    # float32 ulps of the largest value.
+    got_y, got_dx = jax.vmap(per_block, axis_name="blocks")(x, dy)
+    close(got_y, y, 2.0**-20)
+    close(got_dx, dx, 2.0**-20)
+    without = jax.vmap(per_block)(x, dy)  # each block its own amaxes: not the whole call
+    assert close(without[0], y, 1.0) > 2.0**-10
 
 
 # --- Flax ----------------------------------------------------------------------------------

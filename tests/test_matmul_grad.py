@@ -212,7 +212,8 @@ def test_gradient_on_the_gpu_matches_float32_within_a_rounding(epilog, layout, b
     # with the terms' root-sum-square, not with the (smaller) result.
     terms = float(jnp.linalg.norm(probe)) * max(float(jnp.max(jnp.abs(f32[3]))), 4.0)
     assert np.isfinite(float(y))
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    names = ["a", "b", "bias", "c", "alpha", "beta"]
+    for name, g, w in zip(names, jax.tree.leaves(got), jax.tree.leaves(want)):
         scale = 0.01 * terms if w.shape == () else 0.03 * float(jnp.max(jnp.abs(w)))
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), atol=scale,
-                                   rtol=0.03)
+                                   rtol=0.03, err_msg=f"gradient of {name}")
