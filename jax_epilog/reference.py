@@ -141,8 +141,11 @@ def epilog_matmul(a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool
         else:  # XLA's direct FP8 dot, which XLA rewrites to its cuBLASLt FP8 GEMM
             p = _product(a, b, transpose_a, transpose_b, fast_accumulation,
                          jnp.float32 if is_fp8(out) else out).astype(jnp.float32)
-    else:  # XLA's way keeps the product in the operands' dtype, as `x @ w + b` does
-        p = _product(a, b, transpose_a, transpose_b, allow_tf32, jnp.float32 if exact else a.dtype)
+    else:  # XLA's way keeps the product in the operands' dtype, as `x @ w + b` does, and for
+        # 16-bit operands its default precision (the same float32 accumulation: HIGHEST only
+        # changes what XLA may fuse around the dot)
+        reduced = allow_tf32 or (not exact and a.dtype != jnp.float32)
+        p = _product(a, b, transpose_a, transpose_b, reduced, jnp.float32 if exact else a.dtype)
     return finish(p, a, b, *args, epilog=epilog, transpose_a=transpose_a,
                   transpose_b=transpose_b, result_dtype=out, result_amax=result_amax,
                   has_c=has_c, exact=exact)
