@@ -15,8 +15,7 @@ import numpy as np
 from jax.extend.core import Primitive
 
 from .epilogs import ARRAYS, Epilog, dim_sizes, is_fp8, operand_names, result_names
-
-BACKENDS = ("auto", "cublaslt", "xla")
+from .settings import BACKENDS  # noqa: F401  (re-exported for the primitives' params)
 
 
 class Params(NamedTuple):

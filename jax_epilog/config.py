@@ -11,7 +11,7 @@ from __future__ import annotations
 from . import cuda_library
 from .settings import (AUTOTUNE_CACHE_ENV, AUTOTUNE_DEFAULT, AUTOTUNE_ENV,  # noqa: F401
                        BACKENDS, SETTINGS, Setting, autotune, autotune_cache_path, autotune_log,
-                       backend_forced, backend_override, cuda_disabled, decisions_path,
+                       backend_override, cuda_disabled, decisions_path,
                        pad_unaligned, plan_cache_capacity, set_variable, workspace_bytes)
 
 

@@ -16,8 +16,8 @@ one layer), so the backward can use the epilogs that cross a layer boundary:
   chosen per GEMM from measurements at lowering time (`backend="auto"`, see `plan` and
   `dispatch`), and likewise for the forward GEMMs. On a CUDA GPU the whole stack may instead
   be the plain expression `act(x @ kernel + bias)` under JAX's own autodiff (`jax.nn.relu`'s
-  gradient at 0 is then 0, where the mask's is 1): where the table's entry for this stack (measured whole by
-  `python -m jax_epilog.tune`, the training step and the inference forward each on its own)
+  gradient at 0 is then 0, where the mask's is 1): where the table's entry for this stack
+  (measured whole by `python -m jax_epilog.tune`, the training step and the inference forward each on its own)
   chose it, or, without an entry, where every GEMM of the training step would run XLA's way.
   `plan.plan_stack` makes these choices when the stack is traced; `jax_epilog.explain` shows
   them.

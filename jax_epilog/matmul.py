@@ -3,11 +3,18 @@
 The user's arrays are checked here, once, with errors that name the argument, and reshaped
 (never copied) into the kernel's rank-3 form: a 2-D `b` shared by every leading index of `a`
 folds those indices into M, so the whole call is one GEMM; otherwise leading dims become one
-strided batch. What each epilog reads and writes comes from `epilogs.TABLE`. The forward
-epilogs are differentiable through one `jax.custom_vjp` (`_forward`), which keeps the residual
-the backward needs (the bit mask for ReLU, the pre-activation for GELU). `reference_matmul` is
-the same function running the reference directly; plain JAX differentiates it, which is what
-the custom VJP is tested against.
+strided batch. What each epilog reads and writes comes from `epilogs.TABLE`.
+
+The forward epilogs are differentiable through one `jax.custom_vjp` (`_forward`). Its forward
+keeps what the backward needs: ReLU's output (its derivative is y > 0, 0 at 0, as
+`jax.nn.relu`'s), or the mask where the call returns it (RELU_AUX*: 1 at 0), GELU's
+pre-activation. Its backward is the layers' (`activation_gradient`, `data_gradient`,
+`weight_gradient`): two more `matmul` calls in the operands' dtype, the bias gradient from the
+weight-gradient GEMM (BGRADB, or BGRADA for a transposed b). Where every GEMM of the step runs
+XLA's way on this GPU and nothing needs the custom VJP (no aux output, alpha and beta Python
+numbers), JAX differentiates the plain expression instead (`_step_runs_xla`): XLA compiles it as
+a user's own. `reference_matmul` is the same function running the reference directly; plain
+JAX differentiates it, which is what the custom VJP is tested against.
 """
 
 from __future__ import annotations
@@ -529,8 +536,10 @@ def _forward_bwd(params: Params, scalars: _Scalars, saved, cotangents):
             h, transpose_h = a[0], ta
         else:  # a batched, transposed a has no contiguous rows: XLA transposes it first
             rows = jnp.swapaxes(a, 1, 2) if ta else a
-            h, transpose_h = rows.reshape(-1, rows.shape[-1]), False
-        db, dbias = weight_gradient(h, dz.reshape(-1, dz.shape[-1]), bias_gradient=fused_dbias,
+            h, transpose_h = rows.reshape(batch * rows.shape[1], rows.shape[2]), False
+        # Explicit sizes, not -1: any of them may be 0.
+        dz_rows = dz.reshape(batch * dz.shape[1], dz.shape[2])
+        db, dbias = weight_gradient(h, dz_rows, bias_gradient=fused_dbias,
                                     transpose_h=transpose_h, transpose_result=tb, **gemm)
         db = db[None]
         dbias = None if dbias is None else dbias[None]
@@ -668,8 +677,10 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     # Traced alpha and beta keep the custom VJP: the plain expression scales in the operands'
     # 16-bit dtype, so JAX would sum their gradients in 16 bits (measured on the H200: d alpha
     # off by 24% and more at 129 x 127), where `_c_gradients` sums in float32.
+    # Epilogs that return the ReLU mask or the GELU pre-activation keep the custom VJP too:
+    # their gradient follows the mask (1 at 0), whichever GEMMs run.
     constant_scalars = c is None or None not in scalars
-    if constant_scalars and _step_runs_xla(call):
+    if constant_scalars and not Epilog(call.params.epilog).aux_output and _step_runs_xla(call):
         return _finish(call, _plain(call.params, *operands))
     return _finish(call, _forward(call.params, scalars, *operands))
 

@@ -195,8 +195,8 @@ def gemm_backend(ctx: Context, requested: str, epilog, dtype, batch: int, m: int
 
 #: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`.
 #: Measured on the H200 (benchmarks/README.md, XLA's FP8 step): M1's 65536×4096×4096 layers
-#: (2.2e12) gain 1.46×, M2's 16384×1024×1024 layers (3.4e10) lose (0.72×). The crossover between them
-#: is what `benchmarks/fp8_bench.py --sweep` measures; until then this sits conservatively
+#: (2.2e12) gain 1.46×, M2's 16384×1024×1024 layers (3.4e10) lose (0.72×). The crossover
+#: between them is what `benchmarks/fp8_bench.py --sweep` measures; until then this sits conservatively
 #: near M1's size.
 FP8_MIN_FLOPS = 2**40
 #: FP8 GEMMs want K and N in multiples of 16 elements; others would be padded (a copy) first.

@@ -11,7 +11,6 @@ loader (`cuda_library`) reads, below both.
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -138,23 +137,6 @@ def backend_override() -> Optional[str]:
     if value not in BACKENDS:
         raise ValueError(f"JAX_EPILOG_BACKEND={value!r}: expected one of {', '.join(BACKENDS)}")
     return None if value == "auto" else value
-
-
-@contextlib.contextmanager
-def backend_forced(backend: str):
-    """Within the block, JAX_EPILOG_BACKEND is `backend` (e.g. for tracing the epilog path as
-    `python -m jax_epilog.tune` does, whatever the tables say)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    previous = os.environ.get("JAX_EPILOG_BACKEND")
-    os.environ["JAX_EPILOG_BACKEND"] = backend
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["JAX_EPILOG_BACKEND"]
-        else:
-            os.environ["JAX_EPILOG_BACKEND"] = previous
 
 
 def set_variable(variable: str, value: str) -> None:
