@@ -513,18 +513,36 @@ def plan_stack(ctx: Context, stack: Stack, rows: int, widths, dtype, fp8=None) -
 
 def matmul_step_gemms(params: Params, a_shape, b_shape, dtype,
                       forward_epilog: Epilog) -> tuple[Gemm, ...]:
-    """The GEMMs of a differentiated `matmul` call's training step: its forward
-    (`forward_epilog`: with the residual its backward needs), the data gradient dA and the
-    weight gradient dB (with the bias gradient, BGRADB, where the call has a bias)."""
-    batch, m, n, k = problem_of(a_shape, b_shape, params.transpose_a, params.transpose_b)
+    """The GEMMs of a differentiated `matmul` call's training step, as `matmul._forward_bwd`
+    issues them: its forward (`forward_epilog`: with the residual its backward needs), the
+    data gradient dA in a's layout and the weight gradient dB in b's (with the bias gradient,
+    BGRADB, or BGRADA for a transposed b, where the call has a bias). `a_shape` and `b_shape`
+    are the call's rank-3 operands."""
+    ta, tb = params.transpose_a, params.transpose_b
+    batch, m, n, k = problem_of(a_shape, b_shape, ta, tb)
     dtype, requested = np.dtype(dtype).name, params.backend
-    weight = Epilog.BGRADB if Epilog(params.epilog).has_bias else Epilog.DEFAULT
-    return (Gemm(None, "forward", forward_epilog, dtype, dtype, batch, m, n, k,
-                 params.transpose_a, params.transpose_b, requested),
-            Gemm(None, "data gradient", Epilog.DEFAULT, dtype, dtype, batch, m, k, n, False,
-                 not params.transpose_b, requested),
-            Gemm(None, "weight gradient", weight, dtype, dtype, 1, k, n, batch * m, True, False,
-                 requested))
+    has_bias = Epilog(params.epilog).has_bias
+    shared_b = b_shape[0] == 1
+    if shared_b and not (ta and batch == 1):  # dA = dZ op(b)ᵀ, every row in one GEMM (then
+        data = (1, batch * m, k, n, False, not tb)  # transposed for a batched aᵀ)
+    elif not ta:
+        data = (batch, m, k, n, False, not tb)
+    else:  # dAᵀ = op(b) dZᵀ, written in a's layout
+        data = (batch, k, m, n, tb, True)
+    if shared_b:  # one GEMM over every row (a batched aᵀ transposed by XLA first)
+        rows, batches, transpose_h = batch * m, 1, ta and batch == 1
+    else:
+        rows, batches, transpose_h = m, batch, ta
+    if tb:  # dBᵀ = dZᵀ op(h): the summed operand is A
+        weight = (Epilog.BGRADA if has_bias else Epilog.DEFAULT, batches, n, k, rows, True,
+                  transpose_h)
+    else:
+        weight = (Epilog.BGRADB if has_bias else Epilog.DEFAULT, batches, k, n, rows,
+                  not transpose_h, False)
+    return (Gemm(None, "forward", forward_epilog, dtype, dtype, batch, m, n, k, ta, tb,
+                 requested),
+            Gemm(None, "data gradient", Epilog.DEFAULT, dtype, dtype, *data, requested),
+            Gemm(None, "weight gradient", weight[0], dtype, dtype, *weight[1:], requested))
 
 
 def plan_matmul_step(ctx: Context, params: Params, a_shape, b_shape, dtype,

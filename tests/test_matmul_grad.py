@@ -291,3 +291,44 @@ def test_plain_path_where_every_gemm_runs_xla(gpu_tables_choose_xla, epilog):
                                                         epilog=epilog, epilog_inputs=inputs or
                                                         None, transpose_a=ta, transpose_b=tb))
     assert _epilog_calls(jax.grad(traced), a, jnp.float32(2.0)) > 0
+
+
+def _kernel_problems(jaxpr) -> list[tuple]:
+    """(epilog, batch, M, N, K, transpose_a, transpose_b) of every epilog_matmul in a jaxpr."""
+    from jax_epilog.call import problem_of
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "epilog_matmul":
+            p = eqn.params
+            a, b = (v.aval.shape for v in eqn.invars[:2])
+            found.append((Epilog(p["epilog"]), *problem_of(a, b, p["transpose_a"],
+                                                           p["transpose_b"]),
+                          p["transpose_a"], p["transpose_b"]))
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                found += _kernel_problems(inner)
+    return found
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("epilog", [Epilog.DEFAULT, Epilog.RELU_BIAS, Epilog.GELU_BIAS],
+                         ids=lambda e: e.name)
+def test_the_plan_lists_the_gemms_the_backward_issues(epilog, layout):
+    """`plan.matmul_step_gemms` (by which `matmul` chooses the plain path) names the GEMMs the
+    custom VJP runs (a per-batch bias with a shared b sums in XLA instead of BGRADB)."""
+    from jax_epilog import plan
+    matmul_module = __import__("sys").modules["jax_epilog.matmul"]
+    a, b, inputs, probe, ta, tb = _problem(layout, epilog, "bfloat16", m=6, n=9, k=5)
+    loss = _loss(jax_epilog.matmul, epilog, ta, tb, probe)
+    traced = sorted(_kernel_problems(jax.make_jaxpr(jax.value_and_grad(
+        loss, argnums=(0, 1, 2)))(a, b, inputs).jaxpr), key=str)
+    call = matmul_module._prepare(a, b, epilog, inputs or None, ta, tb, None)
+    planned = sorted(((g.epilog, g.batch, g.m, g.n, g.k, g.transpose_a, g.transpose_b)
+                      for g in plan.matmul_step_gemms(
+                          call.params, call.a.shape, call.b.shape, call.a.dtype,
+                          matmul_module._forward_epilog(epilog))), key=str)
+    if layout == "batched_bias":  # the bias gradient is a sum in XLA, the GEMM plain
+        planned = sorted(((Epilog.DEFAULT if e == Epilog.BGRADB else e, *rest)
+                          for e, *rest in planned), key=str)
+    assert traced == planned
