@@ -296,8 +296,9 @@ def _events(computations: dict[str, list[str]], name: str, depth: int = 0) -> li
         kind, collective = None, None
         if f'custom_call_target="{OUR_TARGET}"' in line:
             kind = "ours"
-        elif XLA_GEMM.search(line):
-            kind = "xla_gemm"
+        elif XLA_GEMM.search(line) or (op == "fusion" and called and any(
+                " dot(" in inner for inner in computations.get(called.group(1), []))):
+            kind = "xla_gemm"  # a GEMM, or a fusion around a dot (the CPU's since jax 0.12)
         elif op in COLLECTIVES:
             kind, collective = "collective", op
         elif op.endswith("-start") and op[:-len("-start")] in COLLECTIVES:
