@@ -597,11 +597,14 @@ def _step_runs_xla(call: _Call) -> bool:
     return step.choice == "plain"
 
 
-def _plain(params: Params, a, b, *inputs):
-    """The call as the plain expression, for JAX's own autodiff (`_step_runs_xla`)."""
-    return reference_kernel(a, b, *inputs, epilog=params.epilog, exact=False,
+def _reference(params: Params, a, b, *inputs, exact: bool = True):
+    """The call's outputs by the reference: exact, or in XLA's way (the plain expression, for
+    JAX's own autodiff where `_step_runs_xla`)."""
+    return reference_kernel(a, b, *inputs, epilog=params.epilog, exact=exact,
                             transpose_a=params.transpose_a, transpose_b=params.transpose_b,
-                            allow_tf32=params.allow_tf32, has_c=params.has_c)
+                            allow_tf32=params.allow_tf32, result_dtype=params.result_dtype,
+                            result_amax=params.result_amax, has_c=params.has_c,
+                            fast_accumulation=params.fast_accumulation)
 
 
 def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
@@ -681,7 +684,7 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     # their gradient follows the mask (1 at 0), whichever GEMMs run.
     constant_scalars = c is None or None not in scalars
     if constant_scalars and not Epilog(call.params.epilog).aux_output and _step_runs_xla(call):
-        return _finish(call, _plain(call.params, *operands))
+        return _finish(call, _reference(call.params, *operands, exact=False))
     return _finish(call, _forward(call.params, scalars, *operands))
 
 
@@ -694,8 +697,4 @@ def reference_matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAU
     call = _prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision, "auto",
                     quantization_scales, preferred_element_type, result_amax, c, alpha, beta,
                     fast_accumulation)
-    p = call.params
-    return _finish(call, reference_kernel(call.a, call.b, *call.inputs, epilog=p.epilog,
-                                          transpose_a=p.transpose_a, transpose_b=p.transpose_b,
-                                          allow_tf32=p.allow_tf32, result_dtype=p.result_dtype,
-                                          result_amax=p.result_amax, has_c=p.has_c))
+    return _finish(call, _reference(call.params, call.a, call.b, *call.inputs))
