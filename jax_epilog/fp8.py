@@ -64,6 +64,8 @@ state all the same.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 from typing import Any, NamedTuple, Optional
@@ -83,7 +85,7 @@ from .plan import (FLOAT32_KERNEL_EPILOGS, FP8_ALIGNMENT, FP8_MIN_FLOPS,  # noqa
 from .reference import saturating_cast
 
 LAYER_CHOICES = ("auto", "all")
-SCALING_CHOICES = ("current", "delayed")
+SCALING_CHOICES = ("auto", "current", "delayed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,19 +107,30 @@ class Fp8:
         False (default): none, float32 accumulation throughout. "forward": the forward
         GEMMs only, TransformerEngine's recipe (its gradients keep the split accumulator).
         True: every GEMM, what XLA does for an FP8 `dot_general` at DEFAULT precision; the
-        weight gradient then sums over the batch in the fast accumulator.
-      scaling: "current" (default): every scale from its tensor's own amax in the same step.
-        "delayed": TransformerEngine's and Flax's `fp8_ops`' delayed scaling where a GEMM
-        writes the FP8 tensor itself, which needs its scale before it runs: each FP8 layer's
+        weight gradient then sums over the batch in the fast accumulator. False is the
+        default because fast accumulation measured no gain: an M1 training step (4 ReLU
+        layers 4096 wide, batch 65536) on the H200 took 22.87 ms under delayed scaling and
+        23.13 ms with "forward" added.
+      scaling: "auto" (default): "delayed" where the layers are given a state (`fp8_state=`;
+        the Flax modules `jax_epilog.nnx` and `jax_epilog.linen` always keep one, so
+        `fp8=True` there is delayed scaling), "current" where they are not (the functional
+        `dense`/`mlp` without `fp8_state=`). Decided once per traced stack (`resolved`).
+        "current": every scale from its tensor's own amax in the same step.
+        "delayed": TransformerEngine's and Flax's `fp8_ops`' delayed scaling, which lets a
+        GEMM write an FP8 tensor itself (its scale is known before it runs): each FP8 layer's
         input that the previous layer's forward GEMM writes (`writes_fp8_result`), and each
         ReLU layer's gradient dZ8 that the data-gradient GEMM above writes
-        (`writes_fp8_gradient`); their scales come from amax histories kept between steps.
-        Tensors quantized by an XLA pass (the first input, the top gradient, GELU's
-        gradients, the weights) keep current scaling: there delayed scaling measured no
+        (`writes_fp8_gradient`). Every FP8 layer's input and those gradients take their
+        scales from amax histories kept between steps; the other gradients (the top one,
+        GELU's) and the weights keep current scaling, where delayed scaling measured no
         faster on the H200 (docs/fp8.md). The layers then need `fp8_state=` (`init_state`)
-        and return the next state as its gradient. A fresh state's scales are 1, which
-        flushes small gradients to zero: start with one step of current scaling on the same
-        state (`fp8_state=` is optional there and records the amaxes its scales came from).
+        and return the next state as its gradient.
+        Delayed scaling calibrates itself: while a history the forward (or the backward)
+        reads is cold (all zeros, as `init_state` makes it, or not finite), that pass runs
+        the current-scaling computation instead, its scales from this step's amaxes, and
+        records those amaxes in the next state; from then on the delayed program runs. The
+        choice is one `jax.lax.cond` per forward and one per backward of a stack (none in
+        a backward whose GEMMs write no FP8 gradient), whose predicate XLA reads on the host.
       amax_history_length: the steps of amax history under delayed scaling (1024, as in
         TransformerEngine and Flax); the scale follows the largest.
       amax_reduction_axes: None (default), a mesh axis name or a tuple of names: inside
@@ -137,7 +150,7 @@ class Fp8:
     margin: int = 0
     layers: str = "auto"
     fast_accumulation: Any = False
-    scaling: str = "current"
+    scaling: str = "auto"
     amax_history_length: int = 1024
     amax_reduction_axes: Any = None
 
@@ -164,7 +177,25 @@ class Fp8:
 
     @property
     def delayed(self) -> bool:
+        """Whether delayed scaling runs: "delayed", or "auto" once `resolved` with a state."""
+        if self.scaling == "auto":
+            raise ValueError('Fp8(scaling="auto") is delayed or current scaling depending on '
+                             'whether the layers get fp8_state=: ask Fp8.resolved(has_state)')
         return self.scaling == "delayed"
+
+    @property
+    def keeps_state(self) -> bool:
+        """Whether layers under this config keep amax histories: the Flax modules create
+        them for "auto" (which then runs delayed scaling) and "delayed"."""
+        return self.scaling != "current"
+
+    def resolved(self, has_state: bool) -> "Fp8":
+        """This config with `scaling="auto"` made concrete for layers given a state
+        (`fp8_state=`) or not: delayed scaling with one, current scaling without. The one
+        place "auto" is decided (`plan.plan_stack` asks it)."""
+        if self.scaling != "auto":
+            return self
+        return dataclasses.replace(self, scaling="delayed" if has_state else "current")
 
     def init_state(self, layers: int) -> tuple:
         """The delayed-scaling state of a stack of `layers` layers, before its first step: one
@@ -380,7 +411,9 @@ class Saved(NamedTuple):
     input_amax: Any = None
 
 
-def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
+def _planned_forward(planned: StackPlan, x, params, state, keep_residuals: bool):
+    """(y, the residuals) of the stack's forward as `planned` says, every scale as its
+    config's `scaling` says (`_forward` chooses the plan)."""
     stack, fp8 = planned.stack, planned.fp8
     mode = "step" if keep_residuals else "forward"
     h, saved = x, []
@@ -389,7 +422,7 @@ def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
         own = planned.layers[i]
         keep = keep_residuals and not own.relu_from_next_input
         if not own.fp8:
-            layer_input = checkpoint_name(h, LAYER_INPUT_NAME)
+            layer_input = h
             h, residual = layer_forward(stack, layer, h, kernel, bias, keep)
             saved.append(Saved(layer_input, None, kernel, None, residual))
             continue
@@ -410,19 +443,48 @@ def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
                             inputs={"bias": bias} if layer.has_bias else None,
                             result_scale=q_next)
         residual = aux.get(epilog.aux_output) if epilog.aux_output else None
-        if residual is not None:
-            residual = checkpoint_name(residual, layer_gemms.residual_name(layer.activation))
         # Kept as h8 (M, K), as the forward GEMM read it: the previous layer's ReLU derivative
         # reads it elementwise (`relu_from_next_input`); the weight gradient's K-major h8ᵀ is
         # made in the backward, from this one byte per element.
-        saved.append(Saved(checkpoint_name(h8, LAYER_INPUT_NAME), h_scale, w8,
-                           w_scale, residual, h_amax))
+        saved.append(Saved(h8, h_scale, w8, w_scale, residual, h_amax))
         if fp8_result:
             h, h8 = None, (out, 1.0 / q_next,
                            reduce_amax(aux["result_amax"], fp8.amax_reduction_axes))
         else:
             h, h8 = out, None
     return h, tuple(saved)
+
+
+def cold(histories):
+    """Whether any of the amax `histories` gives no delayed scale yet: its largest value is 0
+    (a fresh `Fp8.init_state`, or no amax recorded yet) or not finite."""
+    largest = jnp.stack([jnp.max(h) for h in histories])
+    return ~jnp.all(jnp.isfinite(largest) & (largest > 0))
+
+
+def _calibrating(planned: StackPlan, histories, run):
+    """`run(plan)` for `planned`, or, under delayed scaling whose `histories` are `cold`,
+    for its current-scaling `calibration` plan: one `jax.lax.cond`, both branches the same
+    pytree (same residuals), the warm one exactly the delayed program."""
+    if planned.calibration is None or not histories:
+        return run(planned)
+    return jax.lax.cond(cold(histories), lambda: run(planned.calibration),
+                        lambda: run(planned))
+
+
+def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
+    """`_planned_forward`, self-calibrating (`_calibrating` on each FP8 layer's input history,
+    the scales the forward takes from the state), its residuals then named for remat
+    policies (outside the cond, where a policy sees them)."""
+    histories = [state[i].input for i, own in enumerate(planned.layers) if own.fp8] \
+        if state is not None else []
+    h, saved = _calibrating(planned, histories, functools.partial(
+        _planned_forward, x=x, params=params, state=state, keep_residuals=keep_residuals))
+    named = lambda value, name: None if value is None else checkpoint_name(value, name)
+    return h, tuple(s._replace(input=named(s.input, LAYER_INPUT_NAME),
+                               residual=named(s.residual, layer_gemms.residual_name(
+                                   layer.activation)))
+                    for s, layer in zip(saved, planned.stack.layers))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -436,7 +498,16 @@ def _fp8_stack_fwd(planned: StackPlan, x, params, state):
 
 
 def _fp8_stack_bwd(planned: StackPlan, residuals, dy):
+    """The backward, self-calibrating (`_calibrating`) on the gradient histories whose
+    scales the data-gradient GEMMs that write FP8 take (`writes_fp8_gradient`)."""
     saved, state = residuals
+    histories = [state[i].gradient for i, own in enumerate(planned.layers)
+                 if own.writes_fp8_gradient]
+    return _calibrating(planned, histories,
+                        lambda plan: _planned_backward(plan, saved, state, dy))
+
+
+def _planned_backward(planned: StackPlan, saved, state, dy):
     stack, fp8 = planned.stack, planned.fp8
     stack_layers = stack.layers
     fast = fp8.fast("gradient")
@@ -541,15 +612,14 @@ _fp8_stack.defvjp(_fp8_stack_fwd, _fp8_stack_bwd)
 
 def check_state(fp8: Optional[Fp8], state, n_layers: int, name: str = "fp8_state"):
     """`state` (the layers' `fp8_state=`) as a tuple of `n_layers` `Fp8History`, checked
-    against `fp8`: required by delayed scaling, optional with current scaling (which then
-    records its amaxes: the first step of delayed training, `docs/fp8.md`), refused without
-    FP8."""
+    against `fp8`: required by `scaling="delayed"`, optional with "auto" (which it makes
+    delayed) and with "current" (which then records its amaxes), refused without FP8."""
     if fp8 is None and state is not None:
         raise ValueError(f"{name}: the amax histories of FP8 layers, only with fp8="
                          f"jax_epilog.Fp8(...); got fp8={fp8!r}")
     make = f"jax_epilog.Fp8(...).init_state({n_layers})"
     if state is None:
-        if fp8 is None or not fp8.delayed:
+        if fp8 is None or fp8.scaling != "delayed":
             return None
         raise ValueError(f"{name}: fp8=Fp8(scaling=\"delayed\") needs the amax histories of "
                          f"its {n_layers} layer(s): pass {name}={make} at the first step and "
@@ -585,8 +655,25 @@ def carry_state(y, state):
 carry_state.defvjp(lambda y, state: (y, state), lambda state, dy: (dy, state))
 
 
+_calibrates = contextvars.ContextVar("jax_epilog_fp8_calibrates", default=True)
+
+
+@contextlib.contextmanager
+def uncalibrated():
+    """Within the block (in this thread), stacks traced under delayed scaling do not calibrate
+    themselves: a cold history gives scale 1, with no `jax.lax.cond`. What the tests and
+    `benchmarks/fp8_bench.py` compare self-calibration with; not for training."""
+    token = _calibrates.set(False)
+    try:
+        yield
+    finally:
+        _calibrates.reset(token)
+
+
 def stack(planned: StackPlan, rows, params, state=None):
     """The stack on `rows` `(M, K)` as `planned` (`plan.plan_stack`, with FP8 layers) says
-    (called by `layers._run`); `state`: the `Fp8History` of each layer under delayed scaling,
-    else None."""
+    (called by `layers._run`); `state`: the `Fp8History` of each layer under delayed scaling
+    (or recording current scaling's amaxes), else None."""
+    if not _calibrates.get():
+        planned = planned._replace(calibration=None)
     return _fp8_stack(planned, rows, params, state)

@@ -261,7 +261,7 @@ def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=Non
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
     ctx = plan.context()
     planned = plan.plan_stack(ctx, Stack(layers, precision, *stack_backends), rows.shape[0],
-                              widths, dtype, fp8)
+                              widths, dtype, fp8, has_state=fp8_state is not None)
     if ctx.observe is not None:
         ctx.observe(planned, "planned")
     if planned.any_fp8:

@@ -88,7 +88,7 @@ class Dense(linen.Module):
         """This layer's `fp8_state=` under `fp8` (created on first use; None without delayed
         scaling)."""
         fp8 = as_fp8(fp8)
-        if fp8 is None or not fp8.delayed:
+        if fp8 is None or not fp8.keeps_state:
             return None
         initial = fp8.init_state(1)[0]
         return Fp8History(*(self.variable(FP8_COLLECTION, f"{field}_amax_history",

@@ -51,7 +51,7 @@ def update_amax_histories(model: nnx.Module, grads) -> None:
 
 def _amax_histories(fp8) -> tuple[Optional[AmaxHistory], Optional[AmaxHistory]]:
     """A layer's (input, gradient) `AmaxHistory` variables under delayed scaling, else None."""
-    if fp8 is None or not fp8.delayed:
+    if fp8 is None or not fp8.keeps_state:
         return None, None
     state = fp8.init_state(1)[0]
     return AmaxHistory(state.input), AmaxHistory(state.gradient)

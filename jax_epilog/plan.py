@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
@@ -420,6 +421,9 @@ class StackPlan(NamedTuple):
     inference: Choice  # "fused", "plain" or "fp8": the forward where nothing differentiates
     gemms: tuple[Gemm, ...]  # of the training step (`stack_gemms`), planned for CUDA
     forward_gemms: tuple[Gemm, ...]  # of the inference forward
+    # Under delayed scaling, the plan of the same stack under current scaling, which a pass
+    # runs while the histories it reads are cold (`fp8._calibrating`); else None.
+    calibration: Optional[StackPlan] = None
 
     @property
     def quantized(self) -> tuple[bool, ...]:
@@ -471,9 +475,12 @@ def _measured(ctx: Context, plan_key: dispatch.StackKey, stack: Stack) -> Option
     return Choice(decision.choice, f"stack entry ({describe(decision)})")
 
 
-def plan_stack(ctx: Context, stack: Stack, rows: int, widths, dtype, fp8=None) -> StackPlan:
+def plan_stack(ctx: Context, stack: Stack, rows: int, widths, dtype, fp8=None,
+               has_state: bool = False) -> StackPlan:
     """The plan of a stack on `rows` rows (`widths`: K of the first layer, then each layer's
-    N) in the computation dtype `dtype`, under the `Fp8` config `fp8` (or None).
+    N) in the computation dtype `dtype`, under the `Fp8` config `fp8` (or None), whose
+    `scaling="auto"` is resolved here (`Fp8.resolved`) from whether the layers were given a
+    state (`has_state`): the plan carries the resolved config.
 
     The training step is the plain expression under JAX's autodiff on a CUDA GPU where the
     stack's measured entry chose it, or, without an entry, where every GEMM of the step runs
@@ -482,6 +489,7 @@ def plan_stack(ctx: Context, stack: Stack, rows: int, widths, dtype, fp8=None) -
     CUDA GPU: the reference runs, the same code whichever path) the fused stack."""
     widths = tuple(int(w) for w in widths)
     dtype = np.dtype(dtype).name
+    fp8 = None if fp8 is None else fp8.resolved(has_state)
     layer_plans = _layer_plans(stack, fp8, rows, widths, dtype)
     on_gpu = ctx.tables_decide()
     gemms = stack_gemms(stack, layer_plans, rows, widths, dtype, fp8, "step", ctx.override)
@@ -493,8 +501,11 @@ def plan_stack(ctx: Context, stack: Stack, rows: int, widths, dtype, fp8=None) -
         gemms, forward_gemms = _on_cuda(ctx, gemms, dtype), _on_cuda(ctx, forward_gemms, dtype)
     if any(lp.fp8 for lp in layer_plans):
         why = "FP8 layers: one FP8 custom VJP over the stack"
+        calibration = plan_stack(ctx, stack, rows, widths, dtype, dataclasses.replace(
+            fp8, scaling="current")) if fp8.delayed else None
         return partial._replace(step=Choice("fp8", why), inference=Choice("fp8", why),
-                                gemms=gemms, forward_gemms=forward_gemms)
+                                gemms=gemms, forward_gemms=forward_gemms,
+                                calibration=calibration)
     if not on_gpu:
         step = Choice("fused", "not a CUDA GPU with the library: the fused stack, whose GEMMs "
                                "run the reference here")
