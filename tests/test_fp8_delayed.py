@@ -272,17 +272,18 @@ def test_scale_follows_the_largest_amax_of_the_history():
     assert float(scale) == 1.0 and float(x8[0, 0].astype(jnp.float32)) == 448.0
 
 
-def test_current_scaling_records_its_amaxes_and_calibrates_a_fresh_state():
+def test_current_scaling_records_its_amaxes_and_delayed_scaling_calibrates_itself():
     """With current scaling `fp8_state` is optional: the values are those of the call without
     it, and the next state holds the amaxes the scales came from. Delayed scaling from that
-    state is current scaling on the same data; from the fresh state the inputs and the
-    GEMM-written gradients quantize at scale 1 (small values flush to zero), which is why the
-    first step calibrates."""
+    state is current scaling on the same data. From the fresh state delayed scaling
+    calibrates itself: the step is current scaling's, next state included; without that
+    (`fp8.uncalibrated`) the inputs and the GEMM-written gradients would quantize at scale 1
+    (small values flush to zero)."""
     x, params = make_stack(12, (32, 64, 48, 16), lead=(20,))
     x = x * 1e-3  # small activations: at scale 1 most flush to zero in e4m3
     dy = random_cotangent(5, (20, 16)) * 1e-6  # below e5m2's smallest value at scale 1
     activations = ("relu", "relu", None)
-    current = Fp8(layers="all", amax_history_length=3)
+    current = Fp8(layers="all", scaling="current", amax_history_length=3)
     fresh = current.init_state(3)
     *got, calibrated = step(x, params, activations, dy, current, fresh)
     want = model_stack(np.asarray(x), params, activations, dy, [True] * 3, current,
@@ -304,10 +305,16 @@ def test_current_scaling_records_its_amaxes_and_calibrates_a_fresh_state():
             close(d, g, 0.25)
         else:
             np.testing.assert_array_equal(d, g)
-    *cold, _ = step(x, params, activations, dy, DELAYED, fresh)
+    for config in (DELAYED, Fp8(layers="all", amax_history_length=3)):  # "auto": delayed
+        *calibrating, next_state = step(x, params, activations, dy, config, fresh)
+        for c, g in zip(jax.tree.leaves((calibrating, next_state)),
+                        jax.tree.leaves((got, calibrated))):
+            np.testing.assert_array_equal(c, g)
+    with fp8.uncalibrated():
+        *cold, _ = step(x, params, activations, dy, DELAYED, fresh)
     assert close(cold[0], got[0], 1.0) > 1e-2  # layer 0's input at scale 1: not current
     # the GEMM-written gradients at scale 1 flush to zero in e5m2 (the top layer's, scaled
-    # by its current amax, does not): the cold start the calibrating step avoids
+    # by its current amax, does not): the cold start calibration avoids
     assert [float(np.max(np.abs(np.asarray(dk)))) > 0 for dk, _ in cold[2]] == \
         [False, False, True]
 
@@ -359,7 +366,11 @@ def test_linen_keeps_the_histories_in_flax_overwrite_with_gradient_collection():
     dense = fused_linen.Dense(16, activation="gelu", fp8=DELAYED)
     v = dense.init(jax.random.key(1), x)
     assert set(v[fused_linen.FP8_COLLECTION]) == {"input_amax_history", "gradient_amax_history"}
-    assert fused_linen.Dense(16, fp8=True).init(jax.random.key(1), x).keys() == {"params"}
+    # fp8=True ("auto" scaling) keeps the histories too, and so runs delayed scaling
+    assert fused_linen.Dense(16, fp8=True).init(jax.random.key(1), x).keys() == \
+        {"params", fused_linen.FP8_COLLECTION}
+    assert fused_linen.Dense(16, fp8=Fp8(scaling="current")).init(
+        jax.random.key(1), x).keys() == {"params"}
 
 
 def test_nnx_keeps_the_histories_as_amax_history_variables():
@@ -389,4 +400,6 @@ def test_nnx_keeps_the_histories_as_amax_history_variables():
                                    rtol=1e-6)
     dense = fused_nnx.Dense(24, 16, fp8=DELAYED, rngs=nnx.Rngs(1))
     assert dense.fp8_state() is not None and dense(x).shape == (8, 16)
-    assert fused_nnx.Dense(24, 16, fp8=True, rngs=nnx.Rngs(1)).fp8_state() is None
+    assert fused_nnx.Dense(24, 16, fp8=True, rngs=nnx.Rngs(1)).fp8_state() is not None
+    assert fused_nnx.Dense(24, 16, fp8=Fp8(scaling="current"),
+                           rngs=nnx.Rngs(1)).fp8_state() is None

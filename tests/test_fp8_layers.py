@@ -67,7 +67,8 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
     `dtype`): the layers take it with an XLA reduction, never from a GEMM's epilog.
 
     With `histories` (each layer's (input, gradient) amax history) the result gains the next
-    histories, this step's amaxes first. Under delayed scaling (`config.scaling`) each layer
+    histories, this step's amaxes first. Under delayed scaling (`config.scaling` "delayed",
+    or "auto" with histories), unless a history it reads is cold, each layer
     input's scale comes from its history's largest value, and so does the gradient scale of
     a ReLU layer followed by an FP8 layer, whose dZ8 the data-gradient GEMM writes (the mask
     h8 > 0 applied to the FP8 values, the amax before it, the bias gradient their sum); the
@@ -76,7 +77,16 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
     amax R's (not rounded to bfloat16 first).
     """
     rnd = lambda v: np.asarray(np.asarray(v, np.float32).astype(dtype), np.float32)
-    delayed = config.scaling == "delayed"
+    delayed = config.resolved(histories is not None).scaling == "delayed"
+    # Self-calibration: a pass that reads a cold history (largest amax 0 or not finite) runs
+    # current scaling, in the forward for every layer input, in the backward for every
+    # gradient a GEMM writes.
+    warm = lambda hs: all(np.isfinite(np.max(h)) and np.max(h) > 0 for h in hs)
+    written_below = [q and i + 1 < len(params) and quantized[i + 1] and act == "relu"
+                     for i, (q, act) in enumerate(zip(quantized, activations))]
+    delayed_backward = delayed and warm([h[1] for h, w in zip(histories or (), written_below)
+                                         if w])
+    delayed = delayed and warm([h[0] for h, q in zip(histories or (), quantized) if q])
     scale_amax = lambda history, current: np.max(history) if delayed else current
     h, saved, input_amaxes, direct = rnd(x), [], [], None
     for i, ((kernel, bias), act, q) in enumerate(zip(params, activations, quantized)):
@@ -124,8 +134,7 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
             dbias = None if params[i][1] is None else rnd(dz.astype(np.float64).sum(0))
         grads.append((rnd(dkernel), dbias))
         written = None
-        if delayed and i and quantized[i] and quantized[i - 1] and \
-                activations[i - 1] == "relu":
+        if delayed_backward and i and written_below[i - 1]:
             # the data-gradient GEMM writes dZ8 of layer i - 1 at its delayed scale, its amax
             # before the mask; ReLU's derivative is h8 > 0 of layer i's input
             r = np.asarray(dprev, np.float32)
