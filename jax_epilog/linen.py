@@ -28,7 +28,7 @@ except ImportError as error:
 from .fp8 import Fp8History, as_fp8
 from .layers import activation_name, dense, mlp
 
-#: The variable collection of the FP8 amax histories (`Fp8(scaling="delayed")`): Flax's
+#: The variable collection of the FP8 amax histories (delayed scaling, `fp8=True`'s): Flax's
 #: "overwrite with gradient" collection, whose gradients are the variables' next values and
 #: which `flax.training.train_state.TrainState.apply_gradients` overwrites, not optimizes.
 try:
@@ -47,11 +47,13 @@ class Dense(linen.Module):
       use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as for `linen.Dense`;
         `kernel_init=linen.with_partitioning(init, names)` annotates the kernel for sharding.
       fp8: None, True or `jax_epilog.Fp8(...)`: FP8 training as `jax_epilog.dense`'s `fp8=`;
-        checked on construction. The parameters are the same with or without it. With
-        `Fp8(scaling="delayed")` the layer also keeps `input_amax_history` and
+        checked on construction. The parameters are the same with or without it. Unless
+        `Fp8(scaling="current")`, the layer also keeps `input_amax_history` and
         `gradient_amax_history` in the `FP8_COLLECTION` variable collection
-        (`"_overwrite_with_gradient"`, as Flax's own fp8 ops): differentiate w.r.t. it too, and
-        replace it by its gradient (`TrainState.apply_gradients` does).
+        (`"_overwrite_with_gradient"`, as Flax's own fp8 ops) and runs delayed scaling from
+        them (`fp8=True` included: "auto" scaling): differentiate w.r.t. that collection too,
+        and replace it by its gradient (`TrainState.apply_gradients` does). Applied without
+        the collection, `fp8=True` runs current scaling.
     """
 
     features: int
@@ -85,15 +87,19 @@ class Dense(linen.Module):
 
     @linen.compact
     def fp8_state(self, fp8) -> Optional[Fp8History]:
-        """This layer's `fp8_state=` under `fp8` (created on first use; None without delayed
-        scaling)."""
+        """This layer's `fp8_state=` under `fp8` (created on first use): None under current
+        scaling, and under "auto" when applied without the `FP8_COLLECTION` variables (e.g.
+        `apply({"params": ...})`), which then runs current scaling."""
         fp8 = as_fp8(fp8)
         if fp8 is None or not fp8.keeps_state:
             return None
+        names = [f"{field}_amax_history" for field in Fp8History._fields]
+        if fp8.scaling == "auto" and not self.is_mutable_collection(FP8_COLLECTION) and \
+                not all(self.has_variable(FP8_COLLECTION, name) for name in names):
+            return None
         initial = fp8.init_state(1)[0]
-        return Fp8History(*(self.variable(FP8_COLLECTION, f"{field}_amax_history",
-                                          lambda value=value: value).value
-                            for field, value in zip(Fp8History._fields, initial)))
+        return Fp8History(*(self.variable(FP8_COLLECTION, name, lambda value=value: value).value
+                            for name, value in zip(names, initial)))
 
     def __call__(self, inputs):
         kernel, bias = self.kernel_and_bias(jnp.shape(inputs)[-1])
@@ -107,8 +113,8 @@ class MLP(linen.Module):
 
     `activation` follows every layer but the last, `final_activation` the last; both are
     checked on construction, as `Dense`'s is. The other attributes are `linen.Dense`'s and
-    apply to every layer; `fp8` is `Dense`'s (chosen per layer by `jax_epilog.Fp8()`; under
-    delayed scaling each `layers_i` keeps its amax histories in `FP8_COLLECTION`).
+    apply to every layer; `fp8` is `Dense`'s (chosen per layer by `jax_epilog.Fp8()`; unless
+    `scaling="current"` each `layers_i` keeps its amax histories in `FP8_COLLECTION`).
     """
 
     features: Sequence[int]

@@ -35,7 +35,7 @@ _ModuleList = getattr(nnx, "List", list)
 
 
 class AmaxHistory(nnx.Variable):
-    """An FP8 layer's amax history (`jax_epilog.Fp8(scaling="delayed")`): state, not a
+    """An FP8 layer's amax history (delayed scaling, `fp8=True`'s): state, not a
     parameter. Its gradient is its next value (Flax's "overwrite with gradient"): take
     gradients w.r.t. it too and write them into the model (`update_amax_histories`), never
     through the optimizer."""
@@ -50,7 +50,7 @@ def update_amax_histories(model: nnx.Module, grads) -> None:
 
 
 def _amax_histories(fp8) -> tuple[Optional[AmaxHistory], Optional[AmaxHistory]]:
-    """A layer's (input, gradient) `AmaxHistory` variables under delayed scaling, else None."""
+    """A layer's (input, gradient) `AmaxHistory` variables unless current scaling, else None."""
     if fp8 is None or not fp8.keeps_state:
         return None, None
     state = fp8.init_state(1)[0]
@@ -75,9 +75,11 @@ class Dense(nnx.Module):
         bias_metadata: as for `nnx.Linear`. Sharding annotations such as
         `kernel_init=nnx.with_partitioning(init, ("data", "model"))` carry over to the params.
       fp8: None, True or `jax_epilog.Fp8(...)`: FP8 training as `jax_epilog.dense`'s `fp8=`.
-        The parameters are the same with or without it, so checkpoints interchange. With
-        `Fp8(scaling="delayed")` the layer also holds its amax histories as `AmaxHistory`
-        variables (`input_amax_history`, `gradient_amax_history`).
+        The parameters are the same with or without it, so checkpoints interchange. Unless
+        `Fp8(scaling="current")`, the layer also holds its amax histories as `AmaxHistory`
+        variables (`input_amax_history`, `gradient_amax_history`) and runs delayed scaling
+        from them (`fp8=True` included: "auto" scaling), calibrating itself from a fresh
+        state (`jax_epilog.Fp8`).
     """
 
     def __init__(self, in_features: int, out_features: int, *,
@@ -112,7 +114,7 @@ class Dense(nnx.Module):
         return self.kernel[...], (self.bias[...] if self.bias is not None else None)
 
     def fp8_state(self) -> Optional[Fp8History]:
-        """This layer's `fp8_state=` for `jax_epilog.dense` (None without delayed scaling)."""
+        """This layer's `fp8_state=` for `jax_epilog.dense` (None under current scaling)."""
         if self.input_amax_history is None:
             return None
         return Fp8History(self.input_amax_history[...], self.gradient_amax_history[...])
@@ -131,8 +133,8 @@ class MLP(nnx.Module):
     `nnx.List([nnx.Linear(64, 128), nnx.Linear(128, 128), nnx.Linear(128, 10)])` stored as
     `layers`; `activation` follows every layer but the last, `final_activation` the last.
     The activations are checked as `Dense`'s are. The other arguments are `nnx.Linear`'s and
-    apply to every layer; `fp8` is `Dense`'s (chosen per layer by `jax_epilog.Fp8()`; under
-    delayed scaling each layer holds its `AmaxHistory` variables).
+    apply to every layer; `fp8` is `Dense`'s (chosen per layer by `jax_epilog.Fp8()`; unless
+    `scaling="current"` each layer holds its `AmaxHistory` variables).
     """
 
     def __init__(self, in_features: int, features: Sequence[int], *,

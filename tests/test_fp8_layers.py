@@ -709,13 +709,19 @@ def test_linen_modules_with_fp8():
     x = jnp.asarray(np.random.default_rng(1).standard_normal((6, 24)), jnp.float32)
     plain, quant = fused_linen.MLP((32, 16)), fused_linen.MLP((32, 16), fp8=True)
     variables = plain.init(jax.random.key(0), x)
-    assert jax.tree.structure(variables) == jax.tree.structure(quant.init(jax.random.key(0), x))
+    with_histories = quant.init(jax.random.key(0), x)  # fp8=True keeps amax histories
+    assert set(with_histories) == {"params", fused_linen.FP8_COLLECTION}
+    assert jax.tree.structure(variables["params"]) == \
+        jax.tree.structure(with_histories["params"])
     layers_ = variables["params"]
     params = [(layers_[f"layers_{i}"]["kernel"], layers_[f"layers_{i}"]["bias"])
               for i in range(2)]
     config = fused_linen.MLP((32, 16), fp8=ALL)
-    np.testing.assert_array_equal(config.apply(variables, x),
-                                  jax_epilog.mlp(x, params, fp8=ALL))
+    # applied with the parameters only (no histories), "auto" scaling is current scaling;
+    # with fresh histories it calibrates itself: the same values
+    fresh = config.init(jax.random.key(0), x)[fused_linen.FP8_COLLECTION]
+    for v in (variables, {**variables, fused_linen.FP8_COLLECTION: fresh}):
+        np.testing.assert_array_equal(config.apply(v, x), jax_epilog.mlp(x, params, fp8=ALL))
     dense = fused_linen.Dense(16, activation="relu", fp8=ALL)
     v = dense.init(jax.random.key(1), x)
     np.testing.assert_array_equal(dense.apply(v, x), jax_epilog.dense(
