@@ -297,7 +297,14 @@ def reduce_amax(x_amax, axes):
     """`x_amax`, the largest over the devices along the bound axes among `axes`
     (`Fp8.amax_reduction_axes`), so that inside `shard_map` it is the whole tensor's amax.
     Axes that are not bound (outside `shard_map`, where the amax already covers the whole
-    array) are skipped; a name that is not an axis of the mesh in use is an error."""
+    array) are skipped (`bound_axes`)."""
+    bound = bound_axes(axes)
+    return jax.lax.pmax(x_amax, bound) if bound else x_amax
+
+
+def bound_axes(axes) -> tuple[str, ...]:
+    """The names among `axes` (`Fp8.amax_reduction_axes`) that are bound here (inside
+    `shard_map`); a name that is not an axis of the mesh in use is an error."""
     bound = []
     for name in axes or ():
         try:
@@ -310,7 +317,7 @@ def reduce_amax(x_amax, axes):
                                  f"that split the batch, activations or weights") from None
             continue
         bound.append(name)
-    return jax.lax.pmax(x_amax, tuple(bound)) if bound else x_amax
+    return tuple(bound)
 
 
 def quantize_delayed(x, history, dtype: str, margin: int, amax_axes=None):
@@ -478,6 +485,13 @@ def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
     policies (outside the cond, where a policy sees them)."""
     histories = [state[i].input for i, own in enumerate(planned.layers) if own.fp8] \
         if state is not None else []
+    if planned.calibration is not None:
+        # Checked before the cond, whose branches would otherwise disagree on which scales
+        # vary between devices (a history's does not, an unreduced amax's does): every amax
+        # varies over the axes the stack does, less those it is reduced over.
+        reduced = bound_axes(planned.fp8.amax_reduction_axes)
+        _check_recordable(planned, [a for a in manual_axes.varying_axes([x]) if a not in reduced],
+                          state)
     h, saved = _calibrating(planned, histories, functools.partial(
         _planned_forward, x=x, params=params, state=state, keep_residuals=keep_residuals))
     named = lambda value, name: None if value is None else checkpoint_name(value, name)
@@ -593,18 +607,23 @@ def _next_state(planned: StackPlan, saved, state, gradient_amaxes):
     if state is None:
         return None
     amaxes = [s.input_amax for s in saved] + list(gradient_amaxes.values())
-    unreduced = [a for a in manual_axes.varying_axes(amaxes)
-                 if a not in manual_axes.varying_axes(jax.tree.leaves(state))]
-    if unreduced:  # inside shard_map: each device would record its own amaxes
+    _check_recordable(planned, manual_axes.varying_axes(amaxes), state)
+    return tuple(Fp8History(record(h.input, s.input_amax), record(h.gradient,
+                                                                   gradient_amaxes[i]))
+                 if q else h for i, (q, s, h) in enumerate(zip(planned.quantized, saved, state)))
+
+
+def _check_recordable(planned: StackPlan, varying, state):
+    """Inside shard_map: an error where this step's amaxes, varying over the mesh axes
+    `varying`, may differ between the devices that share `state`."""
+    unreduced = [a for a in varying if a not in manual_axes.varying_axes(jax.tree.leaves(state))]
+    if unreduced:  # each device would record its own amaxes
         wanted = tuple(dict.fromkeys((*(planned.fp8.amax_reduction_axes or ()), *unreduced)))
         raise ValueError(f"fp8_state: inside shard_map this step's amaxes may differ "
                          f"between the devices along the mesh axes {tuple(unreduced)}, but "
                          f"fp8_state is the same on every device; pass fp8=Fp8(..., "
                          f"amax_reduction_axes={wanted}) so that every device records the "
                          f"amaxes of the whole tensors")
-    return tuple(Fp8History(record(h.input, s.input_amax), record(h.gradient,
-                                                                   gradient_amaxes[i]))
-                 if q else h for i, (q, s, h) in enumerate(zip(planned.quantized, saved, state)))
 
 
 _fp8_stack.defvjp(_fp8_stack_fwd, _fp8_stack_bwd)

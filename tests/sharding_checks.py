@@ -13,7 +13,6 @@ Layouts (x @ W + b with x (M, K), W (K, N)):
   data_row   M over "data", K over "model"      2-D mesh, reduction on one axis
 """
 
-import dataclasses
 import functools
 import os
 import re
@@ -462,9 +461,10 @@ def _fp8_step(config, model_axis=None):
 
 
 def _calibrated_state(x, params, target):
-    """The docs' first step: one step of current scaling on one device fills the histories."""
-    current = _fp8_config("current", None)
-    return _fp8_step(current)(params, current.init_state(2), x, target)[1][1]
+    """The state after a first step on one device (delayed scaling calibrates itself on a
+    fresh state: current scaling, which fills the histories)."""
+    delayed = _fp8_config("delayed", None)
+    return _fp8_step(delayed)(params, delayed.init_state(2), x, target)[1][1]
 
 
 def _fp8_shard_map_step(layout, config, check_vma=True):
@@ -493,23 +493,27 @@ def _fp8_axes(layout):
     return MESHES[_FP8_LAYOUTS[layout][0]].axis_names
 
 
-@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("scaling", ["current", "delayed", "delayed, fresh state"])
 @pytest.mark.parametrize("layout", list(_FP8_LAYOUTS))
 def test_fp8_shard_map_step_matches_one_device(layout, scaling):
     """Inside shard_map with `amax_reduction_axes` naming every axis that splits something:
     the loss, the gradients (parameters and x) and the next state are one device's. Under
     delayed scaling in bfloat16 both GEMMs that write an FP8 tensor and its amax run (layer
-    1's forward writes layer 2's input, layer 2's data gradient writes layer 1's gradient)."""
+    1's forward writes layer 2's input, layer 2's data gradient writes layer 1's gradient);
+    from a fresh state the calibrating branches (current scaling) run."""
     x, params, target = _fp8_data(20)
-    state = _calibrated_state(*_fp8_data(21))
-    config = _fp8_config(scaling, _fp8_axes(layout))
+    fresh = scaling.endswith("fresh state")
+    state = _fp8_config("current", None).init_state(2) if fresh else \
+        _calibrated_state(*_fp8_data(21))
+    config = _fp8_config(scaling.split(",")[0], _fp8_axes(layout))
     value, (grads, next_state, dx) = _fp8_shard_map_step(layout, config)(params, state, x,
                                                                           target)
     want_value, (want_grads, want_state, want_dx) = jax.jit(_fp8_step(config))(
         params, state, x, target)
     assert _fp8_error((value, grads, dx), (want_value, want_grads, want_dx)) <= FP8_TOL
     for got, want in zip(jax.tree.leaves(next_state), jax.tree.leaves(want_state)):
-        assert np.all(np.asarray(got[:2]) > 0)  # this step's amax and the calibrating one's
+        # this step's amax (and the calibrating one's)
+        assert np.all(np.asarray(got[:1 if fresh else 2]) > 0)
         if FP8_EXACT and "model" not in _FP8_LAYOUTS[layout][0]:
             np.testing.assert_array_equal(got, want)  # the same rows, the same sums
         else:
@@ -608,9 +612,8 @@ def test_fp8_step_gathers_nothing_the_bf16_step_does_not(scaling):
         return jax.value_and_grad(loss, argnums=(0, 1))(layers, state)
 
     state = None
-    if scaling == "delayed":  # calibrated by a step of current scaling, as the docs say
-        current = dataclasses.replace(config, scaling="current")
-        state = step(current, layers, config.init_state(4), x * 2, target)[1][1]
+    if scaling == "delayed":  # warm: after a first step, which calibrates the fresh state
+        state = step(config, layers, config.init_state(4), x * 2, target)[1][1]
 
     def compiled(config, state):
         shardings = (replicated, None if state is None else replicated, data, data)
