@@ -194,11 +194,11 @@ def gemm_backend(ctx: Context, requested: str, epilog, dtype, batch: int, m: int
 # --- FP8: which layers, and where each FP8 tensor comes from ----------------------------------
 
 #: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`.
-#: Measured on the H200 (benchmarks/README.md, XLA's FP8 step): M1's 65536×4096×4096 layers
-#: (2.2e12) gain 1.46×, M2's 16384×1024×1024 layers (3.4e10) lose (0.72×). The crossover
-#: between them is what `benchmarks/fp8_bench.py --sweep` measures; until then this sits conservatively
-#: near M1's size.
-FP8_MIN_FLOPS = 2**40
+#: The crossover `benchmarks/fp8_bench.py --sweep` measured on the H200 (training steps of
+#: 4-layer ReLU stacks, FP8 in every layer against the faster bf16 step): FP8 won from
+#: 8192 rows × 2048 wide (6.9e10 FLOPs a GEMM: 1.03× current scaling, 1.20× delayed) at every
+#: larger size measured, and lost at 16384 × 1024 (3.4e10: 0.75×, 0.90×).
+FP8_MIN_FLOPS = 2**36
 #: FP8 GEMMs want K and N in multiples of 16 elements; others would be padded (a copy) first.
 FP8_ALIGNMENT = 16
 #: The epilogs whose FP8 GEMM cuBLASLt 13.1 can write as e4m3 with its amax (measured on the
