@@ -9,7 +9,7 @@ stack, all from the parameters of one `init`:
 - flax_fp8_direct: the same with `dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp` (XLA's direct
   FP8 GEMM, delayed scaling);
 - flax_fp8_qdq: the same with `fp8_ops.Fp8DotGeneralOp` (quantize-dequantize around a bf16 dot,
-  left to XLA to rewrite);
+  left to XLA to rewrite; Flax deprecates it in favour of the direct op);
 - ours_bf16: `jax_epilog.linen.MLP` in bf16;
 - ours_fp8: `MLP(..., fp8=True)`: the defaults, whatever they are on this commit;
 - ours_fp8_all: `fp8=Fp8(layers="all")`: FP8 in every layer;
@@ -395,6 +395,8 @@ def run(rows: dict[str, Workload], budget_seconds: float, out: Path,
             report["elapsed_seconds"] = time.perf_counter() - started
             write(report, out)
             bar.update()
+    report["elapsed_seconds"] = time.perf_counter() - started
+    write(report, out)  # also when every row was skipped
     return report
 
 
