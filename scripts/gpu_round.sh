@@ -180,8 +180,10 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
     peer)
       # Flax's own FP8 ops beside our fp8= recipes from the same weights (issue 24 part 6);
       # results rewritten after every row, so a cut run keeps what it has.
+      # --max-s leaves 30 s of PEER_CAP to write the report (PEER_ARGS may set its own).
       (cd "$ROOT/benchmarks" && runs --cap "${PEER_CAP:-300}" "$PY" fp8_peer.py \
-        ${PEER_ARGS:---rows W2,TMLP,N8K,M1} --out "$OUT/fp8_peer" 2>&1) > "$OUT/fp8_peer.log"
+        --max-s $(( ${PEER_CAP:-300} - 30 )) ${PEER_ARGS:---rows W2,TMLP,N8K,M1} \
+        --out "$OUT/fp8_peer" 2>&1) > "$OUT/fp8_peer.log"
       note "fp8 peer benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -E "^(\||## |- )" "$OUT/fp8_peer/fp8_peer.md" 2>/dev/null | tee -a "$SUMMARY"
       grep -E "^skipped|^wrote .*errors\)$" "$OUT/fp8_peer.log" | tee -a "$SUMMARY" ;;
