@@ -43,7 +43,7 @@ largest in the table, every leaf in the JSON). Then issue 24's targets, met or M
 
     python benchmarks/fp8_peer.py --rows W2,TMLP,N8K,M1 --out benchmarks/results  # H200: ~4.5 min
     python benchmarks/fp8_peer.py --rows M1 --variants flax_fp8_direct,ours_fp8 --out /tmp/m1
-    python benchmarks/fp8_peer.py --smoke --out /tmp/smoke     # tiny shapes, any CPU, ~30 s
+    python benchmarks/fp8_peer.py --smoke --out /tmp/smoke     # tiny shapes, any CPU, ~25 s
 
 `--max-s` (default 270) bounds the whole run, compilation included: a row that would start
 too late for it (judged by the slowest row so far) is skipped and listed, so M1 (the slowest,
