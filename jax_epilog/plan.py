@@ -549,13 +549,22 @@ def plan_matmul_step(ctx: Context, params: Params, a_shape, b_shape, dtype,
                      forward_epilog: Epilog) -> Choice:
     """"plain" where every GEMM of a `matmul` call's training step runs XLA's way on this CUDA
     GPU (asked for, the override, or the tables): JAX then differentiates the plain expression,
-    which XLA compiles as it compiles a user's own; else "fused" (the call's custom VJP)."""
+    which XLA compiles as it compiles a user's own; else "fused" (the call's custom VJP).
+
+    The weight gradient is judged as a plain GEMM even where the step would give it the bias
+    gradient (BGRADB/BGRADA): a table entry times that epilog against XLA's GEMM plus a bias
+    sum of its own, but in the plain step XLA fuses the sum into the pass that makes dZ. On
+    the H200 the BGRADB entry (19 µs against 32) sent G6's step (4096×1024→1024) to the custom
+    VJP, which then ran 0.87–0.93× XLA's step (careful harness) where the plain step ran
+    0.94–1.03× (benchmarks/results/never_slower_matmul)."""
     if not ctx.tables_decide():
         return Choice("fused", "not a CUDA GPU with the library")
-    gemms = _on_cuda(ctx, matmul_step_gemms(params, a_shape, b_shape, dtype, forward_epilog),
-                     dtype)
+    gemms = matmul_step_gemms(params, a_shape, b_shape, dtype, forward_epilog)
+    gemms = _on_cuda(ctx, tuple(g._replace(epilog=Epilog.DEFAULT) if g.epilog in (Epilog.BGRADA, Epilog.BGRADB)
+                                else g for g in gemms), dtype)
     if all(g.backend == "xla" for g in gemms):
-        return Choice("plain", "every GEMM of the step runs XLA's way")
+        return Choice("plain", "every GEMM of the step runs XLA's way (the bias gradient a sum "
+                               "XLA fuses)")
     return Choice("fused", "a GEMM of the step runs cuBLASLt")
 
 
