@@ -13,7 +13,11 @@ stack, all from the parameters of one `init`:
 - ours_bf16: `jax_epilog.linen.MLP` in bf16;
 - ours_fp8: `MLP(..., fp8=True)`: the defaults, whatever they are on this commit;
 - ours_fp8_all: `fp8=Fp8(layers="all")`: FP8 in every layer;
-- ours_fp8_delayed_all: `fp8=Fp8(scaling="delayed", layers="all")`.
+- ours_fp8_current_all: `fp8=Fp8(scaling="current", layers="all")`;
+- ours_fp8_delayed_all: `fp8=Fp8(scaling="delayed", layers="all")`;
+- ours_fp8_fast_forward: the same with `fast_accumulation="forward"` (TransformerEngine's
+  recipe: fast accumulation in the forward GEMMs, float32 in the gradients);
+- ours_fp8_fast_all: the same with `fast_accumulation=True` (every GEMM, as XLA runs Flax's).
 
 An `ours_*` variant that builds the same program as one before it on a row (on M1, `fp8=True`
 already runs every layer FP8) is not compiled twice: the report names the one it equals.
@@ -132,7 +136,14 @@ VARIANTS = {"flax_bf16": flax_variant(),
             "ours_bf16": ours_variant(),
             "ours_fp8": ours_variant(True),
             "ours_fp8_all": ours_variant(Fp8(layers="all")),
-            "ours_fp8_delayed_all": ours_variant(Fp8(scaling="delayed", layers="all"))}
+            "ours_fp8_current_all": ours_variant(Fp8(scaling="current", layers="all")),
+            "ours_fp8_delayed_all": ours_variant(Fp8(scaling="delayed", layers="all")),
+            # TransformerEngine's accumulation (fast in the forward GEMMs only), and fast
+            # accumulation in every GEMM (what XLA, so Flax's FP8, does at DEFAULT precision)
+            "ours_fp8_fast_forward": ours_variant(Fp8(scaling="delayed", layers="all",
+                                                      fast_accumulation="forward")),
+            "ours_fp8_fast_all": ours_variant(Fp8(scaling="delayed", layers="all",
+                                                  fast_accumulation=True))}
 
 
 def describe(model: linen.Module) -> str:
