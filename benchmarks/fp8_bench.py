@@ -40,8 +40,10 @@ GEMMs. A variant whose compilation warned that cuBLASLt "runs no FP8 kernel" (a 
 to the plain-XLA reference) is marked FALLBACK in the table and on stdout, and a target read
 from it counts as missed. Then the issue's targets, printed met/MISSED.
 
-`--sweep` also times one dense layer step of a few square sizes (rows × n × n) for ours_bf16,
-xla_bf16 and ours_fp8_all: the FLOPs from which FP8 pays, for `fp8.FP8_MIN_FLOPS`.
+`--sweep` also times the training step of 4-layer ReLU stacks of a few widths and batches
+(M1's form, rows × n wide × layers) for xla_bf16, ours_bf16, ours_fp8_all and
+ours_fp8_delayed_all (`Fp8(scaling="delayed", layers="all")`): the FLOPs per GEMM from which
+FP8 pays, for `fp8.FP8_MIN_FLOPS`.
 
     python benchmarks/fp8_bench.py --rows M1 --out benchmarks/results  # H200: ~2.5 minutes
     python benchmarks/fp8_bench.py --rows G1,M2 --out /tmp/g1_m2       # H200: ~2.5 minutes
@@ -86,8 +88,10 @@ ROWS = {"G1": Workload("G1", GRID["G1"][0], GRID["G1"][1:], None, "relu", True),
         "M1": Workload("M1", *NETWORKS["M1"], "relu", None, False)}
 SMOKE_ROWS = {"S1": Workload("S1", 64, (32, 48, 48, 16), "relu", None, False),
               "S2": Workload("S2", 33, (48, 32), None, "relu", True)}
-SWEEP = [(16384, 1024), (16384, 2048), (16384, 4096), (65536, 4096)]  # (rows, n): one n×n layer
-SMOKE_SWEEP = [(32, 16), (64, 32)]
+# (rows, n, layers): a stack of `layers` ReLU layers n wide (M1's form), 2·rows·n² FLOPs a GEMM.
+SWEEP = [(8192, 1024, 4), (16384, 1024, 4), (8192, 2048, 4), (4096, 4096, 4), (16384, 2048, 4),
+         (32768, 2048, 4), (8192, 4096, 4), (16384, 4096, 4)]
+SMOKE_SWEEP = [(32, 16, 2), (64, 32, 2)]
 # The issue's targets: (row, variant, against, at least) on the careful harness's ratios.
 TARGETS = [(row, variant, against, least)
            for variant in ("ours_fp8", "ours_fp8_delayed", "ours_fp8_delayed_fast")
@@ -163,9 +167,11 @@ VARIANTS = {"xla_bf16": never_slower.xla_stack, "ours_bf16": epilog_stack(None),
             "ours_fp8_fast": epilog_stack(Fp8(fast_accumulation="forward")),
             "ours_fp8_delayed": Fp8(scaling="delayed"),
             "ours_fp8_delayed_fast": Fp8(scaling="delayed", fast_accumulation="forward"),
+            "ours_fp8_delayed_all": Fp8(scaling="delayed", layers="all"),
             "xla_fp8": xla_fp8_stack(user_fp8_dot()),
             "xla_fp8_precise": xla_fp8_stack(user_fp8_dot(jax.lax.Precision.HIGHEST))}
-SWEEP_VARIANTS = ("xla_bf16", "ours_bf16", "ours_fp8_all")
+SWEEP_VARIANTS = ("xla_bf16", "ours_bf16", "ours_fp8_all", "ours_fp8_delayed_all")
+SWEEP_FP8 = ("ours_fp8_all", "ours_fp8_delayed_all")  # each against the faster bf16 step
 
 
 def delayed_step(w: Workload, config: Fp8, args) -> Any:
@@ -299,11 +305,11 @@ def targets(rows: dict[str, dict]) -> list[dict[str, Any]]:
     return found
 
 
-def crossover(sweep: list[dict[str, Any]]) -> Optional[float]:
-    """The smallest FLOPs per layer GEMM from which FP8 beat the faster bf16 step at every
-    larger measured size (None if it never did)."""
-    wins = sorted((r["gemm_flops"], r["fp8_vs_best_bf16"] > 1.0) for r in sweep
-                  if "fp8_vs_best_bf16" in r)
+def crossover(sweep: list[dict[str, Any]], variant: str = "ours_fp8_all") -> Optional[float]:
+    """The smallest FLOPs per layer GEMM from which `variant` beat the faster bf16 step at
+    every larger measured size (None if it never did)."""
+    wins = sorted((r["gemm_flops"], r["fp8_vs_best_bf16"][variant] > 1.0) for r in sweep
+                  if variant in r.get("fp8_vs_best_bf16", {}))
     smallest = None
     for flops, won in reversed(wins):
         if not won:
@@ -312,19 +318,24 @@ def crossover(sweep: list[dict[str, Any]]) -> Optional[float]:
     return smallest
 
 
-def sweep_record(rows: int, n: int, budget: timing.Budget) -> dict[str, Any]:
-    """One dense ReLU layer step rows × n × n: FP8 in every layer against the faster bf16."""
-    w = Workload(f"{rows}x{n}x{n}", rows, (n, n), None, "relu", True)
-    record = {"rows": rows, "n": n, "gemm_flops": timing.gemm_flops(rows, n, n),
-              "fp8_pays": fp8.fp8_pays(rows, n, n)}
+def sweep_name(rows: int, n: int, layers: int) -> str:
+    return f"{rows}x{n}x{layers}"
+
+
+def sweep_record(rows: int, n: int, layers: int, budget: timing.Budget) -> dict[str, Any]:
+    """The training step of `layers` ReLU layers n wide on `rows` rows: FP8 in every layer
+    (current and delayed scaling) against the faster bf16."""
+    w = Workload(sweep_name(rows, n, layers), rows, (n,) * (layers + 1), "relu", None, False)
+    record = {"rows": rows, "n": n, "layers": layers,
+              "gemm_flops": timing.gemm_flops(rows, n, n), "fp8_pays": fp8.fp8_pays(rows, n, n)}
     try:
         measured = measure(w, SWEEP_VARIANTS, budget)["variants"]
         seconds = {v: measured[v]["careful"]["seconds"] for v in SWEEP_VARIANTS}
         record["fallbacks"] = sorted({m for v in SWEEP_VARIANTS
                                       for m in measured[v]["fallbacks"]})
         record["ms"] = {v: s * 1e3 for v, s in seconds.items()}
-        record["fp8_vs_best_bf16"] = min(seconds["xla_bf16"], seconds["ours_bf16"]) / \
-            seconds["ours_fp8_all"]
+        best_bf16 = min(seconds["xla_bf16"], seconds["ours_bf16"])
+        record["fp8_vs_best_bf16"] = {v: best_bf16 / seconds[v] for v in SWEEP_FP8}
     except Exception as e:  # noqa: BLE001  (one size failing must not end the sweep)
         record["error"] = f"{type(e).__name__}: {e}"
     return record
@@ -375,15 +386,16 @@ def run(rows: dict[str, Workload], sweep_sizes, budget_seconds: float,
             slowest = max(slowest, time.perf_counter() - item_started)
             write(report, out)
             bar.update()
-        for rows_, n in sweep_sizes:  # the report is rewritten after every size too
-            bar.set_postfix_str(f"sweep {rows_}x{n}x{n}", refresh=False)
+        for rows_, n, layers in sweep_sizes:  # the report is rewritten after every size too
+            bar.set_postfix_str(f"sweep {sweep_name(rows_, n, layers)}", refresh=False)
             item_started = time.perf_counter()
-            if skip(f"sweep {rows_}x{n}x{n}"):
+            if skip(f"sweep {sweep_name(rows_, n, layers)}"):
                 bar.update()
                 continue
-            report["sweep"].append(sweep_record(rows_, n, budget))
+            report["sweep"].append(sweep_record(rows_, n, layers, budget))
             slowest = max(slowest, time.perf_counter() - item_started)
-            report["crossover_gemm_flops"] = crossover(report["sweep"])
+            report["crossover_gemm_flops"] = {v: crossover(report["sweep"], v)
+                                              for v in SWEEP_FP8}
             report["elapsed_seconds"] = time.perf_counter() - started
             write(report, out)
             bar.update()
@@ -440,18 +452,19 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{' (' + t['note'] + ')' if t.get('note') else ''} |"
                   for t in report["targets"]]
     if report.get("sweep"):
-        lines += ["", "## Sweep: one dense ReLU layer step, rows × n × n", "",
-                  "| rows × n × n | GEMM FLOPs | fp8_pays | ms xla_bf16 / ours_bf16 / "
-                  "ours_fp8_all | FP8 vs best bf16 |", "|---|---|---|---|---|"]
+        lines += ["", "## Sweep: training steps of ReLU stacks, rows × n wide × layers", "",
+                  f"| rows × n × layers | GEMM FLOPs | fp8_pays | ms {' / '.join(SWEEP_VARIANTS)} "
+                  f"| {' / '.join(SWEEP_FP8)} vs best bf16 |", "|---|---|---|---|---|"]
         for s in report["sweep"]:
             ms = " / ".join(_cell(s["ms"][v]) for v in SWEEP_VARIANTS) if "ms" in s \
                 else s.get("error", "–")
+            ratios = " / ".join(_cell(s.get("fp8_vs_best_bf16", {}).get(v)) for v in SWEEP_FP8)
             flag = " FALLBACK" if s.get("fallbacks") else ""
-            lines.append(f"| {s['rows']} × {s['n']} × {s['n']} | {s['gemm_flops']:.3g} | "
-                         f"{s['fp8_pays']} | {ms} | {_cell(s.get('fp8_vs_best_bf16'))}{flag} |")
-        crossover_flops = _cell(report.get("crossover_gemm_flops"), ".3g")
-        lines += ["", f"FP8 faster than the best bf16 from {crossover_flops} GEMM FLOPs up "
-                  "(at every larger measured size)."]
+            lines.append(f"| {s['rows']} × {s['n']} × {s['layers']} | {s['gemm_flops']:.3g} | "
+                         f"{s['fp8_pays']} | {ms} | {ratios}{flag} |")
+        for v, flops in report.get("crossover_gemm_flops", {}).items():
+            lines += ["", f"{v} faster than the best bf16 from {_cell(flops, '.3g')} GEMM "
+                      "FLOPs up (at every larger measured size)."]
     if report.get("skipped"):
         lines += ["", "Skipped (the run's --max-s): " + ", ".join(report["skipped"])]
     if report["errors"]:

@@ -195,11 +195,11 @@ def gemm_backend(ctx: Context, requested: str, epilog, dtype, batch: int, m: int
 # --- FP8: which layers, and where each FP8 tensor comes from ----------------------------------
 
 #: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`.
-#: Measured on the H200 (benchmarks/README.md, XLA's FP8 step): M1's 65536×4096×4096 layers
-#: (2.2e12) gain 1.46×, M2's 16384×1024×1024 layers (3.4e10) lose (0.72×). The crossover
-#: between them is what `benchmarks/fp8_bench.py --sweep` measures; until then this sits conservatively
-#: near M1's size.
-FP8_MIN_FLOPS = 2**40
+#: The crossover `benchmarks/fp8_bench.py --sweep` measured on the H200 (training steps of
+#: 4-layer ReLU stacks, FP8 in every layer against the faster bf16 step): FP8 won from
+#: 8192 rows × 2048 wide (6.9e10 FLOPs a GEMM: 1.03× current scaling, 1.20× delayed) at every
+#: larger size measured, and lost at 16384 × 1024 (3.4e10: 0.75×, 0.90×).
+FP8_MIN_FLOPS = 2**36
 #: FP8 GEMMs want K and N in multiples of 16 elements; others would be padded (a copy) first.
 FP8_ALIGNMENT = 16
 #: The epilogs whose FP8 GEMM cuBLASLt 13.1 can write as e4m3 with its amax (measured on the
@@ -560,13 +560,22 @@ def plan_matmul_step(ctx: Context, params: Params, a_shape, b_shape, dtype,
                      forward_epilog: Epilog) -> Choice:
     """"plain" where every GEMM of a `matmul` call's training step runs XLA's way on this CUDA
     GPU (asked for, the override, or the tables): JAX then differentiates the plain expression,
-    which XLA compiles as it compiles a user's own; else "fused" (the call's custom VJP)."""
+    which XLA compiles as it compiles a user's own; else "fused" (the call's custom VJP).
+
+    The weight gradient is judged as a plain GEMM even where the step would give it the bias
+    gradient (BGRADB/BGRADA): a table entry times that epilog against XLA's GEMM plus a bias
+    sum of its own, but in the plain step XLA fuses the sum into the pass that makes dZ. On
+    the H200 the BGRADB entry (19 µs against 32) sent G6's step (4096×1024→1024) to the custom
+    VJP, which then ran 0.87–0.93× XLA's step (careful harness) where the plain step ran
+    0.94–1.03× (benchmarks/results/never_slower_matmul)."""
     if not ctx.tables_decide():
         return Choice("fused", "not a CUDA GPU with the library")
-    gemms = _on_cuda(ctx, matmul_step_gemms(params, a_shape, b_shape, dtype, forward_epilog),
-                     dtype)
+    gemms = matmul_step_gemms(params, a_shape, b_shape, dtype, forward_epilog)
+    gemms = _on_cuda(ctx, tuple(g._replace(epilog=Epilog.DEFAULT) if g.epilog in (Epilog.BGRADA, Epilog.BGRADB)
+                                else g for g in gemms), dtype)
     if all(g.backend == "xla" for g in gemms):
-        return Choice("plain", "every GEMM of the step runs XLA's way")
+        return Choice("plain", "every GEMM of the step runs XLA's way (the bias gradient a sum "
+                               "XLA fuses)")
     return Choice("fused", "a GEMM of the step runs cuBLASLt")
 
 

@@ -3,7 +3,7 @@
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu probe
-#           tune never_slower soak fp8 fp8profile gpt
+#           tune never_slower soak fp8 fp8profile peer gpt
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files).
@@ -177,6 +177,16 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       grep -E "^[a-z0-9_]+: step" "$OUT/fp8_profile.log" | tee -a "$SUMMARY"
       rm -rf "$OUT/fp8_profile/traces"  # large; the summary has what they say
       cat "$OUT/fp8_profile/fp8_profile.md" 2>/dev/null | head -80 ;;
+    peer)
+      # Flax's own FP8 ops beside our fp8= recipes from the same weights (issue 24 part 6);
+      # results rewritten after every row, so a cut run keeps what it has.
+      # --max-s leaves 30 s of PEER_CAP to write the report (PEER_ARGS may set its own).
+      (cd "$ROOT/benchmarks" && runs --cap "${PEER_CAP:-300}" "$PY" fp8_peer.py \
+        --max-s $(( ${PEER_CAP:-300} - 30 )) ${PEER_ARGS:---rows W2,TMLP,N8K,M1} \
+        --out "$OUT/fp8_peer" 2>&1) > "$OUT/fp8_peer.log"
+      note "fp8 peer benchmark: rc=$? ($((SECONDS - start)) s)"
+      grep -E "^(\||## |- )" "$OUT/fp8_peer/fp8_peer.md" 2>/dev/null | tee -a "$SUMMARY"
+      grep -E "^skipped|^wrote .*errors\)$" "$OUT/fp8_peer.log" | tee -a "$SUMMARY" ;;
     gpt)
       # The GPT example's four variants side by side (GPT_ARGS, default both configs; `large`
       # alone needs most of a call: its FP8 step compiled in 132 s on the H200).

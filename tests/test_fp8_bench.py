@@ -34,8 +34,9 @@ def test_fp8_smoke_report(tmp_path):
         # FP8 steps differ from bf16 by FP8 rounding (e5m2 gradients: up to ~1/8), not more
         assert v["relative_diff_vs_xla_bf16"] < (0.3 if "fp8" in name else 0.05), name
     assert variants["xla_bf16"]["relative_diff_vs_xla_bf16"] == 0
-    assert [(s["rows"], s["n"]) for s in report["sweep"]] == fp8_bench.SMOKE_SWEEP
-    assert all(s["fp8_vs_best_bf16"] > 0 for s in report["sweep"])
+    assert [(s["rows"], s["n"], s["layers"]) for s in report["sweep"]] == fp8_bench.SMOKE_SWEEP
+    assert all(set(s["fp8_vs_best_bf16"]) == set(fp8_bench.SWEEP_FP8)
+               and min(s["fp8_vs_best_bf16"].values()) > 0 for s in report["sweep"])
     table = (tmp_path / "fp8.md").read_text()
     assert "| S2 | ours_fp8_all |" in table and "## Sweep" in table
     assert "FALLBACK" not in table.split("| row |")[1] and report["skipped"] == []
@@ -45,7 +46,8 @@ def test_max_s_skips_what_would_end_too_late(tmp_path, capsys):
     report = fp8_bench.main(["--smoke", "--rows", "S2", "--sweep", "--max-s", "0",
                              "--out", str(tmp_path)])
     assert report["rows"] == {} and report["sweep"] == []
-    assert report["skipped"] == ["S2"] + [f"sweep {r}x{n}x{n}" for r, n in fp8_bench.SMOKE_SWEEP]
+    assert report["skipped"] == ["S2"] + [f"sweep {fp8_bench.sweep_name(*s)}"
+                                            for s in fp8_bench.SMOKE_SWEEP]
     assert "skipped (--max-s 0): S2" in capsys.readouterr().out
     assert "Skipped (the run's --max-s): S2" in (tmp_path / "fp8.md").read_text()
 
@@ -93,9 +95,11 @@ def test_gemm_counts_tells_where_each_gemm_ran():
 
 
 def test_crossover_is_where_fp8_wins_from_then_on():
-    sweep = [{"gemm_flops": f, "fp8_vs_best_bf16": r}
-             for f, r in [(1e9, 0.5), (1e10, 1.1), (1e11, 0.9), (1e12, 1.2), (1e13, 1.4)]]
+    sweep = [{"gemm_flops": f, "fp8_vs_best_bf16": {"ours_fp8_all": r, "ours_fp8_delayed_all": d}}
+             for f, r, d in [(1e9, 0.5, 0.6), (1e10, 1.1, 1.2), (1e11, 0.9, 1.1), (1e12, 1.2, 1.3),
+                             (1e13, 1.4, 1.5)]]
     assert fp8_bench.crossover(sweep) == 1e12
+    assert fp8_bench.crossover(sweep, "ours_fp8_delayed_all") == 1e10
     assert fp8_bench.crossover(sweep[:3]) is None
 
 

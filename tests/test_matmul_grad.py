@@ -332,3 +332,23 @@ def test_the_plan_lists_the_gemms_the_backward_issues(epilog, layout):
         planned = sorted(((Epilog.DEFAULT if e == Epilog.BGRADB else e, *rest)
                           for e, *rest in planned), key=str)
     assert traced == planned
+
+
+def test_a_bias_gradient_kernel_alone_keeps_the_plain_path():
+    """A table entry that prefers BGRADB/BGRADA to XLA's GEMM plus its own bias sum does not
+    take the step off the plain path: there XLA fuses the sum into dZ's pass (the H200's G6
+    step ran slower through the custom VJP). A plain GEMM the table sends to cuBLASLt does."""
+    from jax_epilog import dispatch, plan
+
+    def planned(kernel_epilogs):
+        ctx = plan.default_context()._replace(
+            tables_decide=lambda: True, override=lambda: None,
+            gemm_table=lambda epilog, *problem: dispatch.Decision(
+                "cublaslt" if epilog in kernel_epilogs else "xla", "test"))
+        with plan.planning(ctx):
+            return _epilog_calls(jax.grad(loss, argnums=(0, 1, 2)), a, b, inputs)
+
+    a, b, inputs, probe, ta, tb = _problem("lead_shared_b", Epilog.RELU_BIAS, "float32", seed=3)
+    loss = _loss(jax_epilog.matmul, Epilog.RELU_BIAS, ta, tb, probe, precision="highest")
+    assert planned({Epilog.BGRADB, Epilog.BGRADA}) == 0
+    assert planned({Epilog.DEFAULT}) > 0
