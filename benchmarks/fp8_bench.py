@@ -17,11 +17,17 @@ one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
   the bias and ReLU fused by XLA, where "auto" runs cuBLASLt's FP8 RELU_BIAS;
 - ours_fp8_fast: ours_fp8 with `Fp8(fast_accumulation="forward")`: cuBLASLt's FP8 fast
   accumulation in the forward GEMMs (TransformerEngine's recipe), float32 in the gradients;
+- ours_fp8_stateful: `fp8=True` with `fp8_state=`, as the Flax modules run it: "auto" scaling
+  with a state is delayed scaling, ours_fp8_delayed's program;
 - ours_fp8_delayed: `fp8=Fp8(scaling="delayed")`: the activations' and gradients' scales from
   an amax history (the state, an argument of the step whose next value the step returns as
   its gradient); each forward GEMM followed by an FP8 layer writes that layer's e4m3 input
-  and amax itself. The state timed is the one a calibrating step (current scaling) returned;
-- ours_fp8_delayed_fast: the same with `fast_accumulation="forward"`;
+  and amax itself. The state timed is the one an untimed first step from a fresh state
+  returned (that step calibrates itself: current scaling), so the timed steps run warm;
+- ours_fp8_delayed_uncalibrated: the same traced without the calibration cond
+  (`fp8.uncalibrated`), the program before delayed scaling calibrated itself: against
+  ours_fp8_delayed, what the two conds of a self-calibrating step cost;
+- ours_fp8_delayed_fast: ours_fp8_delayed with `fast_accumulation="forward"`;
 - xla_fp8: what a user writes for FP8 under XLA (Flax's fp8_ops style): per layer a
   `custom_vjp` dot with per-tensor current scaling, a direct FP8 `dot_general` with
   `preferred_element_type`, e5m2 gradients; bias and ReLU by JAX's autodiff. At its DEFAULT
@@ -165,38 +171,55 @@ VARIANTS = {"xla_bf16": never_slower.xla_stack, "ours_bf16": epilog_stack(None),
             "ours_fp8_fused": epilog_stack(Fp8(layers="all"), backward="fused"),
             "ours_fp8_xla_fwd": epilog_stack(True, forward="xla"),
             "ours_fp8_fast": epilog_stack(Fp8(fast_accumulation="forward")),
+            # with fp8_state=, as the Flax modules run fp8=True: delayed scaling (timed warm)
+            "ours_fp8_stateful": Fp8(),
             "ours_fp8_delayed": Fp8(scaling="delayed"),
+            "ours_fp8_delayed_uncalibrated": Fp8(scaling="delayed"),
             "ours_fp8_delayed_fast": Fp8(scaling="delayed", fast_accumulation="forward"),
             "ours_fp8_delayed_all": Fp8(scaling="delayed", layers="all"),
             "xla_fp8": xla_fp8_stack(user_fp8_dot()),
             "xla_fp8_precise": xla_fp8_stack(user_fp8_dot(jax.lax.Precision.HIGHEST))}
+UNCALIBRATED = ("ours_fp8_delayed_uncalibrated",)  # traced without the calibration cond
 SWEEP_VARIANTS = ("xla_bf16", "ours_bf16", "ours_fp8_all", "ours_fp8_delayed_all")
 SWEEP_FP8 = ("ours_fp8_all", "ours_fp8_delayed_all")  # each against the faster bf16 step
 
 
-def delayed_step(w: Workload, config: Fp8, args) -> Any:
-    """The training step of `mlp(..., fp8=config)` under delayed scaling, as `step_fn`'s:
-    (params, x, target) -> (loss, grads), with the state's gradient (the next state) among the
-    grads. The state is a constant of the step: the one a calibrating first step (current
-    scaling, docs/fp8.md) returned on `args`: real scales, not the initial 1."""
-    def grad(config):
-        def loss(params, x, target, state):
-            y = mlp(x, params, activation=w.activation, final_activation=w.final_activation,
-                    fp8=config, fp8_state=state)
-            return tune.squared_error(y, target)
-        return jax.value_and_grad(loss, argnums=(0, 1, 3) if w.grad_x else (0, 3))
+def stateful_step(w: Workload, config: Fp8, args) -> tuple[Any, tuple]:
+    """(step, (state,)): the training step of `mlp(..., fp8=config, fp8_state=state)`, as a
+    Flax module runs it, `step_fn`'s with the state a fourth argument, (params, x, target,
+    state) -> (loss, grads), the state's gradient (the next state) among the grads; and the
+    state it is timed with: the one the first step on `args` returned from a fresh state.
+    That step calibrates itself (current scaling), so the timed steps run warm: the delayed
+    program, with its cond on the state's histories (an argument, as in training, so XLA
+    cannot fold the cond away)."""
+    def loss(params, x, target, state):
+        y = mlp(x, params, activation=w.activation, final_activation=w.final_activation,
+                fp8=config, fp8_state=state)
+        return tune.squared_error(y, target)
 
-    calibrate = grad(dataclasses.replace(config, scaling="current"))
+    step = jax.value_and_grad(loss, argnums=(0, 1, 3) if w.grad_x else (0, 3))
     state = jax.block_until_ready(
-        jax.jit(calibrate)(*args, config.init_state(len(w.widths) - 1))[1][-1])
-    step = grad(config)
-    return lambda params, x, target: step(params, x, target, state)
+        jax.jit(step)(*args, config.init_state(len(w.widths) - 1))[1][-1])
+    return step, (state,)
 
 
-def variant_step(w: Workload, name: str, args) -> Any:
+def uncalibrated(step):
+    """`step`, traced without the calibration cond (`fp8.uncalibrated`): the delayed program
+    as it was before delayed scaling calibrated itself, to measure what the cond costs."""
+    def traced(*args):
+        with fp8.uncalibrated():
+            return step(*args)
+    return traced
+
+
+def variant_step(w: Workload, name: str, args) -> tuple[Any, tuple]:
+    """(the variant's step, the arguments it takes after `args`: the state of a stateful
+    one)."""
     variant = VARIANTS[name]
-    return delayed_step(w, variant, args) if isinstance(variant, Fp8) else \
-        step_fn(w, variant)
+    if not isinstance(variant, Fp8):
+        return step_fn(w, variant), ()
+    step, state = stateful_step(w, variant, args)
+    return (uncalibrated(step) if name in UNCALIBRATED else step), state
 
 
 def row_variants(w: Workload, only=None) -> tuple[str, ...]:
@@ -250,14 +273,15 @@ def measure(w: Workload, variants, budget: timing.Budget) -> dict[str, Any]:
     """One row: every variant's step compiled, checked against xla_bf16, timed."""
     arg_sets = [never_slower.random_inputs(w, seed)
                 for seed in range(never_slower.input_copies(w))]
-    compiled, record = {}, {"variants": {}}
+    compiled, sets, record = {}, {}, {"variants": {}}
     for name in variants:
-        compiled[name], fallbacks = compile_without_fallbacks(
-            variant_step(w, name, arg_sets[0]), arg_sets[0])
+        step, extra = variant_step(w, name, arg_sets[0])
+        sets[name] = [(*args, *extra) for args in arg_sets]
+        compiled[name], fallbacks = compile_without_fallbacks(step, sets[name][0])
         for message in fallbacks:  # loud: this variant is not measuring the real path
             print(f"FALLBACK {w.name} {name}: {message}", file=sys.stderr, flush=True)
         hlo = compiled[name].as_text()
-        outputs = jax.block_until_ready(compiled[name](*arg_sets[0]))
+        outputs = jax.block_until_ready(compiled[name](*sets[name][0]))
         if name == "xla_bf16":
             reference = outputs
         record["variants"][name] = {
@@ -267,8 +291,9 @@ def measure(w: Workload, variants, budget: timing.Budget) -> dict[str, Any]:
         del outputs
     flops = w.flops("step")
     for harness in HARNESSES:
-        sets = arg_sets if harness == "careful" else arg_sets[:1]
-        times = timing.time_interleaved({name: (compiled[name], sets) for name in variants},
+        runs = {name: (compiled[name], sets[name] if harness == "careful" else sets[name][:1])
+                for name in variants}
+        times = timing.time_interleaved(runs,
                                         rounds=ROUNDS, round_seconds=budget.round_seconds())
         for name, t in times.items():
             result = record["variants"][name].setdefault(harness, t.as_dict())

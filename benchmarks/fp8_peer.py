@@ -161,7 +161,9 @@ def _ours_program(w: Workload, model: linen.Module) -> Optional[tuple]:
         else None
     if config is None:
         return None
-    return dataclasses.replace(config, layers="all"), config.quantized_layers(w.batch, w.widths)
+    # the modules always keep a state: "auto" scaling is delayed there
+    return dataclasses.replace(config.resolved(has_state=True), layers="all"), \
+        config.quantized_layers(w.batch, w.widths)
 
 
 def row_variants(w: Workload, only=None) -> tuple[dict[str, linen.Module], dict[str, str]]:

@@ -65,8 +65,9 @@ def kernel_breakdown(kernels: list[gpu_trace.Kernel], steps: int) -> dict[str, A
 
 def profile_variant(w, name: str, steps: int, folder: Path) -> dict[str, Any]:
     args = never_slower.random_inputs(w, 0)
-    compiled, fallbacks = fp8_bench.compile_without_fallbacks(
-        fp8_bench.variant_step(w, name, args), args)
+    step, extra = fp8_bench.variant_step(w, name, args)
+    args = (*args, *extra)
+    compiled, fallbacks = fp8_bench.compile_without_fallbacks(step, args)
     folder.mkdir(parents=True, exist_ok=True)
     # The optimized HLO beside the trace: the trace names XLA's kernels by fusion only.
     (folder.parent.parent / f"{name}.hlo.txt").write_text(compiled.as_text())

@@ -5,6 +5,7 @@ the same step as XLA's bf16 one (to FP8 rounding), and was reported, and that th
 step written in the script is a correct FP8 step.
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -124,6 +125,24 @@ def test_user_fp8_dot_is_a_scaled_fp8_product(backward_precision):
     for got, want in ((y, xq @ wq), (dx, gq @ wq.T), (dw, xq.T @ gq)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.max(np.abs(want)))
     assert not np.allclose(y, np.asarray(x) @ np.asarray(w), rtol=1e-3)
+
+
+def test_stateful_variants_time_a_warm_state_with_the_calibration_cond(monkeypatch):
+    """The delayed variants take the state as an argument (so XLA cannot fold the cond on it
+    away), warm from an untimed first step; the uncalibrated variant has no cond. (Every
+    layer FP8 here: the smoke rows are too small for `layers="auto"` to choose it.)"""
+    w = fp8_bench.SMOKE_ROWS["S1"]
+    args = fp8_bench.never_slower.random_inputs(w, 0)
+    conds = {}
+    for name in ("ours_fp8_stateful", "ours_fp8_delayed", "ours_fp8_delayed_uncalibrated"):
+        monkeypatch.setitem(fp8_bench.VARIANTS, name,
+                            dataclasses.replace(fp8_bench.VARIANTS[name], layers="all"))
+        step, (state,) = fp8_bench.variant_step(w, name, args)
+        assert all(float(h.input[0]) > 0 and float(h.input[1]) == 0 for h in state)
+        conds[name] = jax.jit(step).lower(*args, state).compile().as_text().count(
+            " conditional(")
+    assert conds == {"ours_fp8_stateful": 2, "ours_fp8_delayed": 2,
+                     "ours_fp8_delayed_uncalibrated": 0}
 
 
 def test_ours_fp8_all_is_left_out_where_it_is_ours_fp8():
