@@ -1,9 +1,11 @@
 """FP8 training in the layers (SPEC §5): the `Fp8` config and the FP8 stack's custom VJP.
 
 `dense(..., fp8=...)` and `mlp(..., fp8=...)` run each chosen layer's three GEMMs with FP8
-operands, per-tensor scaling: by default *current* scaling, a tensor's scale from its own amax
-in the same step; `Fp8(scaling="delayed")` (below) takes the scales of the tensors a GEMM
-writes from amax histories instead. One `jax.custom_vjp` covers the whole stack, as
+operands, per-tensor scaling: *current* scaling, a tensor's scale from its own amax in the
+same step, or delayed scaling (below), which takes the scales of the layer inputs and of the
+tensors a GEMM writes from amax histories, the state `fp8_state=`. `Fp8()`'s
+`scaling="auto"` is delayed scaling where the layers are given a state (the Flax modules
+always are) and current scaling where not (`Fp8.resolved`, asked by `plan.plan_stack`). One `jax.custom_vjp` covers the whole stack, as
 `layers._stack` does:
 
 - Forward, layer i: the input h and the kernel W are quantized to the forward format (e4m3),
@@ -58,8 +60,14 @@ so the 16-bit tensor, its amax pass and its cast pass never exist. That is done 
 has the kernel and the math allows it: a forward GEMM followed by an FP8 layer writes that
 layer's e4m3 input (`plan.writes_fp8_result`), and the data-gradient GEMM below an FP8 ReLU layer
 writes its e5m2 gradient, ReLU's derivative then applied to the FP8 bits
-(`plan.writes_fp8_gradient`). Every other tensor keeps current scaling, its amax recorded in the
-state all the same.
+(`plan.writes_fp8_gradient`). Every FP8 layer's input takes its scale from its history too;
+the other tensors keep current scaling, their amaxes recorded in the state all the same.
+
+Delayed scaling calibrates itself (`_calibrating`): a pass that reads a cold history (largest
+value 0, as in a fresh `init_state`, or not finite) runs the stack's current-scaling plan
+(`StackPlan.calibration`) instead, behind one `jax.lax.cond` per forward and one per backward
+(where the backward reads a history at all). Both branches return the same residuals and the
+same next state; the warm branch is the delayed program unchanged.
 """
 
 from __future__ import annotations
@@ -341,7 +349,7 @@ def quantize_scaled(x, dtype: str, margin: int, history=None, amax_axes=None):
 
 
 def quantize_tensor(x, dtype="float8_e4m3fn", *, margin: int = 0):
-    """Per-tensor current scaling of `x`, as the layers' `fp8=True` does it: `(x8, scale)` with
+    """Per-tensor current scaling of `x`, as the layers do it (`Fp8(scaling="current")`): `(x8, scale)` with
     `x ≈ scale * x8` (x8 in `dtype`, scale a float32 scalar), the convention of
     `matmul(..., quantization_scales={"a": scale_a, "b": scale_b})`. The scale maps amax(x) to
     the format's largest value divided by `2**margin`; values are rounded and saturated.

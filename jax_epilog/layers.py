@@ -294,13 +294,15 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="aut
       backward: likewise for the backward GEMMs: "auto", "fused" or "unfused" (XLA).
       dtype: the computation dtype; None: `jnp.result_type(x, kernel, bias)`, like Flax.
       fp8: None or False (no FP8), True (`jax_epilog.Fp8()`) or a `jax_epilog.Fp8(...)`: train
-        with FP8 GEMMs, per-tensor current scaling, e4m3 activations and weights, e5m2
-        gradients, results in the computation dtype (`jax_epilog.fp8`, docs/fp8.md).
+        with FP8 GEMMs, per-tensor scaling (`Fp8()`: delayed with `fp8_state=`, current
+        without), e4m3 activations and weights, e5m2 gradients, results in the computation
+        dtype (`jax_epilog.fp8`, docs/fp8.md).
         `Fp8()` runs FP8 only where the GEMM is large enough to gain (`fp8.fp8_pays`);
         `Fp8(layers="all")` always.
       fp8_state: the layer's `jax_epilog.Fp8History` of amaxes (`Fp8(...).init_state(1)`
-        before the first step): required by `fp8=Fp8(scaling="delayed")`, optional with
-        current scaling (which records its amaxes in it). Its gradient is its next value,
+        before the first step, which then calibrates itself): required by
+        `fp8=Fp8(scaling="delayed")`; with `Fp8()`'s "auto" scaling it makes the layer
+        delayed-scaled; with `scaling="current"` it records the amaxes. Its gradient is its next value,
         Flax's "overwrite with gradient" convention: take `jax.grad` w.r.t. it and pass the
         result to the next step.
 

@@ -43,8 +43,9 @@ def as_numpy(state):
     ((40, 127, 1, 16), (None, None, "relu"), False),
 ])
 def test_three_steps_match_the_model(widths, activations, bias):
-    """float32 compute: three steps from the initial state (scale 1 first, then the recorded
-    amaxes), values, gradients and each next state against the model."""
+    """float32 compute: three steps from the initial state (current scaling first, the
+    calibration, then scales from the recorded amaxes), values, gradients and each next
+    state against the model."""
     x, params = make_stack(hash(widths) % 1000, widths, lead=(7,), bias=bias)
     activations = (*[activations[0]] * (len(widths) - 2), activations[-1])
     state = DELAYED.init_state(len(params))
@@ -71,9 +72,10 @@ def test_three_steps_match_the_model(widths, activations, bias):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_exact_stack_is_exact_over_steps(dtype):
-    """On `exact_stack`'s data every quantization is exact at scale 1 (the first step) and at
-    the recorded amax 7: both steps equal current scaling bit for bit, with bfloat16 compute
-    too, where layer 1's GEMM writes layer 2's FP8 input and its amax itself."""
+    """On `exact_stack`'s data every quantization is exact at the recorded amax 7: both steps
+    (the first calibrating itself with current scaling) equal current scaling bit for bit,
+    with bfloat16 compute too, where layer 1's GEMM writes layer 2's FP8 input and its amax
+    itself."""
     x, params, dy = exact_stack(0, (33, 129, 10), 127)
     cast = lambda t: jax.tree.map(lambda a: jnp.asarray(a, dtype), t)
     state = DELAYED.init_state(2)
@@ -189,11 +191,9 @@ def test_jit_and_value_and_grad_training_loop():
     assert forward(params, state).shape == (12, 16)
 
 
-def test_the_documented_loop_calibrates_then_trains():
-    """docs/fp8.md's loop: a calibrating step with current scaling, then delayed steps with
-    the same jitted function (the config static)."""
-    import dataclasses
-
+def test_the_documented_loop_trains_from_a_fresh_state():
+    """docs/fp8.md's loop: delayed steps from a fresh state (`Fp8()`: "auto" scaling with a
+    state), the first calibrating itself, the same jitted function throughout."""
     x, params = make_stack(15, (32, 64, 16), lead=(24,))
     y = jnp.asarray(random_cotangent(6, (24, 16)))
 
@@ -202,10 +202,9 @@ def test_the_documented_loop_calibrates_then_trains():
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnames="config")
     update = lambda p, g: jax.tree.map(lambda a, b: a - 0.05 * b, p, g)
-    config = Fp8(layers="all", scaling="delayed", amax_history_length=8)
+    config = Fp8(layers="all", amax_history_length=8)
     state = config.init_state(len(params))
-    first, (grads, state) = step(params, state, x, y,
-                                 config=dataclasses.replace(config, scaling="current"))
+    first, (grads, state) = step(params, state, x, y, config=config)
     params = update(params, grads)
     assert all(float(h.input[0]) > 0 and float(h.gradient[0]) > 0 for h in state)
     for _ in range(5):

@@ -42,9 +42,8 @@ from gpt.model import GPT, IMPLS, split
 
 #: jax-epilog's FP8 recipe here: every projection in FP8 (`layers="all"`: at 16384 rows most of
 #: them are under `fp8_pays`'s threshold), delayed scaling, docs/fp8.md's fastest on the H200.
-#: Under GELU only the MLP's hidden activation is delayed-scaled (the up projection's GEMM
-#: writes it in FP8); a fresh history's scale of 1 holds GELU outputs up to e4m3's 448, so no
-#: calibrating step of current scaling is needed.
+#: Delayed scaling calibrates itself: the first step from the fresh state runs current
+#: scaling.
 FP8_RECIPE = jax_epilog.Fp8(scaling="delayed", layers="all")
 DTYPES = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
