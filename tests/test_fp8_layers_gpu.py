@@ -169,8 +169,8 @@ def test_fp8_training_converges_on_the_gpu():
                                              (jnp.float32, "auto")])
 @pytest.mark.parametrize("widths, rows", [((33, 129, 10), 127), ((64, 129, 48), 2)])
 def test_delayed_scaling_exact_steps_equal_the_model(widths, rows, dtype, backward):
-    """Delayed scaling (`Fp8(scaling="delayed")`), two steps from the initial state (scale 1,
-    then the recorded amax 7): with bf16 compute the first GEMM writes the second layer's e4m3
+    """Delayed scaling (`Fp8(scaling="delayed")`), two steps from the initial state (the first
+    calibrating itself with current scaling, the second from the recorded amax 7): with bf16 compute the first GEMM writes the second layer's e4m3
     input and its amax (cuBLASLt's FP8 result), all without a fallback, equal to the model bit
     for bit, and the next state records every amax (7)."""
     config = jax_epilog.Fp8(layers="all", scaling="delayed", amax_history_length=4)
