@@ -5,8 +5,8 @@ operands, per-tensor scaling: *current* scaling, a tensor's scale from its own a
 same step, or delayed scaling (below), which takes the scales of the layer inputs and of the
 tensors a GEMM writes from amax histories, the state `fp8_state=`. `Fp8()`'s
 `scaling="auto"` is delayed scaling where the layers are given a state (the Flax modules
-always are) and current scaling where not (`Fp8.resolved`, asked by `plan.plan_stack`). One `jax.custom_vjp` covers the whole stack, as
-`layers._stack` does:
+always are) and current scaling where not (`Fp8.resolved`, asked by `plan.plan_stack`).
+One `jax.custom_vjp` covers the whole stack, as `layers._stack` does:
 
 - Forward, layer i: the input h and the kernel W are quantized to the forward format (e4m3),
   `q = largest / 2**margin / amax`, a saturating cast of `q·x`. The amax is one XLA reduction
@@ -349,8 +349,8 @@ def quantize_scaled(x, dtype: str, margin: int, history=None, amax_axes=None):
 
 
 def quantize_tensor(x, dtype="float8_e4m3fn", *, margin: int = 0):
-    """Per-tensor current scaling of `x`, as the layers do it (`Fp8(scaling="current")`): `(x8, scale)` with
-    `x ≈ scale * x8` (x8 in `dtype`, scale a float32 scalar), the convention of
+    """Per-tensor current scaling of `x`, as the layers do it (`Fp8(scaling="current")`):
+    `(x8, scale)` with `x ≈ scale * x8` (x8 in `dtype`, scale a float32 scalar), the convention of
     `matmul(..., quantization_scales={"a": scale_a, "b": scale_b})`. The scale maps amax(x) to
     the format's largest value divided by `2**margin`; values are rounded and saturated.
     Public as `jax_epilog.quantize`."""
