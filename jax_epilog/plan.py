@@ -246,8 +246,11 @@ def measured_fp8(ctx: Context, stack: Stack, rows: int, widths, dtype) -> Option
     if decision is None:
         return None
     verdict = "won" if decision.choice == "fp8" else "did not win"
-    return Choice(decision.choice, f"FP8 in every layer {verdict} against the faster bf16 step "
-                                   f"by {dispatch.MARGIN:.0%}: stack entry ({describe(decision)})")
+    scaling = decision.entry.seconds.get(dispatch.FP8_SCALING)
+    timed = f" ({scaling} scaling)" if scaling else ""
+    return Choice(decision.choice, f"FP8 in every layer{timed} {verdict} against the faster "
+                                   f"bf16 step by {dispatch.MARGIN:.0%}: stack entry "
+                                   f"({describe(decision)})")
 
 
 def quantized_layers(fp8, rows: int, widths,

@@ -137,7 +137,8 @@ def test_explain_prints_the_entry_that_chose_fp8(h200):
     (sp,) = e.stacks
     assert sp.quantized == (True, True)
     text = str(e)
-    assert "layer 0: FP8: FP8 in every layer won against the faster bf16 step" in text
+    assert "layer 0: FP8: FP8 in every layer (current scaling) won against the faster bf16 " \
+        "step by 2%: stack entry (the table shipped for this GPU" in text
     assert "fp8 500000.0 us" in text
 
 
