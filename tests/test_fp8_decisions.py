@@ -202,9 +202,13 @@ TINY = key(40, SMALL)
 UNALIGNED = key(40, ((48, 40), ("relu",), (True,)))  # N = 40
 
 
-def test_fp8_candidate_is_the_step_in_fp8():
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fp8_candidate_is_the_step_in_fp8(scaling, monkeypatch):
+    monkeypatch.setattr(tune, "FP8_CANDIDATE", Fp8(layers="all", scaling=scaling))
     x, params, target = tune.stack_operands(TINY)
-    loss, (dx, dparams) = tune.stack_fn(TINY, "fp8")(x, params, target)
+    state = (Fp8(scaling=scaling).init_state(2),) if scaling == "delayed" else ()
+    loss, (dx, dparams, *next_state) = tune.stack_fn(TINY, "fp8")(x, params, target, *state)
+    assert len(next_state) == len(state)
     want, (want_dx, want_dparams) = tune.stack_fn(TINY, "plain")(x, params, target)
     assert jnp.allclose(loss, want, rtol=0.1)
     assert jax.tree.structure(dparams) == jax.tree.structure(want_dparams)
