@@ -44,6 +44,13 @@ finds the nearest entry of the same stack and mode within a factor of `NEAREST_W
 its custom calls' own cost is in the times). Without an entry, or under the override, the
 layers fall back to the per-GEMM rule.
 
+A training-step entry may also hold the time of the same stack trained in FP8 (``"fp8"``:
+``Fp8(layers="all")``, measured by ``python -m jax_epilog.tune --fp8``). `fp8_stack_decision`
+finds the nearest step entry that has one (user before shipped, rows within `NEAREST_WITHIN`),
+and it decides `Fp8(layers="auto")` for the whole stack: FP8 in every layer where it beat the
+faster of "fused" and "plain" by `MARGIN` (`decide_fp8_from_times`), no FP8 layer otherwise.
+Without such an entry the per-layer rule `plan.fp8_pays` decides.
+
 `choose` is called at lowering time on a host that sees a CUDA GPU; tables are loaded once and
 decisions are cached, so a process reads a table written by another process at its next start
 (or after `clear_cache()`).
@@ -60,7 +67,7 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -87,6 +94,10 @@ STACK_CANDIDATES = ("fused", "plain")
 #: program of the user's expression) is chosen whatever the times.
 FUSED_CUBLASLT_GEMMS = "fused_cublaslt_gemms"
 STACK_MODES = ("step", "forward")
+#: In a training-step entry's "seconds": the stack trained with FP8 in every layer.
+FP8 = "fp8"
+#: Beside it: the scaling that time was measured with ("current" or "delayed").
+FP8_SCALING = "fp8_scaling"
 
 
 class Entry(NamedTuple):
@@ -149,11 +160,12 @@ def make_stack_key(dtype, rows: int, widths, activations, biases, mode: str) -> 
 
 
 class StackEntry(NamedTuple):
-    """One measured stack: seconds per call of "fused" and "plain" (None: failed), the choice."""
+    """One measured stack: seconds per call of "fused" and "plain" (and of `FP8`, where
+    measured; None: failed), the choice between fused and plain (None: only FP8 was timed)."""
 
     key: StackKey
     seconds: dict
-    choice: str
+    choice: Optional[str]
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.key._asdict(), "seconds": self.seconds, "choice": self.choice}
@@ -195,16 +207,31 @@ def decide_from_times(seconds: dict) -> str:
     return "cublaslt" if fused < min(xla * (1.0 - MARGIN), xla - CALL_COST_S) else "xla"
 
 
-def decide_stack_from_times(seconds: dict) -> str:
+def decide_stack_from_times(seconds: dict) -> Optional[str]:
     """'fused' where the fused stack beat the plain expression by more than `MARGIN` and ran at
     least one cuBLASLt GEMM (`FUSED_CUBLASLT_GEMMS`, where recorded); 'plain' otherwise (or
-    where the fused stack failed)."""
+    where the fused stack failed); None where neither was timed (an entry of FP8 time only)."""
+    if not any(c in seconds for c in STACK_CANDIDATES):
+        return None
     fused, plain = seconds.get("fused"), seconds.get("plain")
     if fused is None or seconds.get(FUSED_CUBLASLT_GEMMS) == 0:
         return "plain"
     if plain is None:
         return "fused"
     return "fused" if fused < plain * (1.0 - MARGIN) else "plain"
+
+
+def decide_fp8_from_times(seconds: dict) -> Optional[str]:
+    """"fp8" where the FP8 step beat the faster of "fused" and "plain" by more than `MARGIN`,
+    "bf16" where it did not (or failed); None where the entry cannot tell (no FP8 time was
+    measured, or no bf16 one)."""
+    if FP8 not in seconds:
+        return None
+    bf16 = [t for t in (seconds.get("fused"), seconds.get("plain")) if t is not None]
+    if not bf16:
+        return None
+    fp8 = seconds[FP8]
+    return "fp8" if fp8 is not None and fp8 < min(bf16) * (1.0 - MARGIN) else "bf16"
 
 
 def make_stack_entry(key: StackKey, seconds: dict) -> StackEntry:
@@ -293,8 +320,9 @@ def _locked(folder: Path):
 def merge_into(path: Path, device: str, cublaslt_version: Optional[int],
                entries: Iterable[Entry], stacks: Iterable[StackEntry] = ()) -> tuple[Table, ...]:
     """Add `entries` (and stack entries) to `path`'s table for (device, cuBLASLt version),
-    replacing entries of the same problem or stack, keeping everything else; written atomically
-    (temp file + rename), in the current format."""
+    replacing entries of the same problem, and the times of the candidates measured again in
+    entries of the same stack (a stack's other candidates keep theirs), keeping everything
+    else; written atomically (temp file + rename), in the current format."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with _locked(path.parent):
@@ -303,7 +331,10 @@ def merge_into(path: Path, device: str, cublaslt_version: Optional[int],
                       if t.device == device and t.cublaslt_version == cublaslt_version), None)
         old = tables[index] if index is not None else Table(device, cublaslt_version, ())
         merged = {e.key: e for e in (*old.entries, *entries)}
-        merged_stacks = {e.key: e for e in (*old.stacks, *stacks)}
+        merged_stacks = {e.key: e for e in old.stacks}
+        for e in stacks:  # a candidate this run did not time keeps its earlier time
+            earlier = merged_stacks[e.key].seconds if e.key in merged_stacks else {}
+            merged_stacks[e.key] = make_stack_entry(e.key, {**earlier, **e.seconds})
         table = Table(device, cublaslt_version, tuple(merged.values()),
                       tuple(merged_stacks.values()))
         if index is None:
@@ -342,14 +373,16 @@ def nearby(table: Optional[Table], problem: tuple) -> list[Entry]:
     return [e for d, e in sorted(close, key=lambda c: c[0]) if d <= limit]
 
 
-def nearby_stacks(table: Optional[Table], key: StackKey) -> list[StackEntry]:
-    """Stack entries of `table` of the same kind with rows within `NEAREST_WITHIN`, nearest
-    first."""
+def nearby_stacks(table: Optional[Table], key: StackKey,
+                  decides: Callable[[dict], Optional[str]] = decide_stack_from_times
+                  ) -> list[StackEntry]:
+    """Stack entries of `table` of the same kind with rows within `NEAREST_WITHIN` whose times
+    can decide (`decides(seconds)` is not None), nearest first."""
     if table is None:
         return []
     limit = math.log(NEAREST_WITHIN) + 1e-9
     close = [(abs(math.log(max(e.key.rows, 1) / max(key.rows, 1))), e) for e in table.stacks
-             if e.key.kind == key.kind]
+             if e.key.kind == key.kind and decides(e.seconds) is not None]
     return [e for d, e in sorted(close, key=lambda c: c[0]) if d <= limit]
 
 
@@ -421,12 +454,12 @@ def choose(epilog: Epilog, dtype, batch: int, m: int, n: int, k: int, transpose_
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_stack_decision(key: StackKey, user_path: Optional[Path],
-                           identity: tuple) -> Optional[Decision]:
+def _cached_stack_decision(key: StackKey, user_path: Optional[Path], identity: tuple,
+                           decides: Callable[[dict], Optional[str]]) -> Optional[Decision]:
     for source, table in _sources(user_path, identity):
-        close = nearby_stacks(table, key)
+        close = nearby_stacks(table, key, decides)
         if close:
-            return Decision(close[0].choice, source, close[0])
+            return Decision(decides(close[0].seconds), source, close[0])
     return None
 
 
@@ -437,7 +470,18 @@ def stack_decision(key: StackKey, identity: Optional[tuple] = None) -> Optional[
     itself): the layers then fall back to the per-GEMM rule."""
     if config.backend_override() is not None or _measuring_stacks:
         return None
-    return _cached_stack_decision(key, config.decisions_path(), identity or device_identity())
+    return _cached_stack_decision(key, config.decisions_path(), identity or device_identity(),
+                                  decide_stack_from_times)
+
+
+def fp8_stack_decision(key: StackKey, identity: Optional[tuple] = None) -> Optional[Decision]:
+    """"fp8" or "bf16" for `Fp8(layers="auto")` on a training-step stack (`key.mode` "step"),
+    from the nearest step entry with an FP8 time (`decide_fp8_from_times`; user before
+    shipped); None where there is none nearby, or while tune measures stacks."""
+    if _measuring_stacks:
+        return None
+    return _cached_stack_decision(key, config.decisions_path(), identity or device_identity(),
+                                  decide_fp8_from_times)
 
 
 # While tune times the stacks: the GEMM entries it has just measured decide first (as they will

@@ -126,7 +126,8 @@ def _context(observe) -> tuple[plan.Context, Callable, str]:
     emulated = ctx._replace(
         tables_decide=lambda: True, cuda_devices=lambda: True, library=lambda: True,
         gemm_table=lambda *problem: dispatch.decision(*problem, identity=identity),
-        stack_table=lambda key: dispatch.stack_decision(key, identity=identity))
+        stack_table=lambda key: dispatch.stack_decision(key, identity=identity),
+        fp8_table=lambda key: dispatch.fp8_stack_decision(key, identity=identity))
     why = cuda_library.unavailable_reason() if jax.default_backend() == "gpu" else \
         f"the platform is {jax.default_backend()}"
     target = (f"no CUDA GPU with the library here ({why}): this host runs the reference; "

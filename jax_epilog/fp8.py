@@ -36,9 +36,11 @@ One `jax.custom_vjp` covers the whole stack, as `layers._stack` does:
   `plan.fp8_gemm_backend`) instead of the reference fallback. The default, bf16 compute, runs
   every GEMM as a kernel.
 
-Which layers run FP8: `Fp8(layers="all")` every one; `"auto"` (what `fp8=True` means) only
-those whose GEMM is large enough for FP8 to pay for its quantization passes (`plan.fp8_pays`),
-decided from the shapes alone, so every platform computes the same thing. The other layers
+Which layers run FP8: `Fp8(layers="all")` every one; `"auto"` (what `fp8=True` means) on a
+CUDA GPU whose decision tables hold a measured training step of the stack in FP8
+(`python -m jax_epilog.tune --fp8`), every layer where that beat bf16 and none where it did not;
+elsewhere only the layers whose GEMM is large enough for FP8 to pay for its quantization passes
+(`plan.fp8_pays`, from the shapes alone). `plan.quantized_layers` decides. The other layers
 are the bf16 (compute dtype) layers of `layers.py`, inside the same custom VJP.
 
 On a CPU the FP8 `matmul` runs the exact reference (FP8 values widened to float32, float32
@@ -108,8 +110,8 @@ class Fp8:
         gradients need) or "float8_e4m3fn".
       margin: a non-negative int; scales are `largest / 2**margin / amax` (TransformerEngine's
         margin), leaving headroom of `2**margin` below the format's largest value.
-      layers: "auto" (FP8 only where `fp8_pays` says the layer's GEMM is large enough) or
-        "all" (every layer).
+      layers: "auto" (the stack's measured entry, else FP8 where `fp8_pays` says the
+        layer's GEMM is large enough; `plan.quantized_layers`) or "all" (every layer).
       fast_accumulation: which FP8 GEMMs use cuBLASLt's fast accumulation (sums not promoted
         to float32 every few steps: faster, less accurate; `matmul(fast_accumulation=)`).
         False (default): none, float32 accumulation throughout. "forward": the forward
@@ -221,8 +223,9 @@ class Fp8:
                                                   self.fast_accumulation == "forward")
 
     def quantized_layers(self, rows: int, widths) -> tuple[bool, ...]:
-        """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8
-        (`plan.quantized_layers` says why)."""
+        """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8 by the rule,
+        without the decision tables (`plan.quantized_layers` says why; on a GPU a measured
+        stack entry can decide otherwise, which `jax_epilog.explain` shows)."""
         return tuple(c.choice == "fp8" for c in quantized_layers(self, rows, widths))
 
 

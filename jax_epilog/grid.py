@@ -1,6 +1,7 @@
 """The benchmark grid (rows G1-G7: one dense layer; networks M1-M3) as functions to tune and to
 time: `python -m jax_epilog.tune --grid` and `benchmarks/never_slower.py` use the same
-workloads, inference forwards and training steps, and the same loss.
+workloads, inference forwards and training steps, and the same loss. Two transformer MLPs
+(T1, T2) are there too, taken only where named (`--rows T1,T2`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ NETWORKS = {
     "M1": (65536, (4096,) * 5),
     "M2": (16384, (1024,) * 9),
     "M3": (256, (784, 100, 100, 10)),
+}
+# Transformer MLPs (GELU between the two layers, none after), named only: id -> (batch, widths).
+TRANSFORMER_MLPS = {
+    "T1": (8192, (4096, 16384, 4096)),
+    "T2": (16384, (1024, 4096, 1024)),
 }
 
 class Workload(NamedTuple):
@@ -60,12 +66,12 @@ class Workload(NamedTuple):
 
 def grid_workloads(rows: Optional[Sequence[str]] = None) -> list[Workload]:
     """The grid rows (a dense layer, ReLU; GELU too on G4/G5) and networks, as `Workload`s;
-    `rows` filters by id (G1..G7, M1..M3)."""
+    `rows` filters by id (G1..G7, M1..M3, and T1, T2, the transformer MLPs, only named)."""
     wanted = set(GRID) | set(NETWORKS) if rows is None else set(rows)
-    unknown = wanted - set(GRID) - set(NETWORKS)
+    unknown = wanted - set(GRID) - set(NETWORKS) - set(TRANSFORMER_MLPS)
     if unknown:
         raise ValueError(f"rows: unknown ids {sorted(unknown)}; expected some of "
-                         f"{', '.join([*GRID, *NETWORKS])}")
+                         f"{', '.join([*GRID, *NETWORKS, *TRANSFORMER_MLPS])}")
     workloads = []
     for row, (batch, k, n) in GRID.items():
         if row in wanted:
@@ -75,6 +81,9 @@ def grid_workloads(rows: Optional[Sequence[str]] = None) -> list[Workload]:
     for name, (batch, widths) in NETWORKS.items():
         if name in wanted:
             workloads.append(Workload(name, batch, widths, "relu", None, False))
+    for name, (batch, widths) in TRANSFORMER_MLPS.items():
+        if name in wanted:
+            workloads.append(Workload(name, batch, widths, "gelu", None, False))
     return workloads
 
 

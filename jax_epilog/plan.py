@@ -6,8 +6,8 @@ on beyond the call: the backend override, whether this host has a CUDA GPU and t
 the decision tables of `dispatch`, cuBLASLt's support answers):
 
 - `plan_stack`, when a `dense`/`mlp` stack is traced (`layers._run`): for each layer whether it
-  runs FP8 (`Fp8`), where its ReLU derivative comes from and which GEMMs write FP8 tensors;
-  every GEMM of the stack (`stack_gemms`: the one list of what the layers issue) with its
+  runs FP8 (`Fp8`; `quantized_layers`: the stack's measured entry, else a rule), where its
+  ReLU derivative comes from and which GEMMs write FP8 tensors; every GEMM of the stack (`stack_gemms`: the one list of what the layers issue) with its
   epilog, layout and the backend the layer asks `matmul` for, and what that backend becomes
   on CUDA; and whether the training step and the inference forward run the fused stack or the
   plain expression. `layers` and `fp8` carry it out, `tune` times its stacks and GEMMs.
@@ -102,6 +102,8 @@ class Context(NamedTuple):
     library: Callable[[], bool]  # the cuBLASLt library is loaded
     gemm_table: Callable[..., dispatch.Decision]  # (epilog, dtype, batch, m, n, k, ta, tb)
     stack_table: Callable[[dispatch.StackKey], Optional[dispatch.Decision]]
+    # `Fp8(layers="auto")`: "fp8" or "bf16" for a training-step stack from a measured entry
+    fp8_table: Callable[[dispatch.StackKey], Optional[dispatch.Decision]]
     # Told of each stack whose fused form is traced, and how ("step" or "forward"): how `tune`
     # and `explain` find a program's stacks. Decides nothing.
     observe: Optional[Callable[[StackPlan, str], None]] = None
@@ -114,7 +116,8 @@ def default_context() -> Context:
                    cuda_devices=lambda: has_cuda_devices(),
                    library=lambda: cuda_library.available(),
                    gemm_table=lambda *problem: dispatch.decision(*problem),
-                   stack_table=lambda key: dispatch.stack_decision(key))
+                   stack_table=lambda key: dispatch.stack_decision(key),
+                   fp8_table=lambda key: dispatch.fp8_stack_decision(key))
 
 
 _active: contextvars.ContextVar[Optional[Context]] = contextvars.ContextVar(
@@ -226,17 +229,41 @@ def fp8_pays_why(rows: int, k: int, n: int) -> Choice:
 
 
 def fp8_pays(rows: int, k: int, n: int) -> bool:
-    """Whether `Fp8(layers="auto")` runs a layer `(rows, k) @ (k, n)` in FP8: its GEMM has at
-    least `FP8_MIN_FLOPS` FLOPs, and K and N are multiples of 16 (no padding copy). Below
-    that, the amax and cast passes over the activations cost more than the faster FP8 GEMMs
-    save (the single place this is decided)."""
+    """Whether the rule runs a layer `(rows, k) @ (k, n)` in FP8 under `Fp8(layers="auto")`
+    where no measured stack entry decides (`quantized_layers`): its GEMM has at least
+    `FP8_MIN_FLOPS` FLOPs, and K and N are multiples of 16 (no padding copy). Below that, the
+    amax and cast passes over the activations cost more than the faster FP8 GEMMs save."""
     return fp8_pays_why(rows, k, n).choice == "fp8"
 
 
-def quantized_layers(fp8, rows: int, widths) -> tuple[Choice, ...]:
-    """Per layer "fp8" or "bf16" (the compute dtype) under the `Fp8` config `fp8`, and why."""
+def measured_fp8(ctx: Context, stack: Stack, rows: int, widths, dtype) -> Optional[Choice]:
+    """"fp8" or "bf16" for every layer of the stack, where the tables decide and a training-step
+    entry of this stack near `rows` holds an FP8 time (`dispatch.fp8_stack_decision`: FP8 must
+    beat the faster bf16 step by `dispatch.MARGIN`); else None. The inference forward follows
+    the training step's entry (tune times FP8 only in steps)."""
+    if not ctx.tables_decide():
+        return None
+    decision = ctx.fp8_table(stack_key(stack, rows, widths, dtype, "step"))
+    if decision is None:
+        return None
+    verdict = "won" if decision.choice == "fp8" else "did not win"
+    scaling = decision.entry.seconds.get(dispatch.FP8_SCALING)
+    timed = f" ({scaling} scaling)" if scaling else ""
+    return Choice(decision.choice, f"FP8 in every layer{timed} {verdict} against the faster "
+                                   f"bf16 step by {dispatch.MARGIN:.0%}: stack entry "
+                                   f"({describe(decision)})")
+
+
+def quantized_layers(fp8, rows: int, widths,
+                     measured: Optional[Choice] = None) -> tuple[Choice, ...]:
+    """Per layer "fp8" or "bf16" (the compute dtype) under the `Fp8` config `fp8`, and why: the
+    one place this is decided. `layers="all"`: every layer. `layers="auto"`: the stack's
+    measured entry where it has one (`measured`, from `measured_fp8`: the same answer for
+    every layer), else each layer by the rule `fp8_pays_why`."""
     if fp8.layers == "all":
         return tuple(Choice("fp8", 'Fp8(layers="all")') for _ in widths[1:])
+    if measured is not None:
+        return tuple(measured for _ in widths[1:])
     return tuple(fp8_pays_why(rows, k, n) for k, n in zip(widths, widths[1:]))
 
 
@@ -314,10 +341,12 @@ def writes_fp8_gradient(stack: Stack, fp8, quantized, i: int) -> bool:
     return fp8.delayed and quantized[i] and relu_from_next_input(stack, quantized, i)
 
 
-def _layer_plans(stack: Stack, fp8, rows: int, widths, dtype) -> tuple[LayerPlan, ...]:
+def _layer_plans(ctx: Context, stack: Stack, fp8, rows: int, widths,
+                 dtype) -> tuple[LayerPlan, ...]:
     if fp8 is None:
         return tuple(LayerPlan(False, "no fp8=") for _ in stack.layers)
-    choices = quantized_layers(fp8, rows, widths)
+    measured = measured_fp8(ctx, stack, rows, widths, dtype) if fp8.layers == "auto" else None
+    choices = quantized_layers(fp8, rows, widths, measured)
     quantized = tuple(c.choice == "fp8" for c in choices)
     if not any(quantized):
         return tuple(LayerPlan(False, c.why) for c in choices)
@@ -441,10 +470,14 @@ class StackPlan(NamedTuple):
 
     def key(self, mode: str) -> dispatch.StackKey:
         """The stack's entry in the decision tables for `mode` ("step" or "forward")."""
-        layers = self.stack.layers
-        return dispatch.make_stack_key(self.dtype, self.rows, self.widths,
-                                       [layer.activation for layer in layers],
-                                       [layer.has_bias for layer in layers], mode)
+        return stack_key(self.stack, self.rows, self.widths, self.dtype, mode)
+
+
+def stack_key(stack: Stack, rows: int, widths, dtype, mode: str) -> dispatch.StackKey:
+    """A stack's entry in the decision tables for `mode` ("step" or "forward")."""
+    return dispatch.make_stack_key(dtype, rows, widths,
+                                   [layer.activation for layer in stack.layers],
+                                   [layer.has_bias for layer in stack.layers], mode)
 
 
 def left_to_auto(stack: Stack) -> bool:
@@ -490,7 +523,7 @@ def plan_stack(ctx: Context, stack: Stack, rows: int, widths, dtype, fp8=None,
     widths = tuple(int(w) for w in widths)
     dtype = np.dtype(dtype).name
     fp8 = None if fp8 is None else fp8.resolved(has_state)
-    layer_plans = _layer_plans(stack, fp8, rows, widths, dtype)
+    layer_plans = _layer_plans(ctx, stack, fp8, rows, widths, dtype)
     on_gpu = ctx.tables_decide()
     gemms = stack_gemms(stack, layer_plans, rows, widths, dtype, fp8, "step", ctx.override)
     forward_gemms = stack_gemms(stack, layer_plans, rows, widths, dtype, fp8, "forward",

@@ -26,12 +26,23 @@ actually runs:
    only where at least one of its GEMMs runs cuBLASLt: with every GEMM on XLA it is our own
    backward around XLA's GEMMs, while "plain" is exactly the program XLA makes of the user's
    expression, so "plain" is recorded (never slower than XLA by construction).
-3. It merges the decisions into the table (atomic write; other entries are kept).
+   With ``--fp8`` (``tune(fp8=True)``) each training step whose widths are all multiples of 16
+   is also timed in FP8 (``"fp8"``: the same stack with ``fp8=Fp8(layers="all")``,
+   `FP8_CANDIDATE`; on a warm amax state where its scaling keeps one, after one untimed step,
+   as a training loop carries it). That time decides `Fp8(layers="auto")` for the stack (FP8
+   in every layer where it beat the faster bf16 step by `dispatch.MARGIN`, else none;
+   `plan.measured_fp8`). ``--fp8-only`` times only that candidate, keeping the table's other
+   times of the stack.
+3. It merges the decisions into the table (atomic write; other entries are kept): the GEMM
+   entries once they are timed, then each stack entry as it is timed, so a run stopped by
+   ``--max-seconds`` (no new problem or stack is started after it), an interrupt or a kill
+   keeps what it measured.
 
     python -m jax_epilog.tune --grid                       # the benchmark grid G1-G7, M1-M3
     python -m jax_epilog.tune --grid --rows G7,M3 --dry-run
     python -m jax_epilog.tune --fn mypkg.model:train_step --args "bf16[256,784]" "bf16[784,100]"
     python -m jax_epilog.tune --grid --output jax_epilog/tables/nvidia-h200.json
+    python -m jax_epilog.tune --grid --rows M1,T1 --fp8-only --max-seconds 600
 
 From Python: ``jax_epilog.tune.tune([(train_step, (params, batch)), ...])`` (any pytrees of
 arrays or `jax.ShapeDtypeStruct`s), or `tune` on `Problem`s from `problems_of`. The grid's
@@ -57,21 +68,27 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 from . import config, dispatch, layers, plan, timing
 from .command_line import DTYPE_NAMES, load_callable, parse_arg_spec  # noqa: F401
 from .epilogs import Epilog, gelu_aux_columns, is_fp8, relu_mask_bytes
+from .fp8 import Fp8
 from .epilogs import aux_dtype as aux_dtype_of
-from .grid import (GELU_ROWS, GRID, NETWORKS, Workload, epilog_stack,  # noqa: F401
-                   forward_fn, grid_functions, grid_workloads, squared_error, step_fn)
+from .grid import (GELU_ROWS, GRID, NETWORKS, TRANSFORMER_MLPS, Workload,  # noqa: F401
+                   epilog_stack, forward_fn, grid_functions, grid_workloads, squared_error,
+                   step_fn)
 from .matmul import matmul
 from .primitive import epilog_matmul_p, problem_of
 
 SECONDS_PER_CANDIDATE = 0.3
 ROUNDS = 5
 MAX_COPIES = 16  # of a problem's operands, until twice the L2 is touched (`timing.input_copies`)
+#: The "fp8" candidate of a training-step stack: the same stack trained with FP8 in every layer,
+#: the defaults otherwise.
+FP8_CANDIDATE = Fp8(layers="all")
+FP8_CHOICES = (False, True, "only")  # `tune(fp8=...)`
 
 
 #: What `--dry-run` prints first: how to read its lines.
 DRY_RUN_HEADER = ("problems: epilog dtype layout (N/T: a, b transposed or not) B×K×N (B rows, "
                   "times batch= GEMMs); stacks: mode dtype B×K, then each layer's →N (+b: "
-                  "bias) and activation")
+                  "bias) and activation (with --fp8: then the candidates timed)")
 
 
 class Problem(NamedTuple):
@@ -288,12 +305,28 @@ def plan_of(key: dispatch.StackKey, on_gpu: bool) -> plan.StackPlan:
     return plan.plan_stack(ctx, stack_of(key), key.rows, key.widths, key.dtype)
 
 
+def fp8_measurable(key: dispatch.StackKey) -> bool:
+    """Whether tune times `key` in FP8: a training step whose every layer has K and N in
+    multiples of `plan.FP8_ALIGNMENT` (where one does not, the rule keeps it bf16)."""
+    return key.mode == "step" and all(w % plan.FP8_ALIGNMENT == 0 for w in key.widths)
+
+
+def fp8_keeps_state(fp8: Fp8) -> bool:
+    """Whether a training loop carries amax histories for `fp8`: every scaling but "current"
+    (delayed scaling needs them); the candidate is then timed on a warm state."""
+    return fp8.scaling != "current"
+
+
 def stack_fn(key: dispatch.StackKey, candidate: str) -> Callable:
     """The stack as `candidate` runs it: "plain" (the plain expression, which XLA compiles as
-    a user's own) or "fused" (the layers' custom VJP). Inference: (x, params) -> y; training
-    step: (x, params, target) -> (loss, (dx, dparams)), `jax.value_and_grad` of
-    `squared_error` w.r.t. x and the parameters, as a training step uses the layer (the loss
-    gradient's elementwise work is then in the step, as it is in the user's)."""
+    a user's own), "fused" (the layers' custom VJP) or, for a training step, "fp8" (the layers
+    with `FP8_CANDIDATE`). Inference: (x, params) -> y; training step: (x, params, target) ->
+    (loss, (dx, dparams)), `jax.value_and_grad` of `squared_error` w.r.t. x and the
+    parameters, as a training step uses the layer (the loss gradient's elementwise work is
+    then in the step, as it is in the user's); "fp8" with a state (`fp8_keeps_state`):
+    (x, params, target, state) -> (loss, (dx, dparams, next state))."""
+    if candidate == dispatch.FP8:
+        return _fp8_step(key)
     if candidate == "plain":
         forward = functools.partial(layers._plain_expression, stack_of(key))
     else:
@@ -304,6 +337,21 @@ def stack_fn(key: dispatch.StackKey, candidate: str) -> Callable:
     def loss(x, params, target):
         return squared_error(forward(x, params), target)
     return jax.value_and_grad(loss, argnums=(0, 1))
+
+
+def _fp8_step(key: dispatch.StackKey) -> Callable:
+    """`stack_fn`'s "fp8" candidate."""
+    if not fp8_measurable(key):
+        raise ValueError(f"{key}: FP8 is timed only for training steps whose widths are "
+                         f"multiples of {plan.FP8_ALIGNMENT}")
+
+    def loss(x, params, target, *state):
+        y = layers._run(x, params, key.activations, precision=None, forward="auto",
+                        backward="auto", dtype=None, fp8=FP8_CANDIDATE,
+                        fp8_state=state[0] if state else None)
+        return squared_error(y, target)
+    return jax.value_and_grad(loss, argnums=(0, 1, 3) if fp8_keeps_state(FP8_CANDIDATE)
+                              else (0, 1))
 
 
 def fused_gemm_backends(key: dispatch.StackKey) -> list[str]:
@@ -349,9 +397,15 @@ def time_stack(key: dispatch.StackKey, candidate: str, *,
                seconds: float = SECONDS_PER_CANDIDATE, rounds: int = ROUNDS) -> float:
     """Seconds per call of the stack as `candidate` (`timing.time_calls`): one jitted call per
     step, each on the next copy of the inputs (so the inputs come from HBM, and each call pays
-    its custom calls' own cost, as in a real program). Call it inside `dispatch.measuring`."""
+    its custom calls' own cost, as in a real program). "fp8" with a state runs one untimed
+    step from `Fp8.init_state` first and times every call on the state it returned (a warm
+    history, as from the second step of a training loop on). Call it inside
+    `dispatch.measuring`."""
     sets = _stack_operand_sets(key)
     fn = jax.jit(stack_fn(key, candidate))
+    if candidate == dispatch.FP8 and fp8_keeps_state(FP8_CANDIDATE):
+        _, grads = fn(*sets[0], FP8_CANDIDATE.init_state(len(key.biases)))
+        sets = [(*s, grads[-1]) for s in sets]
     jax.block_until_ready([fn(*s) for s in sets])  # compile, plan, autotune
     return timing.time_calls(fn, sets, rounds=rounds, round_seconds=seconds / rounds).seconds
 
@@ -426,12 +480,33 @@ def _us(seconds: Optional[float]) -> str:
     return "failed" if seconds is None else f"{seconds * 1e6:.1f} us"
 
 
+def _stack_candidates(key: dispatch.StackKey, fp8) -> tuple[str, ...]:
+    """What `tune(fp8=...)` times of `key`: "fused" and "plain" (not with fp8="only"), and
+    "fp8" where asked for and `fp8_measurable`."""
+    bf16 = () if fp8 == "only" else dispatch.STACK_CANDIDATES
+    return (*bf16, dispatch.FP8) if fp8 and fp8_measurable(key) else bf16
+
+
+def _stack_line(entry: dispatch.StackEntry, candidates: Sequence[str]) -> str:
+    """A progress line: the candidates' times and what they decide."""
+    times = ", ".join(f"{c} {_us(entry.seconds[c])}" for c in candidates)
+    verdicts = []
+    if entry.choice is not None:
+        gemms = entry.seconds.get(dispatch.FUSED_CUBLASLT_GEMMS)
+        verdicts.append(entry.choice + (" (fused runs no cuBLASLt GEMM)" if gemms == 0 else ""))
+    fp8 = dispatch.decide_fp8_from_times(entry.seconds)
+    if fp8 is not None:
+        verdicts.append(f"{'fp8' if fp8 == 'fp8' else 'no fp8'} "
+                        f"({entry.seconds[dispatch.FP8_SCALING]} scaling)")
+    return f"{entry.key}: {times}" + (f" -> {'; '.join(verdicts)}" if verdicts else "")
+
+
 def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
          seconds: float = SECONDS_PER_CANDIDATE, measure: Optional[Callable] = None,
          measure_stack: Optional[Callable] = None, progress: bool = True,
-         write: bool = True) -> dispatch.Table:
+         write: bool = True, fp8=False, max_seconds: Optional[float] = None) -> dispatch.Table:
     """Time every distinct problem of `fns_or_problems` on both backends, then every distinct
-    stack as "fused" and "plain", and merge the decisions into `output` (default:
+    stack as "fused" and "plain" (and "fp8"), and merge the decisions into `output` (default:
     `config.decisions_path()`).
 
     Args:
@@ -446,21 +521,48 @@ def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
         entries.
       progress: show a progress bar (plain lines without tqdm).
       write: merge the results into the file (False: only return them).
+      fp8: False; True: also time each training-step stack whose widths are multiples of 16
+        in FP8 (`FP8_CANDIDATE`), which then decides `Fp8(layers="auto")` for it; "only":
+        time only that (no GEMM, no "fused" or "plain": the table's earlier times of those
+        stay).
+      max_seconds: start no new problem or stack after this many seconds (None: no limit);
+        what was measured is written.
 
     Returns:
       The `dispatch.Table` of this run's measurements (device, cuBLASLt version, entries,
       stack entries).
     """
+    if fp8 not in FP8_CHOICES:
+        raise ValueError(f"fp8: expected one of {FP8_CHOICES}, got {fp8!r}")
+    if max_seconds is not None and not max_seconds > 0:
+        raise ValueError(f"max_seconds: expected a positive number of seconds or None, got "
+                         f"{max_seconds!r}")
     if not has_cuda_gpu():
         raise RuntimeError("jax_epilog.tune needs a CUDA GPU: JAX sees none on this machine")
     device, version = dispatch.device_identity()
     problems, stacks = _collect(fns_or_problems)
+    if fp8 == "only":
+        problems, stacks = [], [key for key in stacks if fp8_measurable(key)]
     measure, measure_stack = measure or time_problem, measure_stack or time_stack
     started = time.perf_counter()
+    path = Path(output) if output is not None else config.decisions_path()
     bar = _Progress(len(problems) + len(stacks), progress)
     entries, stack_entries, failures = [], [], []
+    saved = [0, 0]  # entries and stack entries written so far
+
+    def save() -> None:
+        if write and path is not None and (entries[saved[0]:] or stack_entries[saved[1]:]):
+            dispatch.merge_into(path, device, version, entries[saved[0]:],
+                                stack_entries[saved[1]:])
+        saved[:] = len(entries), len(stack_entries)
+
+    def out_of_time() -> bool:
+        return max_seconds is not None and time.perf_counter() - started > max_seconds
+
     try:
         for p in problems:
+            if out_of_time():
+                break
             times = _timed(measure, p, dispatch.CANDIDATES, seconds, failures)
             entry = dispatch.make_entry(p.epilog, p.dtype, p.transpose_a, p.transpose_b,
                                         p.batch * p.m, p.n, p.k, times)
@@ -468,32 +570,45 @@ def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
             bar.report(f"{p}: cublaslt {_us(times['cublaslt'])}, xla {_us(times['xla'])} "
                        f"-> {entry.choice}")
         _operand_sets.cache_clear()
+        save()
         with dispatch.measuring(dispatch.Table(device, version, tuple(entries))):
             for key in stacks:
-                times = _timed(measure_stack, key, dispatch.STACK_CANDIDATES, seconds, failures)
-                # Stored with the times: with 0, "plain" is chosen (`dispatch`, module doc).
-                gemms = fused_gemm_backends(key).count("cublaslt")
-                times[dispatch.FUSED_CUBLASLT_GEMMS] = gemms
+                if out_of_time():
+                    break
+                candidates = _stack_candidates(key, fp8)
+                times = _timed(measure_stack, key, candidates, seconds, failures)
+                if "fused" in candidates:
+                    # Stored with the times: with 0, "plain" is chosen (`dispatch`, module doc).
+                    times[dispatch.FUSED_CUBLASLT_GEMMS] = fused_gemm_backends(key).count(
+                        "cublaslt")
+                if dispatch.FP8 in candidates:
+                    times[dispatch.FP8_SCALING] = ("delayed" if fp8_keeps_state(FP8_CANDIDATE)
+                                                   else "current")
                 stack_entries.append(dispatch.make_stack_entry(key, times))
-                note = "" if gemms else " (fused runs no cuBLASLt GEMM)"
-                bar.report(f"{key}: fused {_us(times['fused'])}, plain {_us(times['plain'])} "
-                           f"-> {stack_entries[-1].choice}{note}")
+                bar.report(_stack_line(stack_entries[-1], candidates))
+                save()
     finally:
         bar.close()
         _operand_sets.cache_clear()
         _stack_operand_sets.cache_clear()
-        # Whatever was measured is kept, also when a later problem stopped the run.
-        path = Path(output) if output is not None else config.decisions_path()
-        if write and (entries or stack_entries) and path is not None:
-            dispatch.merge_into(path, device, version, entries, stack_entries)
+        save()  # whatever was measured is kept, also when a later problem stopped the run
     for failure in failures:
         print(f"failed: {failure}", file=sys.stderr)
+    left = len(problems) - len(entries) + len(stacks) - len(stack_entries)
+    if left:
+        print(f"stopped after {max_seconds:g} s (max_seconds): {left} problems and stacks not "
+              f"timed", file=sys.stderr)
     wins = sum(e.choice == "cublaslt" for e in entries)
     fused = sum(e.choice == "fused" for e in stack_entries)
+    plain = sum(e.choice == "plain" for e in stack_entries)
+    fp8_verdicts = [dispatch.decide_fp8_from_times(e.seconds) for e in stack_entries
+                    if dispatch.FP8 in e.seconds]
+    fp8_note = (f"; fp8 timed {len(fp8_verdicts)}, won {fp8_verdicts.count('fp8')}"
+                if fp8 else "")
     where = f" into {path}" if write and path is not None else ""
     print(f"tuned {len(entries)} problems and {len(stack_entries)} stacks in "
           f"{time.perf_counter() - started:.1f} s: cublaslt {wins}, xla {len(entries) - wins}; "
-          f"fused {fused}, plain {len(stack_entries) - fused}{where}", flush=True)
+          f"fused {fused}, plain {plain}{fp8_note}{where}", flush=True)
     return dispatch.Table(device, version, tuple(entries), tuple(stack_entries))
 
 
@@ -504,11 +619,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "the benchmark grid) on this GPU and store the choices for backend='auto'.")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--grid", action="store_true",
-                      help="the benchmark grid G1-G7 and networks M1-M3 (forward and step)")
+                      help="the benchmark grid G1-G7 and networks M1-M3 (forward and step); "
+                           "the transformer MLPs T1, T2 where --rows names them")
     what.add_argument("--fn", metavar="MODULE:CALLABLE", help="a function to trace")
     parser.add_argument("--args", nargs="*", default=[], metavar="DTYPE[SHAPE]",
                         help='example inputs of --fn, e.g. "bf16[256,784]" "bf16[784,100]"')
-    parser.add_argument("--rows", help="with --grid: comma-separated ids (e.g. G1,G7,M3)")
+    parser.add_argument("--rows", help="with --grid: comma-separated ids (e.g. G1,G7,M3,T1)")
     parser.add_argument("--output", type=Path,
                         help="the table to merge into (default: $JAX_EPILOG_DECISIONS or "
                              "~/.cache/jax_epilog/decisions.json)")
@@ -519,11 +635,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="list the problems and stacks without timing them (works without "
                              "a GPU)")
     parser.add_argument("--no-progress", action="store_true", help="plain lines, no bar")
+    fp8 = parser.add_mutually_exclusive_group()
+    fp8.add_argument("--fp8", action="store_true",
+                     help="also time each training step whose widths are multiples of 16 with "
+                          "FP8 in every layer; that decides fp8=Fp8(layers='auto') for it")
+    fp8.add_argument("--fp8-only", action="store_true",
+                     help="time only the FP8 training steps (no GEMMs, no bf16 stacks: the "
+                          "table's earlier times of those stay)")
+    parser.add_argument("--max-seconds", type=float, metavar="S",
+                        help="start no new problem or stack after S seconds; what was "
+                             "measured is written")
     args = parser.parse_args(argv)
+    fp8_mode = "only" if args.fp8_only else args.fp8
     if args.args and not args.fn:
         parser.error("--args goes with --fn")
     if args.rows and not args.grid:
         parser.error("--rows goes with --grid")
+    if args.max_seconds is not None and not args.max_seconds > 0:
+        parser.error("--max-seconds: expected a positive number of seconds")
 
     if args.grid:
         rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else None
@@ -545,13 +674,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     problems, stacks = _collect(targets)
     if args.dry_run:
+        if fp8_mode == "only":
+            problems, stacks = [], [key for key in stacks if fp8_measurable(key)]
         print(DRY_RUN_HEADER)
-        for item in (*problems, *stacks):
+        for item in problems:
             print(item)
+        for key in stacks:
+            timed = f"  ({', '.join(_stack_candidates(key, fp8_mode))})" if fp8_mode else ""
+            print(f"{key}{timed}")
         print(f"{len(problems)} distinct problems, {len(stacks)} stacks", flush=True)
         return 0
     tune([*problems, *stacks], output=args.output, seconds=args.seconds,
-         progress=not args.no_progress)
+         progress=not args.no_progress, fp8=fp8_mode, max_seconds=args.max_seconds)
     return 0
 
 

@@ -3,7 +3,7 @@
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu probe
-#           tune never_slower soak fp8 fp8profile peer gpt
+#           tune fp8table never_slower soak fp8 fp8profile peer gpt
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files).
@@ -145,6 +145,25 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       cp "$TABLE_DIR/$TABLE_NAME" "$OUT/" 2>/dev/null
       note "tune: rc=$? ($((SECONDS - start)) s): $(tail -n 2 "$OUT/tune.log" | tr '\n' ' ')"
       tail -n 30 "$OUT/tune.log" ;;
+    fp8table)
+      # FP8 times in the shipped table's training-step entries (tune --fp8, docs/performance.md):
+      # FP8TABLE_FULL rows (default the transformer MLPs T1,T2, which have no entries yet) in
+      # full (GEMMs, bf16 stacks and FP8), then only the FP8 step of FP8TABLE_ROWS, whose bf16
+      # entries are shipped. Each stack is written as it is timed; no new one is started after
+      # FP8TABLE_FULL_S / FP8TABLE_ROWS_S seconds. The table comes back as $OUT/$TABLE_NAME:
+      # copy it to jax_epilog/tables/ (and there before a second call that adds more rows).
+      cp "$ROOT/jax_epilog/tables/$TABLE_NAME" "$OUT/$TABLE_NAME"
+      fp8tune() {  # budget, then tune's arguments
+        local budget="$1"; shift
+        (cd /tmp && runs --cap $((budget + 60)) "$PY" -m jax_epilog.tune --grid --no-progress \
+          --max-seconds "$budget" --output "$OUT/$TABLE_NAME" "$@" 2>&1) >> "$OUT/fp8table.log"
+      }
+      : > "$OUT/fp8table.log"
+      [ -n "${FP8TABLE_FULL-T1,T2}" ] && fp8tune "${FP8TABLE_FULL_S:-60}" --rows "${FP8TABLE_FULL-T1,T2}" --fp8
+      [ -n "${FP8TABLE_ROWS-M1,G1,G4,G5,G2,M2,G3}" ] && fp8tune "${FP8TABLE_ROWS_S:-60}" \
+        --rows "${FP8TABLE_ROWS-M1,G1,G4,G5,G2,M2,G3}" --fp8-only
+      note "fp8table: ($((SECONDS - start)) s): $(grep -c '^\[.*stack step.*fp8 ' "$OUT/fp8table.log") FP8 steps timed"
+      grep -E "fp8|tuned|stopped|failed" "$OUT/fp8table.log" | tail -n 30 ;;
     never_slower)
       # Every grid row and network against XLA, both harnesses, with the table just measured.
       (cd "$ROOT/benchmarks" && JAX_EPILOG_DECISIONS="$TABLE_DIR/$TABLE_NAME" \
