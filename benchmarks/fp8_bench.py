@@ -23,10 +23,10 @@ one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
   an amax history (the state, an argument of the step whose next value the step returns as
   its gradient); each forward GEMM followed by an FP8 layer writes that layer's e4m3 input
   and amax itself. The state timed is the one an untimed first step from a fresh state
-  returned (that step calibrates itself: current scaling), so the timed steps run warm;
-- ours_fp8_delayed_uncalibrated: the same traced without the calibration cond
-  (`fp8.uncalibrated`), the program before delayed scaling calibrated itself: against
-  ours_fp8_delayed, what the two conds of a self-calibrating step cost;
+  returned (that step calibrates itself), so the timed steps run warm;
+- ours_fp8_delayed_uncalibrated: the same traced without calibration (`fp8.uncalibrated`),
+  the program before delayed scaling calibrated itself: against ours_fp8_delayed, what
+  calibration costs a warm step (its cond and bounds);
 - ours_fp8_delayed_fast: ours_fp8_delayed with `fast_accumulation="forward"`;
 - xla_fp8: what a user writes for FP8 under XLA (Flax's fp8_ops style): per layer a
   `custom_vjp` dot with per-tensor current scaling, a direct FP8 `dot_general` with
@@ -179,7 +179,7 @@ VARIANTS = {"xla_bf16": never_slower.xla_stack, "ours_bf16": epilog_stack(None),
             "ours_fp8_delayed_all": Fp8(scaling="delayed", layers="all"),
             "xla_fp8": xla_fp8_stack(user_fp8_dot()),
             "xla_fp8_precise": xla_fp8_stack(user_fp8_dot(jax.lax.Precision.HIGHEST))}
-UNCALIBRATED = ("ours_fp8_delayed_uncalibrated",)  # traced without the calibration cond
+UNCALIBRATED = ("ours_fp8_delayed_uncalibrated",)  # traced without calibration
 SWEEP_VARIANTS = ("xla_bf16", "ours_bf16", "ours_fp8_all", "ours_fp8_delayed_all")
 SWEEP_FP8 = ("ours_fp8_all", "ours_fp8_delayed_all")  # each against the faster bf16 step
 
@@ -189,9 +189,9 @@ def stateful_step(w: Workload, config: Fp8, args) -> tuple[Any, tuple]:
     Flax module runs it, `step_fn`'s with the state a fourth argument, (params, x, target,
     state) -> (loss, grads), the state's gradient (the next state) among the grads; and the
     state it is timed with: the one the first step on `args` returned from a fresh state.
-    That step calibrates itself (current scaling), so the timed steps run warm: the delayed
-    program, with its cond on the state's histories (an argument, as in training, so XLA
-    cannot fold the cond away)."""
+    That step calibrates itself, so the timed steps run warm: the delayed program, with its
+    calibration on the state's histories (an argument, as in training, so XLA cannot fold
+    it away)."""
     def loss(params, x, target, state):
         y = mlp(x, params, activation=w.activation, final_activation=w.final_activation,
                 fp8=config, fp8_state=state)
@@ -204,8 +204,8 @@ def stateful_step(w: Workload, config: Fp8, args) -> tuple[Any, tuple]:
 
 
 def uncalibrated(step):
-    """`step`, traced without the calibration cond (`fp8.uncalibrated`): the delayed program
-    as it was before delayed scaling calibrated itself, to measure what the cond costs."""
+    """`step`, traced without calibration (`fp8.uncalibrated`): the delayed program as it was
+    before delayed scaling calibrated itself, to measure what calibration costs."""
     def traced(*args):
         with fp8.uncalibrated():
             return step(*args)

@@ -83,10 +83,10 @@ def _stack_lines(i: int, sp: plan.StackPlan) -> list[str]:
                      if getattr(lp, name)]
             lines.append(f"  layer {j}: {'FP8' if lp.fp8 else sp.dtype}: {lp.why}"
                          f"{'; ' + ', '.join(extra) if extra else ''}")
-        if sp.calibration is not None:
-            lines.append("  calibration: while the amax histories a pass reads are cold (a "
-                         "fresh state), it runs current scaling's GEMMs instead (one cond per "
-                         "pass)")
+        if sp.fp8.delayed:
+            lines.append("  delayed scaling: while a tensor's amax history is cold (a fresh "
+                         "state), its scale comes from this step (the first input's own amax; "
+                         "a GEMM-written tensor's bound from its operands' amaxes)")
     for title, path, gemms in (
             ("the training step (forward, then backward from the last layer)", sp.step,
              sp.gemms),

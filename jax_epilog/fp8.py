@@ -65,11 +65,12 @@ writes its e5m2 gradient, ReLU's derivative then applied to the FP8 bits
 (`plan.writes_fp8_gradient`). Every FP8 layer's input takes its scale from its history too;
 the other tensors keep current scaling, their amaxes recorded in the state all the same.
 
-Delayed scaling calibrates itself (`_calibrating`): a pass that reads a cold history (largest
-value 0, as in a fresh `init_state`, or not finite) runs the stack's current-scaling plan
-(`StackPlan.calibration`) instead, behind one `jax.lax.cond` per forward and one per backward
-(where the backward reads a history at all). Both branches return the same residuals and the
-same next state; the warm branch is the delayed program unchanged.
+Delayed scaling calibrates itself, tensor by tensor (`delayed_amax`): while a history is cold
+(largest value 0, as in a fresh `init_state`, or not finite), the amax its scale comes from is
+this step's instead. A tensor XLA quantizes takes its own (`quantize_scaled`: a
+`jax.lax.cond` reads it only while cold, so a warm step keeps its single fused pass); one a
+GEMM writes takes a bound on the GEMM's result from amaxes already known (`result_bound`),
+rounded up to a power of two. The program is the delayed one either way.
 """
 
 from __future__ import annotations
@@ -135,12 +136,12 @@ class Fp8:
         GELU's) and the weights keep current scaling, where delayed scaling measured no
         faster on the H200 (docs/fp8.md). The layers then need `fp8_state=` (`init_state`)
         and return the next state as its gradient.
-        Delayed scaling calibrates itself: while a history the forward (or the backward)
-        reads is cold (all zeros, as `init_state` makes it, or not finite), that pass runs
-        the current-scaling computation instead, its scales from this step's amaxes, and
-        records those amaxes in the next state; from then on the delayed program runs. The
-        choice is one `jax.lax.cond` per forward and one per backward of a stack (none in
-        a backward whose GEMMs write no FP8 gradient), whose predicate XLA reads on the host.
+        Delayed scaling calibrates itself: while a tensor's history is cold (all zeros, as
+        `init_state` makes it, or not finite), its scale comes from this step: a tensor XLA
+        quantizes (the first input) from its own amax, one a GEMM writes from a bound on
+        the GEMM's result (|h W + b| <= amax(h)·max column sum |W| + max |b|, and likewise
+        for a data gradient), rounded up to a power of two; its own amax is recorded as
+        usual, so the next step is warm. No separate calibrating step is needed.
       amax_history_length: the steps of amax history under delayed scaling (1024, as in
         TransformerEngine and Flax); the scale follows the largest.
       amax_reduction_axes: None (default), a mesh axis name or a tuple of names: inside
@@ -331,13 +332,69 @@ def bound_axes(axes) -> tuple[str, ...]:
     return tuple(bound)
 
 
+_calibrates = contextvars.ContextVar("jax_epilog_fp8_calibrates", default=True)
+
+
+@contextlib.contextmanager
+def uncalibrated():
+    """Within the block (in this thread), stacks traced under delayed scaling do not calibrate
+    themselves: a cold history gives scale 1 (no `jax.lax.cond`, no bounds). What the tests
+    and `benchmarks/fp8_bench.py` compare self-calibration with; not for training."""
+    token = _calibrates.set(False)
+    try:
+        yield
+    finally:
+        _calibrates.reset(token)
+
+
 def quantize_delayed(x, history, dtype: str, margin: int, amax_axes=None):
     """(x in FP8, its dequantization scale, amax(x)): delayed scaling, the scale from the
     largest amax of `history` (earlier steps), x's own amax (over `amax_axes`,
     `reduce_amax`) recorded for the next step. The cast and the amax read x in one
-    expression, which XLA fuses into one pass."""
-    x8, scale = quantize(x, jnp.max(history), dtype, margin)
-    return x8, scale, reduce_amax(amax(x), amax_axes)
+    expression, which XLA fuses into one pass. While `history` is cold (`cold`) and the
+    layers calibrate (`uncalibrated`), the scale is x's own amax's, read in a
+    `jax.lax.cond` that a warm step skips."""
+    own_amax = lambda: reduce_amax(amax(x), amax_axes)
+    scale_amax = jnp.max(history)
+    if _calibrates.get():  # the branch reads x only while cold: warm, one pass reads it
+        scale_amax = jax.lax.cond(cold(history), own_amax, lambda: scale_amax)
+    x8, scale = quantize(x, scale_amax, dtype, margin)
+    return x8, scale, own_amax()
+
+
+def cold(history):
+    """Whether the amax `history` gives no delayed scale yet: its largest value is 0 (a fresh
+    `Fp8.init_state`, or no amax recorded yet) or not finite."""
+    largest = jnp.max(history)
+    return ~(jnp.isfinite(largest) & (largest > 0))
+
+
+def power_of_two_above(x):
+    """The smallest power of two >= x (float32, x > 0): a bound rounded so that float32
+    rounding in computing it cannot change the scale it gives."""
+    return jnp.exp2(jnp.ceil(jnp.log2(x))).astype(jnp.float32)
+
+
+def delayed_amax(history, bound):
+    """The amax a GEMM-written tensor's delayed scale comes from: `history`'s largest, or,
+    while it is `cold` (and the layers calibrate), `bound` (`result_bound`), an upper bound
+    on this step's amax rounded up to a power of two: the FP8 values then fill less of the
+    format, but nothing saturates and small values are kept (e5m2 gradients lose nothing
+    a bound 64 times too large would matter to; e4m3 inputs keep 2**6 of range below it)."""
+    largest = jnp.max(history)
+    if not _calibrates.get():
+        return largest
+    return jnp.where(cold(history), power_of_two_above(bound), largest)
+
+
+def result_bound(operand_amax, other, axis: int, bias=None):
+    """An upper bound on |R| for a GEMM result R = A @ B (+ bias), from the amax of A's
+    values (`operand_amax`) and B's values `other` (float32, summed along `axis`, its
+    contracted one): |R| <= amax(A) · max_j sum_k |B[k, j]| + max |bias|."""
+    bound = operand_amax * jnp.max(jnp.sum(jnp.abs(other.astype(jnp.float32)), axis=axis))
+    if bias is not None:
+        bound = bound + jnp.max(jnp.abs(bias.astype(jnp.float32)))
+    return bound
 
 
 def quantize_scaled(x, dtype: str, margin: int, history=None, amax_axes=None):
@@ -454,8 +511,9 @@ def _planned_forward(planned: StackPlan, x, params, state, keep_residuals: bool)
                                          amax_axes=fp8.amax_reduction_axes)
         gemm = planned.gemm(i, "forward", mode)
         epilog, fp8_result = gemm.epilog, own.writes_fp8_result
-        q_next = multiplier(jnp.max(state[i + 1].input), fp8.forward, fp8.margin) \
-            if fp8_result else None
+        q_next = multiplier(delayed_amax(state[i + 1].input, reduce_amax(result_bound(
+            h_amax, kernel, 0, bias if layer.has_bias else None), fp8.amax_reduction_axes)),
+            fp8.forward, fp8.margin) if fp8_result else None
         out, aux = _matmul8(h8, h_scale, w8, w_scale, fp8.forward if fp8_result else x.dtype,
                             gemm.requested, fp8.fast("forward"), epilog=epilog,
                             inputs={"bias": bias} if layer.has_bias else None,
@@ -473,38 +531,18 @@ def _planned_forward(planned: StackPlan, x, params, state, keep_residuals: bool)
     return h, tuple(saved)
 
 
-def cold(histories):
-    """Whether any of the amax `histories` gives no delayed scale yet: its largest value is 0
-    (a fresh `Fp8.init_state`, or no amax recorded yet) or not finite."""
-    largest = jnp.stack([jnp.max(h) for h in histories])
-    return ~jnp.all(jnp.isfinite(largest) & (largest > 0))
-
-
-def _calibrating(planned: StackPlan, histories, run):
-    """`run(plan)` for `planned`, or, under delayed scaling whose `histories` are `cold`,
-    for its current-scaling `calibration` plan: one `jax.lax.cond`, both branches the same
-    pytree (same residuals), the warm one exactly the delayed program."""
-    if planned.calibration is None or not histories:
-        return run(planned)
-    return jax.lax.cond(cold(histories), lambda: run(planned.calibration),
-                        lambda: run(planned))
-
-
 def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
-    """`_planned_forward`, self-calibrating (`_calibrating` on each FP8 layer's input history,
-    the scales the forward takes from the state), its residuals then named for remat
-    policies (outside the cond, where a policy sees them)."""
+    """`_planned_forward`, its residuals then named for remat policies."""
     histories = [state[i].input for i, own in enumerate(planned.layers) if own.fp8] \
         if state is not None else []
-    if planned.calibration is not None:
-        # Checked before the cond, whose branches would otherwise disagree on which scales
-        # vary between devices (a history's does not, an unreduced amax's does): every amax
-        # varies over the axes the stack does, less those it is reduced over.
+    if planned.fp8.delayed and state is not None and _calibrates.get():
+        # Checked before the calibration conds, whose branches would otherwise disagree on
+        # which scales vary between devices (a history's does not, an unreduced amax's does):
+        # every amax varies over the axes the stack does, less those it is reduced over.
         reduced = bound_axes(planned.fp8.amax_reduction_axes)
         _check_recordable(planned, [a for a in manual_axes.varying_axes([x]) if a not in reduced],
                           state)
-    h, saved = _calibrating(planned, histories, functools.partial(
-        _planned_forward, x=x, params=params, state=state, keep_residuals=keep_residuals))
+    h, saved = _planned_forward(planned, x, params, state, keep_residuals)
     named = lambda value, name: None if value is None else checkpoint_name(value, name)
     return h, tuple(s._replace(input=named(s.input, LAYER_INPUT_NAME),
                                residual=named(s.residual, layer_gemms.residual_name(
@@ -523,13 +561,8 @@ def _fp8_stack_fwd(planned: StackPlan, x, params, state):
 
 
 def _fp8_stack_bwd(planned: StackPlan, residuals, dy):
-    """The backward, self-calibrating (`_calibrating`) on the gradient histories whose
-    scales the data-gradient GEMMs that write FP8 take (`writes_fp8_gradient`)."""
     saved, state = residuals
-    histories = [state[i].gradient for i, own in enumerate(planned.layers)
-                 if own.writes_fp8_gradient]
-    return _calibrating(planned, histories,
-                        lambda plan: _planned_backward(plan, saved, state, dy))
+    return _planned_backward(planned, saved, state, dy)
 
 
 def _planned_backward(planned: StackPlan, saved, state, dy):
@@ -578,7 +611,10 @@ def _planned_backward(planned: StackPlan, saved, state, dy):
             if below_plan is not None and below_plan.writes_fp8_gradient:
                 # The previous layer's dZ8 straight from the GEMM (delayed scale, its amax),
                 # ReLU's derivative h8 > 0 applied to its bits, the bias gradient its sum.
-                q = multiplier(jnp.max(state[i - 1].gradient), fp8.gradient, fp8.margin)
+                # |dZ Wᵀ| <= amax(dZ) · max row sum |W|: the bound a cold history takes
+                bound = result_bound(gradient_amaxes[i], s.kernel, 1) * s.kernel_scale
+                q = multiplier(delayed_amax(state[i - 1].gradient, reduce_amax(
+                    bound, fp8.amax_reduction_axes)), fp8.gradient, fp8.margin)
                 p8, aux = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, fp8.gradient,
                                    data.requested, fast, transpose_b=True, result_scale=q)
                 gradient_amaxes[i - 1] = reduce_amax(aux["result_amax"],
@@ -685,25 +721,8 @@ def carry_state(y, state):
 carry_state.defvjp(lambda y, state: (y, state), lambda state, dy: (dy, state))
 
 
-_calibrates = contextvars.ContextVar("jax_epilog_fp8_calibrates", default=True)
-
-
-@contextlib.contextmanager
-def uncalibrated():
-    """Within the block (in this thread), stacks traced under delayed scaling do not calibrate
-    themselves: a cold history gives scale 1, with no `jax.lax.cond`. What the tests and
-    `benchmarks/fp8_bench.py` compare self-calibration with; not for training."""
-    token = _calibrates.set(False)
-    try:
-        yield
-    finally:
-        _calibrates.reset(token)
-
-
 def stack(planned: StackPlan, rows, params, state=None):
     """The stack on `rows` `(M, K)` as `planned` (`plan.plan_stack`, with FP8 layers) says
     (called by `layers._run`); `state`: the `Fp8History` of each layer under delayed scaling
     (or recording current scaling's amaxes), else None."""
-    if not _calibrates.get():
-        planned = planned._replace(calibration=None)
     return _fp8_stack(planned, rows, params, state)

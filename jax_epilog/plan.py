@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
@@ -450,9 +449,6 @@ class StackPlan(NamedTuple):
     inference: Choice  # "fused", "plain" or "fp8": the forward where nothing differentiates
     gemms: tuple[Gemm, ...]  # of the training step (`stack_gemms`), planned for CUDA
     forward_gemms: tuple[Gemm, ...]  # of the inference forward
-    # Under delayed scaling, the plan of the same stack under current scaling, which a pass
-    # runs while the histories it reads are cold (`fp8._calibrating`); else None.
-    calibration: Optional[StackPlan] = None
 
     @property
     def quantized(self) -> tuple[bool, ...]:
@@ -534,11 +530,8 @@ def plan_stack(ctx: Context, stack: Stack, rows: int, widths, dtype, fp8=None,
         gemms, forward_gemms = _on_cuda(ctx, gemms, dtype), _on_cuda(ctx, forward_gemms, dtype)
     if any(lp.fp8 for lp in layer_plans):
         why = "FP8 layers: one FP8 custom VJP over the stack"
-        calibration = plan_stack(ctx, stack, rows, widths, dtype, dataclasses.replace(
-            fp8, scaling="current")) if fp8.delayed else None
         return partial._replace(step=Choice("fp8", why), inference=Choice("fp8", why),
-                                gemms=gemms, forward_gemms=forward_gemms,
-                                calibration=calibration)
+                                gemms=gemms, forward_gemms=forward_gemms)
     if not on_gpu:
         step = Choice("fused", "not a CUDA GPU with the library: the fused stack, whose GEMMs "
                                "run the reference here")

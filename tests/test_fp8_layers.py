@@ -68,35 +68,34 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
 
     With `histories` (each layer's (input, gradient) amax history) the result gains the next
     histories, this step's amaxes first. Under delayed scaling (`config.scaling` "delayed",
-    or "auto" with histories), unless a history it reads is cold, each layer
-    input's scale comes from its history's largest value, and so does the gradient scale of
-    a ReLU layer followed by an FP8 layer, whose dZ8 the data-gradient GEMM writes (the mask
-    h8 > 0 applied to the FP8 values, the amax before it, the bias gradient their sum); the
-    other gradients are scaled by their current amax. With bfloat16 compute, a layer with a bias or an activation followed
+    or "auto" with histories) each layer input's scale comes from its history's largest
+    value, and so does the gradient scale of a ReLU layer followed by an FP8 layer, whose dZ8
+    the data-gradient GEMM writes (the mask h8 > 0 applied to the FP8 values, the amax before
+    it, the bias gradient their sum); the other gradients are scaled by their current amax.
+    A cold history (largest value 0 or not finite) gives, for a tensor quantized on its own,
+    its current amax, and for one a GEMM writes, the power of two at or above the bound
+    amax(A)·max column sum |B| (+ max |bias|) on that GEMM's result. With bfloat16 compute, a layer with a bias or an activation followed
     by an FP8 layer writes that layer's FP8 input itself: `q·R` of its float32 result R, the
     amax R's (not rounded to bfloat16 first).
     """
     rnd = lambda v: np.asarray(np.asarray(v, np.float32).astype(dtype), np.float32)
     delayed = config.resolved(histories is not None).scaling == "delayed"
-    # Self-calibration: a pass that reads a cold history (largest amax 0 or not finite) runs
-    # current scaling, in the forward for every layer input, in the backward for every
-    # gradient a GEMM writes.
-    warm = lambda hs: all(np.isfinite(np.max(h)) and np.max(h) > 0 for h in hs)
     written_below = [q and i + 1 < len(params) and quantized[i + 1] and act == "relu"
                      for i, (q, act) in enumerate(zip(quantized, activations))]
-    delayed_backward = delayed and warm([h[1] for h, w in zip(histories or (), written_below)
-                                         if w])
-    delayed = delayed and warm([h[0] for h, q in zip(histories or (), quantized) if q])
-    scale_amax = lambda history, current: np.max(history) if delayed else current
-    h, saved, input_amaxes, direct = rnd(x), [], [], None
+    # Self-calibration: a cold history's tensor takes `cold` (its current amax, or a bound)
+    warm = lambda h: np.isfinite(np.max(h)) and np.max(h) > 0
+    scale_amax = lambda history, cold: np.max(history) if warm(history) else cold
+    above = lambda bound: np.float32(2.0 ** np.ceil(np.log2(np.float32(bound))))
+    column_sums = lambda b, axis: np.max(np.sum(np.abs(np.asarray(b, np.float32)), axis=axis))
+    h, saved, input_amaxes, direct, direct_bound = rnd(x), [], [], None, None
     for i, ((kernel, bias), act, q) in enumerate(zip(params, activations, quantized)):
         kernel = rnd(kernel)
         if q:
             source = h if direct is None else direct
             input_amaxes.append(np.max(np.abs(source)))
-            h8, sh = quantize(source, scale_amax(histories[i][0] if delayed else None,
-                                                 input_amaxes[-1]), config.forward,
-                              config.margin)
+            cold = input_amaxes[-1] if direct is None else above(direct_bound)
+            h8, sh = quantize(source, scale_amax(histories[i][0], cold) if delayed
+                              else input_amaxes[-1], config.forward, config.margin)
             w8, sw = quantize(kernel, np.max(np.abs(kernel)), config.forward, config.margin)
             z = gemm(h8, sh, w8, sw)
             saved.append((h8, sh, w8, sw))
@@ -111,6 +110,9 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
         writes_fp8 = delayed and dtype == ml_dtypes.bfloat16 and q and i + 1 < len(params) \
             and quantized[i + 1] and (bias is not None or act is not None)
         direct = np.asarray(r, np.float32) if writes_fp8 else None
+        if writes_fp8:  # |h W + b| <= amax(h)·max column sum |W| + max |b|, in float32
+            direct_bound = np.float32(input_amaxes[-1]) * column_sums(kernel, 0) + \
+                (np.float32(0) if bias is None else np.max(np.abs(rnd(bias))))
     y = h
     dz = rnd(dy) if activations[-1] is None else rnd(rnd(dy) * derivative(activations[-1],
                                                                           saved[-1][4]))
@@ -134,12 +136,14 @@ def model_stack(x, params, activations, dy, quantized, config=ALL, dtype=np.floa
             dbias = None if params[i][1] is None else rnd(dz.astype(np.float64).sum(0))
         grads.append((rnd(dkernel), dbias))
         written = None
-        if delayed_backward and i and written_below[i - 1]:
+        if delayed and i and written_below[i - 1]:
             # the data-gradient GEMM writes dZ8 of layer i - 1 at its delayed scale, its amax
             # before the mask; ReLU's derivative is h8 > 0 of layer i's input
             r = np.asarray(dprev, np.float32)
             gradient_amaxes[i - 1] = np.max(np.abs(r))
-            p8, sp = quantize(r, np.max(histories[i - 1][1]), config.gradient, config.margin)
+            bound = np.float32(gradient_amaxes[i]) * column_sums(kernel, 1) * np.float32(sw)
+            p8, sp = quantize(r, scale_amax(histories[i - 1][1], above(bound)),
+                              config.gradient, config.margin)
             mask = h_in.astype(np.float32) > 0
             written = (np.where(mask, p8, np.zeros((), p8.dtype)), sp)
             continue
