@@ -297,8 +297,8 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="aut
         with FP8 GEMMs, per-tensor scaling (`Fp8()`: delayed with `fp8_state=`, current
         without), e4m3 activations and weights, e5m2 gradients, results in the computation
         dtype (`jax_epilog.fp8`, docs/fp8.md).
-        `Fp8()` runs FP8 only where the GEMM is large enough to gain (`fp8.fp8_pays`);
-        `Fp8(layers="all")` always.
+        `Fp8()` runs FP8 where a measured stack entry (`tune --fp8`) says it gains, else
+        only where the GEMM is large enough to (`fp8.fp8_pays`); `Fp8(layers="all")` always.
       fp8_state: the layer's `jax_epilog.Fp8History` of amaxes (`Fp8(...).init_state(1)`
         before the first step, which then calibrates itself): required by
         `fp8=Fp8(scaling="delayed")`; with `Fp8()`'s "auto" scaling it makes the layer
