@@ -597,6 +597,24 @@ def _step_runs_xla(call: _Call) -> bool:
     return step.choice == "plain"
 
 
+def _users_expression(params: Params, a, b, *inputs):
+    """The plain path of a call with a 2-D b, a bias of shape (N,) if any and no c, written as
+    its user would write it: `op(a) @ op(b) + bias`, then the activation, on the caller's own
+    operands. XLA then compiles exactly the user's program: the same call through
+    `_reference`'s rank-3 form (a (1, M, K) product, a (1, N) bias, a weight gradient
+    contracting two axes) ran 2-7% behind the user's GELU step on the H200."""
+    if params.transpose_a:
+        a = jnp.swapaxes(a, -1, -2)
+    reduced = params.allow_tf32 or a.dtype != jnp.float32  # XLA's way, as `_reference`'s
+    precision = jax.lax.Precision.DEFAULT if reduced else jax.lax.Precision.HIGHEST
+    z = jnp.matmul(a, b.T if params.transpose_b else b, precision=precision,
+                   preferred_element_type=a.dtype)
+    epilog = Epilog(params.epilog)
+    if epilog.has_bias:
+        z = z + inputs[0].astype(z.dtype)
+    return ACTIVATIONS[epilog.activation].plain(z) if epilog.activation else z
+
+
 def _reference(params: Params, a, b, *inputs, exact: bool = True):
     """The call's outputs by the reference: exact, or in XLA's way (the plain expression, for
     JAX's own autodiff where `_step_runs_xla`)."""
@@ -684,6 +702,11 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     # their gradient follows the mask (1 at 0), whichever GEMMs run.
     constant_scalars = c is None or None not in scalars
     if constant_scalars and not Epilog(call.params.epilog).aux_output and _step_runs_xla(call):
+        own = [a, b, *(dict(epilog_inputs or {}).values())]  # as the caller passed them
+        if c is None and scalars.alpha == 1.0 and jnp.ndim(b) == 2 and \
+                all(jnp.ndim(x) == 1 for x in own[2:]):
+            return _users_expression(call.params, *(manual_axes.vary(jnp.asarray(x), axes)
+                                                    for x in own))
         return _finish(call, _reference(call.params, *operands, exact=False))
     return _finish(call, _forward(call.params, scalars, *operands))
 
