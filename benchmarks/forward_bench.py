@@ -279,10 +279,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Forward epilog benchmark",
         "",
-        f"{meta['date']} · {meta['gpu_name'] or meta['device']} · driver "
-        f"{meta['driver_version']} · jax {meta['jax']} / jaxlib {meta['jaxlib']} · cuBLASLt "
-        f"{meta['cublaslt_version']} · custom call active: {meta['custom_call_active']}"
-        + (f" · {meta['nvmath']}" if meta.get("nvmath") else ""),
+        timing.provenance(meta, *([meta["nvmath"]] if meta.get("nvmath") else [])),
         "",
         "Time per call (µs, median of rounds), TFLOP/s (2·B·K·N), % of the plain GEMM's rate "
         "for the same shape and dtype, and speed-up against XLA on the plain-JAX expression "

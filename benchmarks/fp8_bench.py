@@ -440,11 +440,8 @@ def markdown(report: dict[str, Any]) -> str:
     meta = report["metadata"]
     lines = [
         "# FP8 training steps: jax_epilog fp8= against XLA (bf16 and a user's FP8)", "",
-        f"{meta['date']} · {meta['gpu_name'] or meta['device']} · driver "
-        f"{meta['driver_version']} · jax {meta['jax']} / jaxlib {meta['jaxlib']} · cuBLASLt "
-        f"{meta['cublaslt_version']} · custom call active: {meta['custom_call_active']} · "
-        f"{report.get('elapsed_seconds', 0):.0f} s · FP8_MIN_FLOPS "
-        f"{report['method']['fp8_min_flops']:.3g}", "",
+        timing.provenance(meta, f"{report.get('elapsed_seconds', 0):.0f} s",
+                          f"FP8_MIN_FLOPS {report['method']['fp8_min_flops']:.3g}"), "",
         "One training step (`value_and_grad` of a squared error). Ratios: the other variant's "
         "time / this one's (> 1: this one is faster), careful harness (user harness in "
         "brackets). temp MiB: `memory_analysis().temp_size_in_bytes`. diff: largest |Δ| over "
@@ -478,7 +475,8 @@ def markdown(report: dict[str, Any]) -> str:
                   for t in report["targets"]]
     if report.get("sweep"):
         lines += ["", "## Sweep: training steps of ReLU stacks, rows × n wide × layers", "",
-                  f"| rows × n × layers | GEMM FLOPs | fp8_pays | ms {' / '.join(SWEEP_VARIANTS)} "
+                  "| rows × n × layers | GEMM FLOPs | fp8_pays | "
+                  f"ms {' / '.join(SWEEP_VARIANTS)} "
                   f"| {' / '.join(SWEEP_FP8)} vs best bf16 |", "|---|---|---|---|---|"]
         for s in report["sweep"]:
             ms = " / ".join(_cell(s["ms"][v]) for v in SWEEP_VARIANTS) if "ms" in s \

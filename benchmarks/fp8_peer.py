@@ -439,10 +439,8 @@ def markdown(report: dict[str, Any]) -> str:
     meta = report["metadata"]
     lines = [
         "# FP8 against the peer: Flax's fp8_ops and jax_epilog's fp8= from the same weights", "",
-        f"{meta['date']} · {meta['gpu_name'] or meta['device']} · driver "
-        f"{meta['driver_version']} · jax {meta['jax']} / jaxlib {meta['jaxlib']} · flax "
-        f"{meta['flax']} · cuBLASLt {meta['cublaslt_version']} · custom call active: "
-        f"{meta['custom_call_active']} · {report.get('elapsed_seconds', 0):.0f} s", "",
+        timing.provenance(meta, f"flax {meta['flax']}",
+                          f"{report.get('elapsed_seconds', 0):.0f} s"), "",
         "One training step: `value_and_grad` of mean(y²) over all variables (parameters and "
         f"the FP8 state), after {CALIBRATION_STEPS} calibrating steps. Ratios: the other "
         "variant's time / this one's (> 1: this one is faster), careful harness (user harness "

@@ -256,10 +256,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Layer benchmark: dense and mlp, forward, backward, training step",
         "",
-        f"{meta['date']} · {meta['gpu_name'] or meta['device']} · driver "
-        f"{meta['driver_version']} · jax {meta['jax']} / jaxlib {meta['jaxlib']} · cuBLASLt "
-        f"{meta['cublaslt_version']} · custom call active: {meta['custom_call_active']} · "
-        f"{report['method']['dtype']} · {report['elapsed_seconds']:.0f} s",
+        timing.provenance(meta, report["method"]["dtype"],
+                          f"{report['elapsed_seconds']:.0f} s"),
         "",
         "Times are medians of back-to-back calls (ms); TFLOP/s count 2·B·K·N per GEMM; "
         "'vs XLA' is XLA's time / this time (> 1: faster); '% floor' is the plain GEMMs' time "

@@ -325,11 +325,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Never slower than XLA: plain JAX vs jax_epilog (auto)",
         "",
-        f"{meta['date']} · {meta['gpu_name'] or meta['device']} · driver "
-        f"{meta['driver_version']} · jax {meta['jax']} / jaxlib {meta['jaxlib']} · cuBLASLt "
-        f"{meta['cublaslt_version']} · custom call active: {meta['custom_call_active']} · "
-        f"autotune: {meta['autotune']} · {method['dtype']} · "
-        f"{report.get('elapsed_seconds', 0):.0f} s",
+        timing.provenance(meta, f"autotune: {meta['autotune']}", method["dtype"],
+                          f"{report.get('elapsed_seconds', 0):.0f} s"),
         "",
         f"Tables read by `auto`: shipped {tables['shipped_table'] or 'none'}, user "
         f"{tables['user_table'] or 'none'}, override {tables['override'] or 'none'}.",

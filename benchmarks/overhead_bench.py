@@ -129,9 +129,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         "# Per-layer overhead of small problems",
         "",
-        f"{meta['date']} · {meta['gpu_name'] or meta['device']} · driver "
-        f"{meta['driver_version']} · jax {meta['jax']} / jaxlib {meta['jaxlib']} · cuBLASLt "
-        f"{meta['cublaslt_version']} · custom call active: {meta['custom_call_active']}",
+        timing.provenance(meta),
         "",
         f"µs per layer in a jitted `lax.scan` of {layers} layers (median of "
         f"{report['method']['rounds']} rounds); XLA command buffers (CUDA graphs): "

@@ -110,6 +110,16 @@ def _nvidia_smi(field: str) -> Optional[str]:
     return lines[0].strip() if lines else None
 
 
+def provenance(metadata: dict[str, Any], *extra: str) -> str:
+    """A Markdown report's line under its title: when, on what and with which versions it ran
+    (`run_metadata`), then `extra`, all joined by " · "."""
+    m = metadata
+    return " · ".join([m["date"], m["gpu_name"] or m["device"], f"driver {m['driver_version']}",
+                       f"jax {m['jax']} / jaxlib {m['jaxlib']}",
+                       f"cuBLASLt {m['cublaslt_version']}",
+                       f"custom call active: {m['custom_call_active']}", *extra])
+
+
 def footnotes(metadata: dict[str, Any], skipped: Sequence[str]) -> list[str]:
     """A Markdown report's closing lines: what the time budget skipped, and a note where
     jax-epilog's rows ran the reference lowering instead of cuBLASLt."""

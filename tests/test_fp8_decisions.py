@@ -13,8 +13,8 @@ import pytest
 
 import jax_epilog
 from jax_epilog import Fp8, dispatch, explanation, plan, tune
+from test_dispatch import H200, VERSION, tables  # noqa: F401 (tables: a fixture)
 
-H200, VERSION = "NVIDIA H200", 130100
 S = jax.ShapeDtypeStruct
 # M1's step: 4 ReLU layers 4096 wide; the rule makes every layer FP8 (2.2e12 FLOPs a GEMM)
 M1 = ((4096,) * 5, ("relu",) * 3 + (None,), (True,) * 4)
@@ -23,16 +23,10 @@ SMALL = ((48, 64, 32), ("gelu", None), (True, False))
 
 
 @pytest.fixture
-def h200(tmp_path, monkeypatch):
-    """Shipped tables in tmp_path/tables, the user table beside them, this host an H200."""
-    shipped = tmp_path / "tables"
-    shipped.mkdir()
-    monkeypatch.setattr(dispatch, "TABLES_DIR", shipped)
-    monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "user.json"))
-    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
-    monkeypatch.setattr(dispatch, "device_identity", lambda: (H200, VERSION))
-    dispatch.clear_cache()
-    yield tmp_path
+def h200(tables):
+    """test_dispatch's `tables`: shipped tables in tmp_path/tables, the user table beside them,
+    this host an H200."""
+    return tables
     dispatch.clear_cache()
 
 
