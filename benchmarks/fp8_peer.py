@@ -17,7 +17,12 @@ stack, all from the parameters of one `init`:
 - ours_fp8_delayed_all: `fp8=Fp8(scaling="delayed", layers="all")`;
 - ours_fp8_fast_forward: the same with `fast_accumulation="forward"` (TransformerEngine's
   recipe: fast accumulation in the forward GEMMs, float32 in the gradients);
-- ours_fp8_fast_all: the same with `fast_accumulation=True` (every GEMM, as XLA runs Flax's).
+- ours_fp8_fast_data: the same with `fast_accumulation=("forward", "data gradient")` (the
+  weight gradient, a sum over the whole batch, keeps float32 accumulation);
+- ours_fp8_fast_all: the same with `fast_accumulation=True` (every GEMM, as XLA runs Flax's);
+- ours_fp8_e4m3_grad, ours_fp8_e4m3_grad_fast_data: `ours_fp8_delayed_all` and
+  `ours_fp8_fast_data` with `gradient="float8_e4m3fn"` (TransformerEngine's E4M3 recipe: one
+  more mantissa bit for the gradients, 2^14 less range).
 
 An `ours_*` variant that builds the same program as one before it on a row (on M1, `fp8=True`
 already runs every layer FP8) is not compiled twice: the report names the one it equals.
@@ -142,8 +147,16 @@ VARIANTS = {"flax_bf16": flax_variant(),
             # accumulation in every GEMM (what XLA, so Flax's FP8, does at DEFAULT precision)
             "ours_fp8_fast_forward": ours_variant(Fp8(scaling="delayed", layers="all",
                                                       fast_accumulation="forward")),
+            "ours_fp8_fast_data": ours_variant(Fp8(scaling="delayed", layers="all",
+                                                   fast_accumulation=("forward",
+                                                                      "data gradient"))),
             "ours_fp8_fast_all": ours_variant(Fp8(scaling="delayed", layers="all",
-                                                  fast_accumulation=True))}
+                                                  fast_accumulation=True)),
+            "ours_fp8_e4m3_grad": ours_variant(Fp8(scaling="delayed", layers="all",
+                                                   gradient="float8_e4m3fn")),
+            "ours_fp8_e4m3_grad_fast_data": ours_variant(Fp8(
+                scaling="delayed", layers="all", gradient="float8_e4m3fn",
+                fast_accumulation=("forward", "data gradient")))}
 
 
 def describe(model: linen.Module) -> str:

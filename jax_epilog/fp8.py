@@ -96,6 +96,8 @@ from .plan import (FLOAT32_KERNEL_EPILOGS, FP8_ALIGNMENT, FP8_MIN_FLOPS,  # noqa
 from .reference import saturating_cast
 
 LAYER_CHOICES = ("auto", "all")
+#: The layers' GEMMs, as `Fp8(fast_accumulation=)` names them.
+FAST_ACCUMULATION_GEMMS = ("forward", "data gradient", "weight gradient")
 SCALING_CHOICES = ("auto", "current", "delayed")
 
 
@@ -115,16 +117,24 @@ class Fp8:
         layer's GEMM is large enough; `plan.quantized_layers`) or "all" (every layer).
       fast_accumulation: which FP8 GEMMs use cuBLASLt's fast accumulation (sums not promoted
         to float32 every few steps: faster, less accurate; `matmul(fast_accumulation=)`).
-        "forward" (default): the forward GEMMs only, TransformerEngine's recipe (the
-        gradients' GEMMs keep float32 accumulation). False: none, float32 accumulation
-        throughout. True: every GEMM, what XLA does for an FP8 `dot_general` at DEFAULT
-        precision; the weight gradient then sums over the batch in the fast accumulator.
-        "forward" is the default because it measured faster with the same gradient error
-        (H200, `benchmarks/fp8_peer.py`, Flax modules under delayed scaling, against False:
-        M1 22.39 against 23.00 ms, 16384×8192→8192→8192 10.03 against 10.30, 8192×4096
-        ×4 layers 3.35 against 3.65, the transformer MLP 6.25 against 6.36; largest
-        gradient error against bf16 0.114 against 0.116 on M1); True was faster still (M1
-        21.74 ms) but its gradients drifted (error 0.705 on one M1 kernel).
+        The layers run three kinds of GEMM, named as in `FAST_ACCUMULATION_GEMMS`:
+        "forward", "data gradient" (dZ Wᵀ, a sum over the layer's width) and "weight
+        gradient" (hᵀ dZ, a sum over the batch's rows). Give a tuple of those names, or
+        "forward" (the forward GEMMs only, TransformerEngine's recipe), False (none: float32
+        accumulation throughout) or True (every GEMM, what XLA does for an FP8
+        `dot_general` at DEFAULT precision). A tuple naming one or all of them is stored as
+        "forward" / True, so each choice has one spelling.
+        The default, ("forward", "data gradient"), keeps float32 accumulation only in the
+        weight gradient, whose sum runs over every row of the batch. Measured on the H200
+        (`benchmarks/fp8_peer.py`, Flax modules under delayed scaling, two runs), against
+        "forward" (TransformerEngine's recipe): M1 20.61 against 21.42 ms and 21.86 against
+        22.73 (4%), 8192×4096 ×4 layers 3.28 against 3.37 and 3.39 against 3.42,
+        16384×8192→8192→8192 9.59 against 9.78 and equal; the largest gradient error against
+        bf16 0.113 against 0.114 on M1, 0.152 against 0.144 and 0.153 against 0.150 on the
+        other two. "forward" measured faster than False (M1 22.39 against 23.00 ms, the
+        transformer MLP 6.25 against 6.36, same error). True, fast accumulation in the
+        weight gradient too, was no faster than the default in the same run (M1 22.07
+        against 21.86 ms) and its gradients drifted (error 0.705 on one M1 kernel).
       scaling: "auto" (default): "delayed" where the layers are given a state (`fp8_state=`;
         the Flax modules `jax_epilog.nnx` and `jax_epilog.linen` always keep one, so
         `fp8=True` there is delayed scaling), "current" where they are not (the functional
@@ -163,7 +173,7 @@ class Fp8:
     gradient: Any = "float8_e5m2"
     margin: int = 0
     layers: str = "auto"
-    fast_accumulation: Any = "forward"
+    fast_accumulation: Any = ("forward", "data gradient")
     scaling: str = "auto"
     amax_history_length: int = 1024
     amax_reduction_axes: Any = None
@@ -178,9 +188,7 @@ class Fp8:
         _check_margin(self.margin)
         if self.layers not in LAYER_CHOICES:
             raise ValueError(f"layers: expected one of {LAYER_CHOICES}, got {self.layers!r}")
-        if not (isinstance(self.fast_accumulation, bool) or self.fast_accumulation == "forward"):
-            raise ValueError(f"fast_accumulation: expected False, \"forward\" or True, got "
-                             f"{self.fast_accumulation!r}")
+        object.__setattr__(self, "fast_accumulation", _fast_gemms(self.fast_accumulation))
         if self.scaling not in SCALING_CHOICES:
             raise ValueError(f"scaling: expected one of {SCALING_CHOICES}, got {self.scaling!r}")
         length = self.amax_history_length
@@ -221,16 +229,36 @@ class Fp8:
         return tuple(Fp8History(zeros(), zeros()) for _ in range(layers))
 
     def fast(self, gemm: str) -> bool:
-        """Whether the layers' `gemm` ("forward" or "gradient": both backward GEMMs) uses
-        fast accumulation."""
-        return self.fast_accumulation is True or (gemm == "forward" and
-                                                  self.fast_accumulation == "forward")
+        """Whether the layers' `gemm` (one of `FAST_ACCUMULATION_GEMMS`) uses fast
+        accumulation."""
+        if gemm not in FAST_ACCUMULATION_GEMMS:
+            raise ValueError(f"gemm: expected one of {FAST_ACCUMULATION_GEMMS}, got {gemm!r}")
+        fast = self.fast_accumulation
+        return fast is True or fast == gemm or (isinstance(fast, tuple) and gemm in fast)
 
     def quantized_layers(self, rows: int, widths) -> tuple[bool, ...]:
         """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8 by the rule,
         without the decision tables (`plan.quantized_layers` says why; on a GPU a measured
         stack entry can decide otherwise, which `jax_epilog.explain` shows)."""
         return tuple(c.choice == "fp8" for c in quantized_layers(self, rows, widths))
+
+
+def _fast_gemms(value):
+    """`Fp8.fast_accumulation` in its one spelling: False, True, "forward", or a tuple of
+    `FAST_ACCUMULATION_GEMMS` names in their order (two of the three)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (tuple, list, set, frozenset)) or \
+            not all(isinstance(n, str) and n in FAST_ACCUMULATION_GEMMS for n in names):
+        raise ValueError(f"fast_accumulation: expected False, True, \"forward\" or a tuple of "
+                         f"{FAST_ACCUMULATION_GEMMS}, got {value!r}")
+    names = tuple(n for n in FAST_ACCUMULATION_GEMMS if n in names)
+    if not names:
+        return False
+    if len(names) == len(FAST_ACCUMULATION_GEMMS):
+        return True
+    return "forward" if names == ("forward",) else names
 
 
 def _check_margin(margin) -> None:
@@ -571,7 +599,7 @@ def _fp8_stack_bwd(planned: StackPlan, residuals, dy):
 def _planned_backward(planned: StackPlan, saved, state, dy):
     stack, fp8 = planned.stack, planned.fp8
     stack_layers = stack.layers
-    fast = fp8.fast("gradient")
+    fast_data, fast_weight = fp8.fast("data gradient"), fp8.fast("weight gradient")
     dz = activation_gradient(dy, saved[-1].residual, stack_layers[-1].activation)
     gemm = dict(precision=stack.precision, backend=stack.backward)
     dbias = None  # the current layer's bias gradient, when the step above has given it
@@ -608,7 +636,7 @@ def _planned_backward(planned: StackPlan, saved, state, dy):
                 if need_bias_grad else None
             dz8, h8, own_dbias = _barrier(dz8, s.input, own_dbias)
             dkernel, _ = _matmul8(h8.T, s.input_scale, dz8.T, dz_scale, dy.dtype,
-                                  planned.gemm(i, "weight gradient").requested, fast,
+                                  planned.gemm(i, "weight gradient").requested, fast_weight,
                                   transpose_b=True)
             dz8, dkernel = _barrier(dz8, dkernel)
             if below_plan is not None and below_plan.writes_fp8_gradient:
@@ -619,7 +647,7 @@ def _planned_backward(planned: StackPlan, saved, state, dy):
                 q = multiplier(delayed_amax(state[i - 1].gradient, reduce_amax(
                     bound, fp8.amax_reduction_axes)), fp8.gradient, fp8.margin)
                 p8, aux = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, fp8.gradient,
-                                   data.requested, fast, transpose_b=True, result_scale=q)
+                                   data.requested, fast_data, transpose_b=True, result_scale=q)
                 gradient_amaxes[i - 1] = reduce_amax(aux["result_amax"],
                                                      fp8.amax_reduction_axes)
                 bits = jnp.where(positive(h8), jax.lax.bitcast_convert_type(p8, jnp.uint8),
@@ -632,14 +660,14 @@ def _planned_backward(planned: StackPlan, saved, state, dy):
                 # ReLU's derivative from this layer's own FP8 input h8 = Q(relu(z)), as XLA
                 # fusions after a plain FP8 GEMM (also the previous layer's bias gradient).
                 p, _ = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, dy.dtype,
-                                data.requested, fast, transpose_b=True)
+                                data.requested, fast_data, transpose_b=True)
                 dz = jnp.where(positive(h8), p, jnp.zeros((), p.dtype))
                 next_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \
                     if previous.has_bias else None
             else:
                 epilog = data.epilog
                 dz, aux = _matmul8(
-                    dz8, dz_scale, s.kernel, s.kernel_scale, dy.dtype, data.requested, fast,
+                    dz8, dz_scale, s.kernel, s.kernel_scale, dy.dtype, data.requested, fast_data,
                     epilog=epilog, transpose_b=True,
                     inputs={epilog.aux_input: previous_residual} if epilog.aux_input else None)
                 next_dbias = aux.get(epilog.reduction_output) if previous is not None and \

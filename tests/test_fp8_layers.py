@@ -511,12 +511,15 @@ def test_exported_for_cuda_the_gemms_are_fp8(backward, activation, custom_calls,
     assert all(t.count("xf8E") == 2 for t in operand_types(dots)), operand_types(dots)
 
 
-@pytest.mark.parametrize("fast, forward, gradient", [
-    (False, "false", "false"), ("forward", "true", "false"), (True, "true", "true")])
-def test_fast_accumulation_reaches_the_gemms_it_names(fast, forward, gradient):
+@pytest.mark.parametrize("fast, forward, data, weight", [
+    (False, "false", "false", "false"), ("forward", "true", "false", "false"),
+    (("forward", "data gradient"), "true", "true", "false"),
+    (("weight gradient",), "false", "false", "true"), (True, "true", "true", "true")])
+def test_fast_accumulation_reaches_the_gemms_it_names(fast, forward, data, weight):
     """`Fp8(fast_accumulation=...)` as the CUDA lowering builds the step: the forward GEMMs
-    (bias epilogs) and the backward ones (DEFAULT: weight and data gradients) carry the
-    attribute as the config names them; on the CPU the values are the float32 reference's."""
+    (bias epilogs), the data gradients ((256, K) results) and the weight gradients ((K, N)
+    results) carry the attribute as the config names them; on the CPU the values are the
+    float32 reference's."""
     x, params = make_stack(12, (64, 128, 32), lead=(256,))
     x, params = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, params))
     dy = jnp.ones((256, 32), jnp.bfloat16)
@@ -533,13 +536,32 @@ def test_fast_accumulation_reaches_the_gemms_it_names(fast, forward, gradient):
         x, params, dy).mlir_module().splitlines()
     calls = [line for line in text if "@jax_epilog_matmul(" in line]
     attribute = lambda line: line.split("fast_accumulation = ", 1)[1].split(",", 1)[0]
-    backward = [attribute(c) for c in calls if "epilog = 1 :" in c]  # DEFAULT
+    backward = [c for c in calls if "epilog = 1 :" in c]  # DEFAULT
     forward_ = [attribute(c) for c in calls if "epilog = 1 :" not in c]
-    assert len(forward_) == 2 and len(backward) == 4, calls  # 2 weight, 2 data gradients
-    assert set(forward_) == {forward} and set(backward) == {gradient}
+    rows = lambda line: "x256x" in line.rsplit("->", 1)[1]  # a (1, 256, K) result
+    data_ = [attribute(c) for c in backward if rows(c)]
+    weight_ = [attribute(c) for c in backward if not rows(c)]
+    assert len(forward_) == 2 and len(data_) == 2 and len(weight_) == 2, calls
+    assert (set(forward_), set(data_), set(weight_)) == ({forward}, {data}, {weight})
+    for gemm, expected in zip(fp8.FAST_ACCUMULATION_GEMMS, (forward, data, weight)):
+        assert config.fast(gemm) is (expected == "true")
     for a, b in zip(jax.tree.leaves(jax.jit(step(config))(x, params, dy)),
                     jax.tree.leaves(jax.jit(step(ALL))(x, params, dy))):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("given, stored", [
+    (("data gradient", "forward"), ("forward", "data gradient")),
+    (["forward"], "forward"), ("forward", "forward"), ((), False), (np.bool_(True), True),
+    (("forward", "data gradient", "weight gradient"), True),
+    ("weight gradient", ("weight gradient",))])
+def test_fast_accumulation_has_one_spelling(given, stored):
+    config = Fp8(fast_accumulation=given)
+    assert config.fast_accumulation == stored and type(config.fast_accumulation) is type(stored)
+    assert config == Fp8(fast_accumulation=stored) and hash(config) == hash(Fp8(
+        fast_accumulation=stored))
+    with pytest.raises(ValueError, match="gemm: expected one of"):
+        config.fast("gradient")
 
 
 def test_auto_chooses_by_size():
@@ -581,6 +603,8 @@ def test_zero_and_nonfinite_amax():
     (dict(layers="some"), ValueError, "layers: expected one of"),
     (dict(fast_accumulation="all"), ValueError, "fast_accumulation: expected False"),
     (dict(fast_accumulation=1), ValueError, "fast_accumulation"),
+    (dict(fast_accumulation=("forward", "backward")), ValueError,
+     "fast_accumulation: expected False, True, \"forward\" or a tuple"),
     (dict(amax_reduction_axes=()), ValueError, "amax_reduction_axes: expected None, a mesh "
                                                "axis name or a tuple of distinct names"),
     (dict(amax_reduction_axes=""), ValueError, "amax_reduction_axes"),
