@@ -3,7 +3,7 @@
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu probe
-#           tune fp8table never_slower soak fp8 fp8profile peer gpt
+#           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files).
@@ -213,6 +213,14 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
         ${GPT_ARGS:---config small large --budget-s 400} --out "$OUT/gpt" 2>&1) > "$OUT/gpt.log"
       note "gpt compare: rc=$? ($((SECONDS - start)) s)"
       grep -A12 "^## Targets" "$OUT/gpt/gpt_compare.md" 2>/dev/null | tee -a "$SUMMARY" ;;
+    gptprofile)
+      # Where the GPT step's time goes, per variant (GPT_PROFILE_ARGS, default large, Flax's
+      # FP8 against ours): the kernels of a few traced steps, by kind and the longest ones.
+      (cd "$ROOT" && runs --cap "${GPT_PROFILE_CAP:-240}" "$PY" examples/gpt/profile.py \
+        ${GPT_PROFILE_ARGS:---config large --variants flax_fp8,epilog_fp8} \
+        --out "$OUT/gpt_profile" 2>&1) > "$OUT/gpt_profile.log"
+      note "gpt profile: rc=$? ($((SECONDS - start)) s)"
+      head -n 12 "$OUT/gpt_profile/gpt_profile.md" 2>/dev/null | tee -a "$SUMMARY" ;;
     probe)
       (cd /tmp && runs "$PY" "$ROOT/scripts/probe_special_values.py" 2>&1) | tee "$OUT/probe.log"
       note "special-value probe: see probe.log" ;;
