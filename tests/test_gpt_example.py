@@ -219,3 +219,29 @@ def test_compare_runs_the_four_variants_side_by_side(tmp_path):
     assert abs(first["epilog"] - first["stock"]) < 1e-4
     assert abs(first["epilog_fp8"] - first["stock"]) < 0.05
     assert "| epilog_fp8 |" in (tmp_path / "gpt_compare.md").read_text()
+
+
+def test_profile_names_what_each_fusion_computes(tmp_path):
+    """profile.py's plumbing on the CPU (no GPU kernels to trace there: the report says so),
+    and its reading of optimized HLO: a fusion is described by the operations inside it."""
+    from gpt import profile
+    subprocess.run([sys.executable, str(EXAMPLES / "gpt" / "profile.py"), "--config", "tiny",
+                    "--variants", "epilog_fp8", "--steps", "1", "--out", str(tmp_path)],
+                   check=True, timeout=300)
+    report = json.loads((tmp_path / "gpt_profile.json").read_text())
+    profiled = report["variants"]["epilog_fp8"]
+    if jax.default_backend() == "cpu":
+        assert profiled["note"].startswith("no GPU kernels")
+    else:
+        assert profiled["gemm_ms"] > 0 and profiled["top"], profiled
+    hlo = jax.jit(lambda x: jnp.maximum(x * 2, 0).T.astype(jnp.float8_e4m3fn)).lower(
+        jnp.ones((64, 32))).compile().as_text()
+    lines, bodies = profile.hlo_index(hlo)
+    described = [profile.describe_op(name, lines, bodies) for name in lines]
+    fused = [d for d in described if d.startswith("f8e4m3fn[32,64]") and "convert" in d]
+    assert fused and "transpose" in fused[0] and "maximum" in fused[0], described
+    assert profile.describe_op("no-such-op", lines, bodies) == ""
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run([sys.executable, str(EXAMPLES / "gpt" / "profile.py"), "--variants",
+                        "nope", "--out", str(tmp_path)], check=True, timeout=120,
+                       capture_output=True)
