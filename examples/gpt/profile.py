@@ -4,7 +4,8 @@
     python examples/gpt/profile.py --config tiny --out /tmp/p                   # CPU: plumbing
 
 Each variant (compare.py's names) is built from the same initial weights, compiled, warmed with
-two steps and traced for `--steps` steps with `jax.profiler`. Per step, from the trace: the
+two steps, timed over `--steps` back-to-back steps (the wall clock: kernel time below it is
+time the GPU waited) and traced for as many with `jax.profiler`. Per step, from the trace: the
 kernel time, its GEMMs (cuBLAS/cuBLASLt kernels, ours and XLA's), attention (cuDNN's fused
 kernels) and everything else (XLA's fusions: LayerNorm, quantization, amax, transposes,
 derivatives, the optimizer), and the kernels that took longest, each with the HLO
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +109,11 @@ def profile(config: configs.TrainConfig, name: str, steps: int, attention: str) 
     for _ in range(2):
         state, _ = variant.compiled(state, *batch)
     jax.block_until_ready(state)
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, _ = variant.compiled(state, *batch)
+    jax.block_until_ready(state)
+    step_ms = (time.perf_counter() - start) / steps * 1e3
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder):
             for _ in range(steps):
@@ -114,7 +122,7 @@ def profile(config: configs.TrainConfig, name: str, steps: int, attention: str) 
         trace = gpu_trace.latest_trace(Path(folder))
         devices = gpu_trace.gpu_kernels(trace) if trace else {}
     kernels = next(iter(devices.values()), [])
-    return {"record": {k: variant.record[k] for k in ("memory", "gemm_custom_calls",
+    return {"step_ms": step_ms, "record": {k: variant.record[k] for k in ("memory", "gemm_custom_calls",
                                                      "fp8_recipe")},
             **breakdown(kernels, steps, variant.compiled.as_text() or "")}
 
@@ -124,14 +132,16 @@ def markdown(report: dict) -> str:
     lines = [f"# Where the GPT step's time goes: {report['config']}", "",
              f"{meta['date']} · {meta['gpu_name'] or meta['device']} · jax {meta['jax']} · "
              f"cuBLASLt {meta['cublaslt_version']} · {report['steps']} traced steps per variant",
-             "", "Per step, ms of GPU kernel time (examples/gpt/profile.py's docstring).", "",
-             "| variant | kernels | GEMM | attention | other | kernel count |",
-             "|---|---|---|---|---|---|"]
+             f"XLA_FLAGS: {os.environ.get('XLA_FLAGS') or '(none)'}", "",
+             "Per step, ms: the wall time of back-to-back steps (not traced), then the GPU "
+             "kernel time of the traced steps (examples/gpt/profile.py's docstring).", "",
+             "| variant | step (wall) | kernels | GEMM | attention | other | kernel count |",
+             "|---|---|---|---|---|---|---|"]
     for name, v in report["variants"].items():
         if "kernel_ms" not in v:
-            lines.append(f"| {name} | {v.get('note') or v.get('error')} | | | | |")
+            lines.append(f"| {name} | {v.get('note') or v.get('error')} | | | | | |")
             continue
-        lines.append(f"| {name} | {v['kernel_ms']:.2f} | {v['gemm_ms']:.2f} | "
+        lines.append(f"| {name} | {v['step_ms']:.2f} | {v['kernel_ms']:.2f} | {v['gemm_ms']:.2f} | "
                      f"{v['attention_ms']:.2f} | {v['other_ms']:.2f} | "
                      f"{v['kernels_per_step']:.0f} |")
     for name, v in report["variants"].items():
