@@ -26,7 +26,7 @@ one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
   returned (that step calibrates itself), so the timed steps run warm;
 - ours_fp8_delayed_uncalibrated: the same traced without calibration (`fp8.uncalibrated`),
   the program before delayed scaling calibrated itself: against ours_fp8_delayed, what
-  calibration costs a warm step (its cond and bounds);
+  calibration costs a warm step (its own amax pass and bounds);
 - ours_fp8_delayed_fast: ours_fp8_delayed with `fast_accumulation="forward"`;
 - xla_fp8: what a user writes for FP8 under XLA (Flax's fp8_ops style): per layer a
   `custom_vjp` dot with per-tensor current scaling, a direct FP8 `dot_general` with

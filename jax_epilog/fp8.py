@@ -67,8 +67,8 @@ the other tensors keep current scaling, their amaxes recorded in the state all t
 
 Delayed scaling calibrates itself, tensor by tensor (`delayed_amax`): while a history is cold
 (largest value 0, as in a fresh `init_state`, or not finite), the amax its scale comes from is
-this step's instead. A tensor XLA quantizes takes its own (`quantize_scaled`: a
-`jax.lax.cond` reads it only while cold, so a warm step keeps its single fused pass); one a
+this step's instead. A tensor XLA quantizes takes its own (`quantize_delayed`: a `where`, no
+conditional, which on a GPU would make the host wait); one a
 GEMM writes takes a bound on the GEMM's result from amaxes already known (`result_bound`),
 rounded up to a power of two. The program is the delayed one either way.
 """
@@ -369,7 +369,7 @@ _calibrates = contextvars.ContextVar("jax_epilog_fp8_calibrates", default=True)
 @contextlib.contextmanager
 def uncalibrated():
     """Within the block (in this thread), stacks traced under delayed scaling do not calibrate
-    themselves: a cold history gives scale 1 (no `jax.lax.cond`, no bounds). What the tests
+    themselves: a cold history gives scale 1 (no own amax, no bounds). What the tests
     and `benchmarks/fp8_bench.py` compare self-calibration with; not for training."""
     token = _calibrates.set(False)
     try:
