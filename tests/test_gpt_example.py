@@ -23,6 +23,8 @@ sys.path.insert(0, str(EXAMPLES))
 
 from flax import nnx  # noqa: E402
 
+import jax_epilog  # noqa: E402
+
 from gpt import configs, data, model, train  # noqa: E402
 
 TINY = configs.get("tiny").replace(n_layers=1)  # one block: compiles in half the time
@@ -150,6 +152,20 @@ def test_the_fp8_variants_carry_their_scaling_state():
     assert len(jax.tree.leaves(flax_state)) == 6 * n_projections    # 3 scales, 3 histories
     assert not jax.tree.leaves(rest)
     assert not jax.tree.leaves(model.split(train.build_model(TINY, "stock"))[2])
+
+
+def test_the_fp8_step_has_no_host_round_trip(corpus, monkeypatch):
+    """Every projection in FP8 (forced: `tiny` is too small for `fp8=True` to choose it), the
+    compiled training step has no conditional and no loop: on a GPU XLA copies their
+    predicates to the host and waits, which stalled the H200 once per FP8 stack per step
+    (examples/gpt/results/h200/gpt_profile.md)."""
+    monkeypatch.setattr(train, "FP8_RECIPE", jax_epilog.Fp8(layers="all"))
+    trainer = train.Trainer(train.build_model(TINY, "epilog", fp8=True),
+                            train.make_optimizer(TINY))
+    batches = data.Batches(corpus.train, TINY.batch_size, TINY.model.seq_len, TINY.seed)
+    hlo = trainer.step.lower(trainer.initial, *next(batches)).compile().as_text()
+    assert "f8e4m3fn" in hlo and "f8e5m2" in hlo
+    assert " conditional(" not in hlo and " while(" not in hlo
 
 
 # --- training ----------------------------------------------------------------------------------
