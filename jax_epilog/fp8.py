@@ -569,9 +569,9 @@ def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
     histories = [state[i].input for i, own in enumerate(planned.layers) if own.fp8] \
         if state is not None else []
     if planned.fp8.delayed and state is not None and _calibrates.get():
-        # Checked before the calibration conds, whose branches would otherwise disagree on
-        # which scales vary between devices (a history's does not, an unreduced amax's does):
-        # every amax varies over the axes the stack does, less those it is reduced over.
+        # Checked before the calibration, which picks between a history's scale (the same on
+        # every device) and an unreduced amax's (not): every amax varies over the axes the
+        # stack does, less those it is reduced over, and the next state must not.
         reduced = bound_axes(planned.fp8.amax_reduction_axes)
         _check_recordable(planned, [a for a in manual_axes.varying_axes([x]) if a not in reduced],
                           state)
