@@ -38,7 +38,7 @@ from gpt import compare, configs, data, train
 
 ATTENTION_KERNEL = re.compile(r"cudnn|fmha|flash|sdpa", re.IGNORECASE)
 TOP_KERNELS = 40
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+) (\w[\w\-]*)\(.*?(?:calls=%?([\w.\-]+))?")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
 _OPCODE = re.compile(r"= \S+ ([a-z][\w\-]*)\(")
 
 
@@ -117,7 +117,7 @@ def profile(config: configs.TrainConfig, name: str, steps: int, attention: str) 
     with tempfile.TemporaryDirectory() as folder:
         with jax.profiler.trace(folder):
             for _ in range(steps):
-                state, metrics = variant.compiled(state, *batch)
+                state, _ = variant.compiled(state, *batch)
             jax.block_until_ready(state)
         trace = gpu_trace.latest_trace(Path(folder))
         devices = gpu_trace.gpu_kernels(trace) if trace else {}
