@@ -47,6 +47,29 @@ FP8_STATE = nnx.Any(jax_epilog.nnx.AmaxHistory, FlaxFp8State)
 #: GPT-2's embedding initialisation (the projections keep Flax's default, LeCun normal).
 EMBEDDING_INIT = nnx.initializers.normal(stddev=0.02)
 
+#: The largest vocabulary `TokenEmbedding` looks up with a one-hot matmul (larger ones gather).
+ONE_HOT_MAX_VOCAB = 4096
+
+
+class TokenEmbedding(nnx.Embed):
+    """`nnx.Embed` whose lookup is a one-hot matmul for a small vocabulary.
+
+    A gather's gradient is a scatter-add of every token's row into the table. With 256 byte
+    values and 16384 tokens a step, most tokens land on a few rows, and XLA's scatter ran
+    9.5 ms of a 97 ms FP8 step of the `large` config on the H200, in every variant. As a
+    matmul the gradient is `one_hot(tokens)ᵀ @ dx` (34 GFLOP there), summed in float32
+    rather than bf16. Same parameter, same values forward.
+    """
+
+    def __call__(self, tokens):
+        if self.num_embeddings > ONE_HOT_MAX_VOCAB:
+            return super().__call__(tokens)
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens: expected integers, got {tokens.dtype}")
+        embedding = self.embedding[...]
+        embedding = embedding.astype(self.dtype or embedding.dtype)
+        return jax.nn.one_hot(tokens, self.num_embeddings, dtype=embedding.dtype) @ embedding
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -197,7 +220,7 @@ class GPT(nnx.Module):
         layers = Layers(impl, dtype, fp8)
         self.config = config
         embed = dict(embedding_init=EMBEDDING_INIT, dtype=dtype, rngs=rngs)
-        self.token_embedding = nnx.Embed(config.vocab_size, config.d_model, **embed)
+        self.token_embedding = TokenEmbedding(config.vocab_size, config.d_model, **embed)
         self.position_embedding = nnx.Embed(config.seq_len, config.d_model, **embed)
         self.blocks = _ModuleList([Block(config, layers, attention, rngs=rngs)
                                    for _ in range(config.n_layers)])
