@@ -52,6 +52,28 @@ def gpu_kernels(xplane: Path) -> dict[str, list[Kernel]]:
     return devices
 
 
+def host_events(xplane: Path, top: int = 40) -> list[dict]:
+    """The host side of a trace: events off the GPU planes' streams and off the Python line
+    (XLA's thunks, CUDA API calls), grouped by plane and name over threads, longest total
+    first. A GPU that waits on its host shows here as a host call that takes long (a
+    synchronization, a slow launch)."""
+    from jax.profiler import ProfileData
+
+    totals: dict[tuple[str, str], list[float]] = {}
+    for plane in ProfileData.from_file(str(xplane)).planes:
+        for line in plane.lines:
+            if line.name == "python" or (plane.name.startswith("/device:GPU")
+                                         and line.name.startswith("Stream")):
+                continue
+            for event in line.events:
+                entry = totals.setdefault((plane.name, event.name), [0, 0.0])
+                entry[0] += 1
+                entry[1] += event.duration_ns
+    longest = sorted(totals.items(), key=lambda item: -item[1][1])[:top]
+    return [{"plane": plane, "name": name[:120], "count": count, "total_ns": total}
+            for (plane, name), (count, total) in longest]
+
+
 def latest_trace(folder: Path) -> Optional[Path]:
     """The newest .xplane.pb `jax.profiler.trace(folder)` wrote, if any."""
     traces = sorted(folder.rglob("*.xplane.pb"), key=lambda p: p.stat().st_mtime)

@@ -125,10 +125,12 @@ def profile(config: configs.TrainConfig, name: str, steps: int, attention: str) 
             jax.block_until_ready(state)
         trace = gpu_trace.latest_trace(Path(folder))
         devices = gpu_trace.gpu_kernels(trace) if trace else {}
+        host = gpu_trace.host_events(trace) if trace else []
     kernels = next(iter(devices.values()), [])
     return {"step_ms": step_ms, "record": {k: variant.record[k] for k in ("memory", "gemm_custom_calls",
                                                      "fp8_recipe")},
-            **breakdown(kernels, steps, variant.compiled.as_text() or "")}
+            **breakdown(kernels, steps, variant.compiled.as_text() or ""),
+            "host": [{**h, "ms_per_step": h.pop("total_ns") / steps / 1e6} for h in host]}
 
 
 def markdown(report: dict) -> str:
@@ -154,6 +156,14 @@ def markdown(report: dict) -> str:
                       "| kind | op | calls | ms per step | what |", "|---|---|---|---|---|"]
             lines += [f"| {t['kind']} | `{t['op']}` | {t['calls_per_step']:.0f} | "
                       f"{t['ms_per_step']:.3f} | {t['what']} |" for t in v["top"]]
+    for name, v in report["variants"].items():
+        if v.get("host"):
+            lines += ["", f"## {name}: the host's longest events (off the Python line)", "",
+                      "| plane | name | calls per step | ms per step |",
+                      "|---|---|---|---|"]
+            lines += [f"| {h['plane']} | `{h['name']}` | "
+                      f"{h['count'] / report['steps']:.1f} | {h['ms_per_step']:.3f} |"
+                      for h in v["host"]]
     return "\n".join(lines) + "\n"
 
 
