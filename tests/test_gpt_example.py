@@ -249,6 +249,8 @@ def test_compare_runs_the_four_variants_side_by_side(tmp_path):
     report = json.loads((tmp_path / "gpt_compare.json").read_text())
     variants = report["results"]["tiny"]["variants"]
     assert list(variants) == ["stock", "flax_fp8", "epilog", "epilog_fp8"]
+    # The learning-rate schedule spans the measured run (it ends decayed).
+    assert report["results"]["tiny"]["config"]["steps"] == 4
     assert len({v["initial_params_sha256"] for v in variants.values()}) == 1
     for v in variants.values():
         assert len(v["train_loss"]) == report["results"]["tiny"]["steps"]
