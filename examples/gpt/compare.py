@@ -278,8 +278,9 @@ def render(report: dict) -> str:
         lines += [f"## {config_name}: d_model {model['d_model']}, {model['n_layers']} layers, "
                   f"{result['tokens_per_step']} tokens per step, {result['steps']} steps", "",
                   "| variant | tokens/s | step ms | vs stock | vs flax_fp8 | temporaries MiB "
-                  "| compile s | validation loss | cuBLASLt calls (ours / XLA FP8) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  "| compile s | validation loss | training loss, last 10 steps | cuBLASLt calls "
+                  "(ours / XLA FP8) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in result["variants"].items():
             careful, user = r["careful_harness"], r["user_harness"]
             user_ms = f"{user['step_s'] * 1e3:.1f}" if user["step_s"] else "n/a"
@@ -288,9 +289,10 @@ def render(report: dict) -> str:
                 f"| {name} | {careful['tokens_per_s']:,.0f} | {careful['step_s'] * 1e3:.1f} "
                 f"({user_ms}) | {_ratio(ratios[name])} | {_ratio(over_flax[name])} | "
                 f"{_mib(r['memory'])} | {r['build_and_compile_s']:.1f} | "
-                f"{r['validation_loss'][-1][1]:.4f} | {calls['jax_epilog']} / "
+                f"{r['validation_loss'][-1][1]:.4f} | "
+                f"{statistics.fmean(r['train_loss'][-10:]):.4f} | {calls['jax_epilog']} / "
                 f"{calls['xla_fp8']} |")
-        lines += [f"| {name} | failed: {error} | | | | | | | |"
+        lines += [f"| {name} | failed: {error} | | | | | | | | |"
                   for name, error in result["failed"].items()]
         lines.append("")
     lines += ["## Targets", "", "| target | value | met |", "|---|---|---|"]
