@@ -11,10 +11,11 @@ fingerprint of the parameters) and trained on the same batches in the same order
 Per config:
 1. Build and compile each variant's train step (compile time; `memory_analysis()`).
 2. Train each variant `--steps` steps (fewer if the budget would not hold them, the same number
-   for every variant; the learning-rate schedule spans `--steps`) from the shared initial weights, with the validation loss every
-   `eval_every` steps and at the end. This is also the *user* harness: a plain loop with the
-   host making each batch, timed by the wall clock over back-to-back steps (one
-   `block_until_ready` per stretch between evaluations), the first steps left out as warm-up.
+   for every variant; the learning-rate schedule spans `--steps`) from the shared initial
+   weights, with the validation loss every `eval_every` steps and at the end. This is also
+   the *user* harness: a plain loop with the host making each batch, timed by the wall clock
+   over back-to-back steps (one `block_until_ready` per stretch between evaluations), the
+   first steps left out as warm-up.
 3. The *careful* harness on the trained states: warm-up, then rounds of back-to-back steps
    with one `block_until_ready` per round, the four variants' rounds interleaved so drift on a
    shared machine hits them alike; the median round (`benchmarks/timing.py`).

@@ -127,10 +127,11 @@ def profile(config: configs.TrainConfig, name: str, steps: int, attention: str) 
         devices = gpu_trace.gpu_kernels(trace) if trace else {}
         host = gpu_trace.host_events(trace) if trace else []
     kernels = next(iter(devices.values()), [])
-    return {"step_ms": step_ms, "record": {k: variant.record[k] for k in ("memory", "gemm_custom_calls",
-                                                     "fp8_recipe")},
+    recorded = ("memory", "gemm_custom_calls", "fp8_recipe")
+    return {"step_ms": step_ms, "record": {k: variant.record[k] for k in recorded},
             **breakdown(kernels, steps, variant.compiled.as_text() or ""),
-            "host": [{**h, "ms_per_step": h.pop("total_ns") / steps / 1e6} for h in host]}
+            "host": [{"plane": h["plane"], "name": h["name"], "count": h["count"],
+                      "ms_per_step": h["total_ns"] / steps / 1e6} for h in host]}
 
 
 def markdown(report: dict) -> str:
