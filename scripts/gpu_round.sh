@@ -6,7 +6,8 @@
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
-# everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files).
+# everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
+# PACK_ONLY=1 then leaves only the tarball and summary.txt in $OUT, so neither is left out).
 # DEADLINE: stop every stage that would run past this many seconds from the start (20 s are
 # kept to pack the results), so a command with a time limit still returns its tarball.
 # Carry .whl (nvmath-python and its needs) so the nvmath comparisons run too.
@@ -227,5 +228,10 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
     *) note "unknown stage $stage" ;;
   esac
 done
-tar -C "$(dirname "$OUT")" -czf "/tmp/gpu_round.tgz" "$(basename "$OUT")" && mv /tmp/gpu_round.tgz "$OUT/"
+if tar -C "$(dirname "$OUT")" -czf "/tmp/gpu_round.tgz" "$(basename "$OUT")"; then
+  if [ "${PACK_ONLY:-0}" = 1 ]; then
+    find "$OUT" -mindepth 1 -maxdepth 1 ! -name summary.txt -exec rm -rf {} +
+  fi
+  mv /tmp/gpu_round.tgz "$OUT/"
+fi
 echo "==== summary"; cat "$SUMMARY"
