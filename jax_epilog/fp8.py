@@ -67,10 +67,9 @@ the other tensors keep current scaling, their amaxes recorded in the state all t
 
 Delayed scaling calibrates itself, tensor by tensor (`delayed_amax`): while a history is cold
 (largest value 0, as in a fresh `init_state`, or not finite), the amax its scale comes from is
-this step's instead. A tensor XLA quantizes takes its own (`quantize_delayed`: a `where`, no
-conditional, which on a GPU would make the host wait); one a
-GEMM writes takes a bound on the GEMM's result from amaxes already known (`result_bound`),
-rounded up to a power of two. The program is the delayed one either way.
+this step's instead. A tensor XLA quantizes takes its own (`quantize_delayed`: a `where`,
+not a conditional, which on a GPU would make the host wait); one a GEMM writes takes a bound
+on the GEMM's result from amaxes already known (`result_bound`), rounded up to a power of two. The program is the delayed one either way.
 """
 
 from __future__ import annotations
@@ -125,16 +124,9 @@ class Fp8:
         `dot_general` at DEFAULT precision). A tuple naming one or all of them is stored as
         "forward" / True, so each choice has one spelling.
         The default, ("forward", "data gradient"), keeps float32 accumulation only in the
-        weight gradient, whose sum runs over every row of the batch. Measured on the H200
-        (`benchmarks/fp8_peer.py`, Flax modules under delayed scaling, two runs), against
-        "forward" (TransformerEngine's recipe): M1 20.61 against 21.42 ms and 21.86 against
-        22.73 (4%), 8192×4096 ×4 layers 3.28 against 3.37 and 3.39 against 3.42,
-        16384×8192→8192→8192 9.59 against 9.78 and equal; the largest gradient error against
-        bf16 0.113 against 0.114 on M1, 0.152 against 0.144 and 0.153 against 0.150 on the
-        other two. "forward" measured faster than False (M1 22.39 against 23.00 ms, the
-        transformer MLP 6.25 against 6.36, same error). True, fast accumulation in the
-        weight gradient too, was no faster than the default in the same run (M1 22.07
-        against 21.86 ms) and its gradients drifted (error 0.705 on one M1 kernel).
+        weight gradient, whose sum runs over every row of the batch: on the H200 it was the
+        fastest choice, with M1's gradient error that of "forward" and up to 0.008 more on
+        smaller stacks (the measurements: docs/fp8.md, "Measured on the H200").
       scaling: "auto" (default): "delayed" where the layers are given a state (`fp8_state=`;
         the Flax modules `jax_epilog.nnx` and `jax_epilog.linen` always keep one, so
         `fp8=True` there is delayed scaling), "current" where they are not (the functional
