@@ -26,6 +26,7 @@ from typing import Any
 import jax
 
 import fp8_bench
+import fp8_peer
 import gpu_trace
 import never_slower
 import timing
@@ -64,10 +65,31 @@ def kernel_breakdown(kernels: list[gpu_trace.Kernel], steps: int) -> dict[str, A
 
 
 def profile_variant(w, name: str, steps: int, folder: Path) -> dict[str, Any]:
+    """A variant of fp8_bench.py on its row `w`."""
     args = never_slower.random_inputs(w, 0)
     step, extra = fp8_bench.variant_step(w, name, args)
     args = (*args, *extra)
     compiled, fallbacks = fp8_bench.compile_without_fallbacks(step, args)
+    return {**profile_compiled(compiled, args, name, steps, folder), "fallbacks": fallbacks}
+
+
+def profile_peer_variant(w, name: str, steps: int, folder: Path) -> dict[str, Any]:
+    """A variant of fp8_peer.py (Flax's FP8 or one of our linen recipes) on its row `w`,
+    from the same parameters as every other, after fp8_peer's calibrating steps."""
+    model = fp8_peer.VARIANTS[name](w)
+    x = jax.random.normal(jax.random.key(0), (w.batch, w.widths[0]), fp8_peer.DTYPE)
+    params = fp8_peer.VARIANTS["flax_bf16"](w).init(jax.random.key(1), x[:1])["params"]
+    variables = {**model.init(jax.random.key(1), x[:1]), "params": params}
+    compiled, fallbacks = fp8_bench.compile_without_fallbacks(fp8_peer.make_step(model),
+                                                              (variables, x))
+    for _ in range(fp8_peer.CALIBRATION_STEPS):
+        variables = fp8_peer.next_variables(variables, compiled(variables, x)[1])
+    return {**profile_compiled(compiled, (variables, x), name, steps, folder),
+            "model": fp8_peer.describe(model), "fallbacks": fallbacks}
+
+
+def profile_compiled(compiled, args, name: str, steps: int, folder: Path) -> dict[str, Any]:
+    """Time `compiled(*args)`, then trace `steps` calls of it and break the kernels down."""
     folder.mkdir(parents=True, exist_ok=True)
     # The optimized HLO beside the trace: the trace names XLA's kernels by fusion only.
     (folder.parent.parent / f"{name}.hlo.txt").write_text(compiled.as_text())
@@ -81,7 +103,7 @@ def profile_variant(w, name: str, steps: int, folder: Path) -> dict[str, Any]:
     devices = gpu_trace.gpu_kernels(trace) if trace else {}
     kernels = next(iter(devices.values()), [])
     return {"step_ms": timed.seconds * 1e3, "temp_mib": never_slower._temp_mib(compiled),
-            "gemms": fp8_bench.gemm_counts(compiled.as_text()), "fallbacks": fallbacks,
+            "gemms": fp8_bench.gemm_counts(compiled.as_text()),
             "trace": str(trace) if trace else None, **kernel_breakdown(kernels, steps)}
 
 
@@ -119,35 +141,50 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PEER_VARIANTS = ("flax_fp8_direct", "ours_fp8")
+
+
 def main(argv=None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fp8_profile"))
-    parser.add_argument("--row", default=None, help="a row of fp8_bench (default M1; smoke S1)")
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                        help=f"comma-separated, of: {', '.join(fp8_bench.VARIANTS)}")
+    parser.add_argument("--row", default=None,
+                        help="rows of fp8_bench, or of fp8_peer with --peer, comma-separated "
+                             "(default M1; smoke S1); with several, each goes to <out>/<row>")
+    parser.add_argument("--peer", action="store_true",
+                        help=f"fp8_peer's rows and variants (default {','.join(PEER_VARIANTS)}): "
+                             "Flax's FP8 beside ours")
+    parser.add_argument("--variants", default=None,
+                        help=f"comma-separated, of: {', '.join(fp8_bench.VARIANTS)} (default "
+                             f"{','.join(DEFAULT_VARIANTS)}); with --peer of "
+                             f"{', '.join(fp8_peer.VARIANTS)}")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on a CPU)")
     args = parser.parse_args(argv)
-    table = fp8_bench.SMOKE_ROWS if args.smoke else fp8_bench.ROWS
-    row = args.row or ("S1" if args.smoke else "M1")
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(fp8_bench.VARIANTS)) + \
-        ([row] if row not in table else [])
+    source = fp8_peer if args.peer else fp8_bench
+    table = source.SMOKE_ROWS if args.smoke else source.ROWS
+    rows = [r.strip() for r in (args.row or ("S1" if args.smoke else "M1")).split(",")]
+    variants = [v.strip() for v in (args.variants or ",".join(
+        PEER_VARIANTS if args.peer else DEFAULT_VARIANTS)).split(",") if v.strip()]
+    unknown = sorted(set(variants) - set(source.VARIANTS)) + [r for r in rows if r not in table]
     if unknown:
-        parser.error(f"unknown row or variants: {unknown}")
-    report = {"benchmark": "fp8_profile", "metadata": timing.run_metadata(), "row": row,
-              "steps": args.steps, "variants": {}}
-    for name in variants:
-        try:
-            report["variants"][name] = profile_variant(table[row], name, args.steps,
-                                                       args.out / "traces" / name)
-        except Exception as e:  # noqa: BLE001  (one variant failing must not end the run)
-            report["variants"][name] = {"error": f"{type(e).__name__}: {e}"}
-        timing.write_report(report, args.out, "fp8_profile", markdown)
-        v = report["variants"][name]
-        ms = {k: v.get(k, float("nan")) for k in ("step_ms", "gemm_ms", "other_ms")}
-        print(f"{name}: step {ms['step_ms']:.3f} ms, GEMM {ms['gemm_ms']:.3f} ms, other "
-              f"{ms['other_ms']:.3f} ms {v.get('error', v.get('note', ''))}", flush=True)
+        parser.error(f"unknown rows or variants: {unknown}")
+    profile = profile_peer_variant if args.peer else profile_variant
+    for row in rows:
+        out = args.out / row if len(rows) > 1 else args.out
+        report = {"benchmark": "fp8_profile", "metadata": timing.run_metadata(), "row": row,
+                  "peer": args.peer, "steps": args.steps, "variants": {}}
+        for name in variants:
+            try:
+                report["variants"][name] = profile(table[row], name, args.steps,
+                                                   out / "traces" / name)
+            except Exception as e:  # noqa: BLE001  (one variant failing must not end the run)
+                report["variants"][name] = {"error": f"{type(e).__name__}: {e}"}
+            timing.write_report(report, out, "fp8_profile", markdown)
+            v = report["variants"][name]
+            ms = {k: v.get(k, float("nan")) for k in ("step_ms", "gemm_ms", "other_ms")}
+            print(f"{row} {name}: step {ms['step_ms']:.3f} ms, GEMM {ms['gemm_ms']:.3f} ms, "
+                  f"other {ms['other_ms']:.3f} ms {v.get('error', v.get('note', ''))}",
+                  flush=True)
     return report
 
 

@@ -3,7 +3,7 @@
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu probe
-#           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile
+#           tune fp8table never_slower soak fp8 fp8profile peer transpose gpt gptprofile
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
@@ -190,13 +190,14 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       cat "$OUT/fp8/fp8.md" 2>/dev/null | head -50 ;;
     fp8profile)
       # Where the FP8 step's time goes: GPU kernels of traced M1 steps per variant
-      # (FP8_PROFILE_ARGS, e.g. "--variants ours_fp8,xla_fp8").
+      # (FP8_PROFILE_ARGS, e.g. "--variants ours_fp8,xla_fp8", or "--peer --row W2,TMLP":
+      # Flax's FP8 beside ours, each row in its own folder).
       (cd "$ROOT/benchmarks" && runs --cap "${FP8_PROFILE_CAP:-240}" "$PY" fp8_profile.py \
         ${FP8_PROFILE_ARGS:-} --out "$OUT/fp8_profile" 2>&1) > "$OUT/fp8_profile.log"
       note "fp8 profile: rc=$? ($((SECONDS - start)) s)"
-      grep -E "^[a-z0-9_]+: step" "$OUT/fp8_profile.log" | tee -a "$SUMMARY"
-      rm -rf "$OUT/fp8_profile/traces"  # large; the summary has what they say
-      cat "$OUT/fp8_profile/fp8_profile.md" 2>/dev/null | head -80 ;;
+      grep -E "^([A-Z0-9]+ )?[a-z0-9_]+: step" "$OUT/fp8_profile.log" | tee -a "$SUMMARY"
+      find "$OUT/fp8_profile" -name traces -type d -prune -exec rm -rf {} +  # large; the summary has what they say
+      find "$OUT/fp8_profile" -name fp8_profile.md -exec head -n 80 {} + 2>/dev/null ;;
     peer)
       # Flax's own FP8 ops beside our fp8= recipes from the same weights (issue 24 part 6);
       # results rewritten after every row, so a cut run keeps what it has.
@@ -207,6 +208,13 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       note "fp8 peer benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -E "^(\||## |- )" "$OUT/fp8_peer/fp8_peer.md" 2>/dev/null | tee -a "$SUMMARY"
       grep -E "^skipped|^wrote .*errors\)$" "$OUT/fp8_peer.log" | tee -a "$SUMMARY" ;;
+    transpose)
+      # The weight gradient's one-byte transposes: XLA's x.T against fp8.transpose_bytes.
+      (cd "$ROOT/benchmarks" && runs --cap "${TRANSPOSE_CAP:-120}" "$PY" transpose_bench.py \
+        --out "$OUT/transpose" 2>&1) > "$OUT/transpose.log"
+      note "transpose benchmark: rc=$? ($((SECONDS - start)) s)"
+      grep -E "^\|" "$OUT/transpose/transpose.md" 2>/dev/null | tee -a "$SUMMARY"
+      tail -n 3 "$OUT/transpose.log" ;;
     gpt)
       # The GPT example's four variants side by side (GPT_ARGS, default both configs; `large`
       # alone needs most of a call: its FP8 step compiled in 132 s on the H200).

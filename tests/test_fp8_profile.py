@@ -40,3 +40,12 @@ def test_smoke_run_writes_a_report(tmp_path):
     assert set(report["variants"]) == {"xla_bf16", "xla_fp8"}
     assert all("step_ms" in v for v in report["variants"].values())
     assert (tmp_path / "fp8_profile.md").read_text().startswith("# Where the FP8 step")
+
+
+def test_peer_rows_each_write_a_report(tmp_path):
+    report = fp8_profile.main(["--smoke", "--peer", "--row", "S1,S1", "--steps", "1",
+                               "--out", str(tmp_path)])
+    assert report["peer"] and set(report["variants"]) == set(fp8_profile.PEER_VARIANTS)
+    assert all("step_ms" in v and "model" in v for v in report["variants"].values())
+    assert "Fp8DirectDotGeneralOp" in report["variants"]["flax_fp8_direct"]["model"]
+    assert (tmp_path / "S1" / "fp8_profile.md").read_text().startswith("# Where the FP8 step")
