@@ -482,26 +482,6 @@ def positive(x8):
     return (bits >= 1) & (bits <= largest.view(np.uint8))
 
 
-def transpose_bytes(x):
-    """`x.T` for a 2-D array of one-byte elements (the weight gradient's K-major FP8
-    operands), moved as 4-byte words: XLA transposes one-byte elements at about half the
-    rate of four-byte ones on the H200 (`benchmarks/transpose_bench.py`). Each word of the
-    result gathers one byte from each of four rows of `x`; shapes not divisible by 4 take
-    the plain transpose."""
-    m, k = x.shape
-    if m % 4 or k % 4:
-        return x.T
-    # words[c, d, a]: x's bytes [4c + d, 4a : 4a + 4], little-endian.
-    words = jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(m // 4, 4, k // 4, 4), jnp.uint32)
-    shifts = jnp.arange(4, dtype=jnp.uint32) * 8
-    # gathered[c, a, b]: bytes x[4c : 4c + 4, 4a + b], the word of the result at [4a + b, c].
-    gathered = functools.reduce(jnp.bitwise_or, [
-        ((words[:, d, :, None] >> shifts) & 0xFF) << (8 * d) for d in range(4)])
-    result = jax.lax.bitcast_convert_type(gathered.transpose(1, 2, 0), jnp.uint8)
-    return jax.lax.bitcast_convert_type(result.reshape(k, m), x.dtype)
-
-
 def _barrier(*arrays):
     """`jax.lax.optimization_barrier` over `arrays` (None passes), each crossing it flattened.
 

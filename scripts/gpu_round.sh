@@ -3,7 +3,7 @@
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu probe
-#           tune fp8table never_slower soak fp8 fp8profile peer transpose gpt gptprofile
+#           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
@@ -208,13 +208,6 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       note "fp8 peer benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -E "^(\||## |- )" "$OUT/fp8_peer/fp8_peer.md" 2>/dev/null | tee -a "$SUMMARY"
       grep -E "^skipped|^wrote .*errors\)$" "$OUT/fp8_peer.log" | tee -a "$SUMMARY" ;;
-    transpose)
-      # The weight gradient's one-byte transposes: XLA's x.T against fp8.transpose_bytes.
-      (cd "$ROOT/benchmarks" && runs --cap "${TRANSPOSE_CAP:-120}" "$PY" transpose_bench.py \
-        --out "$OUT/transpose" 2>&1) > "$OUT/transpose.log"
-      note "transpose benchmark: rc=$? ($((SECONDS - start)) s)"
-      grep -E "^\|" "$OUT/transpose/transpose.md" 2>/dev/null | tee -a "$SUMMARY"
-      tail -n 3 "$OUT/transpose.log" ;;
     gpt)
       # The GPT example's four variants side by side (GPT_ARGS, default both configs; `large`
       # alone needs most of a call: its FP8 step compiled in 132 s on the H200).

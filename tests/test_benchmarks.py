@@ -15,7 +15,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import forward_bench  # noqa: E402
 import overhead_bench  # noqa: E402
 import timing  # noqa: E402
-import transpose_bench  # noqa: E402
 
 
 def test_input_copies_fill_twice_the_l2():
@@ -146,12 +145,3 @@ def test_ratio_spread_pairs_rounds_by_index():
     a = timing.Timing(2.0, (2.0, 3.0, 1.0), 1)
     b = timing.Timing(1.0, (1.0, 2.0, 2.0), 1)
     assert timing.ratio_spread(a, b) == (0.5, 2.0)
-
-
-def test_transpose_smoke_report(tmp_path):
-    report = transpose_bench.main(["--smoke", "--out", str(tmp_path)])
-    assert [tuple(r["shape"]) for r in report["rows"]] == list(transpose_bench.SMOKE_SHAPES)
-    for row in report["rows"]:
-        assert set(row["variants"]) == {"xla", "words", "quantize_xla", "quantize_words"}
-        assert all(v["ms"] > 0 and v["ops"] for v in row["variants"].values())
-    assert (tmp_path / "transpose.md").read_text().startswith("# One-byte transposes")

@@ -293,20 +293,6 @@ def test_relu_derivative_from_the_next_fp8_input_equals_the_mask(widths, activat
                                    atol=1e-6 * float(np.max(np.abs(w))))
 
 
-@pytest.mark.parametrize("shape", [(4, 4), (8, 12), (128, 64), (36, 1024), (1, 4), (4, 1),
-                                   (5, 8), (127, 129), (129, 128)])
-@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
-def test_transpose_bytes_is_the_transpose(shape, dtype):
-    """Every bit pattern (NaN, ±0, subnormals included) lands where `.T` puts it, under jit;
-    shapes not divisible by 4 take the plain transpose."""
-    bits = np.random.default_rng(sum(shape)).integers(0, 256, shape, dtype=np.uint8)
-    x = jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.dtype(dtype))
-    y = jax.jit(fp8.transpose_bytes)(x)
-    assert y.shape == shape[::-1] and y.dtype == x.dtype
-    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(y, jnp.uint8)),
-                                  bits.T)
-
-
 def test_relu_derivative_at_zero_is_zero_without_the_mask():
     """The one difference (docs/fp8.md): z = 0 (here a zero row, no bias) gets derivative 0
     from h8 > 0, jax.nn.relu's convention; the mask (fused) passes the gradient there."""
