@@ -8,7 +8,12 @@ transposes, ReLU derivatives, bias gradients, the loss), the gaps (step wall tim
 minus kernel time), each GEMM's duration in launch order, and the kernels that took longest.
 
     python benchmarks/fp8_profile.py --out benchmarks/results/fp8_profile      # H200
+    python benchmarks/fp8_profile.py --peer --row W2,TMLP --out /tmp/peer      # H200, ~2 min
     python benchmarks/fp8_profile.py --smoke --out /tmp/fp8_profile            # any CPU
+
+`--peer` profiles fp8_peer.py's rows and variants instead (default Flax's
+`Fp8DirectDotGeneralOp` and our `fp8=True`), from the same parameters after fp8_peer's
+calibrating steps: where Flax's FP8 step and ours differ, kernel by kind.
 
 On a CPU the trace has no GPU kernels: the report then says so (the smoke run checks the
 plumbing only). Writes `<out>/fp8_profile.json`, `.md`, each variant's optimized HLO
