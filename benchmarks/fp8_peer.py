@@ -202,6 +202,14 @@ def row_variants(w: Workload, only=None) -> tuple[dict[str, linen.Module], dict[
 # --- measuring ---------------------------------------------------------------------------
 
 
+def initial_variables(model: linen.Module, x, params=None) -> dict:
+    """`model`'s variables initialised on one row of `x` (init runs the model eagerly, op by
+    op; nothing in it depends on the batch), with `params` in place of its own where given:
+    every variant starts from flax_bf16's parameters."""
+    variables = model.init(jax.random.key(1), x[:1])
+    return variables if params is None else {**variables, "params": params}
+
+
 def make_step(model: linen.Module) -> Callable:
     """Flax's training step without the optimizer: loss and gradients w.r.t. every
     variable."""
@@ -246,15 +254,13 @@ def measure(w: Workload, only, budget: timing.Budget) -> dict[str, Any]:
                                  + params_bytes)
     xs = [jax.random.normal(jax.random.fold_in(jax.random.key(0), i), (w.batch, w.widths[0]),
                             DTYPE) for i in range(copies)]
-    # Parameters and FP8 state do not depend on the batch: init on one row (init runs the
-    # model eagerly, op by op).
-    params = models["flax_bf16"].init(jax.random.key(1), xs[0][:1])["params"]
+    params = initial_variables(models["flax_bf16"], xs[0])["params"]
     record: dict[str, Any] = {"variants": {}, "same_as": same_as, "input_copies": copies,
                               "variant_errors": {}}
     steps, arg_sets, reference = {}, {}, None
     for name, model in models.items():
         try:
-            variables = {**model.init(jax.random.key(1), xs[0][:1]), "params": params}
+            variables = initial_variables(model, xs[0], params)
             start = time.perf_counter()
             compiled, fallbacks = fp8_bench.compile_without_fallbacks(make_step(model),
                                                                       (variables, xs[0]))

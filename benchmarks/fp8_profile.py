@@ -83,8 +83,8 @@ def profile_peer_variant(w, name: str, steps: int, folder: Path) -> dict[str, An
     from the same parameters as every other, after fp8_peer's calibrating steps."""
     model = fp8_peer.VARIANTS[name](w)
     x = jax.random.normal(jax.random.key(0), (w.batch, w.widths[0]), fp8_peer.DTYPE)
-    params = fp8_peer.VARIANTS["flax_bf16"](w).init(jax.random.key(1), x[:1])["params"]
-    variables = {**model.init(jax.random.key(1), x[:1]), "params": params}
+    params = fp8_peer.initial_variables(fp8_peer.VARIANTS["flax_bf16"](w), x)["params"]
+    variables = fp8_peer.initial_variables(model, x, params)
     compiled, fallbacks = fp8_bench.compile_without_fallbacks(fp8_peer.make_step(model),
                                                               (variables, x))
     for _ in range(fp8_peer.CALIBRATION_STEPS):

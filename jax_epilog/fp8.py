@@ -69,7 +69,8 @@ Delayed scaling calibrates itself, tensor by tensor (`delayed_amax`): while a hi
 (largest value 0, as in a fresh `init_state`, or not finite), the amax its scale comes from is
 this step's instead. A tensor XLA quantizes takes its own (`quantize_delayed`: a `where`,
 not a conditional, which on a GPU would make the host wait); one a GEMM writes takes a bound
-on the GEMM's result from amaxes already known (`result_bound`), rounded up to a power of two. The program is the delayed one either way.
+on the GEMM's result from amaxes already known (`result_bound`), rounded up to a power of
+two. The program is the delayed one either way.
 """
 
 from __future__ import annotations
