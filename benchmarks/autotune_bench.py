@@ -36,7 +36,8 @@ import jax.numpy as jnp
 import forward_bench
 import jax_epilog
 import timing
-from jax_epilog import Epilog, config, cuda_library, relu_mask_bytes
+from jax_epilog import Epilog, config, relu_mask_bytes
+from jax_epilog.runtime import library as cuda_library
 from jax_epilog import matmul as epilog_matmul
 
 ROWS = ("G1", "G3", "G6")

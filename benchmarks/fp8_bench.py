@@ -6,12 +6,12 @@ one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
 
 - xla_bf16: the plain-JAX expression `relu(x @ W + b)` in bf16 (what users have);
 - ours_bf16: `jax_epilog.mlp` in bf16, every choice on "auto";
-- ours_fp8: `jax_epilog.mlp(..., fp8=True)`: FP8 where `jax_epilog.fp8.fp8_pays` says so;
+- ours_fp8: `jax_epilog.mlp(..., fp8=True)`: FP8 where `jax_epilog.float8.scaling.fp8_pays` says so;
 - ours_fp8_all: `fp8=Fp8(layers="all")`: FP8 in every layer (left out of a row where ours_fp8
   already is, as in M1);
 - ours_fp8_fused: the same with `backward="fused"`: the ReLU mask kept and cuBLASLt's FP8
   DRELU_BGRAD for the data gradients, where "auto" keeps no mask and runs a plain FP8 GEMM,
-  the derivative (from the next layer's h8 > 0, `fp8.relu_from_next_input`) and the bias
+  the derivative (from the next layer's h8 > 0, `stack_plan.relu_from_next_input`) and the bias
   gradient as XLA fusions;
 - ours_fp8_xla_fwd: ours_fp8 with `forward="xla"`: the forward FP8 GEMMs XLA's f8 dot with
   the bias and ReLU fused by XLA, where "auto" runs cuBLASLt's FP8 RELU_BIAS;
@@ -49,7 +49,7 @@ from it counts as missed. Then the issue's targets, printed met/MISSED.
 `--sweep` also times the training step of 4-layer ReLU stacks of a few widths and batches
 (M1's form, rows × n wide × layers) for xla_bf16, ours_bf16, ours_fp8_all and
 ours_fp8_delayed_all (`Fp8(scaling="delayed", layers="all")`): the FLOPs per GEMM from which
-FP8 pays, for `fp8.FP8_MIN_FLOPS`.
+FP8 pays, for `stack_plan.FP8_MIN_FLOPS`.
 
     python benchmarks/fp8_bench.py --rows M1 --out benchmarks/results  # H200: ~2.5 minutes
     python benchmarks/fp8_bench.py --rows G1,M2 --out /tmp/g1_m2       # H200: ~2.5 minutes
@@ -80,9 +80,13 @@ import jax.numpy as jnp
 
 import never_slower
 import timing
-from jax_epilog import Fp8, cuda_library, fp8, mlp
-from jax_epilog import tune
-from jax_epilog.tune import GRID, NETWORKS, Workload, step_fn
+from jax_epilog import Fp8, mlp
+from jax_epilog.runtime import targets
+from jax_epilog.runtime import library as cuda_library
+from jax_epilog.float8 import scaling as fp8
+from jax_epilog.planning import stack_plan
+from jax_epilog.tools import tune
+from jax_epilog.tools.tune import GRID, NETWORKS, Workload, step_fn
 
 ROUNDS = 7
 HARNESSES = ("careful", "user")
@@ -250,7 +254,7 @@ def gemm_counts(hlo: str) -> dict[str, int]:
     """Where the GEMMs of a compiled module run: our cuBLASLt custom calls (with FP8 operands
     or not), XLA's FP8 GEMMs (`__cublas$lt$matmul$f8`) and XLA's other GEMMs."""
     ours = [line for line in hlo.splitlines()
-            if f'custom_call_target="{cuda_library.TARGET_NAME}' in line]
+            if f'custom_call_target="{targets.MATMUL.name}' in line]
     ours_fp8 = sum(1 for line in ours if "f8e" in line)
     xla_fp8 = hlo.count('custom_call_target="__cublas$lt$matmul$f8"')
     xla_other = hlo.count('custom_call_target="__cublas$gemm"') + \
@@ -352,7 +356,7 @@ def sweep_record(rows: int, n: int, layers: int, budget: timing.Budget) -> dict[
     (current and delayed scaling) against the faster bf16."""
     w = Workload(sweep_name(rows, n, layers), rows, (n,) * (layers + 1), "relu", None, False)
     record = {"rows": rows, "n": n, "layers": layers,
-              "gemm_flops": timing.gemm_flops(rows, n, n), "fp8_pays": fp8.fp8_pays(rows, n, n)}
+              "gemm_flops": timing.gemm_flops(rows, n, n), "fp8_pays": stack_plan.fp8_pays(rows, n, n)}
     try:
         measured = measure(w, SWEEP_VARIANTS, budget)["variants"]
         seconds = {v: measured[v]["careful"]["seconds"] for v in SWEEP_VARIANTS}
@@ -385,7 +389,7 @@ def run(rows: dict[str, Workload], sweep_sizes, budget_seconds: float,
     report: dict[str, Any] = {
         "benchmark": "fp8", "metadata": timing.run_metadata(),
         "method": {"rounds": ROUNDS, "budget_seconds": budget_seconds,
-                   "fp8_min_flops": fp8.FP8_MIN_FLOPS, "tables": never_slower.tables_used(),
+                   "fp8_min_flops": stack_plan.FP8_MIN_FLOPS, "tables": never_slower.tables_used(),
                    "step": "jax.value_and_grad of a squared error (tune.step_fn)",
                    "ratio": "the other variant's time / this variant's (> 1: faster)",
                    "careful": "rotated inputs, back-to-back calls, one block_until_ready per "
@@ -548,7 +552,7 @@ def main(argv=None) -> dict[str, Any]:
         print(f"skipped (--max-s {args.max_s:.0f}): {', '.join(report['skipped'])}")
     if args.sweep:
         print(f"FP8 crossover: {report.get('crossover_gemm_flops')} GEMM FLOPs "
-              f"(FP8_MIN_FLOPS is {fp8.FP8_MIN_FLOPS:.3g})")
+              f"(FP8_MIN_FLOPS is {stack_plan.FP8_MIN_FLOPS:.3g})")
     print(f"wrote {args.out}/fp8.json, fp8.md ({len(report['errors'])} errors)")
     return report
 

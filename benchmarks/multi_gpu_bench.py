@@ -48,7 +48,7 @@ SMOKE_TP = dict(tokens=256, model=128, hidden=512)
 PROFILE_STEPS = 3
 IMPLEMENTATIONS = ("jax-epilog", "XLA")
 
-OUR_TARGET = "jax_epilog_matmul"  # cuda_library.TARGET_NAME, here without importing JAX
+OUR_TARGET = "jax_epilog_matmul"  # targets.MATMUL.name, here without importing JAX
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 # XLA's own GEMMs in optimized HLO: cuBLAS(Lt) custom calls, Triton GEMM fusions, plain dots.
 XLA_GEMM = re.compile(r'custom_call_target="__cublas|__triton_gemm|gemm_fusion|\bdot\(')

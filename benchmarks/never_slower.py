@@ -40,8 +40,11 @@ import jax
 import jax.numpy as jnp
 
 import timing
-from jax_epilog import Epilog, config, cuda_library, dense, dispatch, matmul
-from jax_epilog.tune import (GRID, NETWORKS, Workload, epilog_eqns, epilog_stack, forward_fn,
+from jax_epilog import Epilog, config, dense, matmul
+from jax_epilog.runtime import targets
+from jax_epilog.runtime import library as cuda_library
+from jax_epilog.planning import decisions as dispatch
+from jax_epilog.tools.tune import (GRID, NETWORKS, Workload, epilog_eqns, epilog_stack, forward_fn,
                              grid_workloads, step_fn)
 
 DTYPE = jnp.bfloat16
@@ -196,7 +199,7 @@ def measure_row(w: Workload, mode: str, arg_sets: list[tuple], budget: timing.Bu
         record[f"{side}_outputs"] = outputs
         if side == "jax_epilog":
             record["cublaslt_calls"] = compiled.as_text().count(
-                f'custom_call_target="{cuda_library.TARGET_NAME}"')
+                f'custom_call_target="{targets.MATMUL.name}"')
             record["path"] = path_taken(MODES[mode](w, stack), arg_sets[0])
     record["max_abs_diff"] = _max_abs_diff(record.pop("xla_outputs"),
                                            record.pop("jax_epilog_outputs"))

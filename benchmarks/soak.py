@@ -103,7 +103,7 @@ class Soak:
     """The loaded library's soak entry point and the CUDA runtime's memory query."""
 
     def __init__(self, device: int):
-        from jax_epilog import cuda_library
+        from jax_epilog.runtime import library as cuda_library
 
         lib = cuda_library.library()
         if lib.handle is None:
@@ -146,7 +146,8 @@ class Soak:
 
 def run(shapes: int, chunks: int, max_dim: int, seed: int, device: int, warmup: float,
         capacity: Optional[int], budget_s: float, passes: int = 1) -> dict[str, Any]:
-    from jax_epilog import config, cuda_library
+    from jax_epilog import config
+    from jax_epilog.runtime import library as cuda_library
 
     config.set_autotune(False)
     if capacity is not None:

@@ -23,7 +23,8 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from jax_epilog.timing import (L2_BYTES, MAX_INPUT_COPIES, Timing, input_copies,  # noqa: F401
+from jax_epilog.runtime import targets
+from jax_epilog.tools.timing import (L2_BYTES, MAX_INPUT_COPIES, Timing, input_copies,  # noqa: F401
                                time_calls, time_interleaved)
 
 def ratio_spread(numerator: Timing, denominator: Timing) -> tuple[float, float]:
@@ -93,9 +94,9 @@ def memory_analysis(compiled) -> Optional[dict[str, int]]:
 def uses_custom_call(jitted: Callable, *args) -> bool:
     """Whether `jitted(*args)` lowers to jax-epilog's cuBLASLt custom call (else the reference
     lowering runs: no CUDA, library missing, or a problem cuBLASLt has no kernel for)."""
-    from jax_epilog import cuda_library
+    from jax_epilog.runtime import library as cuda_library
 
-    return cuda_library.TARGET_NAME in jitted.lower(*args).as_text()
+    return targets.MATMUL.name in jitted.lower(*args).as_text()
 
 
 def _nvidia_smi(field: str) -> Optional[str]:
@@ -149,7 +150,8 @@ def run_metadata() -> dict[str, Any]:
     """Where and with what a benchmark ran: written next to every result."""
     import jaxlib
 
-    from jax_epilog import config, cuda_library
+    from jax_epilog import config
+    from jax_epilog.runtime import library as cuda_library
 
     device = jax.devices()[0]
     active = device.platform == "gpu" and cuda_library.available()

@@ -9,17 +9,30 @@ when first used, so `import jax_epilog` never imports Flax). `pack_relu_mask` an
 configures FP8 training in the layers (`fp8=`); `Fp8History` is a layer's delayed-scaling
 state (`fp8_state=`); `quantize` makes an FP8 operand and its scale for `matmul`.
 `explain(fn, *args)` prints how each stack and GEMM of a program runs on CUDA and which rule
-or table entry decided it (`jax_epilog.plan`).
+or table entry decided it.
+
+This module is the public surface; the implementation lives in subpackages, each a layer that
+imports only the layers below it (docs/architecture.md):
+
+- `runtime`: the C++ library, its FFI targets, the settings;
+- `op`: the op itself: the epilog table, the primitives and their rules, the lowerings, the
+  sharding rule, the reference, and `matmul`;
+- `planning`: every choice of how a call or a stack runs (backend, layout, padding, FP8), and
+  the measured decision tables;
+- `float8`: FP8 recipes, scaling and quantization;
+- `layers`: `dense`, `mlp`, the FP8 training step, the Flax modules;
+- `tools`: the command lines (`python -m jax_epilog`, `.tune`, `.explanation`).
 """
 
-import importlib
+import importlib as _importlib
 
-from .epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
-from .fp8 import Fp8, Fp8History
-from .fp8 import quantize_tensor as quantize
-from .layers import dense, mlp
-from .matmul import EXPORT_SAFETY_CHECKS, matmul, reference_matmul
-from .reference import pack_relu_mask, unpack_relu_mask
+from jax_epilog.float8.recipe import Fp8, Fp8History
+from jax_epilog.float8.scaling import quantize_tensor as quantize
+from jax_epilog.layers.functional import dense, mlp
+from jax_epilog.op.epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
+from jax_epilog.op.matmul import matmul, reference_matmul
+from jax_epilog.op.reference import pack_relu_mask, unpack_relu_mask
+from jax_epilog.runtime.targets import EXPORT_SAFETY_CHECKS
 
 __version__ = "0.1.0"
 
@@ -40,26 +53,18 @@ __all__ = [
     "unpack_relu_mask",
 ]
 
-_LAZY_SUBMODULES = ("nnx", "linen")
+# Public modules imported on first use: the Flax modules (so that `import jax_epilog` never
+# imports Flax), the settings, and the command lines.
+_LAZY_MODULES = ("config", "explanation", "linen", "nnx", "tune")
 
 
 def __getattr__(name):
-    """`jax_epilog.nnx` / `jax_epilog.linen` without an import of their own (Flax is loaded
-    on first use, not by `import jax_epilog`); `jax_epilog.explain` likewise (so that
-    `python -m jax_epilog.tune` and `python -m jax_epilog.explanation` run modules not imported
-    yet)."""
-    if name in _LAZY_SUBMODULES:
-        return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY_MODULES:
+        return _importlib.import_module(f"{__name__}.{name}")
     if name == "explain":
-        return importlib.import_module(f"{__name__}.explanation").explain
+        return _importlib.import_module(f"{__name__}.tools.explain").explain
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__():
-    return sorted([*globals(), *_LAZY_SUBMODULES, "explain"])
-
-
-def _install_hint(extra: str) -> str:
-    """How to install one of the package's extras, from a checkout and from an index."""
-    return (f'pip install ".[{extra}]" in a checkout of jax-epilog '
-            f'(pip install "jax-epilog[{extra}]" from a package index)')
+    return sorted([*__all__, *_LAZY_MODULES, "__version__"])

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import sys
 
-from .demo_cli import parse_args
+from jax_epilog.tools.demo_cli import parse_args
 
 
 def main() -> None:
     args = parse_args()
     try:
-        from . import demo
+        from jax_epilog.tools import demo
     except ImportError as error:
         sys.exit(f"python -m jax_epilog: {error}")
     demo.run(args)

@@ -8,8 +8,8 @@ C++ library (which gets its values through the setters `cuda_library` calls when
 
 from __future__ import annotations
 
-from . import cuda_library
-from .settings import (AUTOTUNE_CACHE_ENV, AUTOTUNE_DEFAULT, AUTOTUNE_ENV,  # noqa: F401
+from jax_epilog.runtime import library as cuda_library
+from jax_epilog.runtime.settings import (AUTOTUNE_CACHE_ENV, AUTOTUNE_DEFAULT, AUTOTUNE_ENV,  # noqa: F401
                        BACKENDS, SETTINGS, Setting, autotune, autotune_cache_path, autotune_log,
                        backend_override, cuda_disabled, decisions_path,
                        pad_unaligned, plan_cache_capacity, set_variable, workspace_bytes)

@@ -24,7 +24,7 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     want = jax.jit(step)(*jax.device_put([np.asarray(a) for a in args], jax.devices("cpu")[0]))
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-3)
-    print("IN_COMMAND_BUFFER", jax_epilog.cuda_library.captured_executions() > 0)
+    print("IN_COMMAND_BUFFER", jax_epilog.runtime.library.captured_executions() > 0)
 """)
 
 

@@ -82,7 +82,7 @@ def main() -> int:
         print("gpu_fuzz: no CUDA device", file=sys.stderr)
         return 2
     print(f"gpu_fuzz: jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-          f"cuBLASLt {jax_epilog.cuda_library.cublaslt_version()}")
+          f"cuBLASLt {jax_epilog.runtime.library.cublaslt_version()}")
     failed = fuzz(args.seed, args.count)
     nonfinite_probe()
     return 1 if failed else 0

@@ -25,7 +25,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_epilog
-from jax_epilog import Epilog, cuda_library
+from jax_epilog import Epilog
+from jax_epilog.runtime import targets
+from jax_epilog.runtime import library as cuda_library
 
 DEVICES = jax.devices()
 if len(DEVICES) < 2:
@@ -77,7 +79,7 @@ def _assert_no_gather(f, shardings, *args):
     text = _compiled_text(f, shardings, *args)
     assert "all-gather" not in text, [l for l in text.splitlines() if "all-gather" in l][:3]
     if EXPECT_KERNEL:
-        assert cuda_library.TARGET_NAME in text, cuda_library.unavailable_reason()
+        assert targets.MATMUL.name in text, cuda_library.unavailable_reason()
 
 
 def _assert_close(got, want, tol=TOL):
@@ -208,7 +210,7 @@ def test_mask_blocks_that_do_not_split_fall_back_to_replication(n):
                                               epilog_inputs={"bias": b})
         got = jax.jit(f, in_shardings=_shardings(layout))(x, w, bias)
         _assert_close(got[0], want[0])
-        bits = jax_epilog.reference.unpack_relu_mask
+        bits = jax_epilog.op.reference.unpack_relu_mask
         np.testing.assert_array_equal(bits(got[1]["relu_aux"], n), bits(want[1]["relu_aux"], n))
 
 

@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 import jax_epilog
-from jax_epilog import Epilog, config, cuda_library
+from jax_epilog import Epilog, config
+from jax_epilog.runtime import targets
+from jax_epilog.runtime import library as cuda_library
 from problems import TOLERANCE, assert_matches_model, make_problem
 import command_buffers
 
@@ -133,7 +135,7 @@ def _gpu_problem(case, seed):
     f = jax.jit(lambda a, b, inputs: jax_epilog.matmul(
         a, b, epilog=epilog, epilog_inputs=inputs or None, precision=precision, **kw))
     args = jax.device_put((a, b, inputs), jax.devices("cuda")[0])
-    assert cuda_library.TARGET_NAME in f.lower(*args).as_text(), f"{epilog.name} fell back"
+    assert targets.MATMUL.name in f.lower(*args).as_text(), f"{epilog.name} fell back"
 
     def check(got):
         assert_matches_model(epilog, jax.device_get(got), a, b, inputs, tol=TOLERANCE[tol_key],

@@ -127,10 +127,12 @@ def test_the_plain_path_is_the_users_program(monkeypatch, forward_choice):
     no trace in the differentiated module)."""
     import never_slower
 
-    from jax_epilog import dispatch, plan, tune
+    from jax_epilog.planning import context
+    from jax_epilog.planning import decisions as dispatch
+    from jax_epilog.tools import tune
 
     choices = {"step": "plain", "forward": forward_choice}
-    monkeypatch.setattr(plan, "on_cuda_gpu", lambda: True)  # the CPU poses as a CUDA GPU
+    monkeypatch.setattr(context, "on_cuda_gpu", lambda: True)  # the CPU poses as a CUDA GPU
     monkeypatch.setattr(dispatch, "stack_decision",
                         lambda key: dispatch.Decision(choices[key.mode], "shipped"))
     modes = ("forward", "step") if forward_choice == "plain" else ("step",)

@@ -22,7 +22,7 @@ from jax.test_util import check_grads
 
 import jax_epilog
 from jax_epilog import Epilog
-from jax_epilog.activations import gelu_aux_columns, relu_mask_bytes
+from jax_epilog.op.activations import gelu_aux_columns, relu_mask_bytes
 
 import numpy_reference
 

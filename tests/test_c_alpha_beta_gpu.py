@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 
 import jax_epilog
-from jax_epilog import Epilog, config, cuda_library
+from jax_epilog import Epilog, config
+from jax_epilog.runtime import targets
+from jax_epilog.runtime import library as cuda_library
 from test_c_alpha_beta import _assert_matches, _f64, _model, _problem, _rel
 
 pytestmark = pytest.mark.gpu
@@ -44,7 +46,7 @@ def _run(epilog, a, b, c, inputs, alpha=ALPHA, beta=BETA, **kw):
 
 def _assert_kernel(text: str, what: str):
     """`text`: a lowered module (StableHLO)."""
-    assert f"stablehlo.custom_call @{cuda_library.TARGET_NAME_C}(" in text, \
+    assert f"stablehlo.custom_call @{targets.MATMUL_C.name}(" in text, \
         f"{what}: the reference ran, not the cuBLASLt kernel with c"
 
 
@@ -108,7 +110,7 @@ def test_calls_without_c_still_run_the_kernel():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         text = f.lower(a, b, inputs["bias"]).compile().as_text()
-    assert re.search(rf'custom_call_target="{cuda_library.TARGET_NAME}"', text), text
+    assert re.search(rf'custom_call_target="{targets.MATMUL.name}"', text), text
 
 
 def test_the_custom_call_runs_with_c():
@@ -120,7 +122,7 @@ def test_the_custom_call_runs_with_c():
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         text = f.lower(*args).compile().as_text()
-    assert f'custom_call_target="{cuda_library.TARGET_NAME_C}"' in text
+    assert f'custom_call_target="{targets.MATMUL_C.name}"' in text
     _assert_matches(Epilog.RELU_BIAS, f(*args), a, b, c, inputs, 0.5, 2.0, tol=2e-2)
 
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from jax_epilog import demo
+from jax_epilog.tools import demo
 
 SMALL = ["--epochs", "3", "--compare-batch", "96", "--compare-width", "33", "--steps", "2",
          "--rounds", "3"]

@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jax_epilog import dispatch
-from jax_epilog.epilogs import Epilog
+from jax_epilog.planning import call_plan
+from jax_epilog.planning import decisions as dispatch
+from jax_epilog.op.epilogs import Epilog
 
 H200, VERSION = "NVIDIA H200", 130100
 
@@ -399,15 +400,15 @@ def test_override_and_measuring_leave_stacks_to_the_per_gemm_rule(tables, monkey
 
 @pytest.fixture
 def layer_gpu(tables, monkeypatch):
-    from jax_epilog import plan
-    monkeypatch.setattr(plan, "on_cuda_gpu", lambda: True)
+    from jax_epilog.planning import context
+    monkeypatch.setattr(context, "on_cuda_gpu", lambda: True)
     # The layers' choices are under test, not matmul's own for a call whose step runs XLA.
-    monkeypatch.setattr(plan, "plan_matmul_step", lambda *args: plan.Choice("fused", "test"))
+    monkeypatch.setattr(call_plan, "plan_matmul_step", lambda *args: context.Choice("fused", "test"))
     return tables
 
 
 def epilog_gemms(fn, *args):
-    from jax_epilog import tune
+    from jax_epilog.tools import tune
     return len(list(tune.epilog_eqns(jax.make_jaxpr(fn)(*args).jaxpr)))
 
 

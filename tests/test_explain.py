@@ -10,8 +10,12 @@ import numpy as np
 import pytest
 
 import jax_epilog
-from jax_epilog import Epilog, Fp8, dispatch, explanation, fp8, plan
-
+from jax_epilog import Epilog, Fp8
+from jax_epilog.planning import call_plan, context, stack_plan
+from jax_epilog.planning import decisions as dispatch
+from jax_epilog.tools import explain as explanation
+from jax_epilog.float8 import scaling as fp8
+from jax_epilog.planning import call_plan, context
 S = jax.ShapeDtypeStruct
 
 
@@ -27,10 +31,10 @@ def no_user_settings(monkeypatch):
 @pytest.fixture
 def matmul_keeps_its_vjp(monkeypatch):
     """`matmul` runs a differentiable call whose whole step runs XLA's way as the plain
-    expression (`plan.plan_matmul_step`), which leaves no `epilog_matmul` in the trace; here
+    expression (`call_plan.plan_matmul_step`), which leaves no `epilog_matmul` in the trace; here
     every GEMM the layers ask for stays one, so the list can be compared with the trace."""
-    monkeypatch.setattr(plan, "plan_matmul_step",
-                        lambda *args: plan.Choice("fused", "not under test"))
+    monkeypatch.setattr(call_plan, "plan_matmul_step",
+                        lambda *args: context.Choice("fused", "not under test"))
 
 
 def stack_args(rows, widths, biases=None, dtype=jnp.bfloat16):
@@ -111,7 +115,7 @@ def test_delayed_scaling_gemms_write_fp8_where_the_plan_says(activation, matmul_
 
 
 def test_a_mixed_fp8_stack_says_why_each_layer_is_what_it_is(monkeypatch, matmul_keeps_its_vjp):
-    monkeypatch.setattr(plan, "FP8_MIN_FLOPS", 2 * 64 * 64 * 128)
+    monkeypatch.setattr(stack_plan, "FP8_MIN_FLOPS", 2 * 64 * 64 * 128)
     x, params = stack_args(64, (64, 128, 129, 16))
     e = explanation.explanation(step_of(functools.partial(jax_epilog.mlp, fp8=True)), (x, params))
     (sp,) = e.stacks
@@ -135,7 +139,7 @@ def test_small_layers_stay_bf16_below_the_threshold():
 def test_each_gemm_names_the_table_entry_that_chose_it(tmp_path, monkeypatch):
     """A user table entry for the forward GEMM decides it ("your table", with its times); the
     override decides every GEMM left to auto."""
-    if plan.on_cuda_gpu():
+    if context.on_cuda_gpu():
         device, version = dispatch.device_identity()
     else:
         device, version = dispatch.REFERENCE_DEVICE, None
@@ -168,7 +172,7 @@ def test_explain_prints_stacks_gemms_and_calls(capsys, matmul_keeps_its_vjp):
         jax_epilog.mlp, forward="fused", backward="unfused")), x, params)
     text = capsys.readouterr().out
     assert text.strip() == str(returned)
-    if not plan.on_cuda_gpu():
+    if not context.on_cuda_gpu():
         assert "this host runs the reference" in text and dispatch.REFERENCE_DEVICE in text
     assert "stack 0: bfloat16 129x127 ->65+b relu ->17+b" in text
     assert "training step: fused" in text
@@ -177,7 +181,7 @@ def test_explain_prints_stacks_gemms_and_calls(capsys, matmul_keeps_its_vjp):
     assert f"epilog_matmul calls in the traced program: {len(returned.calls)}" in text
     # Unaligned K (127 bf16 elements): the CUDA lowering pads the forward GEMM of layer 0.
     first = returned.calls[0]
-    assert (first.gemm.k, first.lowering.way) == (127, "padded")
+    assert (first.gemm.k, first.lowering.way, first.lowering.padded) == (127, "kernel", (128, 72))
 
 
 def test_a_matmul_outside_the_layers_is_explained_too():
@@ -209,7 +213,7 @@ def test_explaining_leaves_no_trace_behind():
     x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 16)), jnp.bfloat16)
     w = jnp.asarray(np.random.default_rng(1).normal(size=(16, 16)), jnp.bfloat16)
     explanation.explanation(lambda x: jax_epilog.dense(x, w, activation="relu"), (x,))
-    assert plan.context().observe is None
+    assert context.current().observe is None
     expected = jax.nn.relu(x.astype(jnp.float32) @ w.astype(jnp.float32))
     np.testing.assert_allclose(np.asarray(jax_epilog.dense(x, w, activation="relu"),
                                           np.float32), expected, rtol=2e-2, atol=2e-2)

@@ -20,9 +20,11 @@ import numpy as np
 import pytest
 
 import jax_epilog
+from jax_epilog.planning import context
 from fp8_reference import PAIRS, make, mismatches
-from jax_epilog import Epilog, lowering, plan
-from jax_epilog.primitive import epilog_matmul_p, kernel_p
+from jax_epilog import Epilog
+from jax_epilog.op import lowering
+from jax_epilog.op.primitive import epilog_matmul_p, kernel_p
 
 E4M3 = jnp.float8_e4m3fn
 
@@ -152,7 +154,7 @@ def on_cuda(monkeypatch):
     monkeypatch.setattr(lowering.cuda_library, "available", lambda: True)
     monkeypatch.setattr(lowering.cuda_library, "supports_fp8", lambda: True, raising=False)
     monkeypatch.setattr(lowering.cuda_library, "query_support", query)
-    monkeypatch.setattr(plan, "has_cuda_devices", lambda: False)
+    monkeypatch.setattr(context, "has_cuda_devices", lambda: False)
     return queries
 
 
@@ -245,7 +247,7 @@ def test_without_a_kernel_the_warning_names_it(monkeypatch):
     monkeypatch.setattr(lowering.cuda_library, "supports_fp8", lambda: True, raising=False)
     monkeypatch.setattr(lowering.cuda_library, "query_support",
                         lambda *args, **kw: (not kw.get("fast_accumulation"), "no (test)"))
-    monkeypatch.setattr(plan, "has_cuda_devices", lambda: False)
+    monkeypatch.setattr(context, "has_cuda_devices", lambda: False)
     rng = np.random.default_rng(6)
     a, b, inputs, qs = make(rng, Epilog.BIAS, m=16, n=32, k=32, transpose_b=True)
 

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 
 import jax_epilog
-from jax_epilog import Epilog, cuda_library
+from jax_epilog import Epilog
+from jax_epilog.runtime import targets
+from jax_epilog.runtime import library as cuda_library
 from problems import TOLERANCE, assert_matches_model, make_problem
 
 pytestmark = pytest.mark.gpu
@@ -29,7 +31,7 @@ def test_injected_failures_raise_then_calls_recover(failures, no_pending_failure
                                 dtype="bfloat16")
     f = jax.jit(lambda a, b, inputs: jax_epilog.matmul(a, b, epilog=epilog, epilog_inputs=inputs))
     args = jax.device_put((a, b, inputs), jax.devices("cuda")[0])
-    assert cuda_library.TARGET_NAME in f.lower(*args).as_text()
+    assert targets.MATMUL.name in f.lower(*args).as_text()
     jax.block_until_ready(f(*args))  # compiled and planned before any failure is pending
 
     cuda_library.inject_failures(failures)

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 import jax_epilog
-from jax_epilog import config, cuda_library
+from jax_epilog import config
+from jax_epilog.runtime import targets
+from jax_epilog.runtime import library as cuda_library
 
 # "jax_epilog autotune: <problem>: ms per launch [0.0123 - 0.0119] -> candidate 2"
 LOG = re.compile(r"jax_epilog autotune: .*: ms per launch \[(?P<times>[^\]]*)\] -> candidate")
@@ -31,7 +33,7 @@ def test_candidates_are_timed_on_defined_data_when_inputs_are_nan(tmp_path, monk
         bias = jnp.zeros((1024,), jnp.float16)
         f = jax.jit(lambda a, b, bias: jax_epilog.matmul(
             a, b, epilog="relu_bias", epilog_inputs={"bias": bias}, backend="cublaslt"))
-        assert cuda_library.TARGET_NAME in f.lower(a, b, bias).as_text()
+        assert targets.MATMUL.name in f.lower(a, b, bias).as_text()
         jax.block_until_ready(f(a, b, bias))
         logged = [LOG.search(line) for line in capfd.readouterr().err.splitlines()]
         logged = [m for m in logged if m]

@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from jax_epilog import Epilog, config, cuda_library
+from jax_epilog import Epilog, config
+from jax_epilog.runtime import library as cuda_library
 
 WORKERS = 2
 KEYS_PER_WORKER = 500

@@ -20,8 +20,9 @@ from flax.training import train_state
 
 import jax_epilog.linen as fused_linen
 import jax_epilog.nnx as fused_nnx
-from jax_epilog import cuda_library
-from jax_epilog.demo import PlainMLP, accuracy, load_digits, train
+from jax_epilog.runtime import library as cuda_library
+from jax_epilog.runtime import targets
+from jax_epilog.tools.demo import PlainMLP, accuracy, load_digits, train
 
 ACTIVATION_FNS = {None: lambda x: x, "relu": jax.nn.relu,
                   "gelu": lambda x: jax.nn.gelu(x, approximate=True)}
@@ -394,7 +395,7 @@ def test_nnx_mlp_runs_custom_call_on_gpu():
     x = random((4096, 256), seed=15)
     graphdef, params = nnx.split(ours)
     step = jax.jit(lambda p, x: nnx_output_and_grads(nnx.merge(graphdef, p), x))
-    assert cuda_library.TARGET_NAME in step.lower(params, x).as_text()
+    assert targets.MATMUL.name in step.lower(params, x).as_text()
     y, grads, _ = step(params, x)
     y_stock, grads_stock, _ = nnx_output_and_grads(stock, x)
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(y_stock, np.float32),

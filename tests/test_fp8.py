@@ -23,8 +23,11 @@ import pytest
 import fp8_reference
 import jax_epilog
 from fp8_reference import PAIRS, RESULTS, make, mismatches
-from jax_epilog import Epilog, dispatch, lowering, plan
-from jax_epilog.primitive import epilog_matmul_p
+from jax_epilog import Epilog
+from jax_epilog.planning import context
+from jax_epilog.planning import decisions as dispatch
+from jax_epilog.op import lowering
+from jax_epilog.op.primitive import epilog_matmul_p
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 GELU_EPILOGS = {e for e in Epilog if "GELU" in e.name}
@@ -375,7 +378,7 @@ def _lower_for_cuda(monkeypatch, *, fp8_library: bool, supported):
     monkeypatch.setattr(lowering.cuda_library, "supports_fp8", lambda: fp8_library, raising=False)
     monkeypatch.setattr(lowering.cuda_library, "query_support",
                         lambda *args, **kw: (supported, "CUBLAS_STATUS_NOT_SUPPORTED (test)"))
-    monkeypatch.setattr(plan, "has_cuda_devices", lambda: False)
+    monkeypatch.setattr(context, "has_cuda_devices", lambda: False)
     rng = np.random.default_rng(15)
     a, b, inputs, qs = make(rng, Epilog.BGRADB, m=16, n=32, k=16, transpose_b=True)
 
@@ -607,7 +610,7 @@ def test_problem_helpers_cover_every_pair_and_result():
 def test_the_library_takes_fp8_and_answers_without_a_gpu():
     """Where the CUDA library loads (an installed package), it says it takes FP8 operands and
     answers a support query for them: yes/no on a GPU, "cannot tell" (None) without one."""
-    from jax_epilog import cuda_library
+    from jax_epilog.runtime import library as cuda_library
     if not cuda_library.available():
         pytest.skip(f"the CUDA library is not loaded: {cuda_library.unavailable_reason()}")
     assert cuda_library.supports_fp8()

@@ -19,7 +19,9 @@ import pytest
 
 import jax_epilog
 from fp8_reference import make, mismatches
-from jax_epilog import Epilog, cuda_library
+from jax_epilog import Epilog
+from jax_epilog.runtime import targets
+from jax_epilog.runtime import library as cuda_library
 from test_autotune import restore_autotune, tuning_into  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.gpu
@@ -59,7 +61,7 @@ def test_fp8_plan_is_tuned_exact_and_stored(case, tuning_into, capfd):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         hlo = f.lower(*args).as_text()
-    assert cuda_library.TARGET_NAME in hlo, [str(w.message) for w in caught]
+    assert targets.MATMUL.name in hlo, [str(w.message) for w in caught]
 
     def check_exact():
         found = mismatches(epilog, jax.device_get(f(*args)), a, b, inputs, qs,

@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 import jax_epilog
-from jax_epilog import Fp8, fp8, plan
+from jax_epilog import Fp8
+from jax_epilog.float8 import scaling as fp8
+from jax_epilog.planning import context, stack_plan
 from test_fp8_layers import close, model_stack, random_cotangent
 from test_layers import make_stack
 
@@ -183,13 +185,13 @@ def test_auto_is_resolved_once_where_the_stack_is_planned():
     """`scaling="auto"` becomes "delayed" given a state and "current" without, in the plan
     (whose config every later choice reads); explicit choices stay; asking an unresolved
     config whether it is delayed is an error that says what to do."""
-    stack = plan.Stack((plan.Layer("relu", True), plan.Layer(None, True)), None, "auto", "auto")
-    ctx = plan.default_context()
+    stack = stack_plan.Stack((stack_plan.Layer("relu", True), stack_plan.Layer(None, True)), None, "auto", "auto")
+    ctx = context.default_context()
     for scaling, has_state, want in [("auto", True, "delayed"), ("auto", False, "current"),
                                      ("current", True, "current"),
                                      ("delayed", True, "delayed")]:
         config = Fp8(layers="all", scaling=scaling)
-        planned = plan.plan_stack(ctx, stack, 64, (32, 48, 16), "bfloat16", config,
+        planned = stack_plan.plan_stack(ctx, stack, 64, (32, 48, 16), "bfloat16", config,
                                   has_state=has_state)
         assert planned.fp8.scaling == want
         assert any(lp.writes_fp8_result for lp in planned.layers) == (want == "delayed")

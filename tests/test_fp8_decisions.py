@@ -12,7 +12,11 @@ import jax.numpy as jnp
 import pytest
 
 import jax_epilog
-from jax_epilog import Fp8, dispatch, explanation, plan, tune
+from jax_epilog import Fp8
+from jax_epilog.planning import decisions as dispatch
+from jax_epilog.tools import explain as explanation
+from jax_epilog.planning import context, stack_plan
+from jax_epilog.tools import tune
 from test_dispatch import H200, VERSION, tables  # noqa: F401 (tables: a fixture)
 
 S = jax.ShapeDtypeStruct
@@ -49,10 +53,10 @@ def write(path, stacks):
 
 def planned(rows, shape, config=Fp8(), on_gpu=True):
     widths, activations, biases = shape
-    stack = plan.Stack(tuple(plan.Layer(a, b) for a, b in zip(activations, biases)), None,
+    stack = stack_plan.Stack(tuple(stack_plan.Layer(a, b) for a, b in zip(activations, biases)), None,
                        "auto", "auto")
-    ctx = plan.default_context()._replace(tables_decide=lambda: on_gpu)
-    return plan.plan_stack(ctx, stack, rows, widths, "bfloat16", config)
+    ctx = context.default_context()._replace(tables_decide=lambda: on_gpu)
+    return stack_plan.plan_stack(ctx, stack, rows, widths, "bfloat16", config)
 
 
 # --- the decision from the times ----------------------------------------------------------

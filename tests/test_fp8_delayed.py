@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 import jax_epilog
-from jax_epilog import Fp8, Fp8History, fp8
+from jax_epilog.planning import context
+from jax_epilog import Fp8, Fp8History
+from jax_epilog.float8 import scaling as fp8
 from test_fp8_layers import (close, exact_stack, full_float32_matmuls, gemm_calls,  # noqa: F401
                              leaves, model_stack, random_cotangent)
 from test_layers import make_stack
@@ -79,7 +81,7 @@ def test_exact_stack_is_exact_over_steps(dtype):
     x, params, dy = exact_stack(0, (33, 129, 10), 127)
     cast = lambda t: jax.tree.map(lambda a: jnp.asarray(a, dtype), t)
     # warm at amax 7 (a cold history's GEMM-written tensors would take a power-of-two bound)
-    state = tuple(fp8.Fp8History(h.input.at[0].set(7.0), h.gradient.at[0].set(7.0))
+    state = tuple(Fp8History(h.input.at[0].set(7.0), h.gradient.at[0].set(7.0))
                   for h in DELAYED.init_state(2))
     want = model_stack(x, params, ("relu", None), dy, [True, True], dtype=dtype)
     for t in range(2):
@@ -144,11 +146,11 @@ def test_state_passes_through_layers_that_stay_bf16(plain_is_faster, monkeypatch
     """`Fp8(layers="auto", scaling="delayed")` on layers too small for FP8: the bf16 stack's
     values and gradients, on the path it takes without FP8 (the fused stack or, where
     measured faster, XLA's plain expression), the state's gradient is the state itself."""
-    from jax_epilog import dispatch, plan
+    from jax_epilog.planning import decisions as dispatch
 
     # The CPU poses as a CUDA GPU whose tables choose XLA (the plain expression) or cuBLASLt.
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
-    monkeypatch.setattr(plan, "on_cuda_gpu", lambda: True)
+    monkeypatch.setattr(context, "on_cuda_gpu", lambda: True)
     monkeypatch.setattr(dispatch, "stack_decision", lambda key: None)
     monkeypatch.setattr(dispatch, "decision", lambda *problem: dispatch.Decision(
         "xla" if plain_is_faster else "cublaslt", "test"))

@@ -23,7 +23,8 @@ import pytest
 
 import jax_epilog
 from fp8_reference import PAIRS, make, mismatches
-from jax_epilog import Epilog, cuda_library
+from jax_epilog import Epilog
+from jax_epilog.runtime import library as cuda_library
 
 pytestmark = pytest.mark.gpu
 

@@ -19,7 +19,10 @@ import pytest
 
 import jax_epilog
 import numpy_reference
-from jax_epilog import Fp8, fp8, plan
+from jax_epilog import Fp8
+from jax_epilog.float8 import recipe
+from jax_epilog.layers import fp8_step
+from jax_epilog.planning import stack_plan
 from test_layers import make_stack, saved_residuals
 
 ALL = Fp8(layers="all")
@@ -336,7 +339,7 @@ def test_no_gemm_asks_for_an_amax_and_float32_avoids_missing_kernels(dtype, back
     the amaxes are XLA reductions). bf16 compute, fused backward: every GEMM on the kernel's
     backend. float32 compute: the GEMMs whose epilog has no FP8 float32 kernel run XLA's way
     (the forwards with a bias, GELU's BGRAD data gradients), the DEFAULT ones keep "auto"
-    (under "auto" ReLU's data gradients are DEFAULT GEMMs: `fp8.relu_from_next_input`)."""
+    (under "auto" ReLU's data gradients are DEFAULT GEMMs: `stack_plan.relu_from_next_input`)."""
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     x, params = make_stack(13, (32, 48, 64, 16), lead=(8,))
     x, params = jax.tree.map(lambda a: a.astype(dtype), (x, params))
@@ -350,18 +353,18 @@ def test_no_gemm_asks_for_an_amax_and_float32_avoids_missing_kernels(dtype, back
     if dtype == jnp.bfloat16:
         assert not moved, calls
     else:
-        assert len(moved) == (3 if activation == "relu" else 5) and all(e not in fp8.FLOAT32_KERNEL_EPILOGS for e, _ in moved)
+        assert len(moved) == (3 if activation == "relu" else 5) and all(e not in stack_plan.FLOAT32_KERNEL_EPILOGS for e, _ in moved)
         assert all(b == "auto" for e, b, *_ in calls if e == jax_epilog.Epilog.DEFAULT)
     no_override = lambda: None
-    assert plan.fp8_gemm_backend("cublaslt", jax_epilog.Epilog.BIAS, jnp.float32,
+    assert stack_plan.fp8_gemm_backend("cublaslt", jax_epilog.Epilog.BIAS, jnp.float32,
                                  no_override).choice == "cublaslt"
-    assert plan.fp8_gemm_backend("auto", jax_epilog.Epilog.BIAS, jnp.bfloat16,
+    assert stack_plan.fp8_gemm_backend("auto", jax_epilog.Epilog.BIAS, jnp.bfloat16,
                                  no_override).choice == "auto"
 
 
 def test_mixed_fp8_and_plain_layers_match_the_model(monkeypatch):
     """`Fp8()` (auto) with a low threshold: aligned layers FP8, unaligned ones not."""
-    monkeypatch.setattr(plan, "FP8_MIN_FLOPS", 1)
+    monkeypatch.setattr(stack_plan, "FP8_MIN_FLOPS", 1)
     widths = (32, 48, 64, 129, 16)
     x, params = make_stack(3, widths, lead=(11,))
     activations = ("gelu", "gelu", "gelu", None)
@@ -446,7 +449,7 @@ def test_residuals_are_fp8():
     # the layer inputs (M, K), as the forward GEMM read them (h8ᵀ is made in the backward)
     assert ("f8_e4m3fn", (5, 33)) in residuals and ("f8_e4m3fn", (5, 129)) in residuals
     assert ("f8_e4m3fn", (33, 129)) in residuals and ("f8_e4m3fn", (129, 10)) in residuals
-    # no ReLU mask: the next layer's h8 > 0 gives the derivative (`fp8.relu_from_next_input`)
+    # no ReLU mask: the next layer's h8 > 0 gives the derivative (`stack_plan.relu_from_next_input`)
     assert not [r for r in residuals if r[0] == "u8"], residuals
     wide = [r for r in residuals if not r[0].startswith(("f8", "u8")) and r[1] != ()]
     assert not wide, wide  # no 16/32-bit activations or kernels, only the float32 scales
@@ -543,7 +546,7 @@ def test_fast_accumulation_reaches_the_gemms_it_names(fast, forward, data, weigh
     weight_ = [attribute(c) for c in backward if not rows(c)]
     assert len(forward_) == 2 and len(data_) == 2 and len(weight_) == 2, calls
     assert (set(forward_), set(data_), set(weight_)) == ({forward}, {data}, {weight})
-    for gemm, expected in zip(fp8.FAST_ACCUMULATION_GEMMS, (forward, data, weight)):
+    for gemm, expected in zip(recipe.FAST_ACCUMULATION_GEMMS, (forward, data, weight)):
         assert config.fast(gemm) is (expected == "true")
     for a, b in zip(jax.tree.leaves(jax.jit(step(config))(x, params, dy)),
                     jax.tree.leaves(jax.jit(step(ALL))(x, params, dy))):
@@ -565,9 +568,9 @@ def test_fast_accumulation_has_one_spelling(given, stored):
 
 
 def test_auto_chooses_by_size():
-    assert fp8.fp8_pays(65536, 4096, 4096)  # M1's layers, measured to gain
-    assert not fp8.fp8_pays(16384, 1024, 1024)  # M2's, measured to lose
-    assert not fp8.fp8_pays(65536, 4096, 4100)  # N unaligned: padded, not worth it
+    assert stack_plan.fp8_pays(65536, 4096, 4096)  # M1's layers, measured to gain
+    assert not stack_plan.fp8_pays(16384, 1024, 1024)  # M2's, measured to lose
+    assert not stack_plan.fp8_pays(65536, 4096, 4100)  # N unaligned: padded, not worth it
     x, params = make_stack(9, (32, 64, 16), lead=(8,))
     for config in (True, Fp8()):  # small: every layer stays in the compute dtype
         np.testing.assert_array_equal(jax_epilog.mlp(x, params, fp8=config),
@@ -765,7 +768,7 @@ def train_digits(fp8_config, epochs=30):
     nnx = pytest.importorskip("flax.nnx")
     pytest.importorskip("sklearn")
     from jax_epilog import nnx as fused_nnx
-    from jax_epilog.demo import accuracy, load_digits, train
+    from jax_epilog.tools.demo import accuracy, load_digits, train
 
     data = load_digits(seed=0)
     model = fused_nnx.MLP(64, [128, 128, 10], dtype=jnp.bfloat16, fp8=fp8_config,
@@ -790,8 +793,8 @@ def test_fp8_training_converges_like_bfloat16(config):
 
 @pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
 def test_positive_is_greater_than_zero_for_every_bit_pattern(dtype):
-    """`fp8.positive`, the integer form of the ReLU derivative's `h8 > 0`, agrees with the
+    """`fp8_step.positive`, the integer form of the ReLU derivative's `h8 > 0`, agrees with the
     float compare on all 256 values of the format (zeros, subnormals, NaN, Inf)."""
     every = np.arange(256, dtype=np.uint8).view(np.dtype(dtype))
-    np.testing.assert_array_equal(np.asarray(fp8.positive(jnp.asarray(every))),
+    np.testing.assert_array_equal(np.asarray(fp8_step.positive(jnp.asarray(every))),
                                   every.astype(np.float32) > 0)

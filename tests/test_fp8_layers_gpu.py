@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 import jax_epilog
-from jax_epilog import cuda_library
+from jax_epilog.runtime import library as cuda_library
+from jax_epilog.runtime import targets
 from test_fp8_layers import (ALL, check_dense_within_fp8_rounding, close, exact_stack, leaves,
                              make_stack, model_stack, random_cotangent, run_stack, train_digits)
 
@@ -60,7 +61,7 @@ def test_every_gemm_of_the_step_is_an_fp8_kernel(activation):
         hlo = _step(activation, "fused").lower(*args).as_text()
     fell_back = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert not fell_back, fell_back
-    calls = [line for line in hlo.splitlines() if f"@{cuda_library.TARGET_NAME}" in line]
+    calls = [line for line in hlo.splitlines() if f"@{targets.MATMUL.name}" in line]
     fp8_calls = [line for line in calls if re.search(r"f8E(4M3FN|5M2)", line)]
     # 3 layers × (forward, weight gradient, data gradient)
     assert len(fp8_calls) == 9 == len(calls), calls
@@ -74,7 +75,7 @@ def test_auto_backward_runs_xla_fp8_gemms_for_the_derivatives(activation, xla_do
     (a dot_general of f8 types, never a bf16 dot of dequantized values; which FP8 kernel XLA
     then runs, cuBLASLt's or its own, is XLA's choice), the rest our kernels. Through ReLU
     they are our plain FP8 kernels, the derivative (from the next layer's h8 > 0,
-    `fp8.relu_from_next_input`) and the bias gradient XLA fusions."""
+    `stack_plan.relu_from_next_input`) and the bias gradient XLA fusions."""
     x, params = make_stack(5, (256, 512, 384, 128), lead=(1024,), dtype=np.float32)
     x, params = jax.tree.map(lambda a: jnp.asarray(a, jnp.bfloat16), (x, params))
     args = jax.device_put((x, params, jnp.ones((1024, 128), jnp.bfloat16)), _gpu())
@@ -87,7 +88,7 @@ def test_auto_backward_runs_xla_fp8_gemms_for_the_derivatives(activation, xla_do
     fp8_dots = [line for line in lowered.as_text().splitlines()
                 if "stablehlo.dot_general" in line and re.search(mixed, line)]
     assert len(fp8_dots) == xla_dots, fp8_dots
-    assert compiled.as_text().count(f'custom_call_target="{cuda_library.TARGET_NAME}"') == \
+    assert compiled.as_text().count(f'custom_call_target="{targets.MATMUL.name}"') == \
         9 - xla_dots
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from jax_epilog import cuda_library
+from jax_epilog.runtime import library as cuda_library
 
 ROOT = Path(__file__).resolve().parent.parent
 pytest.importorskip("scikit_build_core")  # in the test extra: it is what the backend wraps

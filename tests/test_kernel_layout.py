@@ -1,4 +1,4 @@
-"""The CUDA lowering's re-layout (`plan.kernel_layout`): where cuBLASLt has no kernel for a
+"""The CUDA lowering's re-layout (`call_plan.kernel_layout`): where cuBLASLt has no kernel for a
 call's operand layout but has one for another, the operand(s) are transposed in XLA and the
 custom call runs in that layout, instead of the reference.
 
@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 import jax_epilog
-from jax_epilog import Epilog, lowering, plan
-from jax_epilog.primitive import Params, kernel_p
+from jax_epilog import Epilog
+from jax_epilog.op import lowering
+from jax_epilog.planning import context
+from jax_epilog.op.primitive import Params, kernel_p
 from problems import make_problem
 
 LAYOUTS = list(itertools.product([False, True], repeat=2))
@@ -38,7 +40,7 @@ def _on_cuda(monkeypatch, query=_h200_gaps):
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     monkeypatch.setattr(lowering.cuda_library, "available", lambda: True)
     monkeypatch.setattr(lowering.cuda_library, "query_support", query)
-    monkeypatch.setattr(plan, "has_cuda_devices", lambda: False)
+    monkeypatch.setattr(context, "has_cuda_devices", lambda: False)
 
 
 def _export(f, *args) -> str:

@@ -19,9 +19,10 @@ from jax.test_util import check_grads
 
 import jax_epilog
 import numpy_reference
-from jax_epilog import Epilog, cuda_library, layers, plan
-
-
+from jax_epilog import Epilog
+from jax_epilog.runtime import library as cuda_library
+from jax_epilog.layers import functional as layers
+from jax_epilog.planning import call_plan, context
 @pytest.fixture(autouse=True)
 def full_float32_matmuls():
     """The plain-JAX expressions and ours both in full float32: on a GPU, DEFAULT would let
@@ -539,7 +540,7 @@ def test_gpu_hlo_calls_the_cublaslt_kernel():
 
 @pytest.mark.parametrize("xla_gemms,plain", [("all", True), ("all but one", False)])
 def test_plain_expression_where_every_gemm_runs_xla(monkeypatch, xla_gemms, plain):
-    from jax_epilog import dispatch
+    from jax_epilog.planning import decisions as dispatch
     seen = []
 
     def decision(epilog, dtype, *problem):
@@ -552,7 +553,7 @@ def test_plain_expression_where_every_gemm_runs_xla(monkeypatch, xla_gemms, plai
     monkeypatch.setattr(cuda_library, "available", lambda: True)
     monkeypatch.setattr(dispatch, "decision", decision)
     # The layers' choices are under test, not matmul's own for a call whose step runs XLA.
-    monkeypatch.setattr(plan, "plan_matmul_step", lambda *args: plan.Choice("fused", "test"))
+    monkeypatch.setattr(call_plan, "plan_matmul_step", lambda *args: context.Choice("fused", "test"))
     x, params = make_stack(17, (24, 40, 16), lead=(6,))
     fn = jax.grad(loss_of(mlp_fn("relu", None)), (0, 1))
     backends = backends_by_epilog(jax.make_jaxpr(fn)(x, params))
@@ -564,12 +565,12 @@ def test_plain_expression_where_every_gemm_runs_xla(monkeypatch, xla_gemms, plai
 
 
 def test_forced_backends_decide_without_dispatch(monkeypatch):
-    from jax_epilog import dispatch
+    from jax_epilog.planning import decisions as dispatch
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(cuda_library, "available", lambda: True)
     monkeypatch.setattr(dispatch, "decision", lambda *a: pytest.fail("dispatch asked"))
     # The layers' choices are under test, not matmul's own for a call whose step runs XLA.
-    monkeypatch.setattr(plan, "plan_matmul_step", lambda *args: plan.Choice("fused", "test"))
+    monkeypatch.setattr(call_plan, "plan_matmul_step", lambda *args: context.Choice("fused", "test"))
     x, params = make_stack(18, (24, 40, 16), lead=(6,))
     plain = mlp_fn("relu", None, "unfused", forward="xla")
     assert backends_by_epilog(jax.make_jaxpr(plain)(x, params)) == {}

@@ -234,8 +234,8 @@ def test_low_precision_on_cpu(dtype):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("epilog", list(Epilog), ids=lambda e: e.name)
 def test_xla_way_matches_the_exact_reference_within_a_rounding(epilog, dtype):
-    from jax_epilog import reference
-    from jax_epilog.matmul import _prepare
+    from jax_epilog.op import reference
+    from jax_epilog.op.arguments import prepare as _prepare
     rng = np.random.default_rng(int(epilog) + len(dtype))
     a, b, inputs = make_problem(rng, epilog, m=33, n=129, k=40, dtype=dtype)
     call = _prepare(a, b, epilog, inputs, False, False, None)
@@ -256,7 +256,7 @@ def test_xla_way_matches_the_exact_reference_within_a_rounding(epilog, dtype):
 def test_xla_way_is_the_plain_expression_in_the_operand_dtype():
     """`relu(x @ w + b)` as a user writes it: a bf16 dot, a bf16 add, no float32 in between, so
     XLA fuses the bias and ReLU into its GEMM as it does for the user's own code."""
-    from jax_epilog import reference
+    from jax_epilog.op import reference
     a = jnp.ones((1, 8, 16), jnp.bfloat16)
     b = jnp.ones((1, 16, 24), jnp.bfloat16)
     bias = jnp.ones((1, 24), jnp.bfloat16)
@@ -272,7 +272,7 @@ def test_nvmath_matmul_epilog_members_are_accepted_by_name():
     """nvmath-python's `MatmulEpilog` members name the same epilogs (checked by module and name,
     so nvmath need not be installed here: a stand-in enum from an `nvmath` module)."""
     import enum
-    from jax_epilog.epilogs import as_epilog
+    from jax_epilog.op.epilogs import as_epilog
     members = {e.name: e.value + 1000 for e in Epilog}  # values need not match; names do
     members["ALPHA_SCALE"] = 1
     stand_in = enum.IntEnum("MatmulEpilog", members, module="nvmath.bindings.cublasLt")

@@ -14,7 +14,8 @@ import pytest
 import command_buffers
 import jax_epilog
 import numpy_reference
-from jax_epilog import Epilog, cuda_library
+from jax_epilog import Epilog
+from jax_epilog.runtime import library as cuda_library
 from problems import TOLERANCE, assert_matches_model, make_problem, pre_activation
 
 pytestmark = pytest.mark.gpu
@@ -80,7 +81,7 @@ def test_kernel_matches_float64_model(epilog, dtype_name, transpose_a, transpose
 def test_bias_gradients_run_the_kernel_in_every_layout(epilog, dtype_name, transpose_a,
                                                        transpose_b, shape):
     """cuBLASLt 13.1 on the H200 has BGRADA only with a stored (K, M) and BGRADB only with b
-    stored (K, N); the lowering transposes the summed operand in XLA (`plan.kernel_layout`)
+    stored (K, N); the lowering transposes the summed operand in XLA (`call_plan.kernel_layout`)
     rather than running the reference."""
     m, n, k, lead, b_batched, _ = shape
     dtype, precision, tol_key = DTYPES[dtype_name]

@@ -83,7 +83,7 @@ def test_cuda_export_of_the_gradient(epilog):
             disabled_checks=list(jax_epilog.EXPORT_SAFETY_CHECKS))(a, b, inputs)
         text = exported.mlir_module()
         calls = re.findall(r"stablehlo\.custom_call @(\w+)", text)
-        assert calls.count(jax_epilog.cuda_library.TARGET_NAME) == custom_calls, calls
+        assert calls.count(jax_epilog.targets.MATMUL.name) == custom_calls, calls
         for pair in dot_operand_types(text):
             assert all(t.endswith("xbf16>") for t in pair), (backend, pair)
         if backend == "xla":
@@ -240,7 +240,7 @@ def _relu_at_zero_gradient(epilog):
     def loss(a):
         out = jax_epilog.matmul(a, b, epilog=epilog, precision="highest",
                                 epilog_inputs={"bias": jnp.zeros((2,), jnp.float32)}
-                                if jax_epilog.epilogs.as_epilog(epilog).has_bias else None)
+                                if jax_epilog.op.epilogs.as_epilog(epilog).has_bias else None)
         return jnp.sum(out[0] if isinstance(out, tuple) else out)
     return jax.grad(loss)(a)
 
@@ -257,11 +257,12 @@ def test_relu_derivative_at_zero_follows_the_output_or_the_mask():
 @pytest.fixture
 def gpu_tables_choose_xla():
     """Plans as on a CUDA GPU whose tables send every GEMM to XLA (the plain path's trigger)."""
-    from jax_epilog import dispatch, plan
-    ctx = plan.default_context()._replace(
+    from jax_epilog.planning import decisions as dispatch
+    from jax_epilog.planning import context
+    ctx = context.default_context()._replace(
         tables_decide=lambda: True, override=lambda: None,
         gemm_table=lambda *problem: dispatch.Decision("xla", "test"))
-    with plan.planning(ctx):
+    with context.planning(ctx):
         yield
 
 
@@ -295,7 +296,7 @@ def test_plain_path_where_every_gemm_runs_xla(gpu_tables_choose_xla, epilog):
 
 def _kernel_problems(jaxpr) -> list[tuple]:
     """(epilog, batch, M, N, K, transpose_a, transpose_b) of every epilog_matmul in a jaxpr."""
-    from jax_epilog.call import problem_of
+    from jax_epilog.op.call import problem_of
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "epilog_matmul":
@@ -315,9 +316,9 @@ def _kernel_problems(jaxpr) -> list[tuple]:
 @pytest.mark.parametrize("epilog", [Epilog.DEFAULT, Epilog.RELU_BIAS, Epilog.GELU_BIAS],
                          ids=lambda e: e.name)
 def test_the_plan_lists_the_gemms_the_backward_issues(epilog, layout):
-    """`plan.matmul_step_gemms` (by which `matmul` chooses the plain path) names the GEMMs the
+    """`call_plan.matmul_step_gemms` (by which `matmul` chooses the plain path) names the GEMMs the
     custom VJP runs (a per-batch bias with a shared b sums in XLA instead of BGRADB)."""
-    from jax_epilog import plan
+    from jax_epilog.planning import call_plan
     matmul_module = __import__("sys").modules["jax_epilog.matmul"]
     a, b, inputs, probe, ta, tb = _problem(layout, epilog, "bfloat16", m=6, n=9, k=5)
     loss = _loss(jax_epilog.matmul, epilog, ta, tb, probe)
@@ -325,7 +326,7 @@ def test_the_plan_lists_the_gemms_the_backward_issues(epilog, layout):
         loss, argnums=(0, 1, 2)))(a, b, inputs).jaxpr), key=str)
     call = matmul_module._prepare(a, b, epilog, inputs or None, ta, tb, None)
     planned = sorted(((g.epilog, g.batch, g.m, g.n, g.k, g.transpose_a, g.transpose_b)
-                      for g in plan.matmul_step_gemms(
+                      for g in call_plan.matmul_step_gemms(
                           call.params, call.a.shape, call.b.shape, call.a.dtype,
                           matmul_module._forward_epilog(epilog))), key=str)
     if layout == "batched_bias":  # the bias gradient is a sum in XLA, the GEMM plain
@@ -338,14 +339,15 @@ def test_a_bias_gradient_kernel_alone_keeps_the_plain_path():
     """A table entry that prefers BGRADB/BGRADA to XLA's GEMM plus its own bias sum does not
     take the step off the plain path: there XLA fuses the sum into dZ's pass (the H200's G6
     step ran slower through the custom VJP). A plain GEMM the table sends to cuBLASLt does."""
-    from jax_epilog import dispatch, plan
+    from jax_epilog.planning import decisions as dispatch
+    from jax_epilog.planning import context
 
     def planned(kernel_epilogs):
-        ctx = plan.default_context()._replace(
+        ctx = context.default_context()._replace(
             tables_decide=lambda: True, override=lambda: None,
             gemm_table=lambda epilog, *problem: dispatch.Decision(
                 "cublaslt" if epilog in kernel_epilogs else "xla", "test"))
-        with plan.planning(ctx):
+        with context.planning(ctx):
             return _epilog_calls(jax.grad(loss, argnums=(0, 1, 2)), a, b, inputs)
 
     a, b, inputs, probe, ta, tb = _problem("lead_shared_b", Epilog.RELU_BIAS, "float32", seed=3)

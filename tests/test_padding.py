@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import jax_epilog
-from jax_epilog import Epilog, padding
-from jax_epilog.primitive import Params, epilog_matmul_p
+from jax_epilog import Epilog
+from jax_epilog.op import padding
+from jax_epilog.op.primitive import Params, epilog_matmul_p
 from numpy_reference import unpack_bits
 from problems import make_problem
 
@@ -38,9 +39,10 @@ def test_padded_call_gives_the_unpadded_results(epilog, transpose_a, transpose_b
     args = _normalised(a, b, inputs, epilog)
     params = Params(int(epilog), transpose_a, transpose_b, allow_tf32=False)
     bind = functools.partial(epilog_matmul_p.bind, **params._asdict())
-    assert padding.needed(args[:2], transpose_a, transpose_b)
+    sizes = padding.padded_sizes(args[:2], params)
+    assert sizes == (padding.aligned(k, dtype), padding.aligned(n, dtype))
     want = jax.jit(bind)(*args)
-    got = jax.jit(padding.padded(bind, params))(*args)
+    got = jax.jit(padding.padded(bind, params, sizes))(*args)
     assert [g.shape for g in got] == [w.shape for w in want]
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
     names = ("y", *epilog.output_names)
@@ -80,4 +82,4 @@ def test_padding_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("JAX_EPILOG_PAD_UNALIGNED", "0")
     a = jax.ShapeDtypeStruct((1, 4, 13), jnp.bfloat16)
     b = jax.ShapeDtypeStruct((1, 13, 10), jnp.bfloat16)
-    assert not padding.needed([a, b], False, False)
+    assert padding.padded_sizes([a, b], Params(int(Epilog.DEFAULT), False, False, False)) is None

@@ -112,7 +112,7 @@ def test_small_soak_keeps_the_cache_bounded(restore_settings):
 def test_run_records_every_chunk_and_judges(monkeypatch, restore_settings):
     """run()'s flow on the CPU, with a stand-in for the library: a cache that fills to its
     capacity and a device whose memory stays put."""
-    from jax_epilog import cuda_library
+    from jax_epilog.runtime import library as cuda_library
 
     cache = {"plans": 0}
 

@@ -12,8 +12,10 @@ import jax.numpy as jnp
 import pytest
 
 import jax_epilog
-from jax_epilog import dispatch, layers, tune
-from jax_epilog.epilogs import Epilog
+from jax_epilog.planning import decisions as dispatch
+from jax_epilog.layers import functional as layers
+from jax_epilog.tools import tune
+from jax_epilog.op.epilogs import Epilog
 
 BF16 = jnp.bfloat16
 MATMUL_HAS_BACKEND = "backend" in inspect.signature(jax_epilog.matmul).parameters

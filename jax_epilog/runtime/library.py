@@ -23,12 +23,11 @@ from typing import Optional
 
 import jax
 
-from . import settings
+from jax_epilog.runtime import settings, targets
 
-TARGET_NAME = "jax_epilog_matmul"
-# Calls with a C matrix (SPEC §6): the same handler, c, alpha and beta as its last operands.
-TARGET_NAME_C = "jax_epilog_matmul_c"
 _LIBRARY_FILE = "libjax_epilog_ffi.so"
+# The build installs the library at the package's top (ffi/CMakeLists.txt).
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
 #: The library interface this package speaks (ffi/support_query.cc, jax_epilog_abi_version).
 ABI_VERSION = 2
 _PRELOAD = ("libcudart.so.13", "libcublasLt.so.13")
@@ -72,7 +71,7 @@ class _Library:
     def __init__(self):
         self.handle: Optional[ctypes.CDLL] = None
         self.error: Optional[str] = None
-        path = Path(__file__).with_name(_LIBRARY_FILE)
+        path = PACKAGE_DIR / _LIBRARY_FILE
         if settings.cuda_disabled():
             self.error = "disabled by JAX_EPILOG_DISABLE_CUDA"
             return
@@ -112,18 +111,16 @@ class _Library:
         self.handle.jax_epilog_set_autotune_log(int(settings.autotune_log()))
         self.handle.jax_epilog_set_autotune_cache_path(_path_bytes(settings.autotune_cache_path()))
 
-    def register(self) -> None:
-        for target, execute in ((TARGET_NAME, "JaxEpilogMatmul"),
-                                (TARGET_NAME_C, "JaxEpilogMatmulC")):
-            handle = self.handle
-            stages = {"execute": jax.ffi.pycapsule(getattr(handle, execute)),
-                      "initialize": jax.ffi.pycapsule(getattr(handle, execute + "Initialize"))}
-            jax.ffi.register_ffi_target(target, stages, platform="CUDA")
-
 
 #: How to get the handler into an install that lacks it.
 BUILD_HINT = ("to build it, reinstall with a C++17 compiler and JAX_EPILOG_BUILD_CUDA=1: "
               "JAX_EPILOG_BUILD_CUDA=1 pip install --force-reinstall --no-deps . in a checkout")
+
+
+def install_hint(extra: str) -> str:
+    """How to install one of the package's extras, from a checkout and from an index."""
+    return (f'pip install ".[{extra}]" in a checkout of jax-epilog '
+            f'(pip install "jax-epilog[{extra}]" from a package index)')
 
 
 def _not_built_reason(path: Path) -> str:
@@ -143,7 +140,7 @@ def _path_bytes(path: Optional[os.PathLike]) -> bytes:
 def library() -> _Library:
     lib = _Library()
     if lib.handle is not None:
-        lib.register()
+        targets.register(lib.handle)
     return lib
 
 

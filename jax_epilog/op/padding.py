@@ -15,15 +15,16 @@ JAX_EPILOG_PAD_UNALIGNED=0 turns padding off (for measuring what it buys).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import ShapedArray
 
-from . import config
-from .epilogs import ARRAYS, dim_sizes
-from .call import Params, names_of, problem_of
+from jax_epilog.op.epilogs import ARRAYS, dim_sizes
+from jax_epilog.op.call import Params, names_of, problem_of
+from jax_epilog.runtime import settings
 
 
 def aligned(size: int, dtype) -> int:
@@ -32,11 +33,18 @@ def aligned(size: int, dtype) -> int:
     return -(-size // multiple) * multiple
 
 
-def needed(avals_in: Sequence, transpose_a: bool, transpose_b: bool) -> bool:
+def padded_sizes(avals_in: Sequence, params: Params) -> Optional[tuple[int, int]]:
+    """(K, N) rounded up to 16 bytes where either is unaligned and padding is on, else None."""
     a, b = avals_in[0], avals_in[1]
-    p = problem_of(a.shape, b.shape, transpose_a, transpose_b)
-    return config.pad_unaligned() and (p.k != aligned(p.k, a.dtype) or
-                                       p.n != aligned(p.n, a.dtype))
+    p = problem_of(a.shape, b.shape, params.transpose_a, params.transpose_b)
+    k, n = aligned(p.k, a.dtype), aligned(p.n, a.dtype)
+    return (k, n) if settings.pad_unaligned() and (k, n) != (p.k, p.n) else None
+
+
+def padded_avals(avals_in: Sequence, params: Params, sizes: tuple[int, int]) -> list:
+    """The avals of the operands `padded` gives the kernel."""
+    return [ShapedArray(x.shape, x.dtype)
+            for x in jax.eval_shape(_pad_operands(params, sizes), *avals_in)]
 
 
 def _pad_axis(x, axis: int, size: int):
@@ -60,15 +68,13 @@ def _resize_n_axes(x, name: str, n: int, cut: bool):
     return x
 
 
-def padded(bind: Callable, params: Params) -> Callable:
-    """`bind` (a primitive on normalised operands) called on K and N padded to alignment, with
-    the results cut back to the caller's shapes."""
+def _pad_operands(params: Params, sizes: tuple[int, int]) -> Callable:
     ta, tb = params.transpose_a, params.transpose_b
+    k, n = sizes
 
-    def call(a, b, *inputs):
-        operand_names, result_names = names_of(params, a.dtype)
+    def pad(a, b, *inputs):
+        operand_names, _ = names_of(params, a.dtype)
         p = problem_of(a.shape, b.shape, ta, tb)
-        k, n = aligned(p.k, a.dtype), aligned(p.n, a.dtype)
         a = _pad_axis(a, 1 if ta else 2, k)
         b = _pad_axis(_pad_axis(b, 2 if tb else 1, k), 1 if tb else 2, n)
         if params.result_amax and "gelu_aux" in operand_names:
@@ -79,8 +85,21 @@ def padded(bind: Callable, params: Params) -> Callable:
             inputs[i] = inputs[i].at[..., p.n:].set(0)
         inputs = [_resize_n_axes(x, name, n, cut=False)
                   for name, x in zip(operand_names[2:], inputs)]
-        y, *rest = bind(a, b, *inputs)
-        cut = [_resize_n_axes(x, name, p.n, cut=True) for name, x in zip(result_names[1:], rest)]
-        return [y[..., :p.n], *cut]
+        return [a, b, *inputs]
+
+    return pad
+
+
+def padded(kernel: Callable, params: Params, sizes: tuple[int, int]) -> Callable:
+    """`kernel` (a call on normalised operands) on K and N zero-padded to `sizes`
+    (`padded_sizes`), with the results cut back to the caller's shapes."""
+    pad = _pad_operands(params, sizes)
+
+    def call(a, b, *inputs):
+        _, result_names = names_of(params, a.dtype)
+        n = problem_of(a.shape, b.shape, params.transpose_a, params.transpose_b).n
+        y, *rest = kernel(*pad(a, b, *inputs))
+        cut = [_resize_n_axes(x, name, n, cut=True) for name, x in zip(result_names[1:], rest)]
+        return [y[..., :n], *cut]
 
     return call

@@ -1,39 +1,23 @@
-"""The plan: every choice about how a call or a stack of layers runs, made here, once, from what
-is known when it is traced or lowered, with the rule or table entry that made it.
-
-Two plans, made by pure functions of their inputs and of a `Context` (what the choices depend
-on beyond the call: the backend override, whether this host has a CUDA GPU and the library,
-the decision tables of `dispatch`, cuBLASLt's support answers):
-
-- `plan_stack`, when a `dense`/`mlp` stack is traced (`layers._run`): for each layer whether it
-  runs FP8 (`Fp8`; `quantized_layers`: the stack's measured entry, else a rule), where its
-  ReLU derivative comes from and which GEMMs write FP8 tensors; every GEMM of the stack (`stack_gemms`: the one list of what the layers issue) with its
-  epilog, layout and the backend the layer asks `matmul` for, and what that backend becomes
-  on CUDA; and whether the training step and the inference forward run the fused stack or the
-  plain expression. `layers` and `fp8` carry it out, `tune` times its stacks and GEMMs.
-- `plan_call`, when one call of the inner primitive is lowered for CUDA (`lowering.lower_cuda`):
-  the cuBLASLt kernel, XLA's own GEMM, the reference, a padded or relaid-out kernel.
-
-Both resolve a GEMM's ``backend="auto"`` through `gemm_backend` (explicit backend, then
-``JAX_EPILOG_BACKEND``, then the tables), the one place that does. `jax_epilog.explain` prints
-the plans of a program.
+"""The plan of a `dense`/`mlp` stack, made when it is traced (`plan_stack`): for each layer
+whether it runs FP8 (`quantized_layers`: the stack's measured entry, else `fp8_pays`), where
+its ReLU derivative comes from and which GEMMs write FP8 tensors; every GEMM of the stack
+(`stack_gemms`: the one list of what the layers issue) with its epilog, layout and the backend
+the layer asks `matmul` for, and what that backend becomes on CUDA; and whether the training
+step and the inference forward run the fused stack or the plain expression. `layers` carries
+it out, `tune` times its stacks and GEMMs, `explain` prints it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Optional
 
-import jax
 import numpy as np
 
-from . import config, cuda_library, dispatch, padding
-from .call import Params, problem_of
-from .epilogs import Epilog, is_fp8
+from jax_epilog.op.epilogs import Epilog
+from jax_epilog.planning import decisions as dispatch
 
+from jax_epilog.planning.context import Choice, Context, auto_backend, describe
 
 # --- a stack as the layers describe it --------------------------------------------------------
 
@@ -73,125 +57,6 @@ def weight_grad_gives_bias_grad(layers, i: int) -> bool:
     bias that the data-gradient GEMM of layer i + 1 does not reduce (DRELU_BGRAD and friends)."""
     given_above = i + 1 < len(layers) and data_grad_epilog(layers[i]).reduction_output
     return layers[i].has_bias and not given_above
-
-
-# --- what is known beyond the call ----------------------------------------------------------
-
-@functools.cache
-def has_cuda_devices() -> bool:
-    try:
-        return bool(jax.devices("cuda"))
-    except RuntimeError:
-        return False
-
-
-def on_cuda_gpu() -> bool:
-    """Whether the layers run on a CUDA GPU with the library (elsewhere they run the reference:
-    the layer is the same code whichever path it takes)."""
-    return jax.default_backend() == "gpu" and cuda_library.available()
-
-
-class Context(NamedTuple):
-    """What the choices depend on beyond the call itself, each asked only when a choice needs it
-    (`context()` gives this process's; tests and `explain` pass their own)."""
-
-    override: Callable[[], Optional[str]]  # JAX_EPILOG_BACKEND: "cublaslt", "xla" or None
-    tables_decide: Callable[[], bool]  # layers: a CUDA GPU whose tables choose stacks and GEMMs
-    cuda_devices: Callable[[], bool]  # lowering: this host has CUDA devices (else an export)
-    library: Callable[[], bool]  # the cuBLASLt library is loaded
-    gemm_table: Callable[..., dispatch.Decision]  # (epilog, dtype, batch, m, n, k, ta, tb)
-    stack_table: Callable[[dispatch.StackKey], Optional[dispatch.Decision]]
-    # `Fp8(layers="auto")`: "fp8" or "bf16" for a training-step stack from a measured entry
-    fp8_table: Callable[[dispatch.StackKey], Optional[dispatch.Decision]]
-    # Told of each stack whose fused form is traced, and how ("step" or "forward"): how `tune`
-    # and `explain` find a program's stacks. Decides nothing.
-    observe: Optional[Callable[[StackPlan, str], None]] = None
-
-
-def default_context() -> Context:
-    """This process's context: its settings, its devices, its tables (each read when asked)."""
-    return Context(override=lambda: config.backend_override(),
-                   tables_decide=lambda: on_cuda_gpu(),
-                   cuda_devices=lambda: has_cuda_devices(),
-                   library=lambda: cuda_library.available(),
-                   gemm_table=lambda *problem: dispatch.decision(*problem),
-                   stack_table=lambda key: dispatch.stack_decision(key),
-                   fp8_table=lambda key: dispatch.fp8_stack_decision(key))
-
-
-_active: contextvars.ContextVar[Optional[Context]] = contextvars.ContextVar(
-    "jax_epilog_plan_context", default=None)
-
-
-def context() -> Context:
-    """The context the layers and the lowering plan with: the one `planning` set, else
-    `default_context()`."""
-    return _active.get() or default_context()
-
-
-@contextlib.contextmanager
-def planning(ctx: Context):
-    """Within the block (in this thread), traces and lowerings plan with `ctx`. A function jitted
-    before keeps its cached trace: `tune` and `explain` clear JAX's caches first."""
-    token = _active.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _active.reset(token)
-
-
-# --- one GEMM's backend ------------------------------------------------------------------------
-
-class Choice(NamedTuple):
-    """A choice and the rule or table entry that made it."""
-
-    choice: str
-    why: str
-
-
-def describe(decision: dispatch.Decision) -> str:
-    """Why `dispatch` decided as it did, in words."""
-    entry = decision.entry
-    measured = ""
-    if entry is not None and hasattr(entry, "seconds"):
-        times = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in entry.seconds.items()
-                          if isinstance(v, float))
-        where = (f"{entry.epilog} {entry.dtype} rows={entry.m} N={entry.n} K={entry.k}"
-                 if isinstance(entry, dispatch.Entry) else str(entry.key))
-        measured = f": nearest entry {where} ({times})"
-    return {
-        "override": "JAX_EPILOG_BACKEND",
-        "measuring": "this tune run's measurement" + measured,
-        "user": "your table (JAX_EPILOG_DECISIONS)" + measured,
-        "shipped": "the table shipped for this GPU" + measured,
-        "fp8": "FP8 operands without a nearby entry: the kernel (SPEC §5)",
-        "none": "no nearby entry in this GPU's tables: XLA",
-        "reference-gpu": ("no table for this GPU: the kernel only where every nearby entry "
-                          "of the reference GPU's table chose it") + measured,
-    }.get(decision.source, decision.source)
-
-
-def auto_backend(ctx: Context, epilog, dtype, batch: int, m: int, n: int, k: int,
-                 transpose_a: bool, transpose_b: bool) -> Choice:
-    """What ``backend="auto"`` runs on a CUDA GPU: the override, else the tables."""
-    override = ctx.override()
-    if override is not None:
-        return Choice(override, "JAX_EPILOG_BACKEND")
-    decision = ctx.gemm_table(Epilog(epilog), np.dtype(dtype), batch, m, n, k, transpose_a,
-                              transpose_b)
-    return Choice(decision.choice, describe(decision))
-
-
-def gemm_backend(ctx: Context, requested: str, epilog, dtype, batch: int, m: int, n: int,
-                 k: int, transpose_a: bool, transpose_b: bool) -> Choice:
-    """"cublaslt" or "xla" for one normalised problem lowered for CUDA with
-    ``backend=requested``: as asked, else `auto_backend`; exported from a host without a CUDA
-    device (no tables for the device it will run on): the kernel."""
-    if requested != "auto":
-        return Choice(requested, f"backend={requested!r} asked for")
-    if ctx.override() is None and not ctx.cuda_devices():
-        return Choice("cublaslt", "no CUDA device on this host (an export): the kernel")
-    return auto_backend(ctx, epilog, dtype, batch, m, n, k, transpose_a, transpose_b)
 
 
 # --- FP8: which layers, and where each FP8 tensor comes from ----------------------------------
@@ -480,7 +345,7 @@ def left_to_auto(stack: Stack) -> bool:
     return stack.forward == "auto" and stack.backward == "auto"
 
 
-def _on_cuda(ctx: Context, gemms, dtype) -> tuple[Gemm, ...]:
+def on_cuda(ctx: Context, gemms, dtype) -> tuple[Gemm, ...]:
     """`gemms` with what each runs on a CUDA GPU (the tables consulted where the GEMM is left
     to "auto")."""
     planned = []
@@ -527,7 +392,7 @@ def plan_stack(ctx: Context, stack: Stack, rows: int, widths, dtype, fp8=None,
     partial = StackPlan(stack, rows, widths, dtype, fp8, layer_plans, Choice("fused", ""),
                         Choice("fused", ""), gemms, forward_gemms)
     if on_gpu:
-        gemms, forward_gemms = _on_cuda(ctx, gemms, dtype), _on_cuda(ctx, forward_gemms, dtype)
+        gemms, forward_gemms = on_cuda(ctx, gemms, dtype), on_cuda(ctx, forward_gemms, dtype)
     if any(lp.fp8 for lp in layer_plans):
         why = "FP8 layers: one FP8 custom VJP over the stack"
         return partial._replace(step=Choice("fp8", why), inference=Choice("fp8", why),
@@ -546,130 +411,3 @@ def plan_stack(ctx: Context, stack: Stack, rows: int, widths, dtype, fp8=None,
             Choice(step.choice, "as the training step (no inference entry)")
     return partial._replace(stack=stack._replace(inference=inference.choice), step=step,
                             inference=inference, gemms=gemms, forward_gemms=forward_gemms)
-
-
-def matmul_step_gemms(params: Params, a_shape, b_shape, dtype,
-                      forward_epilog: Epilog) -> tuple[Gemm, ...]:
-    """The GEMMs of a differentiated `matmul` call's training step, as `matmul._forward_bwd`
-    issues them: its forward (`forward_epilog`: with the residual its backward needs), the
-    data gradient dA in a's layout and the weight gradient dB in b's (with the bias gradient,
-    BGRADB, or BGRADA for a transposed b, where the call has a bias). `a_shape` and `b_shape`
-    are the call's rank-3 operands."""
-    ta, tb = params.transpose_a, params.transpose_b
-    batch, m, n, k = problem_of(a_shape, b_shape, ta, tb)
-    dtype, requested = np.dtype(dtype).name, params.backend
-    has_bias = Epilog(params.epilog).has_bias
-    shared_b = b_shape[0] == 1
-    if shared_b and not (ta and batch == 1):  # dA = dZ op(b)ᵀ, every row in one GEMM (then
-        data = (1, batch * m, k, n, False, not tb)  # transposed for a batched aᵀ)
-    elif not ta:
-        data = (batch, m, k, n, False, not tb)
-    else:  # dAᵀ = op(b) dZᵀ, written in a's layout
-        data = (batch, k, m, n, tb, True)
-    if shared_b:  # one GEMM over every row (a batched aᵀ transposed by XLA first)
-        rows, batches, transpose_h = batch * m, 1, ta and batch == 1
-    else:
-        rows, batches, transpose_h = m, batch, ta
-    if tb:  # dBᵀ = dZᵀ op(h): the summed operand is A
-        weight = (Epilog.BGRADA if has_bias else Epilog.DEFAULT, batches, n, k, rows, True,
-                  transpose_h)
-    else:
-        weight = (Epilog.BGRADB if has_bias else Epilog.DEFAULT, batches, k, n, rows,
-                  not transpose_h, False)
-    return (Gemm(None, "forward", forward_epilog, dtype, dtype, batch, m, n, k, ta, tb,
-                 requested),
-            Gemm(None, "data gradient", Epilog.DEFAULT, dtype, dtype, *data, requested),
-            Gemm(None, "weight gradient", weight[0], dtype, dtype, *weight[1:], requested))
-
-
-def plan_matmul_step(ctx: Context, params: Params, a_shape, b_shape, dtype,
-                     forward_epilog: Epilog) -> Choice:
-    """"plain" where every GEMM of a `matmul` call's training step runs XLA's way on this CUDA
-    GPU (asked for, the override, or the tables): JAX then differentiates the plain expression,
-    which XLA compiles as it compiles a user's own; else "fused" (the call's custom VJP).
-
-    The weight gradient is judged as a plain GEMM even where the step would give it the bias
-    gradient (BGRADB/BGRADA): a table entry times that epilog against XLA's GEMM plus a bias
-    sum of its own, but in the plain step XLA fuses the sum into the pass that makes dZ. On
-    the H200 the BGRADB entry (19 µs against 32) sent G6's step (4096×1024→1024) to the custom
-    VJP, which then ran 0.87–0.93× XLA's step (careful harness) where the plain step ran
-    0.94–1.03× (benchmarks/results/never_slower_matmul)."""
-    if not ctx.tables_decide():
-        return Choice("fused", "not a CUDA GPU with the library")
-    gemms = matmul_step_gemms(params, a_shape, b_shape, dtype, forward_epilog)
-    gemms = _on_cuda(ctx, tuple(g._replace(epilog=Epilog.DEFAULT) if g.epilog in (Epilog.BGRADA, Epilog.BGRADB)
-                                else g for g in gemms), dtype)
-    if all(g.backend == "xla" for g in gemms):
-        return Choice("plain", "every GEMM of the step runs XLA's way (the bias gradient a sum "
-                               "XLA fuses)")
-    return Choice("fused", "a GEMM of the step runs cuBLASLt")
-
-
-# --- one call's plan at lowering -------------------------------------------------------------
-
-Layout = tuple[bool, bool]  # (transpose_a, transpose_b)
-K_MAJOR: Layout = (False, True)  # a (M, K), b (N, K): the only layout of cuBLASLt's FP8 kernels
-
-
-class CallPlan(NamedTuple):
-    """How one call of the inner primitive lowers for CUDA: `way` is "reference" (exact),
-    "xla" (the reference in XLA's way: its own GEMM and fusions), "relayout" (operands
-    transposed in XLA to `layout`, then the kernel), "padded" (K or N zero-padded, then the
-    kernel) or "kernel" (the cuBLASLt custom call); `warning` says what to warn of."""
-
-    way: str
-    why: str
-    layout: Optional[Layout] = None
-    warning: Optional[str] = None  # "unavailable" or "fp8-reference"
-
-
-def _transposed(aval, flip: bool):
-    """`aval` (a rank-3 operand) with its last two axes swapped when `flip`."""
-    return aval.update(shape=(*aval.shape[:-2], aval.shape[-1], aval.shape[-2])) if flip else aval
-
-
-def kernel_layout(avals_in, params: Params, supports) -> Optional[Layout]:
-    """For a call in a layout cuBLASLt has no kernel for: the other layout it has one for with
-    the fewest bytes to transpose, or None. On the H200 (cuBLASLt 13.1) BGRADA runs only with a
-    stored (K, M) and BGRADB only with b stored (K, N): the summed operand with K by rows."""
-    own = (params.transpose_a, params.transpose_b)
-    a, b = avals_in[0], avals_in[1]
-    cost = {(ta, tb): (ta != own[0]) * a.size * a.dtype.itemsize +
-            (tb != own[1]) * b.size * b.dtype.itemsize
-            for ta in (False, True) for tb in (False, True) if (ta, tb) != own}
-    for ta, tb in sorted(cost, key=cost.get):
-        avals = [_transposed(a, ta != own[0]), _transposed(b, tb != own[1]), *avals_in[2:]]
-        if supports(avals, params._replace(transpose_a=ta, transpose_b=tb))[0]:
-            return ta, tb
-    return None
-
-
-def plan_call(ctx: Context, avals_in, params: Params, supports) -> CallPlan:
-    """The way one call lowers for CUDA (`lowering.py`'s module doc lists the cases).
-    `supports(avals, params) -> (bool, why)`: cuBLASLt's answer (True where it cannot tell)."""
-    if any(0 in x.shape for x in avals_in[:2]):
-        return CallPlan("reference", "an empty problem: nothing for a GEMM to do")
-    if not ctx.library() and ctx.cuda_devices():
-        return CallPlan("reference", "the cuBLASLt library is unavailable", warning="unavailable")
-    a, b = avals_in[0], avals_in[1]
-    p = problem_of(a.shape, b.shape, params.transpose_a, params.transpose_b)
-    backend = gemm_backend(ctx, params.backend, params.epilog, a.dtype, p.batch, p.m, p.n, p.k,
-                           params.transpose_a, params.transpose_b)
-    if backend.choice == "xla":
-        return CallPlan("xla", backend.why)
-    fp8 = is_fp8(a.dtype)
-    if fp8 and (params.transpose_a, params.transpose_b) != K_MAJOR:
-        return CallPlan("relayout", "cuBLASLt's FP8 kernels take only a (M, K) and b (N, K)",
-                        K_MAJOR)
-    if padding.needed(avals_in, params.transpose_a, params.transpose_b):
-        return CallPlan("padded", "K or N is not a multiple of 16 bytes "
-                                  "(JAX_EPILOG_PAD_UNALIGNED)")
-    if ctx.library():
-        supported, why = supports(avals_in, params)
-        if not supported:
-            layout = None if fp8 else kernel_layout(avals_in, params, supports)
-            if layout is not None:
-                return CallPlan("relayout", f"cuBLASLt has a kernel only in another layout "
-                                            f"({why})", layout)
-            return CallPlan("reference", why, warning="fp8-reference" if fp8 else None)
-    return CallPlan("kernel", backend.why)

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import jax
 import numpy as np
 
-from . import activations
-from .activations import gelu_aux_columns, relu_mask_bytes
+from jax_epilog.op import activations
+from jax_epilog.op.activations import gelu_aux_columns, relu_mask_bytes
 
 
 class Activation(NamedTuple):

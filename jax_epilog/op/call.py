@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 
-from .epilogs import ARRAYS, Epilog, dim_sizes, is_fp8, operand_names, result_names
-from .settings import BACKENDS  # noqa: F401  (re-exported for the primitives' params)
+from jax_epilog.op.epilogs import ARRAYS, Epilog, dim_sizes, is_fp8, operand_names, result_names
+from jax_epilog.runtime.settings import BACKENDS  # noqa: F401  (re-exported for the primitives' params)
 
 
 class Params(NamedTuple):

@@ -39,9 +39,9 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import reference
-from .epilogs import ARRAYS, AUX_DIM_COLUMNS, Epilog, is_fp8
-from .call import Params, kernel_p, names_of, plain_product, problem_of
+from jax_epilog.op import reference
+from jax_epilog.op.epilogs import ARRAYS, AUX_DIM_COLUMNS, Epilog, is_fp8
+from jax_epilog.op.call import Params, kernel_p, names_of, plain_product, problem_of
 
 
 def lower_partitioned(ctx, *args, **params):

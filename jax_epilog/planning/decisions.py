@@ -9,7 +9,7 @@ goal:
 
 - **Tables.** A table is a list of measured problems of one GPU model and cuBLASLt version:
   (epilog, dtype, transposes, rows = batch·M, N, K), each candidate's seconds per call and the
-  choice. The user's table (``config.decisions_path()``, written by ``python -m
+  choice. The user's table (``settings.decisions_path()``, written by ``python -m
   jax_epilog.tune``) is read first, then the table shipped for this GPU
   (``jax_epilog/tables/<gpu slug>.json``, e.g. ``nvidia-h200.json``). Within a file the section
   of this GPU with this cuBLASLt version is used, else this GPU's newest.
@@ -30,7 +30,7 @@ goal:
   the H200) has at least one nearby entry and every nearby entry chose ``"cublaslt"``;
   everything else ``"xla"``. So a problem class that lost on the H200 never takes the fused
   path there, and nothing unmeasured does.
-- **Override**: ``JAX_EPILOG_BACKEND=cublaslt|xla`` (``config.backend_override()``) replaces the
+- **Override**: ``JAX_EPILOG_BACKEND=cublaslt|xla`` (``settings.backend_override()``) replaces the
   automatic choice for every call that asked for ``"auto"``.
 
 GEMM choices measured one by one do not add up to the fastest layer (H200, G1's training step:
@@ -49,7 +49,7 @@ A training-step entry may also hold the time of the same stack trained in FP8 (`
 finds the nearest step entry that has one (user before shipped, rows within `NEAREST_WITHIN`),
 and it decides `Fp8(layers="auto")` for the whole stack: FP8 in every layer where it beat the
 faster of "fused" and "plain" by `MARGIN` (`decide_fp8_from_times`), no FP8 layer otherwise.
-Without such an entry the per-layer rule `plan.fp8_pays` decides.
+Without such an entry the per-layer rule `stack_plan.fp8_pays` decides.
 
 `choose` is called at lowering time on a host that sees a CUDA GPU; tables are loaded once and
 decisions are cached, so a process reads a table written by another process at its next start
@@ -74,8 +74,10 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from . import config, cuda_library
-from .epilogs import Epilog, as_epilog, is_fp8
+from jax_epilog.runtime import settings
+
+from jax_epilog.runtime import library as cuda_library
+from jax_epilog.op.epilogs import Epilog, as_epilog, is_fp8
 
 CANDIDATES = ("cublaslt", "xla")
 MARGIN = 0.02
@@ -438,12 +440,12 @@ def decision(epilog, dtype, batch: int, m: int, n: int, k: int, transpose_a: boo
              transpose_b: bool, identity: Optional[tuple] = None) -> Decision:
     """`choose`'s answer with where it came from (for reports and debugging); `identity`:
     (GPU model, cuBLASLt version) whose tables decide, this host's first GPU by default."""
-    override = config.backend_override()
+    override = settings.backend_override()
     if override is not None:
         return Decision(override, "override")
     problem = (as_epilog(epilog).name, jnp.dtype(dtype).name, bool(transpose_a),
                bool(transpose_b), int(batch) * int(m), int(n), int(k))
-    return _cached_decision(problem, config.decisions_path(), identity or device_identity())
+    return _cached_decision(problem, settings.decisions_path(), identity or device_identity())
 
 
 def choose(epilog: Epilog, dtype, batch: int, m: int, n: int, k: int, transpose_a: bool,
@@ -468,9 +470,9 @@ def stack_decision(key: StackKey, identity: Optional[tuple] = None) -> Optional[
     measured stack entry; None where there is none nearby, under the override
     (``JAX_EPILOG_BACKEND``), or while tune measures stacks (each candidate is timed as
     itself): the layers then fall back to the per-GEMM rule."""
-    if config.backend_override() is not None or _measuring_stacks:
+    if settings.backend_override() is not None or _measuring_stacks:
         return None
-    return _cached_stack_decision(key, config.decisions_path(), identity or device_identity(),
+    return _cached_stack_decision(key, settings.decisions_path(), identity or device_identity(),
                                   decide_stack_from_times)
 
 
@@ -480,7 +482,7 @@ def fp8_stack_decision(key: StackKey, identity: Optional[tuple] = None) -> Optio
     shipped); None where there is none nearby, or while tune measures stacks."""
     if _measuring_stacks:
         return None
-    return _cached_stack_decision(key, config.decisions_path(), identity or device_identity(),
+    return _cached_stack_decision(key, settings.decisions_path(), identity or device_identity(),
                                   decide_fp8_from_times)
 
 

@@ -25,9 +25,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .activations import (gelu, gelu_derivative, pack_relu_mask, relu, relu_mask,  # noqa: F401
+from jax_epilog.op.activations import (gelu, gelu_derivative, pack_relu_mask, relu, relu_mask,  # noqa: F401
                           unpack_relu_mask)
-from .epilogs import ACTIVATIONS, ARRAYS, Epilog, array_dtype, is_fp8, scale_names
+from jax_epilog.op.epilogs import ACTIVATIONS, ARRAYS, Epilog, array_dtype, is_fp8, scale_names
 
 
 def _product(a, b, transpose_a: bool, transpose_b: bool, reduced_precision: bool, dtype):

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from .layers import mlp
+from jax_epilog.layers.functional import mlp
 
 # The benchmark grid of benchmarks/README.md: id -> (B, K, N) for act(x[B, K] @ W[K, N] + b[N]) ...
 GRID = {

@@ -10,9 +10,9 @@ from typing import Optional
 
 from jax.ad_checkpoint import checkpoint_name
 
-from .epilogs import Epilog
-from .matmul import matmul
-from .plan import Layer, Stack
+from jax_epilog.op.epilogs import Epilog
+from jax_epilog.op.matmul import matmul
+from jax_epilog.planning.stack_plan import Layer, Stack
 
 #: `checkpoint_name`s of the residuals, for `jax.checkpoint_policies.save_only_these_names`.
 RELU_MASK_NAME = "jax_epilog_relu_mask"

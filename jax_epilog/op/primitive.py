@@ -24,10 +24,14 @@ from jax._src import dispatch as _jax_dispatch
 from jax.core import ShapedArray
 from jax.interpreters import ad, batching, mlir
 
-from . import lowering, reference, sharding
-from .call import (BACKENDS, Params, Problem, array_shape, epilog_matmul_p,  # noqa: F401
+from jax_epilog.op import lowering
+
+from jax_epilog.op import reference
+
+from jax_epilog.op import sharding
+from jax_epilog.op.call import (BACKENDS, Params, Problem, array_shape, epilog_matmul_p,  # noqa: F401
                    kernel_p, names_of, plain_product, problem_of, result_dtype_of)
-from .epilogs import ARRAYS, Epilog, array_dtype, is_fp8
+from jax_epilog.op.epilogs import ARRAYS, Epilog, array_dtype, is_fp8
 
 
 def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, backend,

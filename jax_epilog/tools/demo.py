@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _install_hint
+from jax_epilog.runtime.library import install_hint as _install_hint
+from jax_epilog.runtime import targets
 
 try:
     import optax
@@ -39,9 +40,9 @@ except ImportError as error:
     raise ImportError(f"the demo needs {package}, which is not installed: "
                       f"{_install_hint('demo')}") from error
 
-from . import cuda_library
-from . import nnx as fused_nnx
-from .demo_cli import parse_args
+from jax_epilog.runtime import library as cuda_library
+from jax_epilog.layers import nnx as fused_nnx
+from jax_epilog.tools.demo_cli import parse_args
 
 
 class Digits(NamedTuple):
@@ -195,7 +196,7 @@ def compare_steps(models: dict[str, nnx.Module], x, y, *, rounds: int = 7,
             temp_bytes = int(compiled[name].memory_analysis().temp_size_in_bytes)
         except (AttributeError, NotImplementedError, RuntimeError):
             temp_bytes = None
-        costs[name] = (temp_bytes, cuda_library.TARGET_NAME in lowered.as_text())
+        costs[name] = (temp_bytes, targets.MATMUL.name in lowered.as_text())
         jax.block_until_ready(compiled[name](*states[name], x, y))
     per_step = {name: [] for name in models}
     for _, name in itertools.product(range(rounds), models):

@@ -19,7 +19,7 @@ one layer), so the backward can use the epilogs that cross a layer boundary:
   gradient at 0 is then 0, where the mask's is 1): where the table's entry for this stack
   (measured whole by `python -m jax_epilog.tune`, the training step and the inference forward each on its own)
   chose it, or, without an entry, where every GEMM of the training step would run XLA's way.
-  `plan.plan_stack` makes these choices when the stack is traced; `jax_epilog.explain` shows
+  `stack_plan.plan_stack` makes these choices when the stack is traced; `jax_epilog.explain` shows
   them.
 
 Dtypes, as Flax's `Dense` does it: everything is cast to one computation dtype before the
@@ -47,12 +47,18 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from . import epilogs, manual_axes, plan
-from . import fp8 as fp8_training  # FP8 training (SPEC §5)
-from .layer_gemms import (GELU_PRE_ACTIVATION_NAME, LAYER_INPUT_NAME,  # noqa: F401
+from jax_epilog.op import epilogs
+
+from jax_epilog.op import manual_axes
+
+from jax_epilog.planning import context, stack_plan
+from jax_epilog.float8.recipe import as_fp8, check_state
+from jax_epilog.layers import fp8_step  # FP8 training (SPEC §5)
+from jax_epilog.layers.gemms import (GELU_PRE_ACTIVATION_NAME, LAYER_INPUT_NAME,  # noqa: F401
                           RELU_MASK_NAME, layer_forward)
-from .matmul import SUPPORTED_DTYPES, activation_gradient, data_gradient, weight_gradient
-from .plan import Layer, Stack, StackPlan, weight_grad_gives_bias_grad
+from jax_epilog.op.arguments import SUPPORTED_DTYPES
+from jax_epilog.op.matmul import activation_gradient, data_gradient, weight_gradient
+from jax_epilog.planning.stack_plan import Layer, Stack, StackPlan, weight_grad_gives_bias_grad
 
 ACTIVATIONS = (None, "relu", "gelu")
 
@@ -116,7 +122,7 @@ _stack.defvjp(_stack_fwd, _stack_bwd)
 def _observe(planned: StackPlan, mode: str) -> None:
     """Tells the planning context's observer (`tune`, `explain`) that the stack's fused form
     is traced as `mode` ("step" or "forward")."""
-    observe = plan.context().observe
+    observe = context.current().observe
     if observe is not None:
         observe(planned, mode)
 
@@ -241,8 +247,8 @@ def _backend(name: str, value, choices: dict) -> str:
 
 def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=None,
          fp8_state=None):
-    fp8 = fp8_training.as_fp8(fp8)
-    fp8_state = fp8_training.check_state(fp8, fp8_state, len(activations))
+    fp8 = as_fp8(fp8)
+    fp8_state = check_state(fp8, fp8_state, len(activations))
     stack_backends = (_backend("forward", forward, FORWARD_CHOICES),
                       _backend("backward", backward, BACKWARD_CHOICES))
     params = _check_params(x, params)
@@ -259,13 +265,13 @@ def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=Non
     params = tuple((manual_axes.vary(kernel, axes), manual_axes.vary(bias, axes))
                    for kernel, bias in params)
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
-    ctx = plan.context()
-    planned = plan.plan_stack(ctx, Stack(layers, precision, *stack_backends), rows.shape[0],
+    ctx = context.current()
+    planned = stack_plan.plan_stack(ctx, Stack(layers, precision, *stack_backends), rows.shape[0],
                               widths, dtype, fp8, has_state=fp8_state is not None)
     if ctx.observe is not None:
         ctx.observe(planned, "planned")
     if planned.any_fp8:
-        return fp8_training.stack(planned, rows, params, fp8_state).reshape(*lead, widths[-1])
+        return fp8_step.stack(planned, rows, params, fp8_state).reshape(*lead, widths[-1])
     if planned.step.choice == "fused":
         y = _stack(planned, rows, params)
     elif planned.inference.choice == "fused":
@@ -273,7 +279,7 @@ def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=Non
     else:
         y = _plain_expression(planned.stack, rows, params)
     if fp8_state is not None:  # every layer stayed bf16: the state passes through
-        y = fp8_training.carry_state(y, fp8_state)
+        y = fp8_step.carry_state(y, fp8_state)
     return y.reshape(*lead, y.shape[-1])
 
 

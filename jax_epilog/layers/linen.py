@@ -1,0 +1,161 @@
+"""Flax Linen modules: `Dense` and `MLP`, drop-in for `linen.Dense` followed by an activation.
+
+The parameters are the stock ones (`kernel` `(inputs.shape[-1], features)`, `bias`
+`(features,)`) with the same default initialisers, so `init` with the same key gives exactly
+the parameters `linen.Dense` would, and either's checkpoint loads into the other. `MLP` names
+its layers `layers_0`, `layers_1`, ... (what `self.layers = [nn.Dense(f) for f in features]`
+in `setup` gives) and runs the whole stack as one `jax_epilog.mlp` call.
+
+Flax is an optional dependency: `pip install ".[flax]"` in a checkout
+(`pip install "jax-epilog[flax]"` from a package index).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+from jax_epilog.runtime.library import install_hint as _install_hint
+
+try:
+    from flax import linen
+    from flax.linen.dtypes import promote_dtype
+except ImportError as error:
+    raise ImportError(f"jax_epilog.linen needs Flax: {_install_hint('flax')}") from error
+
+from jax_epilog.float8.recipe import Fp8History, as_fp8
+from jax_epilog.layers.functional import activation_name, dense, mlp
+
+#: The variable collection of the FP8 amax histories (delayed scaling, `fp8=True`'s): Flax's
+#: "overwrite with gradient" collection, whose gradients are the variables' next values and
+#: which `flax.training.train_state.TrainState.apply_gradients` overwrites, not optimizes.
+try:
+    from flax.linen.fp8_ops import OVERWRITE_WITH_GRADIENT as FP8_COLLECTION
+except ImportError:  # older Flax: the same name
+    FP8_COLLECTION = "_overwrite_with_gradient"
+
+
+class Dense(linen.Module):
+    """`activation(inputs @ kernel + bias)` in one fused kernel; attributes as `linen.Dense`'s.
+
+    Attributes:
+      features: the number of output features.
+      activation: None, "relu" or "gelu" (tanh approximation, `jax.nn.gelu`'s default), or
+        `jax.nn.relu` / `jax.nn.gelu` for the same; checked on construction.
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init: as for `linen.Dense`;
+        `kernel_init=linen.with_partitioning(init, names)` annotates the kernel for sharding.
+      fp8: None, True or `jax_epilog.Fp8(...)`: FP8 training as `jax_epilog.dense`'s `fp8=`;
+        checked on construction. The parameters are the same with or without it. Unless
+        `Fp8(scaling="current")`, the layer also keeps `input_amax_history` and
+        `gradient_amax_history` in the `FP8_COLLECTION` variable collection
+        (`"_overwrite_with_gradient"`, as Flax's own fp8 ops) and runs delayed scaling from
+        them (`fp8=True` included: "auto" scaling): differentiate w.r.t. that collection too,
+        and replace it by its gradient (`TrainState.apply_gradients` does). Applied without
+        the collection, `fp8=True` runs current scaling.
+    """
+
+    features: int
+    activation: Any = None
+    use_bias: bool = True
+    dtype: Optional[Any] = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    kernel_init: Any = linen.initializers.lecun_normal()
+    bias_init: Any = linen.initializers.zeros_init()
+    fp8: Any = None
+
+    def __post_init__(self):
+        activation_name(self.activation)
+        as_fp8(self.fp8)
+        super().__post_init__()
+
+    @linen.compact
+    def kernel_and_bias(self, in_features: int) -> tuple[Any, Optional[Any]]:
+        """This layer's parameters for inputs of `in_features` (created on first use)."""
+        if self.has_variable("params", "kernel"):
+            built = jnp.shape(linen.unbox(self.get_variable("params", "kernel")))[0]
+            if built != in_features:
+                raise ValueError(f"x has {in_features} features; this Dense was initialised "
+                                 f"with in_features={built}")
+        kernel = self.param("kernel", self.kernel_init, (in_features, self.features),
+                            self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) \
+            if self.use_bias else None
+        return kernel, bias
+
+    @linen.compact
+    def fp8_state(self, fp8) -> Optional[Fp8History]:
+        """This layer's `fp8_state=` under `fp8` (created on first use): None under current
+        scaling, and under "auto" when applied without the `FP8_COLLECTION` variables (e.g.
+        `apply({"params": ...})`), which then runs current scaling."""
+        fp8 = as_fp8(fp8)
+        if fp8 is None or not fp8.keeps_state:
+            return None
+        names = [f"{field}_amax_history" for field in Fp8History._fields]
+        if fp8.scaling == "auto" and not self.is_mutable_collection(FP8_COLLECTION) and \
+                not all(self.has_variable(FP8_COLLECTION, name) for name in names):
+            return None
+        initial = fp8.init_state(1)[0]
+        return Fp8History(*(self.variable(FP8_COLLECTION, name, lambda value=value: value).value
+                            for name, value in zip(names, initial)))
+
+    def __call__(self, inputs):
+        kernel, bias = self.kernel_and_bias(jnp.shape(inputs)[-1])
+        inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        return dense(inputs, kernel, bias, activation=activation_name(self.activation),
+                     precision=self.precision, fp8=self.fp8, fp8_state=self.fp8_state(self.fp8))
+
+
+class MLP(linen.Module):
+    """A stack of `Dense` layers (`features[i]` outputs each) run as one `jax_epilog.mlp` call.
+
+    `activation` follows every layer but the last, `final_activation` the last; both are
+    checked on construction, as `Dense`'s is. The other attributes are `linen.Dense`'s and
+    apply to every layer; `fp8` is `Dense`'s (chosen per layer by `jax_epilog.Fp8()`; unless
+    `scaling="current"` each `layers_i` keeps its amax histories in `FP8_COLLECTION`).
+    """
+
+    features: Sequence[int]
+    activation: Any = "relu"
+    final_activation: Any = None
+    use_bias: bool = True
+    dtype: Optional[Any] = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    kernel_init: Any = linen.initializers.lecun_normal()
+    bias_init: Any = linen.initializers.zeros_init()
+    fp8: Any = None
+
+    def __post_init__(self):
+        if isinstance(self.features, (str, bytes)) or not isinstance(self.features, Iterable):
+            raise TypeError(f"features: expected a sequence of layer sizes such as [512, 10] "
+                            f"(the last is the output size), got {self.features!r}")
+        if not list(self.features):
+            raise ValueError("features: expected at least one layer size, got []")
+        activation_name(self.activation, "activation")
+        activation_name(self.final_activation, "final_activation")
+        as_fp8(self.fp8)
+        super().__post_init__()
+
+    @linen.compact
+    def __call__(self, inputs):
+        features = list(self.features)
+        activation = activation_name(self.activation)
+        final_activation = activation_name(self.final_activation)
+        sizes = [jnp.shape(inputs)[-1], *features]
+        params, states = [], []
+        for i, size in enumerate(features):
+            layer = Dense(size, activation=activation if i < len(features) - 1
+                          else final_activation,
+                          use_bias=self.use_bias, dtype=self.dtype,
+                          param_dtype=self.param_dtype, precision=self.precision,
+                          kernel_init=self.kernel_init, bias_init=self.bias_init,
+                          name=f"layers_{i}")
+            params.extend(layer.kernel_and_bias(sizes[i]))
+            states.append(layer.fp8_state(self.fp8))
+        inputs, *params = promote_dtype(inputs, *params, dtype=self.dtype)
+        return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=activation,
+                   final_activation=final_activation, precision=self.precision, fp8=self.fp8,
+                   fp8_state=None if None in states else states)

@@ -1,0 +1,138 @@
+"""How the inner primitive `kernel_p` runs: the cuBLASLt custom call on CUDA, the reference
+elsewhere. On CUDA one plan (`call_plan.plan_call`) decides, at lowering time, and
+`lower_cuda` carries it out in one function, binding nothing of ours again:
+
+- not CUDA: the reference, exact (identical semantics on every platform);
+- CUDA, an empty problem, or the library not loadable in a process that has CUDA devices (with
+  a warning): the reference;
+- CUDA, `backend="xla"` (asked for, set by JAX_EPILOG_BACKEND, or chosen by the decision
+  tables as the faster way for this problem on this GPU): the reference in XLA's way
+  (`exact=False`), so XLA runs its own GEMM and fusions;
+- CUDA, a problem cuBLASLt has no kernel for in any layout (it says so when asked): the
+  reference, exact (for FP8 operands with a `RuntimeWarning`: SPEC §5);
+- otherwise the XLA FFI custom call (`runtime.targets`: `jax_epilog_matmul`, or
+  `jax_epilog_matmul_c` for a call with a C matrix, SPEC §6), on XLA's stream, with
+  cuBLASLt's workspace as an extra result buffer that XLA allocates (so the handler never
+  allocates and is safe inside command buffers). Before it, as the plan says, the operands
+  are transposed in XLA to the layout the kernel has (FP8 kernels take only a (M, K) and
+  b (N, K); on the H200 BGRADA/BGRADB only the summed operand stored K by rows), a transpose
+  XLA fuses into the operand's producer where it can, and K and N are zero-padded to 16 bytes
+  (`padding.py`), the padded results cut back. Lowering for CUDA on a host without a CUDA
+  device (`jax.export` from a CPU host) emits the custom call.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import mlir
+
+from jax_epilog.op import padding, reference
+from jax_epilog.op.call import Params, kernel_p, problem_of, result_dtype_of
+from jax_epilog.op.epilogs import Epilog, is_fp8
+from jax_epilog.planning import call_plan, context
+from jax_epilog.runtime import library as cuda_library
+from jax_epilog.runtime import settings, targets
+
+
+def lower_reference(ctx, *args, exact: bool = True, **params):
+    # `fast_accumulation`: the exact reference computes the float32 formula whatever the call
+    # asks; XLA's way (not `exact`) asks XLA's FP8 dot for it (DEFAULT precision, which XLA
+    # runs with fast accumulation; HIGHEST otherwise).
+    params = Params(**params)
+    fn = functools.partial(reference.epilog_matmul, epilog=params.epilog,
+                           transpose_a=params.transpose_a, transpose_b=params.transpose_b,
+                           allow_tf32=params.allow_tf32, exact=exact,
+                           fast_accumulation=params.fast_accumulation,
+                           result_dtype=params.result_dtype, result_amax=params.result_amax,
+                           has_c=params.has_c)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _sizes(avals_in, params: Params) -> str:
+    a = avals_in[0]
+    p = problem_of(a.shape, avals_in[1].shape, params.transpose_a, params.transpose_b)
+    return f"batch={p.batch}, M={p.m}, N={p.n}, K={p.k}"
+
+
+def _warn_fp8_reference(avals_in, params: Params, why: str) -> None:
+    a = avals_in[0]
+    warnings.warn(
+        f"jax_epilog: cuBLASLt runs no FP8 kernel for epilog {Epilog(params.epilog).name} with "
+        f"{a.dtype} x {avals_in[1].dtype} -> {result_dtype_of(params, a.dtype)}"
+        f"{' and result_amax' if params.result_amax else ''}"
+        f"{' with fast_accumulation' if params.fast_accumulation else ''}"
+        f" ({_sizes(avals_in, params)}): "
+        f"{why}; this call runs the plain-XLA reference instead (same results, slower)",
+        RuntimeWarning, stacklevel=2)
+
+
+@functools.cache
+def _warn_unavailable(reason: str) -> None:
+    warnings.warn(f"jax_epilog: the cuBLASLt library is unavailable ({reason}); CUDA calls run "
+                  "the plain-XLA reference instead.", RuntimeWarning, stacklevel=3)
+
+
+def kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
+    """Whether cuBLASLt has a kernel for these operands, and if not why (None from the library:
+    cannot ask here, e.g. no GPU on this host; trust the kernel)."""
+    a, b = avals_in[0], avals_in[1]
+    p = problem_of(a.shape, b.shape, params.transpose_a, params.transpose_b)
+    bias_batch = avals_in[2].shape[0] if Epilog(params.epilog).has_bias else 1
+    extra = {}
+    if is_fp8(a.dtype):
+        if not cuda_library.supports_fp8():
+            return False, "this build of the jax_epilog library has no FP8 support"
+        extra = dict(b_dtype=np.dtype(b.dtype).name,
+                     result_dtype=result_dtype_of(params, a.dtype).name,
+                     result_amax=bool(params.result_amax),
+                     fast_accumulation=bool(params.fast_accumulation))
+    supported, message = cuda_library.query_support(
+        params.epilog, np.dtype(a.dtype).name, params.transpose_a, params.transpose_b, p.batch,
+        b.shape[0], bias_batch, p.m, p.n, p.k, params.allow_tf32, settings.workspace_bytes(),
+        has_c=bool(params.has_c), **extra)
+    return supported is not False, message
+
+
+def _kernel_call(params: Params, layout, padded):
+    """The custom call on operands in the call's layout: transposed to `layout`, padded to
+    `padded` (K, N) if given, the results cut back to the call's."""
+    inner = params._replace(transpose_a=layout[0], transpose_b=layout[1])
+    target = targets.MATMUL_C if params.has_c else targets.MATMUL
+    workspace = jax.ShapeDtypeStruct((settings.workspace_bytes(),), np.uint8)
+
+    def custom_call(a, b, *rest):
+        avals, _ = kernel_p.abstract_eval(*(jax.typeof(x) for x in (a, b, *rest)),
+                                          **inner._asdict())
+        shapes = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in avals] + [workspace]
+        return jax.ffi.ffi_call(target.name, shapes)(
+            a, b, *rest, **targets.attributes(
+                target, epilog=inner.epilog, transpose_a=inner.transpose_a,
+                transpose_b=inner.transpose_b, allow_tf32=inner.allow_tf32,
+                fast_accumulation=inner.fast_accumulation))[:-1]
+
+    def call(a, b, *rest):
+        a = jnp.swapaxes(a, 1, 2) if layout[0] != params.transpose_a else a
+        b = jnp.swapaxes(b, 1, 2) if layout[1] != params.transpose_b else b
+        if padded is None:
+            return custom_call(a, b, *rest)
+        return padding.padded(custom_call, inner, padded)(a, b, *rest)
+
+    return call
+
+
+def lower_cuda(ctx, *args, **params):
+    params = Params(**params)
+    plan = call_plan.plan_call(context.current(), ctx.avals_in, params, kernel_supports)
+    if plan.warning == "unavailable":
+        _warn_unavailable(cuda_library.unavailable_reason())
+    elif plan.warning == "fp8-reference":
+        _warn_fp8_reference(ctx.avals_in, params, plan.why)
+    if plan.way in ("reference", "xla"):
+        return lower_reference(ctx, *args, exact=plan.way == "reference", **params._asdict())
+    fn = _kernel_call(params, plan.layout, plan.padded)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)

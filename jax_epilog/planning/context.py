@@ -1,0 +1,143 @@
+"""What a plan depends on beyond the call itself (`Context`: the backend override, this host's
+CUDA devices and library, the decision tables), and the one place a GEMM's ``backend="auto"``
+becomes "cublaslt" or "xla" (`gemm_backend`), which both the call's and the stack's plans ask.
+
+The context reaches the planners as an argument. Only the lowering cannot be given one (JAX
+calls it with the call's avals alone), so it reads `current()`: this process's, or the one
+`planning(ctx)` set for a block, which is how `tune` and `explain` plan with their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple, Optional
+
+import jax
+import numpy as np
+
+from jax_epilog.op.epilogs import Epilog
+from jax_epilog.planning import decisions as dispatch
+from jax_epilog.runtime import library as cuda_library
+from jax_epilog.runtime import settings
+
+
+# --- what is known beyond the call ----------------------------------------------------------
+
+@functools.cache
+def has_cuda_devices() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+def on_cuda_gpu() -> bool:
+    """Whether the layers run on a CUDA GPU with the library (elsewhere they run the reference:
+    the layer is the same code whichever path it takes)."""
+    return jax.default_backend() == "gpu" and cuda_library.available()
+
+
+class Context(NamedTuple):
+    """What the choices depend on beyond the call itself, each asked only when a choice needs it
+    (`current()` gives this process's; tests and `explain` pass their own)."""
+
+    override: Callable[[], Optional[str]]  # JAX_EPILOG_BACKEND: "cublaslt", "xla" or None
+    tables_decide: Callable[[], bool]  # layers: a CUDA GPU whose tables choose stacks and GEMMs
+    cuda_devices: Callable[[], bool]  # lowering: this host has CUDA devices (else an export)
+    library: Callable[[], bool]  # the cuBLASLt library is loaded
+    gemm_table: Callable[..., dispatch.Decision]  # (epilog, dtype, batch, m, n, k, ta, tb)
+    stack_table: Callable[[dispatch.StackKey], Optional[dispatch.Decision]]
+    # `Fp8(layers="auto")`: "fp8" or "bf16" for a training-step stack from a measured entry
+    fp8_table: Callable[[dispatch.StackKey], Optional[dispatch.Decision]]
+    # Told of each stack whose fused form is traced, and how ("step" or "forward"): how `tune`
+    # and `explain` find a program's stacks. Decides nothing.
+    observe: Optional[Callable[[Any, str], None]] = None
+
+
+def default_context() -> Context:
+    """This process's context: its settings, its devices, its tables (each read when asked)."""
+    return Context(override=lambda: settings.backend_override(),
+                   tables_decide=lambda: on_cuda_gpu(),
+                   cuda_devices=lambda: has_cuda_devices(),
+                   library=lambda: cuda_library.available(),
+                   gemm_table=lambda *problem: dispatch.decision(*problem),
+                   stack_table=lambda key: dispatch.stack_decision(key),
+                   fp8_table=lambda key: dispatch.fp8_stack_decision(key))
+
+
+_active: contextvars.ContextVar[Optional[Context]] = contextvars.ContextVar(
+    "jax_epilog_plan_context", default=None)
+
+
+def current() -> Context:
+    """The context the layers and the lowering plan with: the one `planning` set, else
+    `default_context()`."""
+    return _active.get() or default_context()
+
+
+@contextlib.contextmanager
+def planning(ctx: Context):
+    """Within the block (in this thread), traces and lowerings plan with `ctx`. A function jitted
+    before keeps its cached trace: `tune` and `explain` clear JAX's caches first."""
+    token = _active.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _active.reset(token)
+
+
+# --- one GEMM's backend ------------------------------------------------------------------------
+
+class Choice(NamedTuple):
+    """A choice and the rule or table entry that made it."""
+
+    choice: str
+    why: str
+
+
+def describe(decision: dispatch.Decision) -> str:
+    """Why `dispatch` decided as it did, in words."""
+    entry = decision.entry
+    measured = ""
+    if entry is not None and hasattr(entry, "seconds"):
+        times = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in entry.seconds.items()
+                          if isinstance(v, float))
+        where = (f"{entry.epilog} {entry.dtype} rows={entry.m} N={entry.n} K={entry.k}"
+                 if isinstance(entry, dispatch.Entry) else str(entry.key))
+        measured = f": nearest entry {where} ({times})"
+    return {
+        "override": "JAX_EPILOG_BACKEND",
+        "measuring": "this tune run's measurement" + measured,
+        "user": "your table (JAX_EPILOG_DECISIONS)" + measured,
+        "shipped": "the table shipped for this GPU" + measured,
+        "fp8": "FP8 operands without a nearby entry: the kernel (SPEC §5)",
+        "none": "no nearby entry in this GPU's tables: XLA",
+        "reference-gpu": ("no table for this GPU: the kernel only where every nearby entry "
+                          "of the reference GPU's table chose it") + measured,
+    }.get(decision.source, decision.source)
+
+
+def auto_backend(ctx: Context, epilog, dtype, batch: int, m: int, n: int, k: int,
+                 transpose_a: bool, transpose_b: bool) -> Choice:
+    """What ``backend="auto"`` runs on a CUDA GPU: the override, else the tables."""
+    override = ctx.override()
+    if override is not None:
+        return Choice(override, "JAX_EPILOG_BACKEND")
+    decision = ctx.gemm_table(Epilog(epilog), np.dtype(dtype), batch, m, n, k, transpose_a,
+                              transpose_b)
+    return Choice(decision.choice, describe(decision))
+
+
+def gemm_backend(ctx: Context, requested: str, epilog, dtype, batch: int, m: int, n: int,
+                 k: int, transpose_a: bool, transpose_b: bool) -> Choice:
+    """"cublaslt" or "xla" for one normalised problem lowered for CUDA with
+    ``backend=requested``: as asked, else `auto_backend`; exported from a host without a CUDA
+    device (no tables for the device it will run on): the kernel."""
+    if requested != "auto":
+        return Choice(requested, f"backend={requested!r} asked for")
+    if ctx.override() is None and not ctx.cuda_devices():
+        return Choice("cublaslt", "no CUDA device on this host (an export): the kernel")
+    return auto_backend(ctx, epilog, dtype, batch, m, n, k, transpose_a, transpose_b)
