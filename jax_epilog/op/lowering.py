@@ -98,29 +98,33 @@ def kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
     return supported is not False, message
 
 
-def _kernel_call(params: Params, layout, padded):
-    """The custom call on operands in the call's layout: transposed to `layout`, padded to
-    `padded` (K, N) if given, the results cut back to the call's."""
-    inner = params._replace(transpose_a=layout[0], transpose_b=layout[1])
+def _custom_call(params: Params):
+    """The custom call itself, on operands in `params`' layout and aligned."""
     target = targets.MATMUL_C if params.has_c else targets.MATMUL
     workspace = jax.ShapeDtypeStruct((settings.workspace_bytes(),), np.uint8)
+    attributes = targets.attributes(
+        target, epilog=params.epilog, transpose_a=params.transpose_a,
+        transpose_b=params.transpose_b, allow_tf32=params.allow_tf32,
+        fast_accumulation=params.fast_accumulation)
 
-    def custom_call(a, b, *rest):
-        avals, _ = kernel_p.abstract_eval(*(jax.typeof(x) for x in (a, b, *rest)),
-                                          **inner._asdict())
+    def call(*operands):
+        avals, _ = kernel_p.abstract_eval(*map(jax.typeof, operands), **params._asdict())
         shapes = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in avals] + [workspace]
-        return jax.ffi.ffi_call(target.name, shapes)(
-            a, b, *rest, **targets.attributes(
-                target, epilog=inner.epilog, transpose_a=inner.transpose_a,
-                transpose_b=inner.transpose_b, allow_tf32=inner.allow_tf32,
-                fast_accumulation=inner.fast_accumulation))[:-1]
+        return jax.ffi.ffi_call(target.name, shapes)(*operands, **attributes)[:-1]
+
+    return call
+
+
+def around_kernel(kernel, params: Params, layout, padded):
+    """`kernel` (a call in `layout`, aligned) on the call's own operands: a and b transposed
+    to `layout` where it differs, K and N zero-padded to `padded` (K, N) if given, the
+    results cut back to the call's."""
+    inner = params._replace(transpose_a=layout[0], transpose_b=layout[1])
 
     def call(a, b, *rest):
         a = jnp.swapaxes(a, 1, 2) if layout[0] != params.transpose_a else a
         b = jnp.swapaxes(b, 1, 2) if layout[1] != params.transpose_b else b
-        if padded is None:
-            return custom_call(a, b, *rest)
-        return padding.padded(custom_call, inner, padded)(a, b, *rest)
+        return (kernel if padded is None else padding.padded(kernel, inner, padded))(a, b, *rest)
 
     return call
 
@@ -134,5 +138,6 @@ def lower_cuda(ctx, *args, **params):
         _warn_fp8_reference(ctx.avals_in, params, plan.why)
     if plan.way in ("reference", "xla"):
         return lower_reference(ctx, *args, exact=plan.way == "reference", **params._asdict())
-    fn = _kernel_call(params, plan.layout, plan.padded)
+    inner = params._replace(transpose_a=plan.layout[0], transpose_b=plan.layout[1])
+    fn = around_kernel(_custom_call(inner), params, plan.layout, plan.padded)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
