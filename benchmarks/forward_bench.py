@@ -24,13 +24,12 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import plot
 import timing
 from jax_epilog import Epilog, gelu_aux_columns, relu_mask_bytes
 from jax_epilog import matmul as epilog_matmul
-from jax_epilog.tools.tune import GRID  # id: (B, K, N) for x[B, K] @ W[K, N] + b[N]
+from jax_epilog.tools.grid import GRID
 
 # Odd, tiny shapes that run in seconds on a CPU (and exercise cuBLASLt's ragged edges on a GPU).
 SMOKE_GRID = {"S1": (64, 48, 40), "S2": (129, 7, 127)}

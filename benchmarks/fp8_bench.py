@@ -2,7 +2,7 @@
 
 For M1 (4 ReLU layers 4096 wide, batch 65536), G1 (one dense ReLU layer 65536×4096→4096, its
 input differentiated too) and M2 (8 layers 1024 wide, batch 16384) of benchmarks/README.md,
-one training step (`jax.value_and_grad` of a squared error, `tune.step_fn`) of:
+one training step (`jax.value_and_grad` of a squared error, `grid.step_fn`) of:
 
 - xla_bf16: the plain-JAX expression `relu(x @ W + b)` in bf16 (what users have);
 - ours_bf16: `jax_epilog.mlp` in bf16, every choice on "auto";
@@ -67,7 +67,6 @@ Writes `<out>/fp8.json` and `<out>/fp8.md`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 import traceback
@@ -82,11 +81,10 @@ import never_slower
 import timing
 from jax_epilog import Fp8, mlp
 from jax_epilog.runtime import targets
-from jax_epilog.runtime import library as cuda_library
 from jax_epilog.float8 import scaling as fp8
 from jax_epilog.planning import stack_plan
-from jax_epilog.tools import tune
-from jax_epilog.tools.tune import GRID, NETWORKS, Workload, step_fn
+from jax_epilog.tools import grid
+from jax_epilog.tools.grid import GRID, NETWORKS, Workload, step_fn
 
 ROUNDS = 7
 HARNESSES = ("careful", "user")
@@ -199,7 +197,7 @@ def stateful_step(w: Workload, config: Fp8, args) -> tuple[Any, tuple]:
     def loss(params, x, target, state):
         y = mlp(x, params, activation=w.activation, final_activation=w.final_activation,
                 fp8=config, fp8_state=state)
-        return tune.squared_error(y, target)
+        return grid.squared_error(y, target)
 
     step = jax.value_and_grad(loss, argnums=(0, 1, 3) if w.grad_x else (0, 3))
     state = jax.block_until_ready(
@@ -390,7 +388,7 @@ def run(rows: dict[str, Workload], sweep_sizes, budget_seconds: float,
         "benchmark": "fp8", "metadata": timing.run_metadata(),
         "method": {"rounds": ROUNDS, "budget_seconds": budget_seconds,
                    "fp8_min_flops": stack_plan.FP8_MIN_FLOPS, "tables": never_slower.tables_used(),
-                   "step": "jax.value_and_grad of a squared error (tune.step_fn)",
+                   "step": "jax.value_and_grad of a squared error (grid.step_fn)",
                    "ratio": "the other variant's time / this variant's (> 1: faster)",
                    "careful": "rotated inputs, back-to-back calls, one block_until_ready per "
                               "round, median; variants interleaved round by round",

@@ -86,7 +86,7 @@ import timing
 from jax_epilog import Fp8
 from jax_epilog import linen as epilog_linen
 from jax_epilog.float8.recipe import as_fp8
-from jax_epilog.tools.tune import Workload
+from jax_epilog.tools.grid import Workload
 
 DTYPE = jnp.bfloat16
 ROUNDS = 7

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import forward_bench
 import timing
 from jax_epilog import dense, mlp
-from jax_epilog.tools.tune import GELU_ROWS, NETWORKS  # benchmarks/README.md's networks M1-M3
+from jax_epilog.tools.grid import GELU_ROWS, NETWORKS
 
 DTYPE = jnp.bfloat16
 ROUNDS = forward_bench.ROUNDS

@@ -42,10 +42,9 @@ import jax.numpy as jnp
 import timing
 from jax_epilog import Epilog, config, dense, matmul
 from jax_epilog.runtime import targets
-from jax_epilog.runtime import library as cuda_library
 from jax_epilog.planning import decisions as dispatch
-from jax_epilog.tools.tune import (GRID, NETWORKS, Workload, epilog_eqns, epilog_stack, forward_fn,
-                             grid_workloads, step_fn)
+from jax_epilog.tools.grid import GRID, NETWORKS, Workload, epilog_stack, forward_fn, grid_workloads, step_fn
+from jax_epilog.tools.measure import epilog_eqns
 
 DTYPE = jnp.bfloat16
 ROUNDS = 7

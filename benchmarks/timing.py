@@ -94,7 +94,6 @@ def memory_analysis(compiled) -> Optional[dict[str, int]]:
 def uses_custom_call(jitted: Callable, *args) -> bool:
     """Whether `jitted(*args)` lowers to jax-epilog's cuBLASLt custom call (else the reference
     lowering runs: no CUDA, library missing, or a problem cuBLASLt has no kernel for)."""
-    from jax_epilog.runtime import library as cuda_library
 
     return targets.MATMUL.name in jitted.lower(*args).as_text()
 

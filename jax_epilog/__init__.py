@@ -31,7 +31,7 @@ from jax_epilog.float8.scaling import quantize_tensor as quantize
 from jax_epilog.layers.functional import dense, mlp
 from jax_epilog.op.epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
 from jax_epilog.op.matmul import matmul, reference_matmul
-from jax_epilog.op.reference import pack_relu_mask, unpack_relu_mask
+from jax_epilog.op.activations import pack_relu_mask, unpack_relu_mask
 from jax_epilog.runtime.targets import EXPORT_SAFETY_CHECKS
 
 __version__ = "0.1.0"

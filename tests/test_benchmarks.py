@@ -129,17 +129,17 @@ def test_the_plain_path_is_the_users_program(monkeypatch, forward_choice):
 
     from jax_epilog.planning import context
     from jax_epilog.planning import decisions as dispatch
-    from jax_epilog.tools import tune
 
+    from jax_epilog.tools import grid
     choices = {"step": "plain", "forward": forward_choice}
     monkeypatch.setattr(context, "on_cuda_gpu", lambda: True)  # the CPU poses as a CUDA GPU
     monkeypatch.setattr(dispatch, "stack_decision",
                         lambda key: dispatch.Decision(choices[key.mode], "shipped"))
     modes = ("forward", "step") if forward_choice == "plain" else ("step",)
-    for w in tune.grid_workloads(["G7", "G4", "M3"]):
+    for w in grid.grid_workloads(["G7", "G4", "M3"]):
         for mode in modes:
             make, args = never_slower.MODES[mode], w.shapes()
-            assert _module_text(make(w, tune.epilog_stack), args) == \
+            assert _module_text(make(w, grid.epilog_stack), args) == \
                 _module_text(make(w, never_slower.xla_stack), args), f"{w.name} {mode}"
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 from jax_epilog.planning import call_plan
+from jax_epilog.planning import context
 from jax_epilog.planning import decisions as dispatch
 from jax_epilog.op.epilogs import Epilog
 
@@ -388,11 +389,10 @@ def test_override_and_measuring_leave_stacks_to_the_per_gemm_rule(tables, monkey
     monkeypatch.delenv("JAX_EPILOG_BACKEND")
     assert stack_choice() == "fused"
     measured = dispatch.Table(H200, VERSION, (entry(4096, 1024, 1024, fused=0.5),))
-    with dispatch.measuring(measured):
-        assert stack_choice() is None  # each candidate is timed as itself
-        assert choose(4096, 1024, 1024) == "cublaslt"  # the GEMMs tune has just measured
-        assert dispatch.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 1024, False,
-                                 True).source == "measuring"
+    ctx = context.measuring(measured)
+    assert ctx.stack_table(stack_key()) is None  # each candidate is timed as itself
+    got = ctx.gemm_table(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 1024, False, True)
+    assert (got.choice, got.source) == ("cublaslt", "measuring")  # what tune has just measured
     assert choose(4096, 1024, 1024) == "xla" and stack_choice() == "fused"
 
 
@@ -408,8 +408,8 @@ def layer_gpu(tables, monkeypatch):
 
 
 def epilog_gemms(fn, *args):
-    from jax_epilog.tools import tune
-    return len(list(tune.epilog_eqns(jax.make_jaxpr(fn)(*args).jaxpr)))
+    from jax_epilog.tools import measure
+    return len(list(measure.epilog_eqns(jax.make_jaxpr(fn)(*args).jaxpr)))
 
 
 def m3_paths(**kwargs):

@@ -24,7 +24,7 @@ from jax_epilog.planning import context
 from fp8_reference import PAIRS, make, mismatches
 from jax_epilog import Epilog
 from jax_epilog.op import lowering
-from jax_epilog.op.primitive import epilog_matmul_p, kernel_p
+from jax_epilog.op.call import epilog_matmul_p, kernel_p
 
 E4M3 = jnp.float8_e4m3fn
 

@@ -27,7 +27,7 @@ from jax_epilog import Epilog
 from jax_epilog.planning import context
 from jax_epilog.planning import decisions as dispatch
 from jax_epilog.op import lowering
-from jax_epilog.op.primitive import epilog_matmul_p
+from jax_epilog.op.call import epilog_matmul_p
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 GELU_EPILOGS = {e for e in Epilog if "GELU" in e.name}

@@ -17,6 +17,7 @@ from jax_epilog.planning import decisions as dispatch
 from jax_epilog.tools import explain as explanation
 from jax_epilog.planning import context, stack_plan
 from jax_epilog.tools import tune
+from jax_epilog.tools import measure
 from test_dispatch import H200, VERSION, tables  # noqa: F401 (tables: a fixture)
 
 S = jax.ShapeDtypeStruct
@@ -203,18 +204,18 @@ UNALIGNED = key(40, ((48, 40), ("relu",), (True,)))  # N = 40
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_fp8_candidate_is_the_step_in_fp8(scaling, monkeypatch):
     monkeypatch.setattr(tune, "FP8_CANDIDATE", Fp8(layers="all", scaling=scaling))
-    x, params, target = tune.stack_operands(TINY)
+    x, params, target = measure.stack_operands(TINY)
     state = (Fp8(scaling=scaling).init_state(2),) if scaling == "delayed" else ()
-    loss, (dx, dparams, *next_state) = tune.stack_fn(TINY, "fp8")(x, params, target, *state)
+    loss, (dx, dparams, *next_state) = measure.stack_fn(TINY, "fp8")(x, params, target, *state)
     assert len(next_state) == len(state)
-    want, (want_dx, want_dparams) = tune.stack_fn(TINY, "plain")(x, params, target)
+    want, (want_dx, want_dparams) = measure.stack_fn(TINY, "plain")(x, params, target)
     assert jnp.allclose(loss, want, rtol=0.1)
     assert jax.tree.structure(dparams) == jax.tree.structure(want_dparams)
     assert dx.shape == want_dx.shape and dx.dtype == want_dx.dtype
     with pytest.raises(ValueError, match="multiples of 16"):
-        tune.stack_fn(UNALIGNED, "fp8")
+        measure.stack_fn(UNALIGNED, "fp8")
     with pytest.raises(ValueError, match="training steps"):
-        tune.stack_fn(TINY._replace(mode="forward"), "fp8")
+        measure.stack_fn(TINY._replace(mode="forward"), "fp8")
 
 
 def test_tune_times_fp8_on_the_cpu_and_records_it(fake_gpu, capsys):
@@ -224,7 +225,7 @@ def test_tune_times_fp8_on_the_cpu_and_records_it(fake_gpu, capsys):
     timed = stacks[TINY].seconds
     assert timed["fp8"] > 0 and timed["fused"] > 0 and timed["plain"] > 0
     # Fp8()'s defaults: a config that keeps amax histories is delayed scaling on a warm state
-    keeps_state = tune.fp8_keeps_state(tune.FP8_CANDIDATE)
+    keeps_state = measure.fp8_keeps_state(measure.FP8_CANDIDATE)
     assert timed[dispatch.FP8_SCALING] == ("delayed" if keeps_state else "current")
     assert "fp8" not in stacks[TINY._replace(mode="forward")].seconds
     assert "fp8" not in stacks[UNALIGNED].seconds
@@ -236,8 +237,8 @@ def test_tune_times_fp8_on_the_cpu_and_records_it(fake_gpu, capsys):
 
 def test_delayed_scaling_is_timed_on_a_warm_state(fake_gpu, monkeypatch):
     monkeypatch.setattr(tune, "FP8_CANDIDATE", Fp8(layers="all", scaling="delayed"))
-    step = jax.jit(tune.stack_fn(TINY, "fp8"))
-    x, params, target = tune.stack_operands(TINY)
+    step = jax.jit(measure.stack_fn(TINY, "fp8"))
+    x, params, target = measure.stack_operands(TINY)
     cold = Fp8(scaling="delayed").init_state(2)
     _, (_, _, warm) = step(x, params, target, cold)
     assert all(float(h.input[0]) > 0 for h in warm)  # the untimed step recorded the amaxes

@@ -20,7 +20,7 @@ import jax_epilog
 from jax_epilog import Epilog
 from jax_epilog.op import lowering
 from jax_epilog.planning import context
-from jax_epilog.op.primitive import Params, kernel_p
+from jax_epilog.op.call import Params, kernel_p
 from problems import make_problem
 
 LAYOUTS = list(itertools.product([False, True], repeat=2))

@@ -16,7 +16,7 @@ import pytest
 import jax_epilog
 from jax_epilog import Epilog
 from jax_epilog.op import padding
-from jax_epilog.op.primitive import Params, epilog_matmul_p
+from jax_epilog.op.call import Params, epilog_matmul_p
 from numpy_reference import unpack_bits
 from problems import make_problem
 

@@ -12,9 +12,13 @@ import jax.numpy as jnp
 import pytest
 
 import jax_epilog
+from jax_epilog.planning import context
 from jax_epilog.planning import decisions as dispatch
 from jax_epilog.layers import functional as layers
 from jax_epilog.tools import tune
+from jax_epilog.tools import command_line
+from jax_epilog.tools import grid
+from jax_epilog.tools import measure
 from jax_epilog.op.epilogs import Epilog
 
 BF16 = jnp.bfloat16
@@ -22,7 +26,7 @@ MATMUL_HAS_BACKEND = "backend" in inspect.signature(jax_epilog.matmul).parameter
 
 
 def stack_shapes(batch, widths, dtype=BF16):
-    return tune.Workload("t", batch, tuple(widths), "relu", None, False).shapes(dtype)
+    return grid.Workload("t", batch, tuple(widths), "relu", None, False).shapes(dtype)
 
 
 def kinds(problems):
@@ -46,19 +50,19 @@ def fake_gpu(monkeypatch, tmp_path):
 # --- problem extraction ----------------------------------------------------------------------
 
 def test_arg_specs():
-    assert tune.parse_arg_spec("bf16[256,784]") == jax.ShapeDtypeStruct((256, 784), BF16)
-    assert tune.parse_arg_spec(" float32[ 3, 4 ] ") == jax.ShapeDtypeStruct((3, 4), jnp.float32)
-    assert tune.parse_arg_spec("f32[]").shape == ()
+    assert command_line.parse_arg_spec("bf16[256,784]") == jax.ShapeDtypeStruct((256, 784), BF16)
+    assert command_line.parse_arg_spec(" float32[ 3, 4 ] ") == jax.ShapeDtypeStruct((3, 4), jnp.float32)
+    assert command_line.parse_arg_spec("f32[]").shape == ()
     for bad in ("bf16(3,4)", "bf16[3,x]", "nonsense[3]"):
         with pytest.raises(ValueError, match="--args"):
-            tune.parse_arg_spec(bad)
+            command_line.parse_arg_spec(bad)
 
 
 def test_training_step_of_an_mlp_is_traced_into_its_problems():
     params, x, target = stack_shapes(32, (16, 24, 8))
-    step = tune.step_fn(tune.Workload("t", 32, (16, 24, 8), "relu", None, False),
-                        tune.epilog_stack)
-    found = kinds(tune.problems_of(step, params, x, target))
+    step = grid.step_fn(grid.Workload("t", 32, (16, 24, 8), "relu", None, False),
+                        grid.epilog_stack)
+    found = kinds(measure.problems_of(step, params, x, target))
     # forward, training form: the ReLU layer keeps its mask; the head has a bias only
     assert ("RELU_AUX_BIAS", False, False, 32, 24, 16) in found
     assert ("BIAS", False, False, 32, 8, 24) in found
@@ -70,8 +74,8 @@ def test_training_step_of_an_mlp_is_traced_into_its_problems():
 
 def test_inference_forward_uses_the_epilogs_without_aux():
     params, x, target = stack_shapes(32, (16, 24, 8))
-    w = tune.Workload("t", 32, (16, 24, 8), "relu", None, False)
-    found = kinds(tune.problems_of(tune.forward_fn(w, tune.epilog_stack), params, x, target))
+    w = grid.Workload("t", 32, (16, 24, 8), "relu", None, False)
+    found = kinds(measure.problems_of(grid.forward_fn(w, grid.epilog_stack), params, x, target))
     assert found == {("RELU_BIAS", False, False, 32, 24, 16), ("BIAS", False, False, 32, 8, 24)}
 
 
@@ -86,17 +90,17 @@ def test_nested_jit_scan_remat_and_cond_are_walked():
             return jax.lax.cond(h.sum() > 0, lambda h: h, lambda h: 2 * h, h), None
         return jnp.sum(jax.lax.scan(body, x, None, length=2)[0].astype(jnp.float32))
 
-    found = tune.problems_of(jax.grad(f), jnp.zeros((40, 24), BF16))
+    found = measure.problems_of(jax.grad(f), jnp.zeros((40, 24), BF16))
     assert ("RELU_AUX_BIAS", False, False, 40, 24, 24) in kinds(found)
     assert any(p.transpose_a for p in found)  # the weight gradient, inside the scan's backward
 
 
 def test_leading_dims_and_batched_operands():
     x = jax.ShapeDtypeStruct((3, 5, 16), BF16)
-    shared = tune.problems_of(lambda a, b: jax_epilog.matmul(a, b),
+    shared = measure.problems_of(lambda a, b: jax_epilog.matmul(a, b),
                               x, jax.ShapeDtypeStruct((16, 8), BF16))
     assert [(p.batch, p.m, p.n, p.k, p.b_batch) for p in shared] == [(1, 15, 8, 16, 1)]
-    batched = tune.problems_of(lambda a, b: jax_epilog.matmul(a, b),
+    batched = measure.problems_of(lambda a, b: jax_epilog.matmul(a, b),
                                x, jax.ShapeDtypeStruct((3, 16, 8), BF16))
     assert [(p.batch, p.m, p.n, p.k, p.b_batch) for p in batched] == [(3, 5, 8, 16, 3)]
     assert batched[0].table_key[4] == 15  # the table is keyed by batch * M
@@ -105,15 +109,15 @@ def test_leading_dims_and_batched_operands():
 @pytest.mark.skipif(not MATMUL_HAS_BACKEND, reason="matmul has no backend= yet")
 def test_calls_with_a_forced_backend_are_not_tuned():
     a, b = jnp.zeros((8, 16), BF16), jnp.zeros((16, 8), BF16)
-    assert tune.problems_of(lambda a, b: jax_epilog.matmul(a, b, backend="xla"), a, b) == []
-    assert len(tune.problems_of(lambda a, b: jax_epilog.matmul(a, b, backend="auto"), a, b)) == 1
+    assert measure.problems_of(lambda a, b: jax_epilog.matmul(a, b, backend="xla"), a, b) == []
+    assert len(measure.problems_of(lambda a, b: jax_epilog.matmul(a, b, backend="auto"), a, b)) == 1
 
 
 def test_distinct_keeps_one_problem_per_table_key_largest_first():
-    small = tune.Problem("RELU_BIAS", "bfloat16", False, False, 1, 8, 8, 8)
-    big = tune.Problem("RELU_BIAS", "bfloat16", False, False, 1, 64, 64, 64)
+    small = measure.Problem("RELU_BIAS", "bfloat16", False, False, 1, 8, 8, 8)
+    big = measure.Problem("RELU_BIAS", "bfloat16", False, False, 1, 64, 64, 64)
     folded = small._replace(batch=2, m=4)  # 2 x 4 rows: the same table key as `small`
-    assert tune.distinct([small, big, folded, small]) == [big, small]
+    assert measure.distinct([small, big, folded, small]) == [big, small]
 
 
 def network(x, params):
@@ -141,38 +145,38 @@ MLP_KEY = dispatch.make_stack_key("bfloat16", 32, (24, 32, 8), ("relu", None), (
 
 def test_stacks_of_a_traced_function_with_a_dense_and_an_mlp():
     x, params = network_args()
-    assert tune.stacks_of(network_step, x, params) == [DENSE_KEY, MLP_KEY]  # rows = 4 x 8
-    assert tune.stacks_of(network, x, params) == [DENSE_KEY._replace(mode="forward"),
+    assert measure.stacks_of(network_step, x, params) == [DENSE_KEY, MLP_KEY]  # rows = 4 x 8
+    assert measure.stacks_of(network, x, params) == [DENSE_KEY._replace(mode="forward"),
                                                   MLP_KEY._replace(mode="forward")]
-    assert tune.stacks_of(network_step, x, params) == [DENSE_KEY, MLP_KEY]  # traced again
+    assert measure.stacks_of(network_step, x, params) == [DENSE_KEY, MLP_KEY]  # traced again
     jitted = jax.jit(network_step)
     jax.make_jaxpr(jitted)(x, params)  # a trace cached by jit would skip the layers' Python
-    assert tune.stacks_of(jitted, x, params) == [DENSE_KEY, MLP_KEY]
+    assert measure.stacks_of(jitted, x, params) == [DENSE_KEY, MLP_KEY]
     # jitted, then differentiated (jax versions differ on whether the primal is traced too)
-    found = set(tune.stacks_of(jax.grad(lambda p: jax.jit(network)(x, p).sum().astype(
+    found = set(measure.stacks_of(jax.grad(lambda p: jax.jit(network)(x, p).sum().astype(
         jnp.float32)), params))
     assert {DENSE_KEY, MLP_KEY} <= found
 
 
 def test_stacks_with_a_forced_backend_are_not_collected():
     x, params = network_args()
-    forced = tune.stacks_of(lambda x, p: jax_epilog.mlp(x, p, forward="xla"), x, params)
+    forced = measure.stacks_of(lambda x, p: jax_epilog.mlp(x, p, forward="xla"), x, params)
     assert forced == []
 
 
 def test_grid_stack_keys_normalise_like_the_layers():
-    names = {name: (fn, args) for name, fn, args in tune.grid_functions(["M3"])}
+    names = {name: (fn, args) for name, fn, args in grid.grid_functions(["M3"])}
     fn, args = names["M3 step"]
-    assert tune.stacks_of(fn, *args) == [dispatch.make_stack_key(
+    assert measure.stacks_of(fn, *args) == [dispatch.make_stack_key(
         "bfloat16", 256, (784, 100, 100, 10), ("relu", "relu", None), (True,) * 3, "step")]
 
 
 @pytest.mark.parametrize("mode", ["forward", "step"])
 def test_stack_candidates_compute_the_same(mode):
     key = MLP_KEY._replace(mode=mode)
-    operands = tune.stack_operands(key)
-    plain = tune.stack_fn(key, "plain")(*operands)
-    fused = tune.stack_fn(key, "fused")(*operands)
+    operands = measure.stack_operands(key)
+    plain = measure.stack_fn(key, "plain")(*operands)
+    fused = measure.stack_fn(key, "fused")(*operands)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(fused)):
         assert a.shape == b.shape
         assert jnp.allclose(a.astype(jnp.float32), b.astype(jnp.float32), atol=0.1, rtol=0.05)
@@ -181,31 +185,31 @@ def test_stack_candidates_compute_the_same(mode):
 
 def test_stack_step_is_the_value_and_grad_of_the_shared_loss():
     key = MLP_KEY._replace(mode="step")
-    x, params, target = tune.stack_operands(key)
+    x, params, target = measure.stack_operands(key)
     assert target.dtype == jnp.float32 and target.shape == (key.rows, key.widths[-1])
-    stack = tune.stack_of(key)
-    loss, (dx, dparams) = tune.stack_fn(key, "plain")(x, params, target)
+    stack = measure.stack_of(key)
+    loss, (dx, dparams) = measure.stack_fn(key, "plain")(x, params, target)
     want_loss, (want_dx, want_dparams) = jax.value_and_grad(
-        lambda x, p: tune.squared_error(layers._plain_expression(stack, x, p), target),
+        lambda x, p: grid.squared_error(layers._plain_expression(stack, x, p), target),
         argnums=(0, 1))(x, params)
     assert loss.shape == () and jnp.allclose(loss, want_loss)
     for a, b in zip(jax.tree.leaves((dx, dparams)), jax.tree.leaves((want_dx, want_dparams))):
         assert jnp.array_equal(a, b)
     # the grid's steps (and never_slower's) use the same loss
-    w = tune.grid_workloads(["G7"])[0]
-    step_source = inspect.getsource(tune.step_fn)
+    w = grid.grid_workloads(["G7"])[0]
+    step_source = inspect.getsource(grid.step_fn)
     assert "squared_error(" in step_source and w.grad_x
 
 
 def test_fused_gemm_backends_follow_the_gemm_entries(fake_gpu):
     step = DENSE_KEY._replace(mode="step")
-    assert tune.fused_gemm_backends(step) == ["xla"] * 3  # no entries: XLA
+    assert measure.fused_gemm_backends(step) == ["xla"] * 3  # no entries: XLA
     rows, (k, n) = step.rows, step.widths
     entry = dispatch.make_entry("GELU_AUX_BIAS", step.dtype, False, False, rows, n, k,
                                 {"cublaslt": 1e-5, "xla": 1e-3})
-    with dispatch.measuring(dispatch.Table("Fake GPU", 1, (entry,))):
-        assert tune.fused_gemm_backends(step) == ["cublaslt", "xla", "xla"]
-        assert tune.fused_gemm_backends(step._replace(mode="forward")) == ["xla"]
+    with context.planning(context.measuring(dispatch.Table("Fake GPU", 1, (entry,)))):
+        assert measure.fused_gemm_backends(step) == ["cublaslt", "xla", "xla"]
+        assert measure.fused_gemm_backends(step._replace(mode="forward")) == ["xla"]
 
 
 def test_a_fused_stack_without_cublaslt_gemms_is_recorded_plain(fake_gpu, capsys):
@@ -222,19 +226,19 @@ def test_a_fused_stack_without_cublaslt_gemms_is_recorded_plain(fake_gpu, capsys
 
 
 PROBLEMS = [
-    tune.Problem("DEFAULT", "bfloat16", False, False, 1, 24, 16, 8),
-    tune.Problem("RELU_AUX_BIAS", "bfloat16", False, False, 1, 24, 130, 8),
-    tune.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 24, 130, 8),
-    tune.Problem("DGELU_BGRAD", "float16", False, True, 1, 24, 20, 8),
-    tune.Problem("BGRADB", "float32", True, False, 1, 12, 20, 40, allow_tf32=True),
-    tune.Problem("BIAS", "float32", False, False, 3, 5, 8, 16, 3, 3),
-    tune.Problem("GELU_BIAS", "bfloat16", True, False, 2, 6, 8, 16),
+    measure.Problem("DEFAULT", "bfloat16", False, False, 1, 24, 16, 8),
+    measure.Problem("RELU_AUX_BIAS", "bfloat16", False, False, 1, 24, 130, 8),
+    measure.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 24, 130, 8),
+    measure.Problem("DGELU_BGRAD", "float16", False, True, 1, 24, 20, 8),
+    measure.Problem("BGRADB", "float32", True, False, 1, 12, 20, 40, allow_tf32=True),
+    measure.Problem("BIAS", "float32", False, False, 3, 5, 8, 16, 3, 3),
+    measure.Problem("GELU_BIAS", "bfloat16", True, False, 2, 6, 8, 16),
     # FP8 operands (SPEC §5): unit scales, the result type and amax carried through
-    tune.Problem("RELU_AUX_BIAS", "float8_e4m3fn", False, True, 1, 16, 32, 32,
+    measure.Problem("RELU_AUX_BIAS", "float8_e4m3fn", False, True, 1, 16, 32, 32,
                  result_dtype="bfloat16"),
-    tune.Problem("DRELU_BGRAD", "float8_e4m3fn", False, True, 1, 16, 32, 32,
+    measure.Problem("DRELU_BGRAD", "float8_e4m3fn", False, True, 1, 16, 32, 32,
                  b_dtype="float8_e5m2", result_dtype="bfloat16"),
-    tune.Problem("BIAS", "float8_e5m2", False, True, 1, 16, 32, 32, b_dtype="float8_e4m3fn",
+    measure.Problem("BIAS", "float8_e5m2", False, True, 1, 16, 32, 32, b_dtype="float8_e4m3fn",
                  result_dtype="float8_e4m3fn", result_amax=True),
 ]
 
@@ -242,18 +246,18 @@ PROBLEMS = [
 @pytest.mark.parametrize("problem", PROBLEMS, ids=str)
 def test_timed_operands_make_exactly_the_traced_call(problem, fake_gpu):
     """`random_operands` + `call_fn` rebuild the normalised problem they were made from."""
-    operands = tune.random_operands(problem)
-    assert tune.problems_of(tune.call_fn(problem, "auto"), *operands) == [problem]
+    operands = measure.random_operands(problem)
+    assert measure.problems_of(measure.call_fn(problem, "auto"), *operands) == [problem]
     if problem.epilog == "DRELU_BGRAD":
         assert operands[2]["relu_aux"].dtype == jnp.uint8
 
 
 def test_grid_covers_every_row_and_network():
-    names = [name for name, _, _ in tune.grid_functions()]
-    for row in [*tune.GRID, *tune.NETWORKS, "G4 gelu", "G5 gelu"]:
+    names = [name for name, _, _ in grid.grid_functions()]
+    for row in [*grid.GRID, *grid.NETWORKS, "G4 gelu", "G5 gelu"]:
         assert f"{row} forward" in names and f"{row} step" in names
     with pytest.raises(ValueError, match="unknown ids"):
-        tune.grid_functions(["G9"])
+        grid.grid_functions(["G9"])
 
 
 # --- the command line ----------------------------------------------------------------------
@@ -261,7 +265,7 @@ def test_grid_covers_every_row_and_network():
 def test_dry_run_lists_the_grid_problems_and_stacks(capsys):
     assert tune.main(["--grid", "--rows", "G7,M3", "--dry-run"]) == 0
     header, *out = capsys.readouterr().out.splitlines()
-    assert header == tune.DRY_RUN_HEADER and "B×K×N" in header  # as the README's tables
+    assert header == measure.DRY_RUN_HEADER and "B×K×N" in header  # as the README's tables
     problems, stacks = (int(n) for n in re.fullmatch(r"(\d+) distinct problems, (\d+) stacks",
                                                      out[-1]).groups())
     assert problems + stacks == len(out) - 1 and stacks == 4
@@ -275,9 +279,9 @@ def test_dry_run_lists_the_grid_problems_and_stacks(capsys):
 
 
 def test_dry_run_of_a_function(capsys):
-    assert tune.main(["--fn", "jax_epilog.layers:dense", "--args", "bf16[64,32]",
+    assert tune.main(["--fn", "jax_epilog:dense", "--args", "bf16[64,32]",
                       "bf16[32,16]", "bf16[16]", "--dry-run"]) == 0
-    assert capsys.readouterr().out.splitlines() == [tune.DRY_RUN_HEADER,
+    assert capsys.readouterr().out.splitlines() == [measure.DRY_RUN_HEADER,
                                                     "BIAS bfloat16 NN 64×32×16",
                                                     "stack forward bfloat16 64×32 →16+b",
                                                     "1 distinct problems, 1 stacks"]
@@ -307,18 +311,18 @@ def test_bad_command_lines(argv, message, capsys):
 # --- the whole flow with a faked GPU ------------------------------------------------------------
 
 def two_layer_step():
-    w = tune.Workload("t", 32, (16, 24, 8), "relu", None, False)
-    return tune.step_fn(w, tune.epilog_stack), w.shapes()
+    w = grid.Workload("t", 32, (16, 24, 8), "relu", None, False)
+    return grid.step_fn(w, grid.epilog_stack), w.shapes()
 
 
 def test_tune_times_every_problem_on_the_cpu_and_writes_the_user_table(fake_gpu, capsys):
     fn, args = two_layer_step()
     table = tune.tune([(fn, args)], seconds=0.005, progress=False)
-    expected = tune.distinct(tune.problems_of(fn, *args))
+    expected = measure.distinct(measure.problems_of(fn, *args))
     assert len(table.entries) == len(expected) and table.device == "Fake GPU"
     for e in table.entries:
         assert e.seconds["cublaslt"] > 0 and e.seconds["xla"] > 0
-    assert [e.key for e in table.stacks] == tune.stacks_of(fn, *args)  # the one step stack
+    assert [e.key for e in table.stacks] == measure.stacks_of(fn, *args)  # the one step stack
     out = capsys.readouterr().out
     total = len(expected) + 1
     assert f"[{total}/{total}] stack step" in out
@@ -336,7 +340,7 @@ def test_tune_times_the_stacks_of_a_function_after_its_gemms(fake_gpu, capsys):
     seen = []
 
     def measure_stack(key, candidate, seconds):
-        seen.append((key, candidate, dispatch.stack_decision(key), dispatch._measuring))
+        seen.append((key, candidate, context.current()))
         if key == MLP_KEY and candidate == "fused":
             raise RuntimeError("out of memory")
         return {"fused": 0.5, "plain": 1.0}[candidate]
@@ -348,9 +352,13 @@ def test_tune_times_the_stacks_of_a_function_after_its_gemms(fake_gpu, capsys):
     assert {(e.key, e.choice) for e in table.stacks} == {(DENSE_KEY, "fused"),
                                                         (MLP_KEY, "plain")}
     # timed while the GEMM entries of this run decide and no stack entry does
-    assert all(decision is None and measuring.entries == table.entries
-               for _, _, decision, measuring in seen)
-    assert dispatch._measuring is None
+    def gemm_source(ctx, e):
+        return ctx.gemm_table(Epilog[e.epilog], e.dtype, 1, e.m, e.n, e.k, e.transpose_a,
+                              e.transpose_b).source
+
+    assert all(ctx.stack_table(key) is None and gemm_source(ctx, e) == "measuring"
+               for key, _, ctx in seen for e in table.entries)
+    assert all(gemm_source(context.current(), e) != "measuring" for e in table.entries)
     assert "out of memory" in capsys.readouterr().err
     dispatch.clear_cache()
     stored = dispatch.load_tables(fake_gpu)[0]
@@ -370,11 +378,11 @@ def test_stacks_are_timed_for_real_on_the_cpu(fake_gpu):
 
 
 def test_injected_clock_decides_and_a_failure_costs_one_candidate(fake_gpu, tmp_path, capsys):
-    problems = [tune.Problem("RELU_BIAS", "bfloat16", False, False, 1, 64, 64, 64),
-                tune.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 64, 64, 64),
-                tune.Problem("BGRADB", "bfloat16", True, False, 1, 64, 64, 64)]
+    problems = [measure.Problem("RELU_BIAS", "bfloat16", False, False, 1, 64, 64, 64),
+                measure.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 64, 64, 64),
+                measure.Problem("BGRADB", "bfloat16", True, False, 1, 64, 64, 64)]
 
-    def measure(p, backend, seconds):
+    def fake_timer(p, backend, seconds):
         if p.epilog == "BGRADB" and backend == "cublaslt":
             raise RuntimeError("no kernel")
         return {"RELU_BIAS": {"cublaslt": 1.0, "xla": 0.99},
@@ -382,7 +390,7 @@ def test_injected_clock_decides_and_a_failure_costs_one_candidate(fake_gpu, tmp_
                 "BGRADB": {"xla": 1.0}}[p.epilog][backend]
 
     output = tmp_path / "out" / "table.json"
-    table = tune.tune(problems, output=output, measure=measure, progress=False)
+    table = tune.tune(problems, output=output, measure=fake_timer, progress=False)
     entries = {e.epilog: e for e in table.entries}
     assert {name: e.choice for name, e in entries.items()} == {
         "RELU_BIAS": "xla", "DRELU_BGRAD": "cublaslt", "BGRADB": "xla"}
@@ -393,23 +401,23 @@ def test_injected_clock_decides_and_a_failure_costs_one_candidate(fake_gpu, tmp_
 
 
 def test_an_interrupted_run_keeps_what_it_measured(fake_gpu):
-    problems = [tune.Problem("DEFAULT", "bfloat16", False, False, 1, s, s, s)
+    problems = [measure.Problem("DEFAULT", "bfloat16", False, False, 1, s, s, s)
                 for s in (256, 128, 64)]
 
-    def measure(p, backend, seconds):
+    def fake_timer(p, backend, seconds):
         if p.m == 64:
             raise KeyboardInterrupt
         return 1.0
 
     with pytest.raises(KeyboardInterrupt):
-        tune.tune(problems, measure=measure, progress=False)
+        tune.tune(problems, measure=fake_timer, progress=False)
     entries = dispatch.load_tables(fake_gpu)[0].entries
     assert sorted(e.m for e in entries) == [128, 256]
 
 
 def test_progress_without_tqdm_prints_lines(fake_gpu, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    p = tune.Problem("DEFAULT", "bfloat16", False, False, 1, 8, 8, 8)
+    p = measure.Problem("DEFAULT", "bfloat16", False, False, 1, 8, 8, 8)
     tune.tune([p], measure=lambda *a, **k: 1e-5, progress=True)
     assert "[1/1] DEFAULT bfloat16 NN 8×8×8: cublaslt 10.0 us, xla 10.0 us -> xla" in \
         capsys.readouterr().out
@@ -428,16 +436,16 @@ def test_bare_callables_are_refused(fake_gpu):
 
 # --- on a GPU (the GPU suite) ------------------------------------------------------------------
 
-GPU_PROBLEMS = [tune.Problem("RELU_BIAS", "bfloat16", False, False, 1, 512, 256, 128),
-                tune.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 512, 128, 256)]
+GPU_PROBLEMS = [measure.Problem("RELU_BIAS", "bfloat16", False, False, 1, 512, 256, 128),
+                measure.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 512, 128, 256)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("problem", GPU_PROBLEMS, ids=str)
 def test_each_candidate_runs_its_backend_on_the_gpu(problem):
-    operands = tune.random_operands(problem)
+    operands = measure.random_operands(problem)
     for backend, kernel in (("cublaslt", True), ("xla", False)):
-        text = jax.jit(tune.call_fn(problem, backend)).lower(*operands).compile().as_text()
+        text = jax.jit(measure.call_fn(problem, backend)).lower(*operands).compile().as_text()
         assert ('custom_call_target="jax_epilog_matmul"' in text) == kernel, backend
 
 
@@ -458,9 +466,9 @@ def test_stack_candidates_on_the_gpu(tmp_path, monkeypatch):
     device, version = dispatch.device_identity()
     gemm = dispatch.make_entry("RELU_AUX_BIAS", "bfloat16", False, False, 512, 128, 256,
                                {"cublaslt": 0.5, "xla": 1.0})
-    operands = tune.stack_operands(key)
-    with dispatch.measuring(dispatch.Table(device, version, (gemm,))):
+    operands = measure.stack_operands(key)
+    with context.planning(context.measuring(dispatch.Table(device, version, (gemm,)))):
         for candidate, kernel in (("fused", True), ("plain", False)):
-            text = jax.jit(tune.stack_fn(key, candidate)).lower(*operands).compile().as_text()
+            text = jax.jit(measure.stack_fn(key, candidate)).lower(*operands).compile().as_text()
             assert ('custom_call_target="jax_epilog_matmul"' in text) == kernel, candidate
-            assert tune.time_stack(key, candidate, seconds=0.02) > 0
+            assert measure.time_stack(key, candidate, seconds=0.02) > 0

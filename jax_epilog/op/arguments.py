@@ -341,7 +341,7 @@ def prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
     if c_operands:  # c folds like y
         c3 = c_operands[0].reshape(kernel_batch, kernel_m, n)
         kernel_inputs += (c3, *c_operands[1:])
-    params = Params(int(epilog), bool(transpose_a), bool(transpose_b),
+    params = Params(epilog, bool(transpose_a), bool(transpose_b),
                     allow_tf32_for(precision, a.dtype), backend,
                     result_dtype=out.name if fp8 else None, result_amax=bool(result_amax),
                     has_c=bool(c_operands), fast_accumulation=fast_accumulation)
@@ -350,7 +350,7 @@ def prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
 
 def shape_results(call: Call, outputs):
     """Shape the kernel's outputs back to the user's leading dims."""
-    epilog = Epilog(call.params.epilog)
+    epilog = call.params.epilog
     y, *rest = outputs
     aux = {}
     for name, x in zip(result_names(epilog, call.params.result_amax)[1:], rest):
@@ -378,7 +378,7 @@ def _sum_over_k(call: Call, dtype):
     b2 = call.b[0]
     total = jnp.sum(b2.astype(jnp.float32), axis=1 if call.params.transpose_b else 0)
     if is_fp8(b2.dtype):  # the scales follow the epilog's inputs: a's, then b's
-        total = total * call.inputs[len(Epilog(call.params.epilog).input_names) + 1]
+        total = total * call.inputs[len(call.params.epilog.input_names) + 1]
     return total.astype(dtype)
 
 

@@ -15,16 +15,10 @@ import numpy as np
 from jax.extend.core import Primitive
 
 from jax_epilog.op.epilogs import ARRAYS, Epilog, dim_sizes, is_fp8, operand_names, result_names
-from jax_epilog.runtime.settings import BACKENDS  # noqa: F401  (re-exported for the primitives' params)
 
 
-class Params(NamedTuple):
-    """The static parameters of a call (hashable: a custom_vjp non-differentiable argument).
-
-    The scales of an FP8 call are operands, not parameters: traced values work under `jit`.
-    """
-
-    epilog: int
+class _Fields(NamedTuple):
+    epilog: Epilog
     transpose_a: bool
     transpose_b: bool
     allow_tf32: bool
@@ -35,6 +29,20 @@ class Params(NamedTuple):
     # FP8 calls only: cuBLASLt's FP8 fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM) on
     # the kernel; the reference ignores it (it computes the exact float32 formula).
     fast_accumulation: bool = False
+
+
+class Params(_Fields):
+    """The static parameters of a call (hashable: a custom_vjp non-differentiable argument).
+    The epilog is an `Epilog` from the public call to the FFI boundary, where it becomes the
+    custom call's attribute (`runtime.targets`).
+
+    The scales of an FP8 call are operands, not parameters: traced values work under `jit`.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, epilog, *args, **kwargs):
+        return super().__new__(cls, Epilog(epilog), *args, **kwargs)
 
 
 def result_dtype_of(params, operand_dtype) -> np.dtype:
@@ -84,7 +92,7 @@ def plain_product(primitive, params: Params, a, b):
     """`primitive` (either of the two) computing only the plain product P = a @ b of a call, as
     float32 for FP8 operands (unit scales: the caller applies the real ones), else in the
     operands' dtype."""
-    plain = params._replace(epilog=int(Epilog.DEFAULT), result_amax=False, has_c=False,
+    plain = params._replace(epilog=Epilog.DEFAULT, result_amax=False, has_c=False,
                             result_dtype="float32" if is_fp8(a.dtype) else None)
     ones = [jnp.ones((), jnp.float32)] * (2 if is_fp8(a.dtype) else 0)
     return primitive.bind(a, b, *ones, **plain._asdict())[0]

@@ -62,7 +62,7 @@ def _sizes(avals_in, params: Params) -> str:
 def _warn_fp8_reference(avals_in, params: Params, why: str) -> None:
     a = avals_in[0]
     warnings.warn(
-        f"jax_epilog: cuBLASLt runs no FP8 kernel for epilog {Epilog(params.epilog).name} with "
+        f"jax_epilog: cuBLASLt runs no FP8 kernel for epilog {params.epilog.name} with "
         f"{a.dtype} x {avals_in[1].dtype} -> {result_dtype_of(params, a.dtype)}"
         f"{' and result_amax' if params.result_amax else ''}"
         f"{' with fast_accumulation' if params.fast_accumulation else ''}"
@@ -82,7 +82,7 @@ def kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
     cannot ask here, e.g. no GPU on this host; trust the kernel)."""
     a, b = avals_in[0], avals_in[1]
     p = problem_of(a.shape, b.shape, params.transpose_a, params.transpose_b)
-    bias_batch = avals_in[2].shape[0] if Epilog(params.epilog).has_bias else 1
+    bias_batch = avals_in[2].shape[0] if params.epilog.has_bias else 1
     extra = {}
     if is_fp8(a.dtype):
         if not cuda_library.supports_fp8():

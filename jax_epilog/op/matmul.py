@@ -32,6 +32,7 @@ from jax_epilog.planning import call_plan, context
 from jax_epilog.op import manual_axes
 from jax_epilog.op.epilogs import (ACTIVATIONS, Epilog, is_fp8)
 from jax_epilog.op.arguments import Call, prepare, shape_results
+from jax_epilog.op import primitive  # noqa: F401  (registers the primitives' rules)
 from jax_epilog.op.call import Params, epilog_matmul_p
 from jax_epilog.op.reference import epilog_matmul as reference_kernel
 
@@ -76,8 +77,8 @@ def _forward_epilog(epilog: Epilog) -> Epilog:
 
 
 def _forward_fwd(params: Params, scalars: _Scalars, a, b, *inputs):
-    epilog = Epilog(params.epilog)
-    outputs = _kernel(params._replace(epilog=int(_forward_epilog(epilog))), a, b, *inputs)
+    epilog = params.epilog
+    outputs = _kernel(params._replace(epilog=_forward_epilog(epilog)), a, b, *inputs)
     residual = outputs[0] if _keeps_output(epilog) else outputs[1] if epilog.activation else None
     visible = outputs if epilog.aux_output or not epilog.activation else outputs[:1]
     bias = inputs[0] if epilog.has_bias else None
@@ -136,7 +137,7 @@ def data_gradient(dz, w, *, precision, backend: str, transpose_w: bool = False,
 
 def _forward_bwd(params: Params, scalars: _Scalars, saved, cotangents):
     a, b, residual, bias, c_args = saved
-    epilog = Epilog(params.epilog)
+    epilog = params.epilog
     # The pre-activation, when it was an output too, has a cotangent of its own.
     extra = cotangents[1][..., :cotangents[0].shape[-1]] if (
         epilog.activation == "gelu" and epilog.aux_output) else None
@@ -226,7 +227,7 @@ def _step_runs_xla(call: Call) -> bool:
     per stack)."""
     p = call.params
     step = call_plan.plan_matmul_step(context.current(), p, call.a.shape, call.b.shape, call.a.dtype,
-                                 _forward_epilog(Epilog(p.epilog)))
+                                 _forward_epilog(p.epilog))
     return step.choice == "plain"
 
 
@@ -242,7 +243,7 @@ def _users_expression(params: Params, a, b, *inputs):
     precision = jax.lax.Precision.DEFAULT if reduced else jax.lax.Precision.HIGHEST
     z = jnp.matmul(a, b.T if params.transpose_b else b, precision=precision,
                    preferred_element_type=a.dtype)
-    epilog = Epilog(params.epilog)
+    epilog = params.epilog
     if epilog.has_bias:
         z = z + inputs[0].astype(z.dtype)
     return ACTIVATIONS[epilog.activation].plain(z) if epilog.activation else z
@@ -325,7 +326,7 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
                     fast_accumulation)
     axes = manual_axes.varying_axes((call.a, call.b, *call.inputs))  # inside shard_map
     operands = [manual_axes.vary(x, axes) for x in (call.a, call.b, *call.inputs)]
-    if Epilog(call.params.epilog).is_backward or is_fp8(call.a.dtype):  # not differentiable
+    if call.params.epilog.is_backward or is_fp8(call.a.dtype):  # not differentiable
         return shape_results(call, _kernel(call.params, *operands))
     scalars = _Scalars(_python_number(alpha, 1.0), _python_number(beta))
     # Traced alpha and beta keep the custom VJP: the plain expression scales in the operands'
@@ -334,7 +335,7 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     # Epilogs that return the ReLU mask or the GELU pre-activation keep the custom VJP too:
     # their gradient follows the mask (1 at 0), whichever GEMMs run.
     constant_scalars = c is None or None not in scalars
-    if constant_scalars and not Epilog(call.params.epilog).aux_output and _step_runs_xla(call):
+    if constant_scalars and not call.params.epilog.aux_output and _step_runs_xla(call):
         own = [a, b, *(dict(epilog_inputs or {}).values())]  # as the caller passed them
         if c is None and scalars.alpha == 1.0 and jnp.ndim(b) == 2 and \
                 all(jnp.ndim(x) == 1 for x in own[2:]):

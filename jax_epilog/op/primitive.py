@@ -29,8 +29,8 @@ from jax_epilog.op import lowering
 from jax_epilog.op import reference
 
 from jax_epilog.op import sharding
-from jax_epilog.op.call import (BACKENDS, Params, Problem, array_shape, epilog_matmul_p,  # noqa: F401
-                   kernel_p, names_of, plain_product, problem_of, result_dtype_of)
+from jax_epilog.op.call import (Params, array_shape, epilog_matmul_p, kernel_p, names_of,
+                   plain_product, problem_of, result_dtype_of)
 from jax_epilog.op.epilogs import ARRAYS, Epilog, array_dtype, is_fp8
 
 

@@ -25,8 +25,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_epilog.op.activations import (gelu, gelu_derivative, pack_relu_mask, relu, relu_mask,  # noqa: F401
-                          unpack_relu_mask)
 from jax_epilog.op.epilogs import ACTIVATIONS, ARRAYS, Epilog, array_dtype, is_fp8, scale_names
 
 

@@ -69,7 +69,7 @@ def _bind(params: Params, *operands):
 
 
 def _arrays(params: Params) -> tuple[str, ...]:
-    epilog = Epilog(params.epilog)
+    epilog = params.epilog
     return epilog.input_names + epilog.output_names
 
 
@@ -107,7 +107,7 @@ def _layout(params: Params, mesh, arg_shapes) -> _Layout:
     p = problem_of(a.shape, b.shape, params.transpose_a, params.transpose_b)
     m_dim, k_dim = (2, 1) if params.transpose_a else (1, 2)
     bk_dim, n_dim = (2, 1) if params.transpose_b else (1, 2)
-    bias = arg_shapes[2] if Epilog(params.epilog).has_bias else None
+    bias = arg_shapes[2] if params.epilog.has_bias else None
     n_axes = _axes(b.sharding, n_dim) or (_axes(bias.sharding, 1) if bias is not None else ())
     # A sharded copy wins over a replicated one: slicing a replicated operand is free,
     # gathering a sharded one is not.
@@ -156,7 +156,7 @@ def _linear_in_k(params: Params, dtype) -> bool:
     linear and so is the store (no FP8 result's scale and saturation, no amax)."""
     fp8_result = params.result_dtype is not None and is_fp8(params.result_dtype)
     del dtype
-    return (Epilog(params.epilog).linear_in_k and not fp8_result and not params.result_amax
+    return (params.epilog.linear_in_k and not fp8_result and not params.result_amax
             and not params.has_c)  # beta · C must be added once, after the psum
 
 

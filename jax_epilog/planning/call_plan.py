@@ -28,7 +28,7 @@ def matmul_step_gemms(params: Params, a_shape, b_shape, dtype,
     ta, tb = params.transpose_a, params.transpose_b
     batch, m, n, k = problem_of(a_shape, b_shape, ta, tb)
     dtype, requested = np.dtype(dtype).name, params.backend
-    has_bias = Epilog(params.epilog).has_bias
+    has_bias = params.epilog.has_bias
     shared_b = b_shape[0] == 1
     if shared_b and not (ta and batch == 1):  # dA = dZ op(b)ᵀ, every row in one GEMM (then
         data = (1, batch * m, k, n, False, not tb)  # transposed for a batched aᵀ)

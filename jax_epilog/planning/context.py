@@ -78,6 +78,15 @@ def current() -> Context:
     return _active.get() or default_context()
 
 
+def measuring(table: dispatch.Table) -> Context:
+    """The context a tune run times a stack's candidates in: `table`, the GEMM entries it has
+    just measured, decides GEMMs before the user's and the shipped tables, and no stack entry
+    decides (each candidate is timed as itself)."""
+    return default_context()._replace(
+        gemm_table=lambda *problem: dispatch.decision(*problem, measuring=table),
+        stack_table=lambda key: None, fp8_table=lambda key: None)
+
+
 @contextlib.contextmanager
 def planning(ctx: Context):
     """Within the block (in this thread), traces and lowerings plan with `ctx`. A function jitted

@@ -404,17 +404,20 @@ def shipped_table_path(device: str) -> Path:
 
 def _sources(user_path: Optional[Path],
              identity: tuple) -> tuple[tuple[str, Optional[Table]], ...]:
-    """(source, the GPU's section) in the order they decide: what tune is measuring right now,
-    the user's table, the shipped one; `identity`: (GPU model, cuBLASLt version)."""
+    """(source, the GPU's section) in the order they decide: the user's table, the shipped
+    one; `identity`: (GPU model, cuBLASLt version)."""
     device, version = identity
     user = _section(load_tables(user_path), device, version) if user_path else None
     shipped = _section(load_tables(shipped_table_path(device)), device, version) \
         if device else None
-    return (("measuring", _measuring), ("user", user), ("shipped", shipped))
+    return (("user", user), ("shipped", shipped))
 
 
-def _decide(problem: tuple, user_path: Optional[Path], identity: tuple) -> Decision:
+def _decide(problem: tuple, user_path: Optional[Path], identity: tuple,
+            measuring: bool) -> Decision:
     sources = _sources(user_path, identity)
+    if measuring:  # tune's own table (searched first, by `decision`) has no nearby entry
+        sources = (("measuring", Table("", None, (), ())), *sources)
     for source, table in sources:
         close = nearby(table, problem)
         if close:
@@ -432,26 +435,34 @@ def _decide(problem: tuple, user_path: Optional[Path], identity: tuple) -> Decis
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_decision(problem: tuple, user_path: Optional[Path], identity: tuple) -> Decision:
-    return _decide(problem, user_path, identity)
+def _cached_decision(problem: tuple, user_path: Optional[Path], identity: tuple,
+                     measuring: bool) -> Decision:
+    return _decide(problem, user_path, identity, measuring)
 
 
 def decision(epilog, dtype, batch: int, m: int, n: int, k: int, transpose_a: bool,
-             transpose_b: bool, identity: Optional[tuple] = None) -> Decision:
+             transpose_b: bool, identity: Optional[tuple] = None,
+             measuring: Optional[Table] = None) -> Decision:
     """`choose`'s answer with where it came from (for reports and debugging); `identity`:
-    (GPU model, cuBLASLt version) whose tables decide, this host's first GPU by default."""
+    (GPU model, cuBLASLt version) whose tables decide, this host's first GPU by default;
+    `measuring`: the GEMM entries a tune run has just measured, which decide first (as they
+    will once written)."""
     override = settings.backend_override()
     if override is not None:
         return Decision(override, "override")
     problem = (as_epilog(epilog).name, jnp.dtype(dtype).name, bool(transpose_a),
                bool(transpose_b), int(batch) * int(m), int(n), int(k))
-    return _cached_decision(problem, settings.decisions_path(), identity or device_identity())
+    close = nearby(measuring, problem)
+    if close:
+        return Decision(close[0].choice, "measuring", close[0])
+    return _cached_decision(problem, settings.decisions_path(), identity or device_identity(),
+                            measuring is not None)
 
 
 def choose(epilog: Epilog, dtype, batch: int, m: int, n: int, k: int, transpose_a: bool,
            transpose_b: bool) -> str:
     """"cublaslt" or "xla" for one normalised problem (batch, M, N, K as in
-    `primitive.problem_of`) called with ``backend="auto"``; the rules are in the module doc."""
+    `call.problem_of`) called with ``backend="auto"``; the rules are in the module doc."""
     return decision(epilog, dtype, batch, m, n, k, transpose_a, transpose_b).choice
 
 
@@ -467,10 +478,10 @@ def _cached_stack_decision(key: StackKey, user_path: Optional[Path], identity: t
 
 def stack_decision(key: StackKey, identity: Optional[tuple] = None) -> Optional[Decision]:
     """"fused" or "plain" for a whole `dense`/`mlp` stack left to "auto", from the nearest
-    measured stack entry; None where there is none nearby, under the override
-    (``JAX_EPILOG_BACKEND``), or while tune measures stacks (each candidate is timed as
-    itself): the layers then fall back to the per-GEMM rule."""
-    if settings.backend_override() is not None or _measuring_stacks:
+    measured stack entry; None where there is none nearby or under the override
+    (``JAX_EPILOG_BACKEND``): the layers then fall back to the per-GEMM rule. (While tune
+    measures stacks, its planning context asks no stack entry: `context.measuring`.)"""
+    if settings.backend_override() is not None:
         return None
     return _cached_stack_decision(key, settings.decisions_path(), identity or device_identity(),
                                   decide_stack_from_times)
@@ -479,32 +490,9 @@ def stack_decision(key: StackKey, identity: Optional[tuple] = None) -> Optional[
 def fp8_stack_decision(key: StackKey, identity: Optional[tuple] = None) -> Optional[Decision]:
     """"fp8" or "bf16" for `Fp8(layers="auto")` on a training-step stack (`key.mode` "step"),
     from the nearest step entry with an FP8 time (`decide_fp8_from_times`; user before
-    shipped); None where there is none nearby, or while tune measures stacks."""
-    if _measuring_stacks:
-        return None
+    shipped); None where there is none nearby."""
     return _cached_stack_decision(key, settings.decisions_path(), identity or device_identity(),
                                   decide_fp8_from_times)
-
-
-# While tune times the stacks: the GEMM entries it has just measured decide first (as they will
-# once written), and stack entries are not read.
-_measuring: Optional[Table] = None
-_measuring_stacks = False
-
-
-@contextlib.contextmanager
-def measuring(table: Table):
-    """Within the block (tune timing the candidates of a stack): `table`'s GEMM entries decide
-    before the user's and the shipped ones, and `stack_decision` answers None."""
-    global _measuring, _measuring_stacks
-    previous = _measuring, _measuring_stacks
-    _measuring, _measuring_stacks = table, True
-    clear_cache()
-    try:
-        yield
-    finally:
-        _measuring, _measuring_stacks = previous
-        clear_cache()
 
 
 def clear_cache() -> None:

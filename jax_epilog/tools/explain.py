@@ -32,9 +32,8 @@ from jax_epilog.op import lowering
 
 from jax_epilog.planning import call_plan, context, stack_plan
 from jax_epilog.op.call import Params, problem_of
-from jax_epilog.op.epilogs import Epilog
 from jax_epilog.tools.command_line import load_callable, parse_arg_spec
-from jax_epilog.tools.tune import epilog_eqns
+from jax_epilog.tools.measure import epilog_eqns
 
 
 class Call(NamedTuple):
@@ -153,7 +152,7 @@ def _calls(jaxpr, ctx: context.Context, supports) -> list[Call]:
         p = problem_of(avals[0].shape, avals[1].shape, params.transpose_a, params.transpose_b)
         dtypes = [np.dtype(a.dtype).name for a in avals[:2]]
         result = np.dtype(eqn.outvars[0].aval.dtype).name
-        gemm = stack_plan.Gemm(None, "call", Epilog(params.epilog), " x ".join(dict.fromkeys(dtypes)),
+        gemm = stack_plan.Gemm(None, "call", params.epilog, " x ".join(dict.fromkeys(dtypes)),
                          result, p.batch, p.m, p.n, p.k, params.transpose_a, params.transpose_b,
                          params.backend)
         calls.append(Call(gemm, call_plan.plan_call(ctx, avals, params, supports)))

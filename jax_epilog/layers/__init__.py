@@ -1,0 +1,8 @@
+"""The layers: `functional` (`dense`, `mlp`: one custom VJP over a stack that fuses each
+activation's derivative and bias gradient into the next GEMM), `fp8_step` (an FP8 stack's
+training step: scale, quantize, GEMM with epilog, update the histories), `gemms` (a layer's
+forward GEMM with its named residual, shared by both), and the Flax modules `linen` and
+`nnx` (public as `jax_epilog.linen` and `jax_epilog.nnx`).
+
+Imports `op`, `planning` and `float8`; the Flax modules import Flax, nothing else does.
+"""

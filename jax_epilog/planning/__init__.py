@@ -1,0 +1,14 @@
+"""Planning: every choice of how a call or a layer stack runs, made once, by pure functions of
+what is known when it is traced or lowered, with the rule or table entry behind it.
+
+- `context`: what choices depend on beyond the call (`Context`), and `gemm_backend`, the one
+  place ``backend="auto"`` becomes "cublaslt" or "xla";
+- `call_plan`: one call's plan (`plan_call`: kernel, layout, padding, XLA or the reference)
+  and a differentiated call's step (`plan_matmul_step`);
+- `stack_plan`: a `dense`/`mlp` stack's plan (`plan_stack`: FP8 per layer, each GEMM's
+  epilog and backend, fused or plain);
+- `decisions`: the measured decision tables (shipped in `tables/`, or the user's from
+  `python -m jax_epilog.tune`) and their nearest-entry lookup.
+
+Imports `runtime` and, from `op`, only `epilogs`, `call` and `padding`.
+"""
