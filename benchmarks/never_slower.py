@@ -44,7 +44,7 @@ from jax_epilog import Epilog, config, dense, matmul
 from jax_epilog.runtime import targets
 from jax_epilog.planning import decisions as dispatch
 from jax_epilog.tools.grid import GRID, NETWORKS, Workload, epilog_stack, forward_fn, grid_workloads, step_fn
-from jax_epilog.tools.measure import epilog_eqns
+from jax_epilog.tools.measurement import epilog_eqns
 
 DTYPE = jnp.bfloat16
 ROUNDS = 7

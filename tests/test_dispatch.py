@@ -14,6 +14,7 @@ import pytest
 from jax_epilog.planning import call_plan
 from jax_epilog.planning import context
 from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import table_format
 from jax_epilog.op.epilogs import Epilog
 
 H200, VERSION = "NVIDIA H200", 130100
@@ -40,7 +41,7 @@ def on_gpu(monkeypatch, device, version=VERSION):
 
 def entry(m, n, k, fused, xla=1.0, epilog=Epilog.DRELU_BGRAD, dtype="bfloat16", ta=False,
           tb=True):
-    return dispatch.make_entry(epilog, dtype, ta, tb, m, n, k, {"cublaslt": fused, "xla": xla})
+    return table_format.make_entry(epilog, dtype, ta, tb, m, n, k, {"cublaslt": fused, "xla": xla})
 
 
 def write(path, entries, device=H200, version=VERSION):
@@ -52,12 +53,12 @@ def choose(m, n, k, epilog=Epilog.DRELU_BGRAD, dtype="bfloat16", ta=False, tb=Tr
 
 
 def shipped(tables, device=H200):
-    return tables / "tables" / f"{dispatch.slug(device)}.json"
+    return tables / "tables" / f"{table_format.slug(device)}.json"
 
 
 def test_slug_names_the_shipped_file():
-    assert dispatch.slug("NVIDIA H200") == "nvidia-h200"
-    assert dispatch.slug("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
+    assert table_format.slug("NVIDIA H200") == "nvidia-h200"
+    assert table_format.slug("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
     assert dispatch.shipped_table_path("NVIDIA H200").name == "nvidia-h200.json"
 
 
@@ -69,7 +70,7 @@ def test_slug_names_the_shipped_file():
     (0.5, None, "cublaslt"),  # XLA failed
 ])
 def test_cublaslt_wins_only_by_the_margin(fused, xla, expected):
-    assert dispatch.decide_from_times({"cublaslt": fused, "xla": xla}) == expected
+    assert table_format.decide_from_times({"cublaslt": fused, "xla": xla}) == expected
 
 
 def test_nearest_measured_problem_decides(tables):
@@ -186,7 +187,7 @@ def test_merge_keeps_other_entries_and_replaces_the_same_problem(tables):
     write(path, [entry(4, 5, 6, fused=2.0)], device="Other GPU")
     write(path, [entry(4, 5, 6, fused=1.5), entry(7, 8, 9, fused=0.5)])
     data = json.loads(path.read_text())
-    assert data["format"] == dispatch.FORMAT
+    assert data["format"] == table_format.FORMAT
     by_device = {t["device"]: t for t in data["tables"]}
     mine = {(e["m"], e["n"], e["k"]): e["choice"] for e in by_device[H200]["entries"]}
     assert mine == {(1, 2, 3): "cublaslt", (4, 5, 6): "xla", (7, 8, 9): "cublaslt"}
@@ -204,7 +205,7 @@ def test_concurrent_merges_lose_nothing(tables):
     for t in threads:
         t.join()
     dispatch.clear_cache()
-    assert sorted(e.m for e in dispatch.load_tables(path)[0].entries) == list(range(1, 9))
+    assert sorted(e.m for e in table_format.load_tables(path)[0].entries) == list(range(1, 9))
 
 
 def test_a_failed_write_leaves_the_old_table_whole(tables, monkeypatch):
@@ -245,14 +246,14 @@ def test_decisions_are_cached_until_cleared(tables):
 
 
 def test_shipped_tables_parse():
-    for path in dispatch.TABLES_DIR.glob("*.json"):
-        tables = dispatch.load_tables(path)
+    for path in table_format.TABLES_DIR.glob("*.json"):
+        tables = table_format.load_tables(path)
         assert tables, path
         for table in tables:
-            assert dispatch.slug(table.device) == path.stem
+            assert table_format.slug(table.device) == path.stem
             for e in table.entries:
-                assert e.choice in dispatch.CANDIDATES
-                assert e.choice == dispatch.decide_from_times(e.seconds)
+                assert e.choice in table_format.CANDIDATES
+                assert e.choice == table_format.decide_from_times(e.seconds)
 
 
 @pytest.mark.gpu
@@ -283,11 +284,11 @@ M3 = ((784, 100, 100, 10), ("relu", "relu", None), (True, True, True))
 
 
 def stack_key(rows=256, shape=M3, mode="step", dtype="bfloat16"):
-    return dispatch.make_stack_key(dtype, rows, *shape, mode)
+    return table_format.make_stack_key(dtype, rows, *shape, mode)
 
 
 def stack_entry(fused, plain=1.0, **key):
-    return dispatch.make_stack_entry(stack_key(**key), {"fused": fused, "plain": plain})
+    return table_format.make_stack_entry(stack_key(**key), {"fused": fused, "plain": plain})
 
 
 def write_stacks(path, stacks, device=H200, version=VERSION):
@@ -303,16 +304,16 @@ def stack_choice(**key):
     (0.97, 1.0, "fused"), (0.99, 1.0, "plain"), (1.5, 1.0, "plain"), (None, 1.0, "plain"),
     (0.5, None, "fused")])
 def test_fused_stack_wins_only_by_the_margin(fused, plain, expected):
-    assert dispatch.decide_stack_from_times({"fused": fused, "plain": plain}) == expected
+    assert table_format.decide_stack_from_times({"fused": fused, "plain": plain}) == expected
 
 
 def test_a_fused_stack_that_ran_no_cublaslt_gemm_is_never_chosen():
     seconds = {"fused": 0.5, "plain": 1.0}
-    assert dispatch.decide_stack_from_times({**seconds, dispatch.FUSED_CUBLASLT_GEMMS: 1}) == \
+    assert table_format.decide_stack_from_times({**seconds, table_format.FUSED_CUBLASLT_GEMMS: 1}) == \
         "fused"
-    assert dispatch.decide_stack_from_times({**seconds, dispatch.FUSED_CUBLASLT_GEMMS: 0}) == \
+    assert table_format.decide_stack_from_times({**seconds, table_format.FUSED_CUBLASLT_GEMMS: 0}) == \
         "plain"
-    entry = dispatch.StackEntry.from_dict({**stack_key()._asdict(), "choice": "fused",
+    entry = table_format.StackEntry.from_dict({**stack_key()._asdict(), "choice": "fused",
                                            "seconds": {**seconds, "fused_cublaslt_gemms": 0}})
     assert entry.choice == "plain"  # as stored by tune, re-derived when read
 
@@ -321,7 +322,7 @@ def test_stack_keys_are_checked():
     with pytest.raises(ValueError, match="mode"):
         stack_key(mode="train")
     with pytest.raises(ValueError, match="widths, activations, biases"):
-        dispatch.make_stack_key("bfloat16", 8, (4, 4), ("relu", None), (True,), "step")
+        table_format.make_stack_key("bfloat16", 8, (4, 4), ("relu", None), (True,), "step")
     assert stack_key(dtype="bfloat16") == stack_key(dtype=jnp.bfloat16)
 
 
@@ -330,7 +331,7 @@ def test_version_1_files_without_stacks_still_load(tables):
     shipped(tables).write_text(json.dumps({"format": "jax_epilog.decisions/1", "tables": [
         {"device": H200, "cublaslt_version": VERSION, "entries": [entry_1]}]}))
     assert choose(4096, 1024, 1024) == "cublaslt"
-    assert dispatch.load_tables(shipped(tables))[0].stacks == ()
+    assert table_format.load_tables(shipped(tables))[0].stacks == ()
     assert stack_choice() is None  # no stack entry: the layers use the per-GEMM rule
     shipped(tables).write_text(json.dumps({"format": "jax_epilog.decisions/9", "tables": []}))
     dispatch.clear_cache()
@@ -344,13 +345,13 @@ def test_stack_entries_are_written_read_and_merged(tables):
     write_stacks(path, [stack_entry(0.5), stack_entry(2.0, mode="forward")])
     write_stacks(path, [stack_entry(1.5)])  # the same stack again: replaced
     data = json.loads(path.read_text())
-    assert data["format"] == dispatch.FORMAT == "jax_epilog.decisions/2"
+    assert data["format"] == table_format.FORMAT == "jax_epilog.decisions/2"
     section = data["tables"][0]
     assert len(section["entries"]) == 1
     assert sorted((s["mode"], s["choice"]) for s in section["stacks"]) == [
         ("forward", "plain"), ("step", "plain")]
     assert section["stacks"][0]["activations"] == ["relu", "relu", None]
-    table = dispatch.load_tables(path)[0]
+    table = table_format.load_tables(path)[0]
     assert {s.key for s in table.stacks} == {stack_key(), stack_key(mode="forward")}
 
 
@@ -388,7 +389,7 @@ def test_override_and_measuring_leave_stacks_to_the_per_gemm_rule(tables, monkey
     assert stack_choice() is None
     monkeypatch.delenv("JAX_EPILOG_BACKEND")
     assert stack_choice() == "fused"
-    measured = dispatch.Table(H200, VERSION, (entry(4096, 1024, 1024, fused=0.5),))
+    measured = table_format.Table(H200, VERSION, (entry(4096, 1024, 1024, fused=0.5),))
     ctx = context.measuring(measured)
     assert ctx.stack_table(stack_key()) is None  # each candidate is timed as itself
     got = ctx.gemm_table(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 1024, False, True)
@@ -408,8 +409,8 @@ def layer_gpu(tables, monkeypatch):
 
 
 def epilog_gemms(fn, *args):
-    from jax_epilog.tools import measure
-    return len(list(measure.epilog_eqns(jax.make_jaxpr(fn)(*args).jaxpr)))
+    from jax_epilog.tools import measurement
+    return len(list(measurement.epilog_eqns(jax.make_jaxpr(fn)(*args).jaxpr)))
 
 
 def m3_paths(**kwargs):
@@ -438,8 +439,8 @@ def m3_paths(**kwargs):
 def test_layers_take_each_mode_as_its_stack_entry_chose(layer_gpu, step, forward, expected):
     seconds = {"fused": 0.5, "plain": 1.0}, {"fused": 2.0, "plain": 1.0}
     write_stacks(shipped(layer_gpu), [
-        dispatch.make_stack_entry(stack_key(mode="step"), seconds[step == "plain"]),
-        dispatch.make_stack_entry(stack_key(mode="forward"), seconds[forward == "plain"])])
+        table_format.make_stack_entry(stack_key(mode="step"), seconds[step == "plain"]),
+        table_format.make_stack_entry(stack_key(mode="forward"), seconds[forward == "plain"])])
     assert m3_paths() == expected
 
 
@@ -465,9 +466,9 @@ def test_forced_backends_and_the_override_ignore_stack_entries(layer_gpu, monkey
 def test_mixed_path_gives_the_plain_expressions_gradients(layer_gpu):
     import jax_epilog
     write_stacks(shipped(layer_gpu), [
-        dispatch.make_stack_entry(stack_key(rows=8, shape=((6, 5), ("relu",), (True,))),
+        table_format.make_stack_entry(stack_key(rows=8, shape=((6, 5), ("relu",), (True,))),
                                   {"fused": 2.0, "plain": 1.0}),
-        dispatch.make_stack_entry(stack_key(rows=8, shape=((6, 5), ("relu",), (True,)),
+        table_format.make_stack_entry(stack_key(rows=8, shape=((6, 5), ("relu",), (True,)),
                                             mode="forward"), {"fused": 0.5, "plain": 1.0})])
     keys = jax.random.split(jax.random.key(0), 3)
     x, w, b = (jax.random.normal(k, s, jnp.float32).astype(jnp.bfloat16)
@@ -496,14 +497,14 @@ def test_layers_follow_the_stack_entries_on_the_gpu(tmp_path, monkeypatch, step,
     shape = ((256, 128), ("relu",), (True,))
     times = {"fused": {"fused": 0.5, "plain": 1.0}, "plain": {"fused": 2.0, "plain": 1.0}}
     # every GEMM wins on cuBLASLt, so the fused stack issues custom calls
-    gemms = [dispatch.make_entry(e, "bfloat16", ta, tb, m, n, k, {"cublaslt": 0.5, "xla": 1.0})
+    gemms = [table_format.make_entry(e, "bfloat16", ta, tb, m, n, k, {"cublaslt": 0.5, "xla": 1.0})
              for e, ta, tb, m, n, k in (("RELU_BIAS", False, False, 512, 128, 256),
                                         ("RELU_AUX_BIAS", False, False, 512, 128, 256),
                                         ("BGRADB", True, False, 256, 128, 512),
                                         ("DEFAULT", False, True, 512, 256, 128))]
     dispatch.merge_into(tmp_path / "user.json", device, version, gemms, [
-        dispatch.make_stack_entry(stack_key(512, shape, "step"), times[step]),
-        dispatch.make_stack_entry(stack_key(512, shape, "forward"), times[forward])])
+        table_format.make_stack_entry(stack_key(512, shape, "step"), times[step]),
+        table_format.make_stack_entry(stack_key(512, shape, "forward"), times[forward])])
     dispatch.clear_cache()
     x, w, b = (jnp.ones(s, jnp.bfloat16) for s in ((512, 256), (256, 128), (128,)))
 

@@ -13,6 +13,7 @@ import jax_epilog
 from jax_epilog import Epilog, Fp8
 from jax_epilog.planning import call_plan, context, stack_plan
 from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import table_format
 from jax_epilog.tools import explain as explanation
 from jax_epilog.float8 import scaling as fp8
 from jax_epilog.planning import call_plan, context
@@ -142,9 +143,9 @@ def test_each_gemm_names_the_table_entry_that_chose_it(tmp_path, monkeypatch):
     if context.on_cuda_gpu():
         device, version = dispatch.device_identity()
     else:
-        device, version = dispatch.REFERENCE_DEVICE, None
+        device, version = table_format.REFERENCE_DEVICE, None
     table = tmp_path / "decisions.json"
-    dispatch.merge_into(table, device, version, [dispatch.make_entry(
+    dispatch.merge_into(table, device, version, [table_format.make_entry(
         Epilog.RELU_AUX_BIAS, "bfloat16", False, False, 4099, 520, 1030,
         {"cublaslt": 1.0e-3, "xla": 2.0e-3})])
     monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(table))
@@ -173,7 +174,7 @@ def test_explain_prints_stacks_gemms_and_calls(capsys, matmul_keeps_its_vjp):
     text = capsys.readouterr().out
     assert text.strip() == str(returned)
     if not context.on_cuda_gpu():
-        assert "this host runs the reference" in text and dispatch.REFERENCE_DEVICE in text
+        assert "this host runs the reference" in text and table_format.REFERENCE_DEVICE in text
     assert "stack 0: bfloat16 129x127 ->65+b relu ->17+b" in text
     assert "training step: fused" in text
     assert text.count("backend=cublaslt (") + text.count("backend=cublaslt ->") >= 2

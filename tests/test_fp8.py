@@ -26,6 +26,7 @@ from fp8_reference import PAIRS, RESULTS, make, mismatches
 from jax_epilog import Epilog
 from jax_epilog.planning import context
 from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import table_format
 from jax_epilog.op import lowering
 from jax_epilog.op.call import epilog_matmul_p
 
@@ -440,15 +441,15 @@ def test_auto_means_cublaslt_for_fp8_without_a_measurement(tmp_path, monkeypatch
     try:
         # A bf16 table entry nearby does not decide an FP8 problem.
         dispatch.merge_into(tmp_path / "nvidia-h200.json", "NVIDIA H200", 130100, [
-            dispatch.make_entry(Epilog.RELU_BIAS, "bfloat16", False, True, 4096, 4096, 4096,
+            table_format.make_entry(Epilog.RELU_BIAS, "bfloat16", False, True, 4096, 4096, 4096,
                                 {"cublaslt": 2.0, "xla": 1.0})])
         d = dispatch.decision(Epilog.RELU_BIAS, "float8_e4m3fn", 1, 4096, 4096, 4096, False, True)
-        assert d == dispatch.Decision("cublaslt", "fp8")
+        assert d == table_format.Decision("cublaslt", "fp8")
         assert dispatch.choose(Epilog.RELU_BIAS, "bfloat16", 1, 4096, 4096, 4096, False,
                                True) == "xla"
         # A measured FP8 problem where XLA won: XLA.
         dispatch.merge_into(tmp_path / "nvidia-h200.json", "NVIDIA H200", 130100, [
-            dispatch.make_entry(Epilog.RELU_BIAS, "float8_e4m3fn", False, True, 4096, 4096, 4096,
+            table_format.make_entry(Epilog.RELU_BIAS, "float8_e4m3fn", False, True, 4096, 4096, 4096,
                                 {"cublaslt": 2.0, "xla": 1.0})])
         assert dispatch.choose(Epilog.RELU_BIAS, "float8_e4m3fn", 1, 4096, 4096, 4096, False,
                                True) == "xla"

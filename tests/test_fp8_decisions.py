@@ -14,10 +14,11 @@ import pytest
 import jax_epilog
 from jax_epilog import Fp8
 from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import table_format
 from jax_epilog.tools import explain as explanation
 from jax_epilog.planning import context, stack_plan
 from jax_epilog.tools import tune
-from jax_epilog.tools import measure
+from jax_epilog.tools import measurement
 from test_dispatch import H200, VERSION, tables  # noqa: F401 (tables: a fixture)
 
 S = jax.ShapeDtypeStruct
@@ -40,12 +41,12 @@ def shipped(tmp_path):
 
 
 def key(rows, shape, mode="step"):
-    return dispatch.make_stack_key("bfloat16", rows, *shape, mode)
+    return table_format.make_stack_key("bfloat16", rows, *shape, mode)
 
 
 def entry(rows, shape, fp8, fused=1.0, plain=1.1, mode="step"):
-    times = {"fused": fused, "plain": plain, dispatch.FP8: fp8, dispatch.FP8_SCALING: "current"}
-    return dispatch.make_stack_entry(key(rows, shape, mode), times)
+    times = {"fused": fused, "plain": plain, table_format.FP8: fp8, table_format.FP8_SCALING: "current"}
+    return table_format.make_stack_entry(key(rows, shape, mode), times)
 
 
 def write(path, stacks):
@@ -72,7 +73,7 @@ def planned(rows, shape, config=Fp8(), on_gpu=True):
     ({"fused": None, "plain": None, "fp8": 0.5}, None),
 ])
 def test_fp8_must_beat_the_faster_bf16_step_by_the_margin(seconds, expected):
-    assert dispatch.decide_fp8_from_times(seconds) == expected
+    assert table_format.decide_fp8_from_times(seconds) == expected
 
 
 # --- plan: the entry decides every layer, the rule without one -----------------------------
@@ -100,7 +101,7 @@ def test_a_losing_entry_keeps_every_layer_bf16_where_the_rule_says_fp8(h200):
 def test_without_an_fp8_time_nearby_the_rule_decides(h200):
     write(shipped(h200), [
         entry(65536, M1, fp8=1.0),  # 4x the rows below: not nearby
-        dispatch.make_stack_entry(key(16384, M1), {"fused": 1.0, "plain": 1.1}),  # no FP8
+        table_format.make_stack_entry(key(16384, M1), {"fused": 1.0, "plain": 1.1}),  # no FP8
         entry(16384, M1, fp8=1.0, mode="forward"),  # not a step
         entry(16384, (M1[0], ("gelu",) * 3 + (None,), M1[2]), fp8=1.0)])  # another stack
     sp = planned(16384, M1)
@@ -148,8 +149,8 @@ def test_fp8_times_round_trip_and_old_tables_load_unchanged(h200):
     stacks = [entry(128, SMALL, fp8=0.5), entry(65536, M1, fp8=None)]
     write(path, stacks)
     data = json.loads(path.read_text())
-    assert data["format"] == dispatch.FORMAT
-    (table,) = dispatch.read_tables(path)
+    assert data["format"] == table_format.FORMAT
+    (table,) = table_format.read_tables(path)
     assert sorted(table.stacks, key=lambda e: e.key.order) == \
         sorted(stacks, key=lambda e: e.key.order)
     # a table written before FP8 times existed: the same entries, no FP8 decision
@@ -166,20 +167,20 @@ def test_fp8_times_round_trip_and_old_tables_load_unchanged(h200):
 
 def test_a_run_of_fp8_only_keeps_the_other_candidates_times(h200):
     path = h200 / "table.json"
-    write(path, [dispatch.make_stack_entry(key(128, SMALL), {"fused": 0.5, "plain": 1.0})])
-    write(path, [dispatch.make_stack_entry(key(128, SMALL), {"fp8": 0.25})])
-    write(path, [dispatch.make_stack_entry(key(256, SMALL), {"fp8": 0.25})])  # nothing earlier
-    stacks = {e.key.rows: e for e in dispatch.read_tables(path)[0].stacks}
+    write(path, [table_format.make_stack_entry(key(128, SMALL), {"fused": 0.5, "plain": 1.0})])
+    write(path, [table_format.make_stack_entry(key(128, SMALL), {"fp8": 0.25})])
+    write(path, [table_format.make_stack_entry(key(256, SMALL), {"fp8": 0.25})])  # nothing earlier
+    stacks = {e.key.rows: e for e in table_format.read_tables(path)[0].stacks}
     assert stacks[128].seconds == {"fused": 0.5, "plain": 1.0, "fp8": 0.25}
     assert stacks[128].choice == "fused"
     assert stacks[256].choice is None  # decides neither fused/plain ...
-    assert dispatch.decide_fp8_from_times(stacks[256].seconds) is None  # ... nor FP8
+    assert table_format.decide_fp8_from_times(stacks[256].seconds) is None  # ... nor FP8
 
 
 def test_an_fp8_only_entry_leaves_the_bf16_path_to_the_next_entry(h200):
-    write(shipped(h200), [dispatch.make_stack_entry(key(256, SMALL), {"fused": 0.5,
+    write(shipped(h200), [table_format.make_stack_entry(key(256, SMALL), {"fused": 0.5,
                                                                        "plain": 1.0})])
-    write(h200 / "user.json", [dispatch.make_stack_entry(key(128, SMALL), {"fp8": 0.25})])
+    write(h200 / "user.json", [table_format.make_stack_entry(key(128, SMALL), {"fp8": 0.25})])
     decision = dispatch.stack_decision(key(128, SMALL))
     assert decision.source == "shipped" and decision.choice == "fused"
 
@@ -203,19 +204,19 @@ UNALIGNED = key(40, ((48, 40), ("relu",), (True,)))  # N = 40
 
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 def test_fp8_candidate_is_the_step_in_fp8(scaling, monkeypatch):
-    monkeypatch.setattr(tune, "FP8_CANDIDATE", Fp8(layers="all", scaling=scaling))
-    x, params, target = measure.stack_operands(TINY)
+    monkeypatch.setattr(measurement, "FP8_CANDIDATE", Fp8(layers="all", scaling=scaling))
+    x, params, target = measurement.stack_operands(TINY)
     state = (Fp8(scaling=scaling).init_state(2),) if scaling == "delayed" else ()
-    loss, (dx, dparams, *next_state) = measure.stack_fn(TINY, "fp8")(x, params, target, *state)
+    loss, (dx, dparams, *next_state) = measurement.stack_fn(TINY, "fp8")(x, params, target, *state)
     assert len(next_state) == len(state)
-    want, (want_dx, want_dparams) = measure.stack_fn(TINY, "plain")(x, params, target)
+    want, (want_dx, want_dparams) = measurement.stack_fn(TINY, "plain")(x, params, target)
     assert jnp.allclose(loss, want, rtol=0.1)
     assert jax.tree.structure(dparams) == jax.tree.structure(want_dparams)
     assert dx.shape == want_dx.shape and dx.dtype == want_dx.dtype
     with pytest.raises(ValueError, match="multiples of 16"):
-        measure.stack_fn(UNALIGNED, "fp8")
+        measurement.stack_fn(UNALIGNED, "fp8")
     with pytest.raises(ValueError, match="training steps"):
-        measure.stack_fn(TINY._replace(mode="forward"), "fp8")
+        measurement.stack_fn(TINY._replace(mode="forward"), "fp8")
 
 
 def test_tune_times_fp8_on_the_cpu_and_records_it(fake_gpu, capsys):
@@ -225,25 +226,25 @@ def test_tune_times_fp8_on_the_cpu_and_records_it(fake_gpu, capsys):
     timed = stacks[TINY].seconds
     assert timed["fp8"] > 0 and timed["fused"] > 0 and timed["plain"] > 0
     # Fp8()'s defaults: a config that keeps amax histories is delayed scaling on a warm state
-    keeps_state = measure.fp8_keeps_state(measure.FP8_CANDIDATE)
-    assert timed[dispatch.FP8_SCALING] == ("delayed" if keeps_state else "current")
+    keeps_state = measurement.fp8_keeps_state(measurement.FP8_CANDIDATE)
+    assert timed[table_format.FP8_SCALING] == ("delayed" if keeps_state else "current")
     assert "fp8" not in stacks[TINY._replace(mode="forward")].seconds
     assert "fp8" not in stacks[UNALIGNED].seconds
     out = capsys.readouterr().out
     assert "fp8 timed 1, won" in out
-    stored = {e.key: e for e in dispatch.load_tables(fake_gpu)[0].stacks}
+    stored = {e.key: e for e in table_format.load_tables(fake_gpu)[0].stacks}
     assert stored[TINY].seconds == timed
 
 
 def test_delayed_scaling_is_timed_on_a_warm_state(fake_gpu, monkeypatch):
-    monkeypatch.setattr(tune, "FP8_CANDIDATE", Fp8(layers="all", scaling="delayed"))
-    step = jax.jit(measure.stack_fn(TINY, "fp8"))
-    x, params, target = measure.stack_operands(TINY)
+    monkeypatch.setattr(measurement, "FP8_CANDIDATE", Fp8(layers="all", scaling="delayed"))
+    step = jax.jit(measurement.stack_fn(TINY, "fp8"))
+    x, params, target = measurement.stack_operands(TINY)
     cold = Fp8(scaling="delayed").init_state(2)
     _, (_, _, warm) = step(x, params, target, cold)
     assert all(float(h.input[0]) > 0 for h in warm)  # the untimed step recorded the amaxes
     timed_states = []
-    time_calls = tune.timing.time_calls
+    time_calls = measurement.timing.time_calls
 
     def spy(fn, sets, **kwargs):
         timed_states.extend(s[-1] for s in sets)
@@ -253,8 +254,8 @@ def test_delayed_scaling_is_timed_on_a_warm_state(fake_gpu, monkeypatch):
     assert timed_states and all(jnp.array_equal(a, b) for state in timed_states
                                 for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(warm)))
     (e,) = table.stacks
-    assert e.seconds[dispatch.FP8] > 0 and e.seconds[dispatch.FP8_SCALING] == "delayed"
-    assert set(e.seconds) == {dispatch.FP8, dispatch.FP8_SCALING}
+    assert e.seconds[table_format.FP8] > 0 and e.seconds[table_format.FP8_SCALING] == "delayed"
+    assert set(e.seconds) == {table_format.FP8, table_format.FP8_SCALING}
 
 
 def test_fp8_only_merges_into_the_table_and_decides(fake_gpu):
@@ -265,7 +266,7 @@ def test_fp8_only_merges_into_the_table_and_decides(fake_gpu):
                       progress=False, fp8="only")
     assert [e.key for e in table.stacks] == [TINY]  # only what FP8 can be timed for
     dispatch.clear_cache()
-    stored = {e.key: e for e in dispatch.load_tables(fake_gpu)[0].stacks}
+    stored = {e.key: e for e in table_format.load_tables(fake_gpu)[0].stacks}
     assert {c: stored[TINY].seconds[c] for c in times} == times
     decision = dispatch.fp8_stack_decision(TINY)
     assert decision.choice == "fp8" and decision.source == "user"
@@ -278,7 +279,7 @@ def test_max_seconds_stops_starting_stacks_and_writes_what_was_timed(fake_gpu, c
     table = tune.tune([TINY, key(80, SMALL)], measure_stack=slow, progress=False,
                       max_seconds=0.01)
     assert len(table.stacks) == 1
-    assert len(dispatch.load_tables(fake_gpu)[0].stacks) == 1
+    assert len(table_format.load_tables(fake_gpu)[0].stacks) == 1
     assert "1 problems and stacks not timed" in capsys.readouterr().err
     with pytest.raises(ValueError, match="max_seconds"):
         tune.tune([TINY], max_seconds=0)
@@ -293,7 +294,7 @@ def test_each_stack_is_written_as_it_is_timed(fake_gpu):
         return 1.0
     with pytest.raises(KeyboardInterrupt):
         tune.tune([key(80, SMALL), TINY], measure_stack=measure_stack, progress=False)
-    assert [e.key.rows for e in dispatch.load_tables(fake_gpu)[0].stacks] == [80]
+    assert [e.key.rows for e in table_format.load_tables(fake_gpu)[0].stacks] == [80]
 
 
 # --- the command line ----------------------------------------------------------------------

@@ -541,12 +541,13 @@ def test_gpu_hlo_calls_the_cublaslt_kernel():
 @pytest.mark.parametrize("xla_gemms,plain", [("all", True), ("all but one", False)])
 def test_plain_expression_where_every_gemm_runs_xla(monkeypatch, xla_gemms, plain):
     from jax_epilog.planning import decisions as dispatch
+    from jax_epilog.planning import table_format
     seen = []
 
     def decision(epilog, dtype, *problem):
         seen.append(epilog)
         choice = "cublaslt" if xla_gemms == "all but one" and len(seen) == 2 else "xla"
-        return dispatch.Decision(choice, "test")
+        return table_format.Decision(choice, "test")
 
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

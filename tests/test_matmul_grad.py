@@ -257,11 +257,11 @@ def test_relu_derivative_at_zero_follows_the_output_or_the_mask():
 @pytest.fixture
 def gpu_tables_choose_xla():
     """Plans as on a CUDA GPU whose tables send every GEMM to XLA (the plain path's trigger)."""
-    from jax_epilog.planning import decisions as dispatch
+    from jax_epilog.planning import table_format
     from jax_epilog.planning import context
     ctx = context.default_context()._replace(
         tables_decide=lambda: True, override=lambda: None,
-        gemm_table=lambda *problem: dispatch.Decision("xla", "test"))
+        gemm_table=lambda *problem: table_format.Decision("xla", "test"))
     with context.planning(ctx):
         yield
 
@@ -339,13 +339,13 @@ def test_a_bias_gradient_kernel_alone_keeps_the_plain_path():
     """A table entry that prefers BGRADB/BGRADA to XLA's GEMM plus its own bias sum does not
     take the step off the plain path: there XLA fuses the sum into dZ's pass (the H200's G6
     step ran slower through the custom VJP). A plain GEMM the table sends to cuBLASLt does."""
-    from jax_epilog.planning import decisions as dispatch
+    from jax_epilog.planning import table_format
     from jax_epilog.planning import context
 
     def planned(kernel_epilogs):
         ctx = context.default_context()._replace(
             tables_decide=lambda: True, override=lambda: None,
-            gemm_table=lambda epilog, *problem: dispatch.Decision(
+            gemm_table=lambda epilog, *problem: table_format.Decision(
                 "cublaslt" if epilog in kernel_epilogs else "xla", "test"))
         with context.planning(ctx):
             return _epilog_calls(jax.grad(loss, argnums=(0, 1, 2)), a, b, inputs)

@@ -14,11 +14,12 @@ import pytest
 import jax_epilog
 from jax_epilog.planning import context
 from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import table_format
 from jax_epilog.layers import functional as layers
 from jax_epilog.tools import tune
 from jax_epilog.tools import command_line
 from jax_epilog.tools import grid
-from jax_epilog.tools import measure
+from jax_epilog.tools import measurement
 from jax_epilog.op.epilogs import Epilog
 
 BF16 = jnp.bfloat16
@@ -40,7 +41,7 @@ def fake_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(dispatch, "device_identity", lambda: ("Fake GPU", 1))
     monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "decisions.json"))
     if not MATMUL_HAS_BACKEND:
-        monkeypatch.setattr(tune, "matmul",
+        monkeypatch.setattr(measurement, "matmul",
                             lambda *a, backend="auto", **kw: jax_epilog.matmul(*a, **kw))
     dispatch.clear_cache()
     yield tmp_path / "decisions.json"
@@ -62,7 +63,7 @@ def test_training_step_of_an_mlp_is_traced_into_its_problems():
     params, x, target = stack_shapes(32, (16, 24, 8))
     step = grid.step_fn(grid.Workload("t", 32, (16, 24, 8), "relu", None, False),
                         grid.epilog_stack)
-    found = kinds(measure.problems_of(step, params, x, target))
+    found = kinds(measurement.problems_of(step, params, x, target))
     # forward, training form: the ReLU layer keeps its mask; the head has a bias only
     assert ("RELU_AUX_BIAS", False, False, 32, 24, 16) in found
     assert ("BIAS", False, False, 32, 8, 24) in found
@@ -75,7 +76,7 @@ def test_training_step_of_an_mlp_is_traced_into_its_problems():
 def test_inference_forward_uses_the_epilogs_without_aux():
     params, x, target = stack_shapes(32, (16, 24, 8))
     w = grid.Workload("t", 32, (16, 24, 8), "relu", None, False)
-    found = kinds(measure.problems_of(grid.forward_fn(w, grid.epilog_stack), params, x, target))
+    found = kinds(measurement.problems_of(grid.forward_fn(w, grid.epilog_stack), params, x, target))
     assert found == {("RELU_BIAS", False, False, 32, 24, 16), ("BIAS", False, False, 32, 8, 24)}
 
 
@@ -90,17 +91,17 @@ def test_nested_jit_scan_remat_and_cond_are_walked():
             return jax.lax.cond(h.sum() > 0, lambda h: h, lambda h: 2 * h, h), None
         return jnp.sum(jax.lax.scan(body, x, None, length=2)[0].astype(jnp.float32))
 
-    found = measure.problems_of(jax.grad(f), jnp.zeros((40, 24), BF16))
+    found = measurement.problems_of(jax.grad(f), jnp.zeros((40, 24), BF16))
     assert ("RELU_AUX_BIAS", False, False, 40, 24, 24) in kinds(found)
     assert any(p.transpose_a for p in found)  # the weight gradient, inside the scan's backward
 
 
 def test_leading_dims_and_batched_operands():
     x = jax.ShapeDtypeStruct((3, 5, 16), BF16)
-    shared = measure.problems_of(lambda a, b: jax_epilog.matmul(a, b),
+    shared = measurement.problems_of(lambda a, b: jax_epilog.matmul(a, b),
                               x, jax.ShapeDtypeStruct((16, 8), BF16))
     assert [(p.batch, p.m, p.n, p.k, p.b_batch) for p in shared] == [(1, 15, 8, 16, 1)]
-    batched = measure.problems_of(lambda a, b: jax_epilog.matmul(a, b),
+    batched = measurement.problems_of(lambda a, b: jax_epilog.matmul(a, b),
                                x, jax.ShapeDtypeStruct((3, 16, 8), BF16))
     assert [(p.batch, p.m, p.n, p.k, p.b_batch) for p in batched] == [(3, 5, 8, 16, 3)]
     assert batched[0].table_key[4] == 15  # the table is keyed by batch * M
@@ -109,15 +110,15 @@ def test_leading_dims_and_batched_operands():
 @pytest.mark.skipif(not MATMUL_HAS_BACKEND, reason="matmul has no backend= yet")
 def test_calls_with_a_forced_backend_are_not_tuned():
     a, b = jnp.zeros((8, 16), BF16), jnp.zeros((16, 8), BF16)
-    assert measure.problems_of(lambda a, b: jax_epilog.matmul(a, b, backend="xla"), a, b) == []
-    assert len(measure.problems_of(lambda a, b: jax_epilog.matmul(a, b, backend="auto"), a, b)) == 1
+    assert measurement.problems_of(lambda a, b: jax_epilog.matmul(a, b, backend="xla"), a, b) == []
+    assert len(measurement.problems_of(lambda a, b: jax_epilog.matmul(a, b, backend="auto"), a, b)) == 1
 
 
 def test_distinct_keeps_one_problem_per_table_key_largest_first():
-    small = measure.Problem("RELU_BIAS", "bfloat16", False, False, 1, 8, 8, 8)
-    big = measure.Problem("RELU_BIAS", "bfloat16", False, False, 1, 64, 64, 64)
+    small = measurement.Problem("RELU_BIAS", "bfloat16", False, False, 1, 8, 8, 8)
+    big = measurement.Problem("RELU_BIAS", "bfloat16", False, False, 1, 64, 64, 64)
     folded = small._replace(batch=2, m=4)  # 2 x 4 rows: the same table key as `small`
-    assert measure.distinct([small, big, folded, small]) == [big, small]
+    assert measurement.distinct([small, big, folded, small]) == [big, small]
 
 
 def network(x, params):
@@ -138,45 +139,45 @@ def network_step(x, params):
     return jax.grad(lambda p: network(x, p).astype(jnp.float32).sum())(params)
 
 
-DENSE_KEY = dispatch.make_stack_key("bfloat16", 32, (16, 24), ("gelu",), (True,), "step")
-MLP_KEY = dispatch.make_stack_key("bfloat16", 32, (24, 32, 8), ("relu", None), (True, True),
+DENSE_KEY = table_format.make_stack_key("bfloat16", 32, (16, 24), ("gelu",), (True,), "step")
+MLP_KEY = table_format.make_stack_key("bfloat16", 32, (24, 32, 8), ("relu", None), (True, True),
                                   "step")
 
 
 def test_stacks_of_a_traced_function_with_a_dense_and_an_mlp():
     x, params = network_args()
-    assert measure.stacks_of(network_step, x, params) == [DENSE_KEY, MLP_KEY]  # rows = 4 x 8
-    assert measure.stacks_of(network, x, params) == [DENSE_KEY._replace(mode="forward"),
+    assert measurement.stacks_of(network_step, x, params) == [DENSE_KEY, MLP_KEY]  # rows = 4 x 8
+    assert measurement.stacks_of(network, x, params) == [DENSE_KEY._replace(mode="forward"),
                                                   MLP_KEY._replace(mode="forward")]
-    assert measure.stacks_of(network_step, x, params) == [DENSE_KEY, MLP_KEY]  # traced again
+    assert measurement.stacks_of(network_step, x, params) == [DENSE_KEY, MLP_KEY]  # traced again
     jitted = jax.jit(network_step)
     jax.make_jaxpr(jitted)(x, params)  # a trace cached by jit would skip the layers' Python
-    assert measure.stacks_of(jitted, x, params) == [DENSE_KEY, MLP_KEY]
+    assert measurement.stacks_of(jitted, x, params) == [DENSE_KEY, MLP_KEY]
     # jitted, then differentiated (jax versions differ on whether the primal is traced too)
-    found = set(measure.stacks_of(jax.grad(lambda p: jax.jit(network)(x, p).sum().astype(
+    found = set(measurement.stacks_of(jax.grad(lambda p: jax.jit(network)(x, p).sum().astype(
         jnp.float32)), params))
     assert {DENSE_KEY, MLP_KEY} <= found
 
 
 def test_stacks_with_a_forced_backend_are_not_collected():
     x, params = network_args()
-    forced = measure.stacks_of(lambda x, p: jax_epilog.mlp(x, p, forward="xla"), x, params)
+    forced = measurement.stacks_of(lambda x, p: jax_epilog.mlp(x, p, forward="xla"), x, params)
     assert forced == []
 
 
 def test_grid_stack_keys_normalise_like_the_layers():
     names = {name: (fn, args) for name, fn, args in grid.grid_functions(["M3"])}
     fn, args = names["M3 step"]
-    assert measure.stacks_of(fn, *args) == [dispatch.make_stack_key(
+    assert measurement.stacks_of(fn, *args) == [table_format.make_stack_key(
         "bfloat16", 256, (784, 100, 100, 10), ("relu", "relu", None), (True,) * 3, "step")]
 
 
 @pytest.mark.parametrize("mode", ["forward", "step"])
 def test_stack_candidates_compute_the_same(mode):
     key = MLP_KEY._replace(mode=mode)
-    operands = measure.stack_operands(key)
-    plain = measure.stack_fn(key, "plain")(*operands)
-    fused = measure.stack_fn(key, "fused")(*operands)
+    operands = measurement.stack_operands(key)
+    plain = measurement.stack_fn(key, "plain")(*operands)
+    fused = measurement.stack_fn(key, "fused")(*operands)
     for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(fused)):
         assert a.shape == b.shape
         assert jnp.allclose(a.astype(jnp.float32), b.astype(jnp.float32), atol=0.1, rtol=0.05)
@@ -185,10 +186,10 @@ def test_stack_candidates_compute_the_same(mode):
 
 def test_stack_step_is_the_value_and_grad_of_the_shared_loss():
     key = MLP_KEY._replace(mode="step")
-    x, params, target = measure.stack_operands(key)
+    x, params, target = measurement.stack_operands(key)
     assert target.dtype == jnp.float32 and target.shape == (key.rows, key.widths[-1])
-    stack = measure.stack_of(key)
-    loss, (dx, dparams) = measure.stack_fn(key, "plain")(x, params, target)
+    stack = measurement.stack_of(key)
+    loss, (dx, dparams) = measurement.stack_fn(key, "plain")(x, params, target)
     want_loss, (want_dx, want_dparams) = jax.value_and_grad(
         lambda x, p: grid.squared_error(layers._plain_expression(stack, x, p), target),
         argnums=(0, 1))(x, params)
@@ -203,13 +204,13 @@ def test_stack_step_is_the_value_and_grad_of_the_shared_loss():
 
 def test_fused_gemm_backends_follow_the_gemm_entries(fake_gpu):
     step = DENSE_KEY._replace(mode="step")
-    assert measure.fused_gemm_backends(step) == ["xla"] * 3  # no entries: XLA
+    assert measurement.fused_gemm_backends(step) == ["xla"] * 3  # no entries: XLA
     rows, (k, n) = step.rows, step.widths
-    entry = dispatch.make_entry("GELU_AUX_BIAS", step.dtype, False, False, rows, n, k,
+    entry = table_format.make_entry("GELU_AUX_BIAS", step.dtype, False, False, rows, n, k,
                                 {"cublaslt": 1e-5, "xla": 1e-3})
-    with context.planning(context.measuring(dispatch.Table("Fake GPU", 1, (entry,)))):
-        assert measure.fused_gemm_backends(step) == ["cublaslt", "xla", "xla"]
-        assert measure.fused_gemm_backends(step._replace(mode="forward")) == ["xla"]
+    with context.planning(context.measuring(table_format.Table("Fake GPU", 1, (entry,)))):
+        assert measurement.fused_gemm_backends(step) == ["cublaslt", "xla", "xla"]
+        assert measurement.fused_gemm_backends(step._replace(mode="forward")) == ["xla"]
 
 
 def test_a_fused_stack_without_cublaslt_gemms_is_recorded_plain(fake_gpu, capsys):
@@ -219,26 +220,26 @@ def test_a_fused_stack_without_cublaslt_gemms_is_recorded_plain(fake_gpu, capsys
                       progress=False)
     (entry,) = table.stacks
     assert entry.choice == "plain"
-    assert entry.seconds == {"fused": 0.5, "plain": 1.0, dispatch.FUSED_CUBLASLT_GEMMS: 0}
+    assert entry.seconds == {"fused": 0.5, "plain": 1.0, table_format.FUSED_CUBLASLT_GEMMS: 0}
     assert "(fused runs no cuBLASLt GEMM)" in capsys.readouterr().out
     dispatch.clear_cache()  # and so it reads back: the choice is re-derived from what is stored
     assert dispatch.stack_decision(DENSE_KEY).choice == "plain"
 
 
 PROBLEMS = [
-    measure.Problem("DEFAULT", "bfloat16", False, False, 1, 24, 16, 8),
-    measure.Problem("RELU_AUX_BIAS", "bfloat16", False, False, 1, 24, 130, 8),
-    measure.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 24, 130, 8),
-    measure.Problem("DGELU_BGRAD", "float16", False, True, 1, 24, 20, 8),
-    measure.Problem("BGRADB", "float32", True, False, 1, 12, 20, 40, allow_tf32=True),
-    measure.Problem("BIAS", "float32", False, False, 3, 5, 8, 16, 3, 3),
-    measure.Problem("GELU_BIAS", "bfloat16", True, False, 2, 6, 8, 16),
+    measurement.Problem("DEFAULT", "bfloat16", False, False, 1, 24, 16, 8),
+    measurement.Problem("RELU_AUX_BIAS", "bfloat16", False, False, 1, 24, 130, 8),
+    measurement.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 24, 130, 8),
+    measurement.Problem("DGELU_BGRAD", "float16", False, True, 1, 24, 20, 8),
+    measurement.Problem("BGRADB", "float32", True, False, 1, 12, 20, 40, allow_tf32=True),
+    measurement.Problem("BIAS", "float32", False, False, 3, 5, 8, 16, 3, 3),
+    measurement.Problem("GELU_BIAS", "bfloat16", True, False, 2, 6, 8, 16),
     # FP8 operands (SPEC §5): unit scales, the result type and amax carried through
-    measure.Problem("RELU_AUX_BIAS", "float8_e4m3fn", False, True, 1, 16, 32, 32,
+    measurement.Problem("RELU_AUX_BIAS", "float8_e4m3fn", False, True, 1, 16, 32, 32,
                  result_dtype="bfloat16"),
-    measure.Problem("DRELU_BGRAD", "float8_e4m3fn", False, True, 1, 16, 32, 32,
+    measurement.Problem("DRELU_BGRAD", "float8_e4m3fn", False, True, 1, 16, 32, 32,
                  b_dtype="float8_e5m2", result_dtype="bfloat16"),
-    measure.Problem("BIAS", "float8_e5m2", False, True, 1, 16, 32, 32, b_dtype="float8_e4m3fn",
+    measurement.Problem("BIAS", "float8_e5m2", False, True, 1, 16, 32, 32, b_dtype="float8_e4m3fn",
                  result_dtype="float8_e4m3fn", result_amax=True),
 ]
 
@@ -246,8 +247,8 @@ PROBLEMS = [
 @pytest.mark.parametrize("problem", PROBLEMS, ids=str)
 def test_timed_operands_make_exactly_the_traced_call(problem, fake_gpu):
     """`random_operands` + `call_fn` rebuild the normalised problem they were made from."""
-    operands = measure.random_operands(problem)
-    assert measure.problems_of(measure.call_fn(problem, "auto"), *operands) == [problem]
+    operands = measurement.random_operands(problem)
+    assert measurement.problems_of(measurement.call_fn(problem, "auto"), *operands) == [problem]
     if problem.epilog == "DRELU_BGRAD":
         assert operands[2]["relu_aux"].dtype == jnp.uint8
 
@@ -265,7 +266,7 @@ def test_grid_covers_every_row_and_network():
 def test_dry_run_lists_the_grid_problems_and_stacks(capsys):
     assert tune.main(["--grid", "--rows", "G7,M3", "--dry-run"]) == 0
     header, *out = capsys.readouterr().out.splitlines()
-    assert header == measure.DRY_RUN_HEADER and "B×K×N" in header  # as the README's tables
+    assert header == measurement.DRY_RUN_HEADER and "B×K×N" in header  # as the README's tables
     problems, stacks = (int(n) for n in re.fullmatch(r"(\d+) distinct problems, (\d+) stacks",
                                                      out[-1]).groups())
     assert problems + stacks == len(out) - 1 and stacks == 4
@@ -281,7 +282,7 @@ def test_dry_run_lists_the_grid_problems_and_stacks(capsys):
 def test_dry_run_of_a_function(capsys):
     assert tune.main(["--fn", "jax_epilog:dense", "--args", "bf16[64,32]",
                       "bf16[32,16]", "bf16[16]", "--dry-run"]) == 0
-    assert capsys.readouterr().out.splitlines() == [measure.DRY_RUN_HEADER,
+    assert capsys.readouterr().out.splitlines() == [measurement.DRY_RUN_HEADER,
                                                     "BIAS bfloat16 NN 64×32×16",
                                                     "stack forward bfloat16 64×32 →16+b",
                                                     "1 distinct problems, 1 stacks"]
@@ -318,11 +319,11 @@ def two_layer_step():
 def test_tune_times_every_problem_on_the_cpu_and_writes_the_user_table(fake_gpu, capsys):
     fn, args = two_layer_step()
     table = tune.tune([(fn, args)], seconds=0.005, progress=False)
-    expected = measure.distinct(measure.problems_of(fn, *args))
+    expected = measurement.distinct(measurement.problems_of(fn, *args))
     assert len(table.entries) == len(expected) and table.device == "Fake GPU"
     for e in table.entries:
         assert e.seconds["cublaslt"] > 0 and e.seconds["xla"] > 0
-    assert [e.key for e in table.stacks] == measure.stacks_of(fn, *args)  # the one step stack
+    assert [e.key for e in table.stacks] == measurement.stacks_of(fn, *args)  # the one step stack
     out = capsys.readouterr().out
     total = len(expected) + 1
     assert f"[{total}/{total}] stack step" in out
@@ -361,7 +362,7 @@ def test_tune_times_the_stacks_of_a_function_after_its_gemms(fake_gpu, capsys):
     assert all(gemm_source(context.current(), e) != "measuring" for e in table.entries)
     assert "out of memory" in capsys.readouterr().err
     dispatch.clear_cache()
-    stored = dispatch.load_tables(fake_gpu)[0]
+    stored = table_format.load_tables(fake_gpu)[0]
     assert sorted(stored.stacks, key=lambda e: e.key.order) == sorted(
         table.stacks, key=lambda e: e.key.order)
     assert {e.key for e in stored.entries} == {e.key for e in table.entries}
@@ -378,9 +379,9 @@ def test_stacks_are_timed_for_real_on_the_cpu(fake_gpu):
 
 
 def test_injected_clock_decides_and_a_failure_costs_one_candidate(fake_gpu, tmp_path, capsys):
-    problems = [measure.Problem("RELU_BIAS", "bfloat16", False, False, 1, 64, 64, 64),
-                measure.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 64, 64, 64),
-                measure.Problem("BGRADB", "bfloat16", True, False, 1, 64, 64, 64)]
+    problems = [measurement.Problem("RELU_BIAS", "bfloat16", False, False, 1, 64, 64, 64),
+                measurement.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 64, 64, 64),
+                measurement.Problem("BGRADB", "bfloat16", True, False, 1, 64, 64, 64)]
 
     def fake_timer(p, backend, seconds):
         if p.epilog == "BGRADB" and backend == "cublaslt":
@@ -396,12 +397,12 @@ def test_injected_clock_decides_and_a_failure_costs_one_candidate(fake_gpu, tmp_
         "RELU_BIAS": "xla", "DRELU_BGRAD": "cublaslt", "BGRADB": "xla"}
     assert entries["BGRADB"].seconds == {"cublaslt": None, "xla": 1.0}
     assert "no kernel" in capsys.readouterr().err
-    assert len(dispatch.load_tables(output)[0].entries) == 3
+    assert len(table_format.load_tables(output)[0].entries) == 3
     assert not fake_gpu.exists()  # --output, not the user table
 
 
 def test_an_interrupted_run_keeps_what_it_measured(fake_gpu):
-    problems = [measure.Problem("DEFAULT", "bfloat16", False, False, 1, s, s, s)
+    problems = [measurement.Problem("DEFAULT", "bfloat16", False, False, 1, s, s, s)
                 for s in (256, 128, 64)]
 
     def fake_timer(p, backend, seconds):
@@ -411,13 +412,13 @@ def test_an_interrupted_run_keeps_what_it_measured(fake_gpu):
 
     with pytest.raises(KeyboardInterrupt):
         tune.tune(problems, measure=fake_timer, progress=False)
-    entries = dispatch.load_tables(fake_gpu)[0].entries
+    entries = table_format.load_tables(fake_gpu)[0].entries
     assert sorted(e.m for e in entries) == [128, 256]
 
 
 def test_progress_without_tqdm_prints_lines(fake_gpu, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    p = measure.Problem("DEFAULT", "bfloat16", False, False, 1, 8, 8, 8)
+    p = measurement.Problem("DEFAULT", "bfloat16", False, False, 1, 8, 8, 8)
     tune.tune([p], measure=lambda *a, **k: 1e-5, progress=True)
     assert "[1/1] DEFAULT bfloat16 NN 8×8×8: cublaslt 10.0 us, xla 10.0 us -> xla" in \
         capsys.readouterr().out
@@ -436,16 +437,16 @@ def test_bare_callables_are_refused(fake_gpu):
 
 # --- on a GPU (the GPU suite) ------------------------------------------------------------------
 
-GPU_PROBLEMS = [measure.Problem("RELU_BIAS", "bfloat16", False, False, 1, 512, 256, 128),
-                measure.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 512, 128, 256)]
+GPU_PROBLEMS = [measurement.Problem("RELU_BIAS", "bfloat16", False, False, 1, 512, 256, 128),
+                measurement.Problem("DRELU_BGRAD", "bfloat16", False, True, 1, 512, 128, 256)]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("problem", GPU_PROBLEMS, ids=str)
 def test_each_candidate_runs_its_backend_on_the_gpu(problem):
-    operands = measure.random_operands(problem)
+    operands = measurement.random_operands(problem)
     for backend, kernel in (("cublaslt", True), ("xla", False)):
-        text = jax.jit(measure.call_fn(problem, backend)).lower(*operands).compile().as_text()
+        text = jax.jit(measurement.call_fn(problem, backend)).lower(*operands).compile().as_text()
         assert ('custom_call_target="jax_epilog_matmul"' in text) == kernel, backend
 
 
@@ -462,13 +463,13 @@ def test_tune_times_both_backends_on_the_gpu(tmp_path):
 @pytest.mark.gpu
 def test_stack_candidates_on_the_gpu(tmp_path, monkeypatch):
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
-    key = dispatch.make_stack_key("bfloat16", 512, (256, 128), ("relu",), (True,), "step")
+    key = table_format.make_stack_key("bfloat16", 512, (256, 128), ("relu",), (True,), "step")
     device, version = dispatch.device_identity()
-    gemm = dispatch.make_entry("RELU_AUX_BIAS", "bfloat16", False, False, 512, 128, 256,
+    gemm = table_format.make_entry("RELU_AUX_BIAS", "bfloat16", False, False, 512, 128, 256,
                                {"cublaslt": 0.5, "xla": 1.0})
-    operands = measure.stack_operands(key)
-    with context.planning(context.measuring(dispatch.Table(device, version, (gemm,)))):
+    operands = measurement.stack_operands(key)
+    with context.planning(context.measuring(table_format.Table(device, version, (gemm,)))):
         for candidate, kernel in (("fused", True), ("plain", False)):
-            text = jax.jit(measure.stack_fn(key, candidate)).lower(*operands).compile().as_text()
+            text = jax.jit(measurement.stack_fn(key, candidate)).lower(*operands).compile().as_text()
             assert ('custom_call_target="jax_epilog_matmul"' in text) == kernel, candidate
-            assert measure.time_stack(key, candidate, seconds=0.02) > 0
+            assert measurement.time_stack(key, candidate, seconds=0.02) > 0

@@ -20,6 +20,7 @@ import numpy as np
 
 from jax_epilog.op.epilogs import Epilog
 from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import table_format
 from jax_epilog.runtime import library as cuda_library
 from jax_epilog.runtime import settings
 
@@ -48,10 +49,10 @@ class Context(NamedTuple):
     tables_decide: Callable[[], bool]  # layers: a CUDA GPU whose tables choose stacks and GEMMs
     cuda_devices: Callable[[], bool]  # lowering: this host has CUDA devices (else an export)
     library: Callable[[], bool]  # the cuBLASLt library is loaded
-    gemm_table: Callable[..., dispatch.Decision]  # (epilog, dtype, batch, m, n, k, ta, tb)
-    stack_table: Callable[[dispatch.StackKey], Optional[dispatch.Decision]]
+    gemm_table: Callable[..., table_format.Decision]  # (epilog, dtype, batch, m, n, k, ta, tb)
+    stack_table: Callable[[table_format.StackKey], Optional[table_format.Decision]]
     # `Fp8(layers="auto")`: "fp8" or "bf16" for a training-step stack from a measured entry
-    fp8_table: Callable[[dispatch.StackKey], Optional[dispatch.Decision]]
+    fp8_table: Callable[[table_format.StackKey], Optional[table_format.Decision]]
     # Told of each stack whose fused form is traced, and how ("step" or "forward"): how `tune`
     # and `explain` find a program's stacks. Decides nothing.
     observe: Optional[Callable[[Any, str], None]] = None
@@ -78,7 +79,7 @@ def current() -> Context:
     return _active.get() or default_context()
 
 
-def measuring(table: dispatch.Table) -> Context:
+def measuring(table: table_format.Table) -> Context:
     """The context a tune run times a stack's candidates in: `table`, the GEMM entries it has
     just measured, decides GEMMs before the user's and the shipped tables, and no stack entry
     decides (each candidate is timed as itself)."""
@@ -107,7 +108,7 @@ class Choice(NamedTuple):
     why: str
 
 
-def describe(decision: dispatch.Decision) -> str:
+def describe(decision: table_format.Decision) -> str:
     """Why `dispatch` decided as it did, in words."""
     entry = decision.entry
     measured = ""
@@ -115,7 +116,7 @@ def describe(decision: dispatch.Decision) -> str:
         times = ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in entry.seconds.items()
                           if isinstance(v, float))
         where = (f"{entry.epilog} {entry.dtype} rows={entry.m} N={entry.n} K={entry.k}"
-                 if isinstance(entry, dispatch.Entry) else str(entry.key))
+                 if isinstance(entry, table_format.Entry) else str(entry.key))
         measured = f": nearest entry {where} ({times})"
     return {
         "override": "JAX_EPILOG_BACKEND",

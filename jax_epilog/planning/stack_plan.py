@@ -15,8 +15,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from jax_epilog.op.epilogs import Epilog
-from jax_epilog.planning import decisions as dispatch
-
+from jax_epilog.planning import table_format
 from jax_epilog.planning.context import Choice, Context, auto_backend, describe
 
 # --- a stack as the layers describe it --------------------------------------------------------
@@ -103,7 +102,7 @@ def fp8_pays(rows: int, k: int, n: int) -> bool:
 def measured_fp8(ctx: Context, stack: Stack, rows: int, widths, dtype) -> Optional[Choice]:
     """"fp8" or "bf16" for every layer of the stack, where the tables decide and a training-step
     entry of this stack near `rows` holds an FP8 time (`dispatch.fp8_stack_decision`: FP8 must
-    beat the faster bf16 step by `dispatch.MARGIN`); else None. The inference forward follows
+    beat the faster bf16 step by `table_format.MARGIN`); else None. The inference forward follows
     the training step's entry (tune times FP8 only in steps)."""
     if not ctx.tables_decide():
         return None
@@ -111,10 +110,10 @@ def measured_fp8(ctx: Context, stack: Stack, rows: int, widths, dtype) -> Option
     if decision is None:
         return None
     verdict = "won" if decision.choice == "fp8" else "did not win"
-    scaling = decision.entry.seconds.get(dispatch.FP8_SCALING)
+    scaling = decision.entry.seconds.get(table_format.FP8_SCALING)
     timed = f" ({scaling} scaling)" if scaling else ""
     return Choice(decision.choice, f"FP8 in every layer{timed} {verdict} against the faster "
-                                   f"bf16 step by {dispatch.MARGIN:.0%}: stack entry "
+                                   f"bf16 step by {table_format.MARGIN:.0%}: stack entry "
                                    f"({describe(decision)})")
 
 
@@ -329,14 +328,14 @@ class StackPlan(NamedTuple):
         gemms = self.gemms if mode == "step" else self.forward_gemms
         return next(g for g in gemms if g.layer == layer and g.role == role)
 
-    def key(self, mode: str) -> dispatch.StackKey:
+    def key(self, mode: str) -> table_format.StackKey:
         """The stack's entry in the decision tables for `mode` ("step" or "forward")."""
         return stack_key(self.stack, self.rows, self.widths, self.dtype, mode)
 
 
-def stack_key(stack: Stack, rows: int, widths, dtype, mode: str) -> dispatch.StackKey:
+def stack_key(stack: Stack, rows: int, widths, dtype, mode: str) -> table_format.StackKey:
     """A stack's entry in the decision tables for `mode` ("step" or "forward")."""
-    return dispatch.make_stack_key(dtype, rows, widths,
+    return table_format.make_stack_key(dtype, rows, widths,
                                    [layer.activation for layer in stack.layers],
                                    [layer.has_bias for layer in stack.layers], mode)
 
@@ -358,7 +357,7 @@ def on_cuda(ctx: Context, gemms, dtype) -> tuple[Gemm, ...]:
     return tuple(planned)
 
 
-def _measured(ctx: Context, plan_key: dispatch.StackKey, stack: Stack) -> Optional[Choice]:
+def _measured(ctx: Context, plan_key: table_format.StackKey, stack: Stack) -> Optional[Choice]:
     """The stack's nearest measured entry for its mode, where the tables decide: none for a
     stack that asked for a backend, nor under the override (its GEMMs then run as asked)."""
     if not left_to_auto(stack) or ctx.override() is not None:

@@ -7,7 +7,7 @@ forward's path (fused or the plain expression) and why, each layer's FP8 choice 
 each GEMM with its epilog, layout and backend (the table entry that chose it); then each
 `epilog_matmul` call of the program as the CUDA lowering would emit it (the kernel, XLA's
 GEMM, padded or relaid out). On a host without a CUDA GPU the program runs the reference; the
-explanation then says what CUDA would do, planned with the tables of `dispatch.REFERENCE_DEVICE`
+explanation then says what CUDA would do, planned with the tables of `table_format.REFERENCE_DEVICE`
 (the H200) and without cuBLASLt's support answers (which only a GPU can give).
 
     jax_epilog.explain(train_step, params, batch)        # prints, returns an `Explanation`
@@ -27,13 +27,13 @@ import numpy as np
 from jax_epilog.runtime import library as cuda_library
 
 from jax_epilog.planning import decisions as dispatch
-
+from jax_epilog.planning import table_format
 from jax_epilog.op import lowering
 
 from jax_epilog.planning import call_plan, context, stack_plan
 from jax_epilog.op.call import Params, problem_of
 from jax_epilog.tools.command_line import load_callable, parse_arg_spec
-from jax_epilog.tools.measure import epilog_eqns
+from jax_epilog.tools.measurement import epilog_eqns
 
 
 class Call(NamedTuple):
@@ -130,7 +130,7 @@ def _context(observe) -> tuple[context.Context, Callable, str]:
         device, version = dispatch.device_identity()
         return ctx, lowering.kernel_supports, f"as lowered on this host's {device} " \
                                               f"(cuBLASLt {version})"
-    identity = (dispatch.REFERENCE_DEVICE, None)
+    identity = (table_format.REFERENCE_DEVICE, None)
     emulated = ctx._replace(
         tables_decide=lambda: True, cuda_devices=lambda: True, library=lambda: True,
         gemm_table=lambda *problem: dispatch.decision(*problem, identity=identity),
@@ -139,7 +139,7 @@ def _context(observe) -> tuple[context.Context, Callable, str]:
     why = cuda_library.unavailable_reason() if jax.default_backend() == "gpu" else \
         f"the platform is {jax.default_backend()}"
     target = (f"no CUDA GPU with the library here ({why}): this host runs the reference; "
-              f"shown is what CUDA would run on an {dispatch.REFERENCE_DEVICE} with its "
+              f"shown is what CUDA would run on an {table_format.REFERENCE_DEVICE} with its "
               f"tables (cuBLASLt's support not asked)")
     return emulated, lambda avals, params: (True, "cannot ask cuBLASLt here"), target
 

@@ -22,7 +22,7 @@ actually runs:
    the GEMM entries just measured): one real call after another, rotating inputs through
    enough copies to leave L2, so the custom calls' own cost is in the times. A training step
    is `jax.value_and_grad` of `squared_error` (the loss `benchmarks/never_slower.py` times)
-   w.r.t. x and the parameters. "fused" must win by `dispatch.MARGIN`, and it is recorded
+   w.r.t. x and the parameters. "fused" must win by `table_format.MARGIN`, and it is recorded
    only where at least one of its GEMMs runs cuBLASLt: with every GEMM on XLA it is our own
    backward around XLA's GEMMs, while "plain" is exactly the program XLA makes of the user's
    expression, so "plain" is recorded (never slower than XLA by construction).
@@ -30,7 +30,7 @@ actually runs:
    is also timed in FP8 (``"fp8"``: the same stack with ``fp8=Fp8(layers="all")``,
    `FP8_CANDIDATE`; on a warm amax state where its scaling keeps one, after one untimed step,
    as a training loop carries it). That time decides `Fp8(layers="auto")` for the stack (FP8
-   in every layer where it beat the faster bf16 step by `dispatch.MARGIN`, else none;
+   in every layer where it beat the faster bf16 step by `table_format.MARGIN`, else none;
    `stack_plan.measured_fp8`). ``--fp8-only`` times only that candidate, keeping the table's other
    times of the stack.
 3. It merges the decisions into the table (atomic write; other entries are kept): the GEMM
@@ -64,10 +64,10 @@ from jax_epilog.runtime import settings
 
 from jax_epilog.planning import context
 from jax_epilog.planning import decisions as dispatch
-
-
+from jax_epilog.planning import table_format
 from jax_epilog.tools.command_line import load_callable, parse_arg_spec
-from jax_epilog.tools.measure import (DRY_RUN_HEADER, FP8_CANDIDATE, FP8_CHOICES, Problem,
+from jax_epilog.tools import measurement
+from jax_epilog.tools.measurement import (DRY_RUN_HEADER, FP8_CHOICES, Problem,
                                        SECONDS_PER_CANDIDATE, _operand_sets,
                                        _stack_operand_sets, distinct, distinct_stacks,
                                        fp8_keeps_state, fp8_measurable, fused_gemm_backends,
@@ -106,13 +106,13 @@ def has_cuda_gpu() -> bool:
     return dispatch.device_identity()[0] is not None
 
 
-def _collect(items) -> tuple[list[Problem], list[dispatch.StackKey]]:
+def _collect(items) -> tuple[list[Problem], list[table_format.StackKey]]:
     """The distinct problems and stacks of `tune`'s items."""
     problems, stacks = [], []
     for item in items:
         if isinstance(item, Problem):
             problems.append(item)
-        elif isinstance(item, dispatch.StackKey):
+        elif isinstance(item, table_format.StackKey):
             stacks.append(item)
         elif isinstance(item, tuple) and len(item) == 2 and callable(item[0]):
             fn, args = item
@@ -123,7 +123,7 @@ def _collect(items) -> tuple[list[Problem], list[dispatch.StackKey]]:
             raise TypeError("fns_or_problems: give a function with its example arguments, as "
                             f"(fn, args), got the bare callable {item!r}")
         else:
-            raise TypeError(f"fns_or_problems: expected Problem, dispatch.StackKey or (fn, args) "
+            raise TypeError(f"fns_or_problems: expected Problem, table_format.StackKey or (fn, args) "
                             f"items, got {type(item).__name__}")
     return distinct(problems), distinct_stacks(stacks)
 
@@ -145,37 +145,37 @@ def _us(seconds: Optional[float]) -> str:
     return "failed" if seconds is None else f"{seconds * 1e6:.1f} us"
 
 
-def _stack_candidates(key: dispatch.StackKey, fp8) -> tuple[str, ...]:
+def _stack_candidates(key: table_format.StackKey, fp8) -> tuple[str, ...]:
     """What `tune(fp8=...)` times of `key`: "fused" and "plain" (not with fp8="only"), and
     "fp8" where asked for and `fp8_measurable`."""
-    bf16 = () if fp8 == "only" else dispatch.STACK_CANDIDATES
-    return (*bf16, dispatch.FP8) if fp8 and fp8_measurable(key) else bf16
+    bf16 = () if fp8 == "only" else table_format.STACK_CANDIDATES
+    return (*bf16, table_format.FP8) if fp8 and fp8_measurable(key) else bf16
 
 
-def _stack_line(entry: dispatch.StackEntry, candidates: Sequence[str]) -> str:
+def _stack_line(entry: table_format.StackEntry, candidates: Sequence[str]) -> str:
     """A progress line: the candidates' times and what they decide."""
     times = ", ".join(f"{c} {_us(entry.seconds[c])}" for c in candidates)
     verdicts = []
     if entry.choice is not None:
-        gemms = entry.seconds.get(dispatch.FUSED_CUBLASLT_GEMMS)
+        gemms = entry.seconds.get(table_format.FUSED_CUBLASLT_GEMMS)
         verdicts.append(entry.choice + (" (fused runs no cuBLASLt GEMM)" if gemms == 0 else ""))
-    fp8 = dispatch.decide_fp8_from_times(entry.seconds)
+    fp8 = table_format.decide_fp8_from_times(entry.seconds)
     if fp8 is not None:
         verdicts.append(f"{'fp8' if fp8 == 'fp8' else 'no fp8'} "
-                        f"({entry.seconds[dispatch.FP8_SCALING]} scaling)")
+                        f"({entry.seconds[table_format.FP8_SCALING]} scaling)")
     return f"{entry.key}: {times}" + (f" -> {'; '.join(verdicts)}" if verdicts else "")
 
 
 def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
          seconds: float = SECONDS_PER_CANDIDATE, measure: Optional[Callable] = None,
          measure_stack: Optional[Callable] = None, progress: bool = True,
-         write: bool = True, fp8=False, max_seconds: Optional[float] = None) -> dispatch.Table:
+         write: bool = True, fp8=False, max_seconds: Optional[float] = None) -> table_format.Table:
     """Time every distinct problem of `fns_or_problems` on both backends, then every distinct
     stack as "fused" and "plain" (and "fp8"), and merge the decisions into `output` (default:
     `settings.decisions_path()`).
 
     Args:
-      fns_or_problems: `Problem`s, `dispatch.StackKey`s and/or `(fn, args)` pairs (args: a
+      fns_or_problems: `Problem`s, `table_format.StackKey`s and/or `(fn, args)` pairs (args: a
         tuple of pytrees of arrays or `jax.ShapeDtypeStruct`s), traced with `traced`.
       output: the table file; None: the user's table.
       seconds: GPU time per candidate and problem or stack (rounds of back-to-back calls).
@@ -194,7 +194,7 @@ def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
         what was measured is written.
 
     Returns:
-      The `dispatch.Table` of this run's measurements (device, cuBLASLt version, entries,
+      The `table_format.Table` of this run's measurements (device, cuBLASLt version, entries,
       stack entries).
     """
     if fp8 not in FP8_CHOICES:
@@ -228,15 +228,15 @@ def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
         for p in problems:
             if out_of_time():
                 break
-            times = _timed(measure, p, dispatch.CANDIDATES, seconds, failures)
-            entry = dispatch.make_entry(p.epilog, p.dtype, p.transpose_a, p.transpose_b,
+            times = _timed(measure, p, table_format.CANDIDATES, seconds, failures)
+            entry = table_format.make_entry(p.epilog, p.dtype, p.transpose_a, p.transpose_b,
                                         p.batch * p.m, p.n, p.k, times)
             entries.append(entry)
             bar.report(f"{p}: cublaslt {_us(times['cublaslt'])}, xla {_us(times['xla'])} "
                        f"-> {entry.choice}")
         _operand_sets.cache_clear()
         save()
-        measured = dispatch.Table(device, version, tuple(entries))
+        measured = table_format.Table(device, version, tuple(entries))
         dispatch.clear_cache()  # decisions cached while this run measured the GEMMs
         with context.planning(context.measuring(measured)):
             for key in stacks:
@@ -246,12 +246,12 @@ def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
                 times = _timed(measure_stack, key, candidates, seconds, failures)
                 if "fused" in candidates:
                     # Stored with the times: with 0, "plain" is chosen (`dispatch`, module doc).
-                    times[dispatch.FUSED_CUBLASLT_GEMMS] = fused_gemm_backends(key).count(
+                    times[table_format.FUSED_CUBLASLT_GEMMS] = fused_gemm_backends(key).count(
                         "cublaslt")
-                if dispatch.FP8 in candidates:
-                    times[dispatch.FP8_SCALING] = ("delayed" if fp8_keeps_state(FP8_CANDIDATE)
+                if table_format.FP8 in candidates:
+                    times[table_format.FP8_SCALING] = ("delayed" if fp8_keeps_state(measurement.FP8_CANDIDATE)
                                                    else "current")
-                stack_entries.append(dispatch.make_stack_entry(key, times))
+                stack_entries.append(table_format.make_stack_entry(key, times))
                 bar.report(_stack_line(stack_entries[-1], candidates))
                 save()
     finally:
@@ -268,15 +268,15 @@ def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
     wins = sum(e.choice == "cublaslt" for e in entries)
     fused = sum(e.choice == "fused" for e in stack_entries)
     plain = sum(e.choice == "plain" for e in stack_entries)
-    fp8_verdicts = [dispatch.decide_fp8_from_times(e.seconds) for e in stack_entries
-                    if dispatch.FP8 in e.seconds]
+    fp8_verdicts = [table_format.decide_fp8_from_times(e.seconds) for e in stack_entries
+                    if table_format.FP8 in e.seconds]
     fp8_note = (f"; fp8 timed {len(fp8_verdicts)}, won {fp8_verdicts.count('fp8')}"
                 if fp8 else "")
     where = f" into {path}" if write and path is not None else ""
     print(f"tuned {len(entries)} problems and {len(stack_entries)} stacks in "
           f"{time.perf_counter() - started:.1f} s: cublaslt {wins}, xla {len(entries) - wins}; "
           f"fused {fused}, plain {plain}{fp8_note}{where}", flush=True)
-    return dispatch.Table(device, version, tuple(entries), tuple(stack_entries))
+    return table_format.Table(device, version, tuple(entries), tuple(stack_entries))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

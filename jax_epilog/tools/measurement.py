@@ -15,8 +15,7 @@ import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 
-from jax_epilog.planning import decisions as dispatch
-
+from jax_epilog.planning import table_format
 from jax_epilog.layers import functional as layers
 
 from jax_epilog.planning import context, stack_plan
@@ -112,7 +111,7 @@ def _problem_of_eqn(eqn) -> Problem:
                    bool(params.get("result_amax", False)))
 
 
-def traced(fn: Callable, *args, **kwargs) -> tuple[list[Problem], list[dispatch.StackKey]]:
+def traced(fn: Callable, *args, **kwargs) -> tuple[list[Problem], list[table_format.StackKey]]:
     """(every `epilog_matmul` call left to ``backend="auto"``, every `dense`/`mlp` stack left to
     "auto") of `fn(*args, **kwargs)`, in trace order, repeats included. `args` may be arrays or
     `jax.ShapeDtypeStruct`s."""
@@ -139,7 +138,7 @@ def problems_of(fn: Callable, *args, **kwargs) -> list[Problem]:
     return traced(fn, *args, **kwargs)[0]
 
 
-def stacks_of(fn: Callable, *args, **kwargs) -> list[dispatch.StackKey]:
+def stacks_of(fn: Callable, *args, **kwargs) -> list[table_format.StackKey]:
     """The `dense`/`mlp` stacks of `traced`."""
     return traced(fn, *args, **kwargs)[1]
 
@@ -152,13 +151,13 @@ def distinct(problems: Iterable[Problem]) -> list[Problem]:
     return sorted(unique.values(), key=lambda p: (-p.flops, p.table_key))
 
 
-def stack_flops(key: dispatch.StackKey) -> int:
+def stack_flops(key: table_format.StackKey) -> int:
     """1 GEMM per layer forward, 3 per layer for a training step (dX of the first included)."""
     forward = sum(2 * key.rows * k * n for k, n in zip(key.widths, key.widths[1:]))
     return forward if key.mode == "forward" else 3 * forward
 
 
-def distinct_stacks(stacks: Iterable[dispatch.StackKey]) -> list[dispatch.StackKey]:
+def distinct_stacks(stacks: Iterable[table_format.StackKey]) -> list[table_format.StackKey]:
     """Each stack once, largest first."""
     return sorted(set(stacks), key=lambda key: (-stack_flops(key), key.order))
 
@@ -242,14 +241,14 @@ def _operand_sets(p: Problem) -> list[tuple]:
     return jax.block_until_ready([random_operands(p, seed) for seed in range(copies_for(p))])
 
 
-def stack_of(key: dispatch.StackKey) -> stack_plan.Stack:
+def stack_of(key: table_format.StackKey) -> stack_plan.Stack:
     """The `stack_plan.Stack` of a stack entry, every GEMM left to "auto"."""
     return stack_plan.Stack(layers=tuple(stack_plan.Layer(act, bias)
                                    for act, bias in zip(key.activations, key.biases)),
                       precision=None, forward="auto", backward="auto")
 
 
-def plan_of(key: dispatch.StackKey, on_gpu: bool) -> stack_plan.StackPlan:
+def plan_of(key: table_format.StackKey, on_gpu: bool) -> stack_plan.StackPlan:
     """The plan of a stack entry: with `on_gpu`, its GEMMs' backends as "auto" chooses them
     now on this CUDA GPU (inside `context.measuring`, by this run's GEMM entries); without,
     the fused stack throughout (the "fused" candidate, whatever the tables say)."""
@@ -257,7 +256,7 @@ def plan_of(key: dispatch.StackKey, on_gpu: bool) -> stack_plan.StackPlan:
     return stack_plan.plan_stack(ctx, stack_of(key), key.rows, key.widths, key.dtype)
 
 
-def fp8_measurable(key: dispatch.StackKey) -> bool:
+def fp8_measurable(key: table_format.StackKey) -> bool:
     """Whether tune times `key` in FP8: a training step whose every layer has K and N in
     multiples of `stack_plan.FP8_ALIGNMENT` (where one does not, the rule keeps it bf16)."""
     return key.mode == "step" and all(w % stack_plan.FP8_ALIGNMENT == 0 for w in key.widths)
@@ -269,7 +268,7 @@ def fp8_keeps_state(fp8: Fp8) -> bool:
     return fp8.scaling != "current"
 
 
-def stack_fn(key: dispatch.StackKey, candidate: str) -> Callable:
+def stack_fn(key: table_format.StackKey, candidate: str) -> Callable:
     """The stack as `candidate` runs it: "plain" (the plain expression, which XLA compiles as
     a user's own), "fused" (the layers' custom VJP) or, for a training step, "fp8" (the layers
     with `FP8_CANDIDATE`). Inference: (x, params) -> y; training step: (x, params, target) ->
@@ -277,7 +276,7 @@ def stack_fn(key: dispatch.StackKey, candidate: str) -> Callable:
     parameters, as a training step uses the layer (the loss gradient's elementwise work is
     then in the step, as it is in the user's); "fp8" with a state (`fp8_keeps_state`):
     (x, params, target, state) -> (loss, (dx, dparams, next state))."""
-    if candidate == dispatch.FP8:
+    if candidate == table_format.FP8:
         return _fp8_step(key)
     if candidate == "plain":
         forward = functools.partial(layers._plain_expression, stack_of(key))
@@ -291,7 +290,7 @@ def stack_fn(key: dispatch.StackKey, candidate: str) -> Callable:
     return jax.value_and_grad(loss, argnums=(0, 1))
 
 
-def _fp8_step(key: dispatch.StackKey) -> Callable:
+def _fp8_step(key: table_format.StackKey) -> Callable:
     """`stack_fn`'s "fp8" candidate."""
     if not fp8_measurable(key):
         raise ValueError(f"{key}: FP8 is timed only for training steps whose widths are "
@@ -306,7 +305,7 @@ def _fp8_step(key: dispatch.StackKey) -> Callable:
                               else (0, 1))
 
 
-def fused_gemm_backends(key: dispatch.StackKey) -> list[str]:
+def fused_gemm_backends(key: table_format.StackKey) -> list[str]:
     """"cublaslt" or "xla" for each GEMM the fused candidate of `key` issues (the training
     step's forward and backward GEMMs, or the inference forward's), as "auto" chooses them now:
     inside `context.measuring`, by this run's GEMM entries."""
@@ -315,7 +314,7 @@ def fused_gemm_backends(key: dispatch.StackKey) -> list[str]:
     return [gemm.backend for gemm in gemms]
 
 
-def stack_operands(key: dispatch.StackKey, seed: int = 0) -> tuple:
+def stack_operands(key: table_format.StackKey, seed: int = 0) -> tuple:
     """Random normal (x, params[, target]) for `stack_fn(key, ...)`: kernels scaled by
     1/sqrt(K), small biases (None where the layer has none), a float32 target as
     `benchmarks/never_slower.py` draws it."""
@@ -332,7 +331,7 @@ def stack_operands(key: dispatch.StackKey, seed: int = 0) -> tuple:
     return x, params, jax.random.normal(next(keys), (key.rows, key.widths[-1]), jnp.float32)
 
 
-def _stack_copies(key: dispatch.StackKey) -> int:
+def _stack_copies(key: table_format.StackKey) -> int:
     size = jnp.dtype(key.dtype).itemsize
     outer = size * key.widths[0] + (size if key.mode == "forward" else 4) * key.widths[-1]
     weights = sum(k * n + n for k, n in zip(key.widths, key.widths[1:]))
@@ -340,12 +339,12 @@ def _stack_copies(key: dispatch.StackKey) -> int:
 
 
 @functools.lru_cache(maxsize=1)  # both candidates of a stack time the same arrays
-def _stack_operand_sets(key: dispatch.StackKey) -> list[tuple]:
+def _stack_operand_sets(key: table_format.StackKey) -> list[tuple]:
     return jax.block_until_ready([stack_operands(key, seed)
                                  for seed in range(_stack_copies(key))])
 
 
-def time_stack(key: dispatch.StackKey, candidate: str, *,
+def time_stack(key: table_format.StackKey, candidate: str, *,
                seconds: float = SECONDS_PER_CANDIDATE, rounds: int = ROUNDS) -> float:
     """Seconds per call of the stack as `candidate` (`timing.time_calls`): one jitted call per
     step, each on the next copy of the inputs (so the inputs come from HBM, and each call pays
@@ -355,7 +354,7 @@ def time_stack(key: dispatch.StackKey, candidate: str, *,
     `context.measuring`."""
     sets = _stack_operand_sets(key)
     fn = jax.jit(stack_fn(key, candidate))
-    if candidate == dispatch.FP8 and fp8_keeps_state(FP8_CANDIDATE):
+    if candidate == table_format.FP8 and fp8_keeps_state(FP8_CANDIDATE):
         _, grads = fn(*sets[0], FP8_CANDIDATE.init_state(len(key.biases)))
         sets = [(*s, grads[-1]) for s in sets]
     jax.block_until_ready([fn(*s) for s in sets])  # compile, plan, autotune
