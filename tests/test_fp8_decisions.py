@@ -249,7 +249,7 @@ def test_delayed_scaling_is_timed_on_a_warm_state(fake_gpu, monkeypatch):
     def spy(fn, sets, **kwargs):
         timed_states.extend(s[-1] for s in sets)
         return time_calls(fn, sets, **kwargs)
-    monkeypatch.setattr(tune.timing, "time_calls", spy)
+    monkeypatch.setattr(measurement.timing, "time_calls", spy)
     table = tune.tune([TINY], seconds=0.005, progress=False, fp8="only")
     assert timed_states and all(jnp.array_equal(a, b) for state in timed_states
                                 for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(warm)))
