@@ -4,7 +4,8 @@ program on this GPU and write the decision table that `backend="auto"` reads (im
 
 import sys
 
-from jax_epilog.tools.tune import main, problems_of, stacks_of, tune
+from jax_epilog.tools.measurement import problems_of, stacks_of
+from jax_epilog.tools.tune import main, tune
 
 __all__ = ["main", "problems_of", "stacks_of", "tune"]
 

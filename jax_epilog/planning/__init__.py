@@ -7,8 +7,9 @@ what is known when it is traced or lowered, with the rule or table entry behind 
   and a differentiated call's step (`plan_matmul_step`);
 - `stack_plan`: a `dense`/`mlp` stack's plan (`plan_stack`: FP8 per layer, each GEMM's
   epilog and backend, fused or plain);
-- `decisions`: the measured decision tables (shipped in `tables/`, or the user's from
-  `python -m jax_epilog.tune`) and their nearest-entry lookup.
+- `table_format`: the measured decision tables' entries and files (shipped in `tables/`, or
+  the user's from `python -m jax_epilog.tune`); `decisions`: how they decide (the nearest
+  measured entry, the rules without one).
 
 Imports `runtime` and, from `op`, only `epilogs`, `call` and `padding`.
 """
