@@ -1,7 +1,7 @@
 """Layer benchmark: `jax_epilog.dense` / `jax_epilog.mlp` forward, backward and training step.
 
 Method: benchmarks/README.md (timing in `timing.py`). Two parts, with every backend choice
-of `auto` read from the tables `jax_epilog.dispatch` finds (tune first: `python -m
+of `auto` read from the tables `jax_epilog.planning.decisions` finds (tune first: `python -m
 jax_epilog.tune --grid`):
 
 1. Training steps M1–M3 (`jax.value_and_grad` of a squared-error loss over the whole MLP):

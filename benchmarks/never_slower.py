@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import timing
 from jax_epilog import Epilog, config, dense, matmul
 from jax_epilog.runtime import targets
-from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import decisions
 from jax_epilog.tools.grid import GRID, NETWORKS, Workload, epilog_stack, forward_fn, grid_workloads, step_fn
 from jax_epilog.tools.measurement import epilog_eqns
 
@@ -242,9 +242,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def tables_used() -> dict[str, Any]:
     """Which decision tables `auto` read in this run."""
-    device = dispatch.device_identity()[0]
+    device = decisions.device_identity()[0]
     user = config.decisions_path()
-    shipped = dispatch.shipped_table_path(device) if device else None
+    shipped = decisions.shipped_table_path(device) if device else None
     return {"override": config.backend_override(),
             "user_table": str(user) if user and user.exists() else None,
             "shipped_table": shipped.name if shipped and shipped.exists() else None}

@@ -1,7 +1,7 @@
 """Timing and run metadata shared by every benchmark (method: benchmarks/README.md).
 
 The timing loop itself (`time_calls`, `time_interleaved`, `input_copies`) is the package's
-`jax_epilog.timing`, which `python -m jax_epilog.tune` uses too; it is re-exported here.
+`jax_epilog.tools.timing`, which `python -m jax_epilog.tune` uses too; it is re-exported here.
 
 The benchmarks run as scripts (`python benchmarks/<name>.py`) and import this module as
 `timing`, their sibling.

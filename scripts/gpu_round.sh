@@ -55,7 +55,7 @@ for stage in $STAGES; do
       JAX_EPILOG_BUILD_CUDA="${JAX_EPILOG_BUILD_CUDA:-1}" \
         "$PY" -m pip install -v --no-build-isolation --no-deps "$ROOT" > "$OUT/build.log" 2>&1
       rc=$?
-      (cd /tmp && "$PY" -c "import jax, jax_epilog.cuda_library as c; \
+      (cd /tmp && "$PY" -c "import jax, jax_epilog.runtime.library as c; \
 print('jax', jax.__version__, 'devices', jax.devices()); \
 print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c.cublaslt_version()); \
 c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason())") \

@@ -128,12 +128,12 @@ def test_the_plain_path_is_the_users_program(monkeypatch, forward_choice):
     import never_slower
 
     from jax_epilog.planning import context
-    from jax_epilog.planning import decisions as dispatch
+    from jax_epilog.planning import decisions
     from jax_epilog.planning import table_format
     from jax_epilog.tools import grid
     choices = {"step": "plain", "forward": forward_choice}
     monkeypatch.setattr(context, "on_cuda_gpu", lambda: True)  # the CPU poses as a CUDA GPU
-    monkeypatch.setattr(dispatch, "stack_decision",
+    monkeypatch.setattr(decisions, "stack_decision",
                         lambda key: table_format.Decision(choices[key.mode], "shipped"))
     modes = ("forward", "step") if forward_choice == "plain" else ("step",)
     for w in grid.grid_workloads(["G7", "G4", "M3"]):

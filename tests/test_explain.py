@@ -12,7 +12,7 @@ import pytest
 import jax_epilog
 from jax_epilog import Epilog, Fp8
 from jax_epilog.planning import call_plan, context, stack_plan
-from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import decisions
 from jax_epilog.planning import table_format
 from jax_epilog.tools import explain as explanation
 from jax_epilog.float8 import scaling as fp8
@@ -24,9 +24,9 @@ S = jax.ShapeDtypeStruct
 def no_user_settings(monkeypatch):
     monkeypatch.setenv("JAX_EPILOG_DECISIONS", "")
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
-    dispatch.clear_cache()
+    decisions.clear_cache()
     yield
-    dispatch.clear_cache()
+    decisions.clear_cache()
 
 
 @pytest.fixture
@@ -141,15 +141,15 @@ def test_each_gemm_names_the_table_entry_that_chose_it(tmp_path, monkeypatch):
     """A user table entry for the forward GEMM decides it ("your table", with its times); the
     override decides every GEMM left to auto."""
     if context.on_cuda_gpu():
-        device, version = dispatch.device_identity()
+        device, version = decisions.device_identity()
     else:
         device, version = table_format.REFERENCE_DEVICE, None
     table = tmp_path / "decisions.json"
-    dispatch.merge_into(table, device, version, [table_format.make_entry(
+    decisions.merge_into(table, device, version, [table_format.make_entry(
         Epilog.RELU_AUX_BIAS, "bfloat16", False, False, 4099, 520, 1030,
         {"cublaslt": 1.0e-3, "xla": 2.0e-3})])
     monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(table))
-    dispatch.clear_cache()
+    decisions.clear_cache()
     x, params = stack_args(4099, (1030, 520))
     e = explanation.explanation(step_of(functools.partial(jax_epilog.mlp, activation="relu",
                                                       final_activation="relu")), (x, params))

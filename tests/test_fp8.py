@@ -25,7 +25,7 @@ import jax_epilog
 from fp8_reference import PAIRS, RESULTS, make, mismatches
 from jax_epilog import Epilog
 from jax_epilog.planning import context
-from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import decisions
 from jax_epilog.planning import table_format
 from jax_epilog.op import lowering
 from jax_epilog.op.call import epilog_matmul_p
@@ -433,28 +433,28 @@ def test_backend_xla_is_the_direct_fp8_dot(monkeypatch):
 # --- the automatic backend choice ------------------------------------------------------------
 
 def test_auto_means_cublaslt_for_fp8_without_a_measurement(tmp_path, monkeypatch):
-    monkeypatch.setattr(dispatch, "TABLES_DIR", tmp_path)
+    monkeypatch.setattr(decisions, "TABLES_DIR", tmp_path)
     monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "user.json"))
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
-    monkeypatch.setattr(dispatch, "device_identity", lambda: ("NVIDIA H200", 130100))
-    dispatch.clear_cache()
+    monkeypatch.setattr(decisions, "device_identity", lambda: ("NVIDIA H200", 130100))
+    decisions.clear_cache()
     try:
         # A bf16 table entry nearby does not decide an FP8 problem.
-        dispatch.merge_into(tmp_path / "nvidia-h200.json", "NVIDIA H200", 130100, [
+        decisions.merge_into(tmp_path / "nvidia-h200.json", "NVIDIA H200", 130100, [
             table_format.make_entry(Epilog.RELU_BIAS, "bfloat16", False, True, 4096, 4096, 4096,
                                 {"cublaslt": 2.0, "xla": 1.0})])
-        d = dispatch.decision(Epilog.RELU_BIAS, "float8_e4m3fn", 1, 4096, 4096, 4096, False, True)
+        d = decisions.decision(Epilog.RELU_BIAS, "float8_e4m3fn", 1, 4096, 4096, 4096, False, True)
         assert d == table_format.Decision("cublaslt", "fp8")
-        assert dispatch.choose(Epilog.RELU_BIAS, "bfloat16", 1, 4096, 4096, 4096, False,
+        assert decisions.choose(Epilog.RELU_BIAS, "bfloat16", 1, 4096, 4096, 4096, False,
                                True) == "xla"
         # A measured FP8 problem where XLA won: XLA.
-        dispatch.merge_into(tmp_path / "nvidia-h200.json", "NVIDIA H200", 130100, [
+        decisions.merge_into(tmp_path / "nvidia-h200.json", "NVIDIA H200", 130100, [
             table_format.make_entry(Epilog.RELU_BIAS, "float8_e4m3fn", False, True, 4096, 4096, 4096,
                                 {"cublaslt": 2.0, "xla": 1.0})])
-        assert dispatch.choose(Epilog.RELU_BIAS, "float8_e4m3fn", 1, 4096, 4096, 4096, False,
+        assert decisions.choose(Epilog.RELU_BIAS, "float8_e4m3fn", 1, 4096, 4096, 4096, False,
                                True) == "xla"
     finally:
-        dispatch.clear_cache()
+        decisions.clear_cache()
 
 
 # --- not differentiable ----------------------------------------------------------------------

@@ -13,13 +13,13 @@ import pytest
 
 import jax_epilog
 from jax_epilog import Fp8
-from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import decisions
 from jax_epilog.planning import table_format
 from jax_epilog.tools import explain as explanation
 from jax_epilog.planning import context, stack_plan
 from jax_epilog.tools import tune
 from jax_epilog.tools import measurement
-from test_dispatch import H200, VERSION, tables  # noqa: F401 (tables: a fixture)
+from test_decisions import H200, VERSION, tables  # noqa: F401 (tables: a fixture)
 
 S = jax.ShapeDtypeStruct
 # M1's step: 4 ReLU layers 4096 wide; the rule makes every layer FP8 (2.2e12 FLOPs a GEMM)
@@ -30,10 +30,10 @@ SMALL = ((48, 64, 32), ("gelu", None), (True, False))
 
 @pytest.fixture
 def h200(tables):
-    """test_dispatch's `tables`: shipped tables in tmp_path/tables, the user table beside them,
+    """test_decisions's `tables`: shipped tables in tmp_path/tables, the user table beside them,
     this host an H200."""
     return tables
-    dispatch.clear_cache()
+    decisions.clear_cache()
 
 
 def shipped(tmp_path):
@@ -50,7 +50,7 @@ def entry(rows, shape, fp8, fused=1.0, plain=1.1, mode="step"):
 
 
 def write(path, stacks):
-    dispatch.merge_into(path, H200, VERSION, [], stacks)
+    decisions.merge_into(path, H200, VERSION, [], stacks)
 
 
 def planned(rows, shape, config=Fp8(), on_gpu=True):
@@ -159,9 +159,9 @@ def test_fp8_times_round_trip_and_old_tables_load_unchanged(h200):
             {**key(128, SMALL)._asdict(), "seconds": {"fused": 0.5, "plain": 1.0},
              "choice": "fused"}]}]}
     shipped(h200).write_text(json.dumps(old))
-    dispatch.clear_cache()
-    assert dispatch.stack_decision(key(128, SMALL)).choice == "fused"
-    assert dispatch.fp8_stack_decision(key(128, SMALL)) is None
+    decisions.clear_cache()
+    assert decisions.stack_decision(key(128, SMALL)).choice == "fused"
+    assert decisions.fp8_stack_decision(key(128, SMALL)) is None
     assert planned(128, SMALL).quantized == (False, False)
 
 
@@ -181,7 +181,7 @@ def test_an_fp8_only_entry_leaves_the_bf16_path_to_the_next_entry(h200):
     write(shipped(h200), [table_format.make_stack_entry(key(256, SMALL), {"fused": 0.5,
                                                                        "plain": 1.0})])
     write(h200 / "user.json", [table_format.make_stack_entry(key(128, SMALL), {"fp8": 0.25})])
-    decision = dispatch.stack_decision(key(128, SMALL))
+    decision = decisions.stack_decision(key(128, SMALL))
     assert decision.source == "shipped" and decision.choice == "fused"
 
 
@@ -190,12 +190,12 @@ def test_an_fp8_only_entry_leaves_the_bf16_path_to_the_next_entry(h200):
 @pytest.fixture
 def fake_gpu(monkeypatch, tmp_path):
     """JAX's CPU backend posing as a GPU, the user table in tmp_path."""
-    monkeypatch.setattr(dispatch, "device_identity", lambda: ("Fake GPU", 1))
+    monkeypatch.setattr(decisions, "device_identity", lambda: ("Fake GPU", 1))
     monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "decisions.json"))
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
-    dispatch.clear_cache()
+    decisions.clear_cache()
     yield tmp_path / "decisions.json"
-    dispatch.clear_cache()
+    decisions.clear_cache()
 
 
 TINY = key(40, SMALL)
@@ -261,14 +261,14 @@ def test_delayed_scaling_is_timed_on_a_warm_state(fake_gpu, monkeypatch):
 def test_fp8_only_merges_into_the_table_and_decides(fake_gpu):
     times = {"fused": 1.0, "plain": 1.2, "fp8": 0.5}
     tune.tune([TINY], measure_stack=lambda k, c, **kw: times[c], progress=False)
-    assert dispatch.fp8_stack_decision(TINY) is None
+    assert decisions.fp8_stack_decision(TINY) is None
     table = tune.tune([TINY, UNALIGNED], measure_stack=lambda k, c, **kw: times[c],
                       progress=False, fp8="only")
     assert [e.key for e in table.stacks] == [TINY]  # only what FP8 can be timed for
-    dispatch.clear_cache()
+    decisions.clear_cache()
     stored = {e.key: e for e in table_format.load_tables(fake_gpu)[0].stacks}
     assert {c: stored[TINY].seconds[c] for c in times} == times
-    decision = dispatch.fp8_stack_decision(TINY)
+    decision = decisions.fp8_stack_decision(TINY)
     assert decision.choice == "fp8" and decision.source == "user"
 
 

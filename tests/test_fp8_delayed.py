@@ -146,13 +146,13 @@ def test_state_passes_through_layers_that_stay_bf16(plain_is_faster, monkeypatch
     """`Fp8(layers="auto", scaling="delayed")` on layers too small for FP8: the bf16 stack's
     values and gradients, on the path it takes without FP8 (the fused stack or, where
     measured faster, XLA's plain expression), the state's gradient is the state itself."""
-    from jax_epilog.planning import decisions as dispatch
+    from jax_epilog.planning import decisions
     from jax_epilog.planning import table_format
     # The CPU poses as a CUDA GPU whose tables choose XLA (the plain expression) or cuBLASLt.
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     monkeypatch.setattr(context, "on_cuda_gpu", lambda: True)
-    monkeypatch.setattr(dispatch, "stack_decision", lambda key: None)
-    monkeypatch.setattr(dispatch, "decision", lambda *problem: table_format.Decision(
+    monkeypatch.setattr(decisions, "stack_decision", lambda key: None)
+    monkeypatch.setattr(decisions, "decision", lambda *problem: table_format.Decision(
         "xla" if plain_is_faster else "cublaslt", "test"))
     config = Fp8(scaling="delayed", amax_history_length=2)
     x, params = make_stack(7, (16, 32, 8), lead=(4,))

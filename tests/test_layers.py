@@ -540,7 +540,7 @@ def test_gpu_hlo_calls_the_cublaslt_kernel():
 
 @pytest.mark.parametrize("xla_gemms,plain", [("all", True), ("all but one", False)])
 def test_plain_expression_where_every_gemm_runs_xla(monkeypatch, xla_gemms, plain):
-    from jax_epilog.planning import decisions as dispatch
+    from jax_epilog.planning import decisions
     from jax_epilog.planning import table_format
     seen = []
 
@@ -552,7 +552,7 @@ def test_plain_expression_where_every_gemm_runs_xla(monkeypatch, xla_gemms, plai
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(cuda_library, "available", lambda: True)
-    monkeypatch.setattr(dispatch, "decision", decision)
+    monkeypatch.setattr(decisions, "decision", decision)
     # The layers' choices are under test, not matmul's own for a call whose step runs XLA.
     monkeypatch.setattr(call_plan, "plan_matmul_step", lambda *args: context.Choice("fused", "test"))
     x, params = make_stack(17, (24, 40, 16), lead=(6,))
@@ -566,10 +566,10 @@ def test_plain_expression_where_every_gemm_runs_xla(monkeypatch, xla_gemms, plai
 
 
 def test_forced_backends_decide_without_dispatch(monkeypatch):
-    from jax_epilog.planning import decisions as dispatch
+    from jax_epilog.planning import decisions
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(cuda_library, "available", lambda: True)
-    monkeypatch.setattr(dispatch, "decision", lambda *a: pytest.fail("dispatch asked"))
+    monkeypatch.setattr(decisions, "decision", lambda *a: pytest.fail("dispatch asked"))
     # The layers' choices are under test, not matmul's own for a call whose step runs XLA.
     monkeypatch.setattr(call_plan, "plan_matmul_step", lambda *args: context.Choice("fused", "test"))
     x, params = make_stack(18, (24, 40, 16), lead=(6,))

@@ -13,7 +13,7 @@ import pytest
 
 import jax_epilog
 from jax_epilog.planning import context
-from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import decisions
 from jax_epilog.planning import table_format
 from jax_epilog.layers import functional as layers
 from jax_epilog.tools import tune
@@ -38,14 +38,14 @@ def kinds(problems):
 def fake_gpu(monkeypatch, tmp_path):
     """JAX's CPU backend posing as a GPU, the user table in tmp_path, and a `matmul` that
     accepts `backend=` (ignored on the CPU) where the core does not take it yet."""
-    monkeypatch.setattr(dispatch, "device_identity", lambda: ("Fake GPU", 1))
+    monkeypatch.setattr(decisions, "device_identity", lambda: ("Fake GPU", 1))
     monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "decisions.json"))
     if not MATMUL_HAS_BACKEND:
         monkeypatch.setattr(measurement, "matmul",
                             lambda *a, backend="auto", **kw: jax_epilog.matmul(*a, **kw))
-    dispatch.clear_cache()
+    decisions.clear_cache()
     yield tmp_path / "decisions.json"
-    dispatch.clear_cache()
+    decisions.clear_cache()
 
 
 # --- problem extraction ----------------------------------------------------------------------
@@ -222,8 +222,8 @@ def test_a_fused_stack_without_cublaslt_gemms_is_recorded_plain(fake_gpu, capsys
     assert entry.choice == "plain"
     assert entry.seconds == {"fused": 0.5, "plain": 1.0, table_format.FUSED_CUBLASLT_GEMMS: 0}
     assert "(fused runs no cuBLASLt GEMM)" in capsys.readouterr().out
-    dispatch.clear_cache()  # and so it reads back: the choice is re-derived from what is stored
-    assert dispatch.stack_decision(DENSE_KEY).choice == "plain"
+    decisions.clear_cache()  # and so it reads back: the choice is re-derived from what is stored
+    assert decisions.stack_decision(DENSE_KEY).choice == "plain"
 
 
 PROBLEMS = [
@@ -289,7 +289,7 @@ def test_dry_run_of_a_function(capsys):
 
 
 def test_without_a_gpu_timing_exits_2_with_one_line(capsys, monkeypatch):
-    monkeypatch.setattr(dispatch, "device_identity", lambda: (None, None))
+    monkeypatch.setattr(decisions, "device_identity", lambda: (None, None))
     assert tune.main(["--grid", "--rows", "G7"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no CUDA GPU" in err[0]
@@ -332,7 +332,7 @@ def test_tune_times_every_problem_on_the_cpu_and_writes_the_user_table(fake_gpu,
     assert len(data["tables"][0]["entries"]) == len(expected)
     # `auto` reads what was written
     p = expected[0]
-    assert dispatch.choose(Epilog[p.epilog], p.dtype, p.batch, p.m, p.n, p.k, p.transpose_a,
+    assert decisions.choose(Epilog[p.epilog], p.dtype, p.batch, p.m, p.n, p.k, p.transpose_a,
                            p.transpose_b) == table.entries[0].choice
 
 
@@ -361,12 +361,12 @@ def test_tune_times_the_stacks_of_a_function_after_its_gemms(fake_gpu, capsys):
                for key, _, ctx in seen for e in table.entries)
     assert all(gemm_source(context.current(), e) != "measuring" for e in table.entries)
     assert "out of memory" in capsys.readouterr().err
-    dispatch.clear_cache()
+    decisions.clear_cache()
     stored = table_format.load_tables(fake_gpu)[0]
     assert sorted(stored.stacks, key=lambda e: e.key.order) == sorted(
         table.stacks, key=lambda e: e.key.order)
     assert {e.key for e in stored.entries} == {e.key for e in table.entries}
-    decision = dispatch.stack_decision(DENSE_KEY)
+    decision = decisions.stack_decision(DENSE_KEY)
     assert decision.choice == "fused" and decision.source == "user"
 
 
@@ -425,7 +425,7 @@ def test_progress_without_tqdm_prints_lines(fake_gpu, monkeypatch, capsys):
 
 
 def test_tune_refuses_to_time_without_a_gpu(monkeypatch):
-    monkeypatch.setattr(dispatch, "device_identity", lambda: (None, None))
+    monkeypatch.setattr(decisions, "device_identity", lambda: (None, None))
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         tune.tune([], measure=lambda *a, **k: 1.0)
 
@@ -464,7 +464,7 @@ def test_tune_times_both_backends_on_the_gpu(tmp_path):
 def test_stack_candidates_on_the_gpu(tmp_path, monkeypatch):
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     key = table_format.make_stack_key("bfloat16", 512, (256, 128), ("relu",), (True,), "step")
-    device, version = dispatch.device_identity()
+    device, version = decisions.device_identity()
     gemm = table_format.make_entry("RELU_AUX_BIAS", "bfloat16", False, False, 512, 128, 256,
                                {"cublaslt": 0.5, "xla": 1.0})
     operands = measurement.stack_operands(key)

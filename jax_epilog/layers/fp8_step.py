@@ -42,7 +42,7 @@ CUDA GPU whose decision tables hold a measured training step of the stack in FP8
 (`python -m jax_epilog.tune --fp8`), every layer where that beat bf16 and none where it did not;
 elsewhere only the layers whose GEMM is large enough for FP8 to pay for its quantization passes
 (`stack_plan.fp8_pays`, from the shapes alone). `stack_plan.quantized_layers` decides. The other layers
-are the bf16 (compute dtype) layers of `layers.py`, inside the same custom VJP.
+are the bf16 (compute dtype) layers of `layers/functional.py`, inside the same custom VJP.
 
 On a CPU the FP8 `matmul` runs the exact reference (FP8 values widened to float32, float32
 sums), so the layer computes exactly the quantized math; against the unquantized layer it

@@ -14,7 +14,7 @@ one layer), so the backward can use the epilogs that cross a layer boundary:
   bias gradient (DRELU_BGRAD / DGELU_BGRAD, DRELU / DGELU without a bias). Each of these fused
   steps has an unfused equivalent (XLA's GEMM, elementwise derivative, reduction); which runs is
   chosen per GEMM from measurements at lowering time (`backend="auto"`, see `plan` and
-  `dispatch`), and likewise for the forward GEMMs. On a CUDA GPU the whole stack may instead
+  `planning.decisions`), and likewise for the forward GEMMs. On a CUDA GPU the whole stack may instead
   be the plain expression `act(x @ kernel + bias)` under JAX's own autodiff (`jax.nn.relu`'s
   gradient at 0 is then 0, where the mask's is 1): where the table's entry for this stack
   (measured whole by `python -m jax_epilog.tune`, the training step and the inference forward each on its own)
@@ -295,7 +295,7 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="aut
         (its default is the tanh approximation) stand for the names.
       precision: as for `jax_epilog.matmul` (float32 only: HIGHEST is full float32).
       forward: "auto" (per GEMM, the faster of cuBLASLt's epilog and XLA's own GEMM and
-        fusions, as measured on this GPU; see `jax_epilog.dispatch`), "fused" (cuBLASLt) or
+        fusions, as measured on this GPU; see `jax_epilog.planning.decisions`), "fused" (cuBLASLt) or
         "xla".
       backward: likewise for the backward GEMMs: "auto", "fused" or "unfused" (XLA).
       dtype: the computation dtype; None: `jnp.result_type(x, kernel, bias)`, like Flax.

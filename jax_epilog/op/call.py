@@ -22,7 +22,7 @@ class _Fields(NamedTuple):
     transpose_a: bool
     transpose_b: bool
     allow_tf32: bool
-    backend: str = "auto"  # "cublaslt", "xla", or "auto": per problem (dispatch.py)
+    backend: str = "auto"  # "cublaslt", "xla", or "auto": per problem (planning/decisions.py)
     result_dtype: Optional[str] = None  # y's dtype name; None: the operands' dtype
     result_amax: bool = False  # FP8 calls: also return max |R| (SPEC §5)
     has_c: bool = False  # operands c, alpha, beta follow (SPEC §6): R = epilog(αP + βC)

@@ -290,7 +290,7 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
         `fast_accumulation`).
       backend: on CUDA, "cublaslt" runs the cuBLASLt kernel, "xla" XLA's own GEMM and fusions
         of the same computation, "auto" the faster of the two for this problem on this GPU, as
-        measured (`jax_epilog.dispatch`; FP8 problems without a measurement run cuBLASLt).
+        measured (`jax_epilog.planning.decisions`; FP8 problems without a measurement run cuBLASLt).
         Other platforms always run the reference.
       quantization_scales: FP8 operands only, and required with them: ``{"a": sa, "b": sb}``
         (float32 0-d arrays or Python floats; traced values work under `jit`), plus ``"d": sd``

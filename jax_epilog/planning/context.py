@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jax_epilog.op.epilogs import Epilog
-from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import decisions
 from jax_epilog.planning import table_format
 from jax_epilog.runtime import library as cuda_library
 from jax_epilog.runtime import settings
@@ -64,9 +64,9 @@ def default_context() -> Context:
                    tables_decide=lambda: on_cuda_gpu(),
                    cuda_devices=lambda: has_cuda_devices(),
                    library=lambda: cuda_library.available(),
-                   gemm_table=lambda *problem: dispatch.decision(*problem),
-                   stack_table=lambda key: dispatch.stack_decision(key),
-                   fp8_table=lambda key: dispatch.fp8_stack_decision(key))
+                   gemm_table=lambda *problem: decisions.decision(*problem),
+                   stack_table=lambda key: decisions.stack_decision(key),
+                   fp8_table=lambda key: decisions.fp8_stack_decision(key))
 
 
 _active: contextvars.ContextVar[Optional[Context]] = contextvars.ContextVar(
@@ -84,7 +84,7 @@ def measuring(table: table_format.Table) -> Context:
     just measured, decides GEMMs before the user's and the shipped tables, and no stack entry
     decides (each candidate is timed as itself)."""
     return default_context()._replace(
-        gemm_table=lambda *problem: dispatch.decision(*problem, measuring=table),
+        gemm_table=lambda *problem: decisions.decision(*problem, measuring=table),
         stack_table=lambda key: None, fp8_table=lambda key: None)
 
 
@@ -109,7 +109,7 @@ class Choice(NamedTuple):
 
 
 def describe(decision: table_format.Decision) -> str:
-    """Why `dispatch` decided as it did, in words."""
+    """Why `decisions` decided as it did, in words."""
     entry = decision.entry
     measured = ""
     if entry is not None and hasattr(entry, "seconds"):

@@ -244,7 +244,7 @@ class Gemm(NamedTuple):
 
     @property
     def problem(self) -> tuple:
-        """`dispatch`'s arguments after the epilog and dtype."""
+        """`decisions`' arguments after the epilog and dtype."""
         return (self.batch, self.m, self.n, self.k, self.transpose_a, self.transpose_b)
 
     @property

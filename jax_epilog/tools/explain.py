@@ -26,7 +26,7 @@ import numpy as np
 
 from jax_epilog.runtime import library as cuda_library
 
-from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import decisions
 from jax_epilog.planning import table_format
 from jax_epilog.op import lowering
 
@@ -127,15 +127,15 @@ def _context(observe) -> tuple[context.Context, Callable, str]:
     GPU, or, without one, as if on the reference GPU with the library."""
     ctx = context.default_context()._replace(observe=observe)
     if context.on_cuda_gpu():
-        device, version = dispatch.device_identity()
+        device, version = decisions.device_identity()
         return ctx, lowering.kernel_supports, f"as lowered on this host's {device} " \
                                               f"(cuBLASLt {version})"
     identity = (table_format.REFERENCE_DEVICE, None)
     emulated = ctx._replace(
         tables_decide=lambda: True, cuda_devices=lambda: True, library=lambda: True,
-        gemm_table=lambda *problem: dispatch.decision(*problem, identity=identity),
-        stack_table=lambda key: dispatch.stack_decision(key, identity=identity),
-        fp8_table=lambda key: dispatch.fp8_stack_decision(key, identity=identity))
+        gemm_table=lambda *problem: decisions.decision(*problem, identity=identity),
+        stack_table=lambda key: decisions.stack_decision(key, identity=identity),
+        fp8_table=lambda key: decisions.fp8_stack_decision(key, identity=identity))
     why = cuda_library.unavailable_reason() if jax.default_backend() == "gpu" else \
         f"the platform is {jax.default_backend()}"
     target = (f"no CUDA GPU with the library here ({why}): this host runs the reference; "

@@ -1,6 +1,6 @@
 """`python -m jax_epilog.tune`: measure cuBLASLt against XLA for your own shapes, on your GPU.
 
-The automatic backend choice (`jax_epilog.dispatch`) reads a table of measured problems. This
+The automatic backend choice (`jax_epilog.planning.decisions`) reads a table of measured problems. This
 command fills the user's table (``settings.decisions_path()``: ``$JAX_EPILOG_DECISIONS``, else
 ``~/.cache/jax_epilog/decisions.json``, beside the autotune cache) for the problems a program
 actually runs:
@@ -63,7 +63,7 @@ from typing import Optional
 from jax_epilog.runtime import settings
 
 from jax_epilog.planning import context
-from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import decisions
 from jax_epilog.planning import table_format
 from jax_epilog.tools.command_line import load_callable, parse_arg_spec
 from jax_epilog.tools import measurement
@@ -103,7 +103,7 @@ class _Progress:
 
 
 def has_cuda_gpu() -> bool:
-    return dispatch.device_identity()[0] is not None
+    return decisions.device_identity()[0] is not None
 
 
 def _collect(items) -> tuple[list[Problem], list[table_format.StackKey]]:
@@ -204,7 +204,7 @@ def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
                          f"{max_seconds!r}")
     if not has_cuda_gpu():
         raise RuntimeError("jax_epilog.tune needs a CUDA GPU: JAX sees none on this machine")
-    device, version = dispatch.device_identity()
+    device, version = decisions.device_identity()
     problems, stacks = _collect(fns_or_problems)
     if fp8 == "only":
         problems, stacks = [], [key for key in stacks if fp8_measurable(key)]
@@ -217,7 +217,7 @@ def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
 
     def save() -> None:
         if write and path is not None and (entries[saved[0]:] or stack_entries[saved[1]:]):
-            dispatch.merge_into(path, device, version, entries[saved[0]:],
+            decisions.merge_into(path, device, version, entries[saved[0]:],
                                 stack_entries[saved[1]:])
         saved[:] = len(entries), len(stack_entries)
 
@@ -237,7 +237,7 @@ def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
         _operand_sets.cache_clear()
         save()
         measured = table_format.Table(device, version, tuple(entries))
-        dispatch.clear_cache()  # decisions cached while this run measured the GEMMs
+        decisions.clear_cache()  # decisions cached while this run measured the GEMMs
         with context.planning(context.measuring(measured)):
             for key in stacks:
                 if out_of_time():
@@ -245,7 +245,7 @@ def tune(fns_or_problems: Iterable, *, output: Optional[Path] = None,
                 candidates = _stack_candidates(key, fp8)
                 times = _timed(measure_stack, key, candidates, seconds, failures)
                 if "fused" in candidates:
-                    # Stored with the times: with 0, "plain" is chosen (`dispatch`, module doc).
+                    # Stored with the times: with 0, "plain" is chosen (`decisions`, module doc).
                     times[table_format.FUSED_CUBLASLT_GEMMS] = fused_gemm_backends(key).count(
                         "cublaslt")
                 if table_format.FP8 in candidates:

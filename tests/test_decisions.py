@@ -1,4 +1,4 @@
-"""The automatic backend choice (`jax_epilog.dispatch`): table lookup, nearest measured problem,
+"""The automatic backend choice (`jax_epilog.planning.decisions`): table lookup, nearest measured problem,
 margin, the conservative rule for a GPU without a table, user table over shipped table, the
 environment override, and the atomic merge-write of a table. CPU only: the GPU is faked."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from jax_epilog.planning import call_plan
 from jax_epilog.planning import context
-from jax_epilog.planning import decisions as dispatch
+from jax_epilog.planning import decisions
 from jax_epilog.planning import table_format
 from jax_epilog.op.epilogs import Epilog
 
@@ -25,18 +25,18 @@ def tables(tmp_path, monkeypatch):
     """Shipped tables in a temporary folder, the user table beside them, GPU = H200."""
     shipped = tmp_path / "tables"
     shipped.mkdir()
-    monkeypatch.setattr(dispatch, "TABLES_DIR", shipped)
+    monkeypatch.setattr(decisions, "TABLES_DIR", shipped)
     monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "user.json"))
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     on_gpu(monkeypatch, H200)
-    dispatch.clear_cache()
+    decisions.clear_cache()
     yield tmp_path
-    dispatch.clear_cache()
+    decisions.clear_cache()
 
 
 def on_gpu(monkeypatch, device, version=VERSION):
-    monkeypatch.setattr(dispatch, "device_identity", lambda: (device, version))
-    dispatch.clear_cache()
+    monkeypatch.setattr(decisions, "device_identity", lambda: (device, version))
+    decisions.clear_cache()
 
 
 def entry(m, n, k, fused, xla=1.0, epilog=Epilog.DRELU_BGRAD, dtype="bfloat16", ta=False,
@@ -45,11 +45,11 @@ def entry(m, n, k, fused, xla=1.0, epilog=Epilog.DRELU_BGRAD, dtype="bfloat16", 
 
 
 def write(path, entries, device=H200, version=VERSION):
-    dispatch.merge_into(path, device, version, entries)
+    decisions.merge_into(path, device, version, entries)
 
 
 def choose(m, n, k, epilog=Epilog.DRELU_BGRAD, dtype="bfloat16", ta=False, tb=True, batch=1):
-    return dispatch.choose(epilog, dtype, batch, m, n, k, ta, tb)
+    return decisions.choose(epilog, dtype, batch, m, n, k, ta, tb)
 
 
 def shipped(tables, device=H200):
@@ -59,7 +59,7 @@ def shipped(tables, device=H200):
 def test_slug_names_the_shipped_file():
     assert table_format.slug("NVIDIA H200") == "nvidia-h200"
     assert table_format.slug("NVIDIA GeForce RTX 4090") == "nvidia-geforce-rtx-4090"
-    assert dispatch.shipped_table_path("NVIDIA H200").name == "nvidia-h200.json"
+    assert decisions.shipped_table_path("NVIDIA H200").name == "nvidia-h200.json"
 
 
 @pytest.mark.parametrize("fused, xla, expected", [
@@ -78,7 +78,7 @@ def test_nearest_measured_problem_decides(tables):
     assert choose(4096, 1024, 1024) == "cublaslt"
     assert choose(6000, 1500, 700) == "cublaslt"  # within 2x of the small one
     assert choose(60000, 4000, 4100) == "xla"  # nearest is the large one
-    decision = dispatch.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 6000, 1500, 700, False, True)
+    decision = decisions.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 6000, 1500, 700, False, True)
     assert decision.source == "shipped" and decision.entry.m == 4096
 
 
@@ -91,7 +91,7 @@ def test_no_entry_within_a_factor_of_two_gives_xla(tables):
     write(shipped(tables), [entry(4096, 1024, 1024, fused=0.5)])
     assert choose(4096, 1024, 2049) == "xla"  # K just over 2x
     assert choose(4096, 1024, 2048) == "cublaslt"  # exactly 2x is still near
-    assert dispatch.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 4096, False,
+    assert decisions.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 4096, False,
                              True).source == "none"
 
 
@@ -106,9 +106,9 @@ def test_only_the_same_epilog_dtype_and_transposes_count(tables):
 def test_user_table_decides_before_the_shipped_one(tables):
     write(shipped(tables), [entry(4096, 1024, 1024, fused=0.5), entry(256, 100, 784, 0.5)])
     write(tables / "user.json", [entry(4096, 1024, 1024, fused=1.5)])
-    dispatch.clear_cache()
+    decisions.clear_cache()
     assert choose(4096, 1024, 1024) == "xla"
-    assert dispatch.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 1024, False,
+    assert decisions.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 1024, False,
                              True).source == "user"
     assert choose(256, 100, 784) == "cublaslt"  # not measured by the user: shipped decides
 
@@ -137,7 +137,7 @@ def test_gpu_without_table_takes_cublaslt_only_where_the_h200_won(tables, monkey
                             entry(20000, 1024, 1024, fused=2.0)])  # ... and lost nearby
     on_gpu(monkeypatch, "NVIDIA B200")
     assert choose(4096, 1024, 1024) == "cublaslt"
-    assert dispatch.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 1024, False,
+    assert decisions.decision(Epilog.DRELU_BGRAD, "bfloat16", 1, 4096, 1024, 1024, False,
                              True).source == "reference-gpu"
     assert choose(65536, 4096, 4096) == "xla"  # lost on the H200
     assert choose(18000, 1024, 1024) == "xla"  # a nearby H200 loss vetoes the win
@@ -177,7 +177,7 @@ def test_override_applies_to_unmeasured_problems_too(tables, monkeypatch):
 def test_empty_decisions_variable_means_no_user_table(tables, monkeypatch):
     write(tables / "user.json", [entry(4096, 1024, 1024, fused=0.5)])
     monkeypatch.setenv("JAX_EPILOG_DECISIONS", "")
-    dispatch.clear_cache()
+    decisions.clear_cache()
     assert choose(4096, 1024, 1024) == "xla"
 
 
@@ -204,7 +204,7 @@ def test_concurrent_merges_lose_nothing(tables):
         t.start()
     for t in threads:
         t.join()
-    dispatch.clear_cache()
+    decisions.clear_cache()
     assert sorted(e.m for e in table_format.load_tables(path)[0].entries) == list(range(1, 9))
 
 
@@ -225,7 +225,7 @@ def test_a_failed_write_leaves_the_old_table_whole(tables, monkeypatch):
 
 def test_merge_creates_the_folder(tmp_path):
     path = tmp_path / "a" / "b" / "decisions.json"
-    tables = dispatch.merge_into(path, H200, VERSION, [entry(1, 2, 3, fused=0.5)])
+    tables = decisions.merge_into(path, H200, VERSION, [entry(1, 2, 3, fused=0.5)])
     assert path.exists() and tables[0].entries[0].choice == "cublaslt"
 
 
@@ -241,7 +241,7 @@ def test_decisions_are_cached_until_cleared(tables):
     assert choose(4096, 1024, 1024) == "cublaslt"
     shipped(tables).write_text(shipped(tables).read_text().replace('"cublaslt"', '"xla"'))
     assert choose(4096, 1024, 1024) == "cublaslt"
-    dispatch.clear_cache()
+    decisions.clear_cache()
     assert choose(4096, 1024, 1024) == "xla"
 
 
@@ -267,14 +267,14 @@ def test_auto_lowering_follows_the_table_on_the_gpu(tmp_path, monkeypatch, fused
 
     monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "user.json"))
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
-    device, version = dispatch.device_identity()
+    device, version = decisions.device_identity()
     write(tmp_path / "user.json", [entry(512, 128, 256, fused=fused_seconds, epilog=Epilog.RELU,
                                          tb=False)], device=device, version=version)
-    dispatch.clear_cache()
+    decisions.clear_cache()
     x, w = jnp.ones((512, 256), jnp.bfloat16), jnp.ones((256, 128), jnp.bfloat16)
     text = jax.jit(lambda x, w: jax_epilog.matmul(x, w, epilog="relu")).lower(x, w) \
         .compile().as_text()
-    dispatch.clear_cache()
+    decisions.clear_cache()
     assert ('custom_call_target="jax_epilog_matmul"' in text) == kernel
 
 
@@ -292,11 +292,11 @@ def stack_entry(fused, plain=1.0, **key):
 
 
 def write_stacks(path, stacks, device=H200, version=VERSION):
-    dispatch.merge_into(path, device, version, [], stacks)
+    decisions.merge_into(path, device, version, [], stacks)
 
 
 def stack_choice(**key):
-    decision = dispatch.stack_decision(stack_key(**key))
+    decision = decisions.stack_decision(stack_key(**key))
     return decision and decision.choice
 
 
@@ -334,7 +334,7 @@ def test_version_1_files_without_stacks_still_load(tables):
     assert table_format.load_tables(shipped(tables))[0].stacks == ()
     assert stack_choice() is None  # no stack entry: the layers use the per-GEMM rule
     shipped(tables).write_text(json.dumps({"format": "jax_epilog.decisions/9", "tables": []}))
-    dispatch.clear_cache()
+    decisions.clear_cache()
     with pytest.warns(RuntimeWarning, match="decisions/9"):
         assert choose(4096, 1024, 1024) == "xla"
 
@@ -361,7 +361,7 @@ def test_stack_lookup_exact_then_nearest_within_twice_the_rows(tables):
     assert stack_choice(rows=512) == "fused"  # exactly 2x is still near
     assert stack_choice(rows=3000) == "plain"  # nearer the large one
     assert stack_choice(rows=127) is None  # just over 2x from every entry
-    decision = dispatch.stack_decision(stack_key(rows=300))
+    decision = decisions.stack_decision(stack_key(rows=300))
     assert decision.source == "shipped" and decision.entry.key.rows == 256
 
 
@@ -378,8 +378,8 @@ def test_stack_lookup_needs_the_same_stack_and_mode(tables):
 def test_user_stack_entry_decides_before_the_shipped_one(tables):
     write_stacks(shipped(tables), [stack_entry(0.5), stack_entry(0.5, rows=8192)])
     write_stacks(tables / "user.json", [stack_entry(2.0)])
-    dispatch.clear_cache()
-    assert stack_choice() == "plain" and dispatch.stack_decision(stack_key()).source == "user"
+    decisions.clear_cache()
+    assert stack_choice() == "plain" and decisions.stack_decision(stack_key()).source == "user"
     assert stack_choice(rows=8192) == "fused"
 
 
@@ -450,7 +450,7 @@ def test_without_a_stack_entry_the_per_gemm_rule_decides(layer_gpu):
     assert m3_paths() == (0, 0)
     write(shipped(layer_gpu), [entry(256, 100, 784, fused=0.5, epilog=Epilog.RELU_AUX_BIAS,
                                      tb=False)])
-    dispatch.clear_cache()
+    decisions.clear_cache()
     assert m3_paths() == (3, 9)
 
 
@@ -493,7 +493,7 @@ def test_layers_follow_the_stack_entries_on_the_gpu(tmp_path, monkeypatch, step,
 
     monkeypatch.setenv("JAX_EPILOG_DECISIONS", str(tmp_path / "user.json"))
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
-    device, version = dispatch.device_identity()
+    device, version = decisions.device_identity()
     shape = ((256, 128), ("relu",), (True,))
     times = {"fused": {"fused": 0.5, "plain": 1.0}, "plain": {"fused": 2.0, "plain": 1.0}}
     # every GEMM wins on cuBLASLt, so the fused stack issues custom calls
@@ -502,10 +502,10 @@ def test_layers_follow_the_stack_entries_on_the_gpu(tmp_path, monkeypatch, step,
                                         ("RELU_AUX_BIAS", False, False, 512, 128, 256),
                                         ("BGRADB", True, False, 256, 128, 512),
                                         ("DEFAULT", False, True, 512, 256, 128))]
-    dispatch.merge_into(tmp_path / "user.json", device, version, gemms, [
+    decisions.merge_into(tmp_path / "user.json", device, version, gemms, [
         table_format.make_stack_entry(stack_key(512, shape, "step"), times[step]),
         table_format.make_stack_entry(stack_key(512, shape, "forward"), times[forward])])
-    dispatch.clear_cache()
+    decisions.clear_cache()
     x, w, b = (jnp.ones(s, jnp.bfloat16) for s in ((512, 256), (256, 128), (128,)))
 
     def layer(x, w, b):
@@ -521,4 +521,4 @@ def test_layers_follow_the_stack_entries_on_the_gpu(tmp_path, monkeypatch, step,
         assert (kernel_calls(layer) > 0) == (forward == "fused")
         assert (kernel_calls(train) > 0) == (step == "fused")
     finally:
-        dispatch.clear_cache()
+        decisions.clear_cache()
