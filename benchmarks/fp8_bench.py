@@ -80,7 +80,7 @@ import jax.numpy as jnp
 import never_slower
 import timing
 from jax_epilog import Fp8, mlp
-from jax_epilog.runtime import targets
+from jax_epilog.runtime.targets import MATMUL
 from jax_epilog.float8 import scaling as fp8
 from jax_epilog.planning import stack_plan
 from jax_epilog.tools import grid
@@ -252,7 +252,7 @@ def gemm_counts(hlo: str) -> dict[str, int]:
     """Where the GEMMs of a compiled module run: our cuBLASLt custom calls (with FP8 operands
     or not), XLA's FP8 GEMMs (`__cublas$lt$matmul$f8`) and XLA's other GEMMs."""
     ours = [line for line in hlo.splitlines()
-            if f'custom_call_target="{targets.MATMUL.name}' in line]
+            if f'custom_call_target="{MATMUL.name}' in line]
     ours_fp8 = sum(1 for line in ours if "f8e" in line)
     xla_fp8 = hlo.count('custom_call_target="__cublas$lt$matmul$f8"')
     xla_other = hlo.count('custom_call_target="__cublas$gemm"') + \

@@ -81,7 +81,7 @@ def test_reference_fallbacks_are_caught_and_void_targets():
 
 
 def test_gemm_counts_tells_where_each_gemm_ran():
-    target = fp8_bench.targets.MATMUL.name
+    target = fp8_bench.MATMUL.name
     hlo = "\n".join([
         f'%a = (bf16[8,8]) custom-call(f8e4m3fn[8,16] %x, f8e4m3fn[8,16] %w), '
         f'custom_call_target="{target}"',

@@ -16,6 +16,7 @@ import pytest
 
 import jax_epilog
 from jax_epilog import Epilog
+from jax_epilog.runtime import targets
 from problems import make_problem
 
 EPILOGS = [Epilog.DEFAULT, Epilog.BIAS, Epilog.RELU_BIAS, Epilog.GELU_BIAS, Epilog.RELU_AUX_BIAS]
@@ -83,7 +84,7 @@ def test_cuda_export_of_the_gradient(epilog):
             disabled_checks=list(jax_epilog.EXPORT_SAFETY_CHECKS))(a, b, inputs)
         text = exported.mlir_module()
         calls = re.findall(r"stablehlo\.custom_call @(\w+)", text)
-        assert calls.count(jax_epilog.targets.MATMUL.name) == custom_calls, calls
+        assert calls.count(targets.MATMUL.name) == custom_calls, calls
         for pair in dot_operand_types(text):
             assert all(t.endswith("xbf16>") for t in pair), (backend, pair)
         if backend == "xla":
@@ -318,13 +319,14 @@ def _kernel_problems(jaxpr) -> list[tuple]:
 def test_the_plan_lists_the_gemms_the_backward_issues(epilog, layout):
     """`call_plan.matmul_step_gemms` (by which `matmul` chooses the plain path) names the GEMMs the
     custom VJP runs (a per-batch bias with a shared b sums in XLA instead of BGRADB)."""
+    from jax_epilog.op import arguments
+    from jax_epilog.op import matmul as matmul_module
     from jax_epilog.planning import call_plan
-    matmul_module = __import__("sys").modules["jax_epilog.matmul"]
     a, b, inputs, probe, ta, tb = _problem(layout, epilog, "bfloat16", m=6, n=9, k=5)
     loss = _loss(jax_epilog.matmul, epilog, ta, tb, probe)
     traced = sorted(_kernel_problems(jax.make_jaxpr(jax.value_and_grad(
         loss, argnums=(0, 1, 2)))(a, b, inputs).jaxpr), key=str)
-    call = matmul_module._prepare(a, b, epilog, inputs or None, ta, tb, None)
+    call = arguments.prepare(a, b, epilog, inputs or None, ta, tb, None)
     planned = sorted(((g.epilog, g.batch, g.m, g.n, g.k, g.transpose_a, g.transpose_b)
                       for g in call_plan.matmul_step_gemms(
                           call.params, call.a.shape, call.b.shape, call.a.dtype,
