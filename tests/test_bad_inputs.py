@@ -407,3 +407,24 @@ def test_unknown_activation_name_says_to_apply_it_to_the_output(name):
                                          rf"layer's output$"):
         jax_epilog.dense(x, w, activation=name)
 
+
+
+def test_a_bias_keyword_says_how_to_pass_a_bias():
+    x, w = jnp.ones((4, 8), jnp.float32), jnp.ones((8, 3), jnp.float32)
+    for fn in (jax_epilog.matmul, jax_epilog.reference_matmul):
+        with pytest.raises(TypeError, match=r'no bias= argument: pass epilog_inputs=\{"bias": b\}'):
+            fn(x, w, bias=jnp.ones(3))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bogus'"):
+        jax_epilog.matmul(x, w, bogus=1)
+
+
+@pytest.mark.parametrize("layers", [
+    [(jnp.ones((8, 3)), jnp.ones(3), jnp.ones(3))],  # a triple
+    [jnp.arange(24.0).reshape(8, 3)],  # a kernel without its bias
+])
+def test_a_bad_layer_pair_is_described_by_shape_not_contents(layers):
+    with pytest.raises(TypeError) as caught:
+        jax_epilog.mlp(jnp.ones((4, 8)), layers)
+    message = str(caught.value)
+    assert "layers[0]: expected a (kernel, bias) pair" in message
+    assert "shape (8, 3)" in message and "23." not in message and "[[" not in message

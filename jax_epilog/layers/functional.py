@@ -215,6 +215,18 @@ def _compute_dtype(dtype, arrays):
     return compute
 
 
+def _described(value) -> str:
+    """A value for an error message: an array by its shape and dtype (never its contents), a
+    sequence by its length and what it holds."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        inner = ", ".join(_described(v) for v in value[:3]) + (", ..." if len(value) > 3 else "")
+        return f"{type(value).__name__} of {len(value)}: ({inner})"
+    text = repr(value)
+    return text if len(text) <= 80 else f"{type(value).__name__} {text[:77]}..."
+
+
 def _check_params(x, layers):
     if isinstance(layers, (str, bytes)) or not isinstance(layers, Sequence) or not layers:
         raise TypeError(f"layers: expected a non-empty sequence of (kernel, bias) pairs, got "
@@ -225,7 +237,7 @@ def _check_params(x, layers):
     params = []
     for i, pair in enumerate(layers):
         if not isinstance(pair, Sequence) or len(pair) != 2:
-            raise TypeError(f"layers[{i}]: expected a (kernel, bias) pair, got {pair!r}")
+            raise TypeError(f"layers[{i}]: expected a (kernel, bias) pair, got {_described(pair)}")
         kernel, bias = pair
         if jnp.ndim(kernel) != 2 or jnp.shape(kernel)[0] != width:
             source = "x has" if i == 0 else f"layers[{i - 1}] gives"

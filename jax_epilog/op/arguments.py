@@ -9,6 +9,8 @@ user's shapes. What each epilog reads and writes comes from `epilogs.TABLE`.
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional
@@ -284,6 +286,32 @@ def _check_c(c, alpha, beta, out, lead, m: int, n: int):
                          f"{tuple(c.shape)}{hint}")
     alpha = jnp.ones((), jnp.float32) if alpha is None else _check_scale("alpha", alpha, "alpha")
     return (c, alpha, _check_scale("beta", beta, "beta"))
+
+
+#: Keywords users reach for that `matmul` takes under another name, and what to write instead.
+_OTHER_NAMES = {
+    "bias": 'epilog_inputs={"bias": b} with an epilog that adds one (e.g. epilog="bias", '
+            '"relu_bias" or "gelu_bias")',
+    "activation": 'epilog="relu" / "gelu" (or "relu_bias" / "gelu_bias" with a bias)',
+    "preferred_dtype": "preferred_element_type= (FP8 operands only)",
+}
+
+
+def keyword_hints(fn):
+    """`fn` (matmul or reference_matmul), whose unknown keywords raise a TypeError that says
+    what to write instead, where the keyword is one users reach for (`_OTHER_NAMES`)."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        unknown = [k for k in kwargs if k not in signature.parameters]
+        for name in unknown:
+            hint = _OTHER_NAMES.get(name)
+            if hint:
+                raise TypeError(f"{fn.__name__}() takes no {name}= argument: pass {hint}")
+        return fn(*args, **kwargs)
+
+    return checked
 
 
 def prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,

@@ -31,7 +31,7 @@ import numpy as np
 from jax_epilog.planning import call_plan, context
 from jax_epilog.op import manual_axes
 from jax_epilog.op.epilogs import (ACTIVATIONS, Epilog, is_fp8)
-from jax_epilog.op.arguments import Call, prepare, shape_results
+from jax_epilog.op.arguments import Call, keyword_hints, prepare, shape_results
 from jax_epilog.op import primitive  # noqa: F401  (registers the primitives' rules)
 from jax_epilog.op.call import Params, epilog_matmul_p
 from jax_epilog.op.reference import epilog_matmul as reference_kernel
@@ -259,6 +259,7 @@ def _reference(params: Params, a, b, *inputs, exact: bool = True):
                             fast_accumulation=params.fast_accumulation)
 
 
+@keyword_hints
 def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
            epilog_inputs: Optional[Mapping[str, Any]] = None,
            transpose_a: bool = False, transpose_b: bool = False, precision=None,
@@ -345,6 +346,7 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     return shape_results(call, _forward(call.params, scalars, *operands))
 
 
+@keyword_hints
 def reference_matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
                      epilog_inputs=None, transpose_a=False, transpose_b=False, precision=None,
                      quantization_scales=None, preferred_element_type=None, result_amax=False,
