@@ -289,7 +289,7 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     lines += [f"- {note}" for note in report["notes"]]
-    header = ["row", "dtype", "B×K×N", "epilog", "bytes floor µs", "GEMM µs", "GEMM TFLOP/s", "XLA µs",
+    header = ["row", "dtype", "M×K×N", "epilog", "bytes floor µs", "GEMM µs", "GEMM TFLOP/s", "XLA µs",
               "XLA % GEMM", "jax_epilog µs", "TFLOP/s", "% GEMM", "vs XLA", "max |Δy| vs XLA"]
     if has_nvmath:
         header += ["nvmath µs", "nvmath % GEMM", "nvmath vs XLA"]

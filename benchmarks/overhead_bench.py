@@ -138,7 +138,7 @@ def markdown(report: dict[str, Any]) -> str:
         "'vs XLA' is XLA's plain layer time / ours (> 1: ours faster). Ours run cuBLASLt "
         "(forced), RELU_BIAS.",
         "",
-        "| row | dtype | B×K×N | loop | x @ W µs | XLA relu(x@W+b) µs | +µs | "
+        "| row | dtype | M×K×N | loop | x @ W µs | XLA relu(x@W+b) µs | +µs | "
         "matmul µs | +µs | vs XLA | dense µs | +µs | vs XLA |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -175,7 +175,7 @@ def test_explain_prints_stacks_gemms_and_calls(capsys, matmul_keeps_its_vjp):
     assert text.strip() == str(returned)
     if not context.on_cuda_gpu():
         assert "this host runs the reference" in text and table_format.REFERENCE_DEVICE in text
-    assert "stack 0: bfloat16 129x127 ->65+b relu ->17+b" in text
+    assert "stack 0: bfloat16 M×K 129×127 ->65+b relu ->17+b" in text
     assert "training step: fused" in text
     assert text.count("backend=cublaslt (") + text.count("backend=cublaslt ->") >= 2
     assert "layer 1 weight gradient" in text and "backend='xla' asked for" in text
@@ -204,7 +204,7 @@ def test_command_line(capsys):
     assert explanation.main(["--fn", "test_explain:step_for_cli", "--args", "bf16[40,32]",
                          "bf16[32,16]"]) == 0
     text = capsys.readouterr().out
-    assert "stack 0: bfloat16 40x32 ->16 relu" in text
+    assert "stack 0: bfloat16 M×K 40×32 ->16 relu" in text
     with pytest.raises(SystemExit):
         explanation.main(["--fn", "test_explain:step_for_cli", "--args", "bf16(40)"])
 

@@ -87,7 +87,7 @@ def test_a_winning_entry_makes_every_layer_fp8_and_says_which_entry(h200):
     assert {g.operand_dtype for g in sp.forward_gemms} == {"float8_e4m3fn"}
     why = sp.layers[0].why
     assert "won" in why and "stack entry (the table shipped for this GPU" in why
-    assert "stack step bfloat16 128×48" in why and "fp8 500000.0 us" in why
+    assert "stack step bfloat16 M×K 128×48" in why and "fp8 500000.0 us" in why
 
 
 def test_a_losing_entry_keeps_every_layer_bf16_where_the_rule_says_fp8(h200):
@@ -302,12 +302,12 @@ def test_each_stack_is_written_as_it_is_timed(fake_gpu):
 def test_dry_run_with_fp8_lists_the_candidates(capsys):
     assert tune.main(["--grid", "--rows", "G7,T2", "--fp8", "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert "stack step bfloat16 16384×1024 →4096+b gelu →1024+b  (fused, plain, fp8)" in out
-    assert "stack forward bfloat16 16384×1024 →4096+b gelu →1024+b  (fused, plain)" in out
-    assert "stack step bfloat16 256×784 →100+b relu  (fused, plain)" in out  # N = 100
+    assert "stack step bfloat16 M×K 16384×1024 →4096+b gelu →1024+b  (fused, plain, fp8)" in out
+    assert "stack forward bfloat16 M×K 16384×1024 →4096+b gelu →1024+b  (fused, plain)" in out
+    assert "stack step bfloat16 M×K 256×784 →100+b relu  (fused, plain)" in out  # N = 100
     assert tune.main(["--grid", "--rows", "G7,T2", "--fp8-only", "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[1:] == ["stack step bfloat16 16384×1024 →4096+b gelu →1024+b  (fp8)",
+    assert out[1:] == ["stack step bfloat16 M×K 16384×1024 →4096+b gelu →1024+b  (fp8)",
                        "0 distinct problems, 1 stacks"]
 
 

@@ -266,25 +266,25 @@ def test_grid_covers_every_row_and_network():
 def test_dry_run_lists_the_grid_problems_and_stacks(capsys):
     assert tune.main(["--grid", "--rows", "G7,M3", "--dry-run"]) == 0
     header, *out = capsys.readouterr().out.splitlines()
-    assert header == measurement.DRY_RUN_HEADER and "B×K×N" in header  # as the README's tables
+    assert header == measurement.DRY_RUN_HEADER and "M×K×N" in header  # as the README's tables
     problems, stacks = (int(n) for n in re.fullmatch(r"(\d+) distinct problems, (\d+) stacks",
                                                      out[-1]).groups())
     assert problems + stacks == len(out) - 1 and stacks == 4
-    assert "RELU_BIAS bfloat16 NN 256×784×100" in out  # G7's inference forward (B×K×N)
-    assert "RELU_AUX_BIAS bfloat16 NN 256×784×100" in out  # its training forward
+    assert "RELU_BIAS bfloat16 NN M×K×N 256×784×100" in out  # G7's inference forward (M×K×N)
+    assert "RELU_AUX_BIAS bfloat16 NN M×K×N 256×784×100" in out  # its training forward
     assert out[problems:-1] == [  # largest first
-        "stack step bfloat16 256×784 →100+b relu →100+b relu →10+b",
-        "stack step bfloat16 256×784 →100+b relu",
-        "stack forward bfloat16 256×784 →100+b relu →100+b relu →10+b",
-        "stack forward bfloat16 256×784 →100+b relu"]
+        "stack step bfloat16 M×K 256×784 →100+b relu →100+b relu →10+b",
+        "stack step bfloat16 M×K 256×784 →100+b relu",
+        "stack forward bfloat16 M×K 256×784 →100+b relu →100+b relu →10+b",
+        "stack forward bfloat16 M×K 256×784 →100+b relu"]
 
 
 def test_dry_run_of_a_function(capsys):
     assert tune.main(["--fn", "jax_epilog:dense", "--args", "bf16[64,32]",
                       "bf16[32,16]", "bf16[16]", "--dry-run"]) == 0
     assert capsys.readouterr().out.splitlines() == [measurement.DRY_RUN_HEADER,
-                                                    "BIAS bfloat16 NN 64×32×16",
-                                                    "stack forward bfloat16 64×32 →16+b",
+                                                    "BIAS bfloat16 NN M×K×N 64×32×16",
+                                                    "stack forward bfloat16 M×K 64×32 →16+b",
                                                     "1 distinct problems, 1 stacks"]
 
 
@@ -420,7 +420,7 @@ def test_progress_without_tqdm_prints_lines(fake_gpu, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
     p = measurement.Problem("DEFAULT", "bfloat16", False, False, 1, 8, 8, 8)
     tune.tune([p], measure=lambda *a, **k: 1e-5, progress=True)
-    assert "[1/1] DEFAULT bfloat16 NN 8×8×8: cublaslt 10.0 us, xla 10.0 us -> xla" in \
+    assert "[1/1] DEFAULT bfloat16 NN M×K×N 8×8×8: cublaslt 10.0 us, xla 10.0 us -> xla" in \
         capsys.readouterr().out
 
 

@@ -92,7 +92,7 @@ class StackKey(NamedTuple):
     def __str__(self) -> str:
         layers = "".join(f" →{n}{'+b' if bias else ''}{' ' + act if act else ''}"
                          for n, act, bias in zip(self.widths[1:], self.activations, self.biases))
-        return f"stack {self.mode} {self.dtype} {self.rows}×{self.widths[0]}{layers}"
+        return f"stack {self.mode} {self.dtype} M×K {self.rows}×{self.widths[0]}{layers}"
 
 
 def make_stack_key(dtype, rows: int, widths, activations, biases, mode: str) -> StackKey:

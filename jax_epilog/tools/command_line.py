@@ -39,3 +39,9 @@ def load_callable(target: str) -> Callable:
     if not callable(obj):
         raise TypeError(f"--fn: {target} is a {type(obj).__name__}, not callable")
     return obj
+
+
+def gemm_size(batch: int, m: int, k: int, n: int) -> str:
+    """A GEMM's sizes in the one order every output of the package uses (the README's):
+    M×K×N, the letters named, a batch first where there is one."""
+    return f"{f'batch {batch}, ' if batch > 1 else ''}M×K×N {m}×{k}×{n}"

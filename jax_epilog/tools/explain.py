@@ -32,7 +32,7 @@ from jax_epilog.op import lowering
 
 from jax_epilog.planning import call_plan, context, stack_plan
 from jax_epilog.op.call import Params, problem_of
-from jax_epilog.tools.command_line import load_callable, parse_arg_spec
+from jax_epilog.tools.command_line import gemm_size, load_callable, parse_arg_spec
 from jax_epilog.tools.measurement import epilog_eqns
 
 
@@ -63,12 +63,11 @@ def _layout(transpose_a: bool, transpose_b: bool) -> str:
 
 
 def _gemm_line(g: stack_plan.Gemm) -> str:
-    size = f"{g.batch}x" if g.batch > 1 else ""
     result = f" -> {g.result_dtype}" if g.result_dtype != g.operand_dtype else ""
     asked = f" ({g.requested_why})" if g.requested_why else ""
     runs = f" -> {g.backend}: {g.why}" if g.backend is not None else ""
     return (f"    layer {g.layer} {g.role:<15} {g.epilog.name:<14} {g.dtype}{result} "
-            f"{_layout(g.transpose_a, g.transpose_b)} {size}{g.m}x{g.n}x{g.k}  "
+            f"{_layout(g.transpose_a, g.transpose_b)} {gemm_size(g.batch, g.m, g.k, g.n)}  "
             f"backend={g.requested}{asked}{runs}")
 
 
@@ -77,7 +76,7 @@ def _stack_lines(i: int, sp: stack_plan.StackPlan) -> list[str]:
     layers = "".join(f" ->{n}{'+b' if layer.has_bias else ''}"
                      f"{' ' + layer.activation if layer.activation else ''}"
                      for n, layer in zip(sp.widths[1:], s.layers))
-    lines = [f"stack {i}: {sp.dtype} {sp.rows}x{sp.widths[0]}{layers}  (forward={s.forward}, "
+    lines = [f"stack {i}: {sp.dtype} M×K {sp.rows}×{sp.widths[0]}{layers}  (forward={s.forward}, "
              f"backward={s.backward}{', fp8=' + repr(sp.fp8) if sp.fp8 is not None else ''})",
              f"  training step: {sp.step.choice}: {sp.step.why}",
              f"  inference forward: {sp.inference.choice}: {sp.inference.why}"]
@@ -111,13 +110,13 @@ def _lines(e: Explanation) -> list[str]:
     lines.append(f"epilog_matmul calls in the traced program: {len(e.calls)}")
     for c in e.calls:
         g = c.gemm
-        size = f"{g.batch}x" if g.batch > 1 else ""
         own = (g.transpose_a, g.transpose_b)
         layout = f" in {_layout(*c.lowering.layout)}" if c.lowering.layout not in (None, own) else ""
         if c.lowering.padded:
-            layout += " K,N padded to {}x{}".format(*c.lowering.padded)
+            layout += " K,N padded to {}×{}".format(*c.lowering.padded)
         lines.append(f"  {g.epilog.name:<14} {g.dtype} {_layout(g.transpose_a, g.transpose_b)} "
-                     f"{size}{g.m}x{g.n}x{g.k}  backend={g.requested}: {c.lowering.way}{layout}"
+                     f"{gemm_size(g.batch, g.m, g.k, g.n)}  backend={g.requested}: "
+                     f"{c.lowering.way}{layout}"
                      f" ({c.lowering.why})")
     return lines
 

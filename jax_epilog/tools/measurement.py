@@ -20,6 +20,7 @@ from jax_epilog.layers import functional as layers
 
 from jax_epilog.planning import context, stack_plan
 from jax_epilog.tools import timing
+from jax_epilog.tools.command_line import gemm_size
 from jax_epilog.op.epilogs import Epilog, gelu_aux_columns, is_fp8, relu_mask_bytes
 from jax_epilog.float8.recipe import Fp8
 from jax_epilog.op.epilogs import aux_dtype as aux_dtype_of
@@ -37,8 +38,8 @@ FP8_CHOICES = (False, True, "only")  # `tune(fp8=...)`
 
 
 #: What `--dry-run` prints first: how to read its lines.
-DRY_RUN_HEADER = ("problems: epilog dtype layout (N/T: a, b transposed or not) B×K×N (B rows, "
-                  "times batch= GEMMs); stacks: mode dtype B×K, then each layer's →N (+b: "
+DRY_RUN_HEADER = ("problems: epilog dtype layout (N/T: a, b transposed or not) M×K×N (M rows, "
+                  "times a batch of GEMMs); stacks: mode dtype M×K, then each layer's →N (+b: "
                   "bias) and activation (with --fp8: then the candidates timed)")
 
 
@@ -72,8 +73,7 @@ class Problem(NamedTuple):
 
     def __str__(self) -> str:
         t = "".join(("T" if self.transpose_a else "N", "T" if self.transpose_b else "N"))
-        batch = f"batch={self.batch} " if self.batch > 1 else ""
-        return f"{self.epilog} {self.dtype} {t} {batch}{self.m}×{self.k}×{self.n}"  # README's B×K×N
+        return f"{self.epilog} {self.dtype} {t} {gemm_size(self.batch, self.m, self.k, self.n)}"
 
 
 # --- 1. finding the problems ---------------------------------------------------------------
