@@ -218,3 +218,27 @@ def test_explaining_leaves_no_trace_behind():
     expected = jax.nn.relu(x.astype(jnp.float32) @ w.astype(jnp.float32))
     np.testing.assert_allclose(np.asarray(jax_epilog.dense(x, w, activation="relu"),
                                           np.float32), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_a_plain_path_matmul_is_reported_with_why(capsys):
+    """A differentiable call whose step runs XLA's way leaves no epilog_matmul in the program:
+    explain still reports it, each GEMM's backend and the entry that chose it."""
+    x = jnp.ones((256, 784), jnp.bfloat16)
+    w = jnp.ones((784, 100), jnp.bfloat16)
+    b = jnp.ones((100,), jnp.bfloat16)
+    returned = jax_epilog.explain(lambda x, w, b: jax_epilog.matmul(
+        x, w, epilog="relu_bias", epilog_inputs={"bias": b}), x, w, b)
+    text = capsys.readouterr().out
+    (m,) = returned.matmuls
+    assert m.params.epilog == Epilog.RELU_BIAS and m.choice.choice in ("plain", "fused")
+    assert "matmul RELU_BIAS bfloat16 NN M×K×N 256×784×100: " in text
+    for role in ("forward", "data gradient", "weight gradient"):
+        assert f"{role}: " in m.choice.why
+    if m.choice.choice == "plain":
+        assert not returned.calls and "none: the stacks and matmul calls above run the plain" in text
+
+
+def test_a_program_without_our_calls_says_so(capsys):
+    returned = jax_epilog.explain(lambda x: x * 2, jnp.ones((4,)))
+    assert not (returned.calls or returned.stacks or returned.matmuls)
+    assert "none: the program calls no jax_epilog.matmul, dense or mlp" in capsys.readouterr().out

@@ -226,8 +226,12 @@ def _step_runs_xla(call: Call) -> bool:
     XLA then compiles it as it compiles a user's own, the never-slower rule the layers follow
     per stack)."""
     p = call.params
-    step = call_plan.plan_matmul_step(context.current(), p, call.a.shape, call.b.shape, call.a.dtype,
-                                 _forward_epilog(p.epilog))
+    ctx = context.current()
+    step = call_plan.plan_matmul_step(ctx, p, call.a.shape, call.b.shape, call.a.dtype,
+                                      _forward_epilog(p.epilog))
+    if ctx.observe is not None:  # `explain` reports the choice, whichever it is
+        ctx.observe(call_plan.MatmulStep(p, call.a.shape, call.b.shape, call.a.dtype, step),
+                    "matmul")
     return step.choice == "plain"
 
 

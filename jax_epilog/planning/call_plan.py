@@ -7,7 +7,7 @@ planned twice.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -52,6 +52,16 @@ def matmul_step_gemms(params: Params, a_shape, b_shape, dtype,
             Gemm(None, "weight gradient", weight[0], dtype, dtype, *weight[1:], requested))
 
 
+class MatmulStep(NamedTuple):
+    """A differentiable `matmul` call (its normalised shapes) and how its step runs."""
+
+    params: Params
+    a_shape: tuple
+    b_shape: tuple
+    dtype: Any
+    choice: Choice
+
+
 def plan_matmul_step(ctx: Context, params: Params, a_shape, b_shape, dtype,
                      forward_epilog: Epilog) -> Choice:
     """"plain" where every GEMM of a `matmul` call's training step runs XLA's way on this CUDA
@@ -65,14 +75,17 @@ def plan_matmul_step(ctx: Context, params: Params, a_shape, b_shape, dtype,
     VJP, which then ran 0.87–0.93× XLA's step (careful harness) where the plain step ran
     0.94–1.03× (benchmarks/results/never_slower_matmul)."""
     if not ctx.tables_decide():
-        return Choice("fused", "not a CUDA GPU with the library")
+        return Choice("fused", "not a CUDA GPU with the library: the reference runs, the "
+                               "custom VJP around it")
     gemms = matmul_step_gemms(params, a_shape, b_shape, dtype, forward_epilog)
-    gemms = on_cuda(ctx, tuple(g._replace(epilog=Epilog.DEFAULT) if g.epilog in (Epilog.BGRADA, Epilog.BGRADB)
-                                else g for g in gemms), dtype)
+    plain_sum = (Epilog.BGRADA, Epilog.BGRADB)
+    gemms = on_cuda(ctx, tuple(g._replace(epilog=Epilog.DEFAULT) if g.epilog in plain_sum
+                               else g for g in gemms), dtype)
+    each = "; ".join(f"{g.role}: {g.backend} ({g.why})" for g in gemms)
     if all(g.backend == "xla" for g in gemms):
-        return Choice("plain", "every GEMM of the step runs XLA's way (the bias gradient a sum "
-                               "XLA fuses)")
-    return Choice("fused", "a GEMM of the step runs cuBLASLt")
+        return Choice("plain", f"every GEMM of the step runs XLA's way (the bias gradient a sum "
+                               f"XLA fuses): {each}")
+    return Choice("fused", f"a GEMM of the step runs cuBLASLt: {each}")
 
 
 # --- one call's plan at lowering -------------------------------------------------------------

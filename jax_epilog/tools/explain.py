@@ -50,6 +50,7 @@ class Explanation(NamedTuple):
     target: str
     stacks: tuple[stack_plan.StackPlan, ...]
     calls: tuple[Call, ...]
+    matmuls: tuple[call_plan.MatmulStep, ...] = ()  # the differentiable `matmul` calls
 
     def __str__(self) -> str:
         return "\n".join(_lines(self))
@@ -107,7 +108,23 @@ def _lines(e: Explanation) -> list[str]:
         lines.append("no dense/mlp stack")
     for i, sp in enumerate(e.stacks):
         lines += _stack_lines(i, sp)
+    for m in e.matmuls:
+        p = problem_of(m.a_shape, m.b_shape, m.params.transpose_a, m.params.transpose_b)
+        lines.append(f"matmul {m.params.epilog.name} {np.dtype(m.dtype).name} "
+                     f"{_layout(m.params.transpose_a, m.params.transpose_b)} "
+                     f"{gemm_size(p.batch, p.m, p.k, p.n)}: "
+                     + ("the plain expression under JAX's autodiff, no epilog_matmul call: "
+                        if m.choice.choice == "plain" else "this package's custom VJP: ")
+                     + m.choice.why)
     lines.append(f"epilog_matmul calls in the traced program: {len(e.calls)}")
+    if not e.calls:
+        plain_stacks = [sp for sp in e.stacks if sp.step.choice == "plain"]
+        plain_matmuls = [m for m in e.matmuls if m.choice.choice == "plain"]
+        if plain_stacks or plain_matmuls:
+            lines.append("  none: the stacks and matmul calls above run the plain expression, "
+                         "which XLA compiles as its own")
+        elif not (e.stacks or e.matmuls):
+            lines.append("  none: the program calls no jax_epilog.matmul, dense or mlp")
     for c in e.calls:
         g = c.gemm
         own = (g.transpose_a, g.transpose_b)
@@ -160,11 +177,13 @@ def _calls(jaxpr, ctx: context.Context, supports) -> list[Call]:
 
 def explanation(fn: Callable, args: tuple = (), kwargs: Optional[dict] = None) -> Explanation:
     """The `Explanation` of `fn(*args, **kwargs)` (arrays or `jax.ShapeDtypeStruct`s)."""
-    stacks = []
+    stacks, matmuls = [], []
 
-    def observe(planned: stack_plan.StackPlan, mode: str) -> None:
+    def observe(planned, mode: str) -> None:
         if mode == "planned":
             stacks.append(planned)
+        elif mode == "matmul":
+            matmuls.append(planned)
 
     ctx, supports, target = _context(observe)
     # A function traced before keeps its cached trace: no stack would be planned again.
@@ -173,7 +192,7 @@ def explanation(fn: Callable, args: tuple = (), kwargs: Optional[dict] = None) -
         jaxpr = jax.make_jaxpr(fn)(*args, **(kwargs or {})).jaxpr
         calls = _calls(jaxpr, ctx, supports)
     jax.clear_caches()  # nothing traced under this context is reused outside it
-    return Explanation(target, tuple(stacks), tuple(calls))
+    return Explanation(target, tuple(stacks), tuple(calls), tuple(matmuls))
 
 
 def explain(fn: Callable, *args, **kwargs) -> Explanation:
