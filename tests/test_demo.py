@@ -35,3 +35,13 @@ def test_demo_on_gpu_uses_cublaslt(capsys):
     assert result["test_accuracy"] >= 0.9
     assert result["comparison"]["jax-epilog (fused MLP)"]["custom_call"]
     assert not result["comparison"]["plain JAX (nnx.Linear + relu)"]["custom_call"]
+
+
+@pytest.mark.parametrize("ratios,says", [
+    ([0.97, 1.02, 1.01], "within this machine's round-to-round spread (0.970-1.020 spans 1)"),
+    ([1.10, 1.25], "slower than plain JAX in every round (1.100-1.250)"),
+    ([0.80, 0.90], "faster than plain JAX in every round (0.800-0.900)"),
+])
+def test_the_cpu_verdict_follows_the_numbers(ratios, says):
+    from jax_epilog.tools.demo import reference_verdict
+    assert says in reference_verdict(ratios)
