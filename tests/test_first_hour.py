@@ -222,7 +222,7 @@ def test_flax_modules_without_flax_say_what_to_install():
 
 def test_no_hint_says_an_unquoted_package_install():
     """`pip install jax-epilog[demo]` fails from a checkout (and unquoted in zsh)."""
-    places = [ROOT / "README.md", *(ROOT / "jax_epilog").glob("*.py"),
+    places = [ROOT / "README.md", *(ROOT / "jax_epilog").rglob("*.py"),
               *(ROOT / "scripts").glob("*.sh"), *(ROOT / "notebooks").glob("*.ipynb")]
     for path in places:
         assert not re.search(r"pip install jax-epilog\[", path.read_text()), path
@@ -436,7 +436,8 @@ def test_readme_code_block_runs_as_written(index):
 def test_readme_blocks_cover_the_sections():
     assert len(README_BLOCKS) >= 7
     joined = "\n".join(README_BLOCKS)
-    for needed in ("jax_epilog.quantize(", "quantization_scales=", "beta=1.0",
+    for needed in ("jax_epilog.dense(", "jax_epilog.mlp(", "jax_epilog.quantize(",
+                   "quantization_scales=", "beta=1.0",
                    "fp8=True", "jax_epilog.nnx.MLP(", "jax_epilog.linen.MLP(", "deserialize("):
         assert needed in joined, needed
 
