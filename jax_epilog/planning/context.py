@@ -53,8 +53,10 @@ class Context(NamedTuple):
     stack_table: Callable[[table_format.StackKey], Optional[table_format.Decision]]
     # `Fp8(layers="auto")`: "fp8" or "bf16" for a training-step stack from a measured entry
     fp8_table: Callable[[table_format.StackKey], Optional[table_format.Decision]]
-    # Told of each stack whose fused form is traced, and how ("step" or "forward"): how `tune`
-    # and `explain` find a program's stacks. Decides nothing.
+    # Told of each stack when planned ("planned") and whose fused form is traced ("step" or
+    # "forward"), and of each differentiable matmul call's step plan ("matmul": a
+    # `call_plan.MatmulStep`): how `tune` and `explain` find a program's stacks and calls.
+    # Decides nothing.
     observe: Optional[Callable[[Any, str], None]] = None
 
 

@@ -120,8 +120,8 @@ def traced(fn: Callable, *args, **kwargs) -> tuple[list[Problem], list[table_for
     jax.clear_caches()
     stacks = []
 
-    def observe(planned: stack_plan.StackPlan, mode: str) -> None:
-        if mode != "planned" and stack_plan.left_to_auto(planned.stack):
+    def observe(planned, mode: str) -> None:
+        if mode in ("step", "forward") and stack_plan.left_to_auto(planned.stack):
             stacks.append(planned.key(mode))
 
     # The layers' fused path, whatever the tables say, so every GEMM and stack is seen.
