@@ -32,7 +32,12 @@ from jax_epilog.layers.functional import dense, mlp
 from jax_epilog.op.epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
 from jax_epilog.op.matmul import matmul, reference_matmul
 from jax_epilog.op.activations import pack_relu_mask, unpack_relu_mask
+from jax_epilog.runtime.library import load_if_a_gpu_is_present as _load_if_a_gpu_is_present
 from jax_epilog.runtime.targets import EXPORT_SAFETY_CHECKS
+
+# Registers the FFI targets now, where they can run: exported modules call them without
+# lowering anything of ours first (docs/exporting.md).
+_load_if_a_gpu_is_present()
 
 __version__ = "0.1.0"
 

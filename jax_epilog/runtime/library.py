@@ -144,6 +144,22 @@ def library() -> _Library:
     return lib
 
 
+#: Where a machine shows an NVIDIA driver (the build backend looks for the same).
+DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/nvidia0")
+
+
+def load_if_a_gpu_is_present() -> None:
+    """At `import jax_epilog`: loads the library, and so registers its FFI targets, where this
+    machine has an NVIDIA driver and the library was built. A module exported with
+    `jax.export` and deserialized in a fresh process lowers nothing of ours, so without this
+    its custom call would find no handler. Elsewhere nothing is loaded (import stays cheap,
+    and a CPU-only machine has nothing to run the targets on). JAX keeps a registration made
+    before its CUDA backend starts until it does; nothing here starts a backend."""
+    if (not settings.cuda_disabled() and (PACKAGE_DIR / _LIBRARY_FILE).exists()
+            and any(os.path.exists(path) for path in DRIVER_FILES)):
+        library()
+
+
 def available() -> bool:
     return library().handle is not None
 
