@@ -1,6 +1,6 @@
 // The XLA FFI handler of `jax_epilog_matmul` (see README.md for the contract): it
 // checks every buffer against the contract, maps the row-major problem onto
-// cuBLASLt's column-major one (plan_cache.cc) and runs the cached plan on XLA's
+// cuBLASLt's column-major one (plan.cc) and runs the cached plan on XLA's
 // stream.
 //
 // Two targets share this code: jax_epilog_matmul, and jax_epilog_matmul_c for calls
@@ -21,6 +21,7 @@
 #include <string>
 
 #include "autotune.h"
+#include "plan.h"
 #include "plan_cache.h"
 #include "status.h"
 #include "xla/ffi/api/ffi.h"
