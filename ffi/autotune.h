@@ -6,7 +6,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "plan_cache.h"
+#include "plan.h"
 #include "status.h"
 
 namespace jax_epilog {

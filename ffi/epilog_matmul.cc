@@ -1,6 +1,6 @@
 // The XLA FFI handler of `jax_epilog_matmul` (see README.md for the contract): it
 // checks every buffer against the contract, maps the row-major problem onto
-// cuBLASLt's column-major one (plan_cache.cc) and runs the cached plan on XLA's
+// cuBLASLt's column-major one (plan.cc) and runs the cached plan on XLA's
 // stream.
 //
 // Two targets share this code: jax_epilog_matmul, and jax_epilog_matmul_c for calls
@@ -21,6 +21,7 @@
 #include <string>
 
 #include "autotune.h"
+#include "plan.h"
 #include "plan_cache.h"
 #include "status.h"
 #include "xla/ffi/api/ffi.h"
@@ -47,13 +48,9 @@ std::string DataTypeName(ffi::DataType t) {
   }
 }
 
-std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "(";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + (dims.size() == 1 ? ",)" : ")");
-}
-
-std::string ShapeString(std::initializer_list<int64_t> dims) {
+// A buffer's dimensions (ffi::AnyBuffer::Dimensions) or the ones expected of it.
+template <typename Dims>
+std::string ShapeString(const Dims& dims) {
   std::string s = "(";
   for (auto it = dims.begin(); it != dims.end(); ++it)
     s += (it != dims.begin() ? ", " : "") + std::to_string(*it);
@@ -382,43 +379,25 @@ ffi::Error NoThrow(Body body) {
   }
 }
 
-// Both stages start alike: decode and check the call, then find (or build) its plan.
-ffi::Error PlanCall(int32_t xla_device, bool has_c, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                    ffi::RemainingArgs args, ffi::RemainingRets rets, const Attributes& attrs,
-                    Call* call, std::shared_ptr<Plan>* plan) {
-  JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, has_c, a, b, args, rets, attrs, call));
-  return GetPlan(call->problem, plan);
-}
-
-// kHasC: the target with a C matrix (jax_epilog_matmul_c).
-template <bool kHasC>
-ffi::Error MatmulInitialize(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a,
-                            ffi::AnyBuffer b, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                            int32_t epilog, bool transpose_a, bool transpose_b, bool allow_tf32,
-                            bool fast_accumulation) {
+// Both stages of both targets: decode and check the call, find (or build) its plan, then
+// tune it (initialize) or run it (execute). kHasC: the target with a C matrix
+// (jax_epilog_matmul_c).
+template <ffi::ExecutionStage kStage, bool kHasC>
+ffi::Error Matmul(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                  ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t epilog,
+                  bool transpose_a, bool transpose_b, bool allow_tf32, bool fast_accumulation) {
   return NoThrow([&] {
     Call call;
     std::shared_ptr<Plan> plan;
     const Attributes attrs{epilog, transpose_a, transpose_b, allow_tf32, fast_accumulation};
-    JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, kHasC, a, b, args, rets, attrs, &call,
-                                        &plan));
-    if (!AutotuneEnabled()) return ffi::Error::Success();
-    return TunePlan(*plan, stream);
-  });
-}
-
-template <bool kHasC>
-ffi::Error MatmulExecute(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a,
-                         ffi::AnyBuffer b, ffi::RemainingArgs args, ffi::RemainingRets rets,
-                         int32_t epilog, bool transpose_a, bool transpose_b, bool allow_tf32,
-                         bool fast_accumulation) {
-  return NoThrow([&] {
-    Call call;
-    std::shared_ptr<Plan> plan;
-    const Attributes attrs{epilog, transpose_a, transpose_b, allow_tf32, fast_accumulation};
-    JAX_EPILOG_RETURN_IF_ERROR(PlanCall(xla_device, kHasC, a, b, args, rets, attrs, &call,
-                                        &plan));
-    return RunPlan(*plan, call.buffers, stream);
+    JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, kHasC, a, b, args, rets, attrs, &call));
+    JAX_EPILOG_RETURN_IF_ERROR(GetPlan(call.problem, &plan));
+    if constexpr (kStage == ffi::ExecutionStage::kExecute) {
+      return RunPlan(*plan, call.buffers, stream);
+    } else {  // tuning allocates and synchronises, which execute (maybe captured) must not
+      if (!AutotuneEnabled()) return ffi::Error::Success();
+      return TunePlan(*plan, stream);
+    }
   });
 }
 
@@ -447,23 +426,28 @@ JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulInitialize(XLA_FFI_CallFrame* ca
 JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulC(XLA_FFI_CallFrame* call_frame);
 JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulCInitialize(XLA_FFI_CallFrame* call_frame);
 
-// Command-buffer compatible: a call always enqueues exactly one cublasLtMatmul (after
-// one memset of its amax, when it has one), with no allocation and no synchronisation,
-// so it can be captured into a CUDA graph.
+// Each handler is in parentheses: the macro would split its template arguments at the
+// comma. Execute is command-buffer compatible: a call always enqueues exactly one
+// cublasLtMatmul (after one memset of its amax, when it has one), with no allocation and
+// no synchronisation, so it can be captured into a CUDA graph.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpilogMatmul, jax_epilog::MatmulExecute<false>,
+    JaxEpilogMatmul,
+    (jax_epilog::Matmul<xla::ffi::ExecutionStage::kExecute, false>),
     jax_epilog::Binding<xla::ffi::ExecutionStage::kExecute>(),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpilogMatmulInitialize, jax_epilog::MatmulInitialize<false>,
+    JaxEpilogMatmulInitialize,
+    (jax_epilog::Matmul<xla::ffi::ExecutionStage::kInitialize, false>),
     jax_epilog::Binding<xla::ffi::ExecutionStage::kInitialize>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpilogMatmulC, jax_epilog::MatmulExecute<true>,
+    JaxEpilogMatmulC,
+    (jax_epilog::Matmul<xla::ffi::ExecutionStage::kExecute, true>),
     jax_epilog::Binding<xla::ffi::ExecutionStage::kExecute>(),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpilogMatmulCInitialize, jax_epilog::MatmulInitialize<true>,
+    JaxEpilogMatmulCInitialize,
+    (jax_epilog::Matmul<xla::ffi::ExecutionStage::kInitialize, true>),
     jax_epilog::Binding<xla::ffi::ExecutionStage::kInitialize>());

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "epilogs.h"
+#include "plan.h"
 #include "plan_cache.h"
 #include "status.h"
 

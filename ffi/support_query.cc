@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 
+#include "plan.h"
 #include "plan_cache.h"
 #include "status.h"
 
