@@ -2,7 +2,7 @@
 # The whole GPU round, on a machine with a CUDA GPU and no network (the project's H200):
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
-#   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu probe
+#   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
@@ -223,6 +223,28 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
         --out "$OUT/gpt_profile" 2>&1) > "$OUT/gpt_profile.log"
       note "gpt profile: rc=$? ($((SECONDS - start)) s)"
       head -n 12 "$OUT/gpt_profile/gpt_profile.md" 2>/dev/null | tee -a "$SUMMARY" ;;
+    export)
+      # Exported modules in fresh processes (tests/test_exported.py): export the CUDA modules
+      # of this tree (EXPORT_COMMIT names it) and of the 97e9b38 tree carried at .old/97e9b38
+      # (its Python with this build's library: the C++ is the same), then run every module in a
+      # process that only imports jax and jax_epilog. The modules come back in exported.tgz.
+      site=$(cd /tmp && "$PY" -c "import jax_epilog, os; print(os.path.dirname(jax_epilog.__file__))")
+      made="$OUT/exported"; : > "$OUT/export.log"
+      (cd /tmp && runs "$PY" "$ROOT/tests/exported/make_modules.py" --platform cuda \
+        --commit "${EXPORT_COMMIT:-current}" --out "$made/${EXPORT_COMMIT:-current}/cuda") >> "$OUT/export.log" 2>&1
+      if [ -d "$ROOT/.old/97e9b38/jax_epilog" ]; then
+        cp "$site/libjax_epilog_ffi.so" "$ROOT/.old/97e9b38/jax_epilog/"
+        (cd /tmp && PYTHONPATH="$ROOT/.old/97e9b38" runs "$PY" "$ROOT/tests/exported/make_modules.py" \
+          --platform cuda --commit 97e9b38 --out "$made/97e9b38/cuda") >> "$OUT/export.log" 2>&1
+      fi
+      for folder in "$made"/*/cuda "$ROOT"/tests/exported/*/cuda; do
+        [ -f "$folder/manifest.json" ] || continue
+        echo "== $folder" >> "$OUT/export.log"
+        (cd / && runs "$PY" "$ROOT/tests/exported/run_modules.py" "$folder") >> "$OUT/export.log" 2>&1
+      done
+      note "export: $(grep -c '"errors"' "$OUT/export.log") module runs, $(grep -c '"exception"' "$OUT/export.log") raised"
+      grep -E '^== |"exception"|Error' "$OUT/export.log" | head -30
+      tar -C "$OUT" -czf "$OUT/exported.tgz" exported && rm -rf "$made" ;;
     probe)
       (cd /tmp && runs "$PY" "$ROOT/scripts/probe_special_values.py" 2>&1) | tee "$OUT/probe.log"
       note "special-value probe: see probe.log" ;;

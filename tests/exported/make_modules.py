@@ -9,7 +9,8 @@ Run it with the jax_epilog to export on the path (any version since the public A
 the library built: there every case reaches the cuBLASLt custom call (`backend="cublaslt"`,
 fused layers, FP8 on every layer), where a host without the library would export XLA's way for
 FP8. Each case is written as `<name>.bin` (the serialized module) and `<name>.npz` (its inputs
-`in0`, `in1`, ... and the outputs `out0`, ... the plain-JAX reference computes on the CPU from
+`in0`, `in1`, ... and the outputs `out0`, ..., a 16- or 8-bit float stored as its bits
+with its dtype's name beside it (`in0_dtype`), the plain-JAX reference computes on the CPU from
 the same function), listed in `manifest.json` with the version, commit and jax that made them.
 """
 
@@ -50,8 +51,8 @@ def _matmul_case(epilog: Epilog):
             inputs = [_normal(rng, (N,))]
         elif epilog == Epilog.DRELU_BGRAD:
             inputs = [jax_epilog.pack_relu_mask(jnp.asarray(rng.standard_normal((M, N)) > 0))]
-        elif epilog == Epilog.DGELU_BGRAD:
-            inputs = [_normal(rng, (M, N))]
+        elif epilog == Epilog.DGELU_BGRAD:  # the pre-activation, N padded to 8 columns
+            inputs = [_normal(rng, (M, jax_epilog.gelu_aux_columns(N)))]
         return (a, b, *inputs)
 
     def fn(a, b, *inputs):
@@ -119,6 +120,16 @@ CASES = {
 }
 
 
+def _stored(key: str, x):
+    """`x` as NumPy's own dtype (npz has no bfloat16): its bits, and its dtype's name."""
+    x = np.asarray(x)
+    if x.dtype.kind == "V" or x.dtype.name in ("bfloat16",) or "float8" in x.dtype.name:
+        yield key, x.view(np.dtype(f"uint{8 * x.dtype.itemsize}"))
+        yield f"{key}_dtype", np.array(x.dtype.name)
+    else:
+        yield key, x
+
+
 def _commit() -> str:
     package = Path(jax_epilog.__file__).resolve().parent
     done = subprocess.run(["git", "-C", str(package), "rev-parse", "--short", "HEAD"],
@@ -146,8 +157,8 @@ def main(argv=None) -> int:
             expected = jax.jit(fn)(*(jax.device_put(x, cpu) for x in inputs))
         (args.out / f"{name}.bin").write_bytes(exported.serialize())
         np.savez(args.out / f"{name}.npz",
-                 **{f"in{i}": np.asarray(x) for i, x in enumerate(inputs)},
-                 **{f"out{i}": np.asarray(y) for i, y in enumerate(expected)})
+                 **{k: v for i, x in enumerate(inputs) for k, v in _stored(f"in{i}", x)},
+                 **{k: v for i, y in enumerate(expected) for k, v in _stored(f"out{i}", y)})
         targets = sorted(set(__import__("re").findall(r"custom_call @(\w+)",
                                                       exported.mlir_module())))
         manifest["cases"][name] = {"inputs": len(inputs), "outputs": len(expected),

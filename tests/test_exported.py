@@ -1,0 +1,115 @@
+"""Modules exported with `jax.export` by earlier versions keep running (docs/exporting.md).
+
+`tests/exported/<commit>/<platform>/` holds what `tests/exported/make_modules.py` exported at
+that commit: a `matmul` of each fused-epilog family, one with a C matrix, the gradient of an
+`mlp` and an FP8 `dense` training step, with their inputs and the reference's outputs. Each
+folder runs in a fresh process that only imports jax and jax_epilog, as a serving process
+would; the custom calls they name are checked against this version's targets on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from jax_epilog.runtime import targets
+
+HERE = Path(__file__).resolve().parent / "exported"
+FOLDERS = sorted(p.parent for p in HERE.glob("*/*/manifest.json"))
+CALL = re.compile(r"stablehlo\.custom_call @(\w+)\([^)]*\)\s*\{(.*?)\}\s*:", re.S)
+ATTRIBUTE = re.compile(r"(\w+) = (true|false|-?\d+)(?: : (\w+))?")
+MLIR_TYPES = {bool: "i1", int: "i32"}  # an attribute's type as the module spells it
+TOLERANCE = {"cpu": 1e-5, "cuda": 0.05}  # relative to the largest value; masks: bits
+
+
+def _id(folder: Path) -> str:
+    return f"{folder.parent.name}-{folder.name}"
+
+
+def test_there_are_modules_of_97e9b38_and_a_later_commit_for_both_platforms():
+    found = {(f.parent.name, f.name) for f in FOLDERS}
+    commits = {c for c, _ in found}
+    assert "97e9b38" in commits and len(commits) >= 2, found
+    assert ("97e9b38", "cpu") in found
+
+
+def test_the_python_targets_are_the_ones_the_handler_decodes():
+    """`runtime.targets` and the C++ binding (`.Attr<T>(name)`) name the same attributes."""
+    source = (HERE.parents[1] / "ffi" / "epilog_matmul.cc").read_text()
+    decoded = re.findall(r'\.template Attr<(\w+)>\("(\w+)"\)', source)
+    types = {"int32_t": "i32", "bool": "i1"}
+    for target in targets.TARGETS:
+        assert [(types[t], n) for t, n in decoded] == [
+            ("i32" if kind is not bool else "i1", name) for name, kind in target.attributes]
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=_id)
+def test_every_custom_call_is_a_target_of_this_version_with_its_attributes(folder):
+    by_name = {t.name: t for t in targets.TARGETS}
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for name in manifest["cases"]:
+        module = jax.export.deserialize((folder / f"{name}.bin").read_bytes()).mlir_module()
+        for target, config in CALL.findall(module):
+            assert target in by_name, f"{name}: {target} is not registered by this version"
+            got = {key: (value, kind) for key, value, kind in ATTRIBUTE.findall(config)
+                   if key not in ("operand_layouts", "result_layouts")}
+            want = {n: ("i1" if k is bool else "i32") for n, k in by_name[target].attributes}
+            assert set(got) == set(want), f"{name}: {target} passes {sorted(got)}"
+            for key, (value, kind) in got.items():
+                assert (kind or "i1") == want[key], f"{name}: {target}.{key} is {kind}"
+
+
+def _run_fresh(folder: Path) -> list[dict]:
+    env = dict(os.environ)  # the jax_epilog this suite tests, installed or on PYTHONPATH
+    if folder.name == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    done = subprocess.run([sys.executable, str(HERE / "run_modules.py"), str(folder)],
+                          capture_output=True, text=True, timeout=600, env=env, cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def _check(folder: Path):
+    results = _run_fresh(folder)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert [r["name"] for r in results] == list(manifest["cases"])
+    bad = [r for r in results if "exception" in r or
+           max(r["errors"], default=0) > TOLERANCE[folder.name]]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("folder", [f for f in FOLDERS if f.name == "cpu"], ids=_id)
+def test_cpu_modules_run_in_a_fresh_process(folder):
+    _check(folder)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("folder", [f for f in FOLDERS if f.name == "cuda"], ids=_id)
+def test_cuda_modules_run_in_a_fresh_process(folder):
+    if not any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("needs a CUDA device")
+    _check(folder)
+
+
+def _loaded_at_import() -> bool:
+    done = subprocess.run([sys.executable, "-c", (
+        "import jax, jax_epilog\n"
+        "from jax_epilog.runtime import library\n"
+        "print(library.library.cache_info().currsize)")],
+        capture_output=True, text=True, timeout=300, cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1] == "1"
+
+
+def test_import_loads_the_library_only_where_a_driver_is():
+    from jax_epilog.runtime import library
+    driver = any(os.path.exists(p) for p in library.DRIVER_FILES)
+    built = (library.PACKAGE_DIR / "libjax_epilog_ffi.so").exists()
+    assert _loaded_at_import() == (driver and built)
