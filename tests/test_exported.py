@@ -113,3 +113,9 @@ def test_import_loads_the_library_only_where_a_driver_is():
     driver = any(os.path.exists(p) for p in library.DRIVER_FILES)
     built = (library.PACKAGE_DIR / "libjax_epilog_ffi.so").exists()
     assert _loaded_at_import() == (driver and built)
+
+
+@pytest.mark.gpu
+def test_import_registers_the_targets_on_a_gpu_machine():
+    """Where JAX sees a CUDA device (and so a driver), the import alone loads the library."""
+    assert _loaded_at_import()
