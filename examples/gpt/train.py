@@ -296,8 +296,13 @@ def main(argv=None) -> dict[str, Any]:
     overrides = {"steps": args.steps, "warmup_steps": args.warmup_steps, "batch_size": args.batch_size, "n_layers": args.layers,
                  "eval_every": args.eval_every, "seed": args.seed,
                  "checkpoint_every": args.checkpoint_every}
-    config = configs.get(args.config).replace(
-        **{k: v for k, v in overrides.items() if v is not None})
+    config = configs.get(args.config)
+    steps = args.steps if args.steps is not None else config.steps
+    if args.warmup_steps is None and config.warmup_steps > steps:
+        overrides["warmup_steps"] = steps // 10  # the configs' own proportion
+        print(f"warm-up shortened to {steps // 10} steps: the config's {config.warmup_steps} "
+              f"are more than --steps {steps}")
+    config = config.replace(**{k: v for k, v in overrides.items() if v is not None})
     if args.fp8 and args.impl != "epilog":
         parser.error(f"--fp8 is jax-epilog's FP8 and needs --impl epilog (got --impl "
                      f"{args.impl}); Flax's own FP8 is --impl flax_fp8")
@@ -305,7 +310,10 @@ def main(argv=None) -> dict[str, Any]:
                     attention=args.attention, checkpoint_dir=args.checkpoint_dir,
                     progress=not args.no_progress)
     summary.pop("state")
-    print(f"tokens/s {summary['tokens_per_s'] or float('nan'):,.0f}, validation loss "
+    speed = (f"tokens/s {summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else
+             f"tokens/s not measured (the first {config.log_every} steps include compilation; "
+             f"run more than {config.log_every} steps)")
+    print(f"{speed}, validation loss "
           f"{summary['validation_loss'][-1][1] if summary['validation_loss'] else 'n/a'}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
