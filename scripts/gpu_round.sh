@@ -2,7 +2,7 @@
 # The whole GPU round, on a machine with a CUDA GPU and no network (the project's H200):
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
-#   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu export probe
+#   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
@@ -223,6 +223,23 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
         --out "$OUT/gpt_profile" 2>&1) > "$OUT/gpt_profile.log"
       note "gpt profile: rc=$? ($((SECONDS - start)) s)"
       head -n 12 "$OUT/gpt_profile/gpt_profile.md" 2>/dev/null | tee -a "$SUMMARY" ;;
+    wheel)
+      # The GPU wheel (scripts/build_gpu_wheel.sh), carried in .wheelhouse/, installed as a GPU
+      # user without a compiler does: pip on a PATH of the interpreter's own folder alone (no
+      # c++, g++, gcc or clang++), CXX pointing nowhere. The tests stage then runs against it.
+      whl=$(ls "$ROOT"/.wheelhouse/jax_epilog-*manylinux*.whl 2>/dev/null | head -n 1)
+      bare="$(dirname "$(command -v "$PY")")"
+      for cc in c++ g++ gcc clang++; do
+        PATH="$bare" command -v "$cc" >/dev/null && note "wheel: $cc is on the bare PATH"
+      done
+      PATH="$bare" CXX=/nonexistent "$PY" -m pip install --no-index --no-deps --force-reinstall \
+        "$whl" > "$OUT/wheel.log" 2>&1
+      rc=$?
+      (cd /tmp && "$PY" -c "import jax_epilog, jax_epilog.runtime.library as c; \
+print('installed:', jax_epilog.__file__); \
+print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c.cublaslt_version())") \
+        2>&1 | tee -a "$OUT/wheel.log"
+      note "wheel: rc=$rc $(basename "${whl:-none}") on a PATH without a compiler; $(tail -n 1 "$OUT/wheel.log")" ;;
     export)
       # Exported modules in fresh processes (tests/test_exported.py): export the CUDA modules
       # of this tree (EXPORT_COMMIT names it) and of the 97e9b38 tree carried at .old/97e9b38

@@ -99,6 +99,7 @@ def test_controls_without_library(monkeypatch):
         cuda_library.inject_failures(1)
 
 
+@pytest.mark.slow
 def test_autotune_bench_smoke_report(tmp_path):
     autotune_bench.main(["--smoke", "--rows", "S1", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "autotune.json").read_text())

@@ -33,6 +33,7 @@ def test_time_calls_counts_every_call():
     assert set(calls) == {0, 1, 2}
 
 
+@pytest.mark.slow
 def test_forward_smoke_report(tmp_path):
     forward_bench.main(["--smoke", "--rows", "S2", "--dtypes", "bf16",
                         "--epilogs", "relu_bias,gelu_aux_bias", "--budget", "0.5",
@@ -52,6 +53,7 @@ def test_forward_smoke_report(tmp_path):
     assert (tmp_path / "forward.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_overhead_smoke_report(tmp_path):
     overhead_bench.main(["--smoke", "--rows", "S1", "--layers", "3", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "overhead.json").read_text())
@@ -83,6 +85,7 @@ def test_layer_loop_matches_unrolled_layers():
     np.testing.assert_allclose(received, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_never_slower_smoke_report(tmp_path):
     import never_slower
 

@@ -381,6 +381,7 @@ def test_calls_without_c_still_lower_to_the_same_custom_call():
 
 # --- sharding on 8 CPU devices ---------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sharded_on_8_host_cpu_devices():
     checks = Path(__file__).with_name("test_c_alpha_beta_sharding.py")
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",

@@ -12,6 +12,7 @@ SMALL = ["--epochs", "3", "--compare-batch", "96", "--compare-width", "33", "--s
          "--rounds", "3"]
 
 
+@pytest.mark.slow
 def test_python_dash_m_trains_and_compares(tmp_path):
     # From an empty folder: the installed package is what `python -m` finds, not the sources.
     out = subprocess.run([sys.executable, "-m", "jax_epilog", *SMALL], cwd=tmp_path,

@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import fp8_bench  # noqa: E402
 
 
+@pytest.mark.slow
 def test_fp8_smoke_report(tmp_path):
     fp8_bench.main(["--smoke", "--rows", "S2", "--sweep", "--budget-s", "1",
                     "--out", str(tmp_path)])
@@ -127,6 +128,7 @@ def test_user_fp8_dot_is_a_scaled_fp8_product(backward_precision):
     assert not np.allclose(y, np.asarray(x) @ np.asarray(w), rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_stateful_variants_time_a_warm_state_without_a_conditional(monkeypatch):
     """The delayed variants take the state as an argument (so XLA cannot fold the calibration
     on it away), warm from an untimed first step; no variant has a conditional. (Every layer

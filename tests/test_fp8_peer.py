@@ -33,6 +33,7 @@ def smoke(tmp_path_factory):
     return report, out
 
 
+@pytest.mark.slow
 def test_smoke_report_has_every_variant_in_both_harnesses(smoke):
     report, out = smoke
     assert json.loads((out / "fp8_peer.json").read_text()) == report
@@ -60,6 +61,7 @@ def test_smoke_report_has_every_variant_in_both_harnesses(smoke):
     assert all(t["target"] in table for t in report["targets"])
 
 
+@pytest.mark.slow
 def test_gradient_errors_are_against_flax_bf16s_real_gradients(smoke):
     report, _ = smoke
     w = fp8_peer.SMOKE_ROWS["S2"]

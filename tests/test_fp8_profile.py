@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import fp8_profile  # noqa: E402
@@ -34,6 +36,7 @@ def test_no_kernels_is_said():
     assert "no GPU kernels" in fp8_profile.kernel_breakdown([], 3)["note"]
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_a_report(tmp_path):
     report = fp8_profile.main(["--smoke", "--variants", "xla_bf16,xla_fp8", "--steps", "1",
                                "--out", str(tmp_path)])
@@ -42,6 +45,7 @@ def test_smoke_run_writes_a_report(tmp_path):
     assert (tmp_path / "fp8_profile.md").read_text().startswith("# Where the FP8 step")
 
 
+@pytest.mark.slow
 def test_peer_rows_each_write_a_report(tmp_path):
     report = fp8_profile.main(["--smoke", "--peer", "--row", "S1,S1", "--steps", "1",
                                "--out", str(tmp_path)])

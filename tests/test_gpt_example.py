@@ -207,6 +207,7 @@ def test_tiny_config_trains_with_a_falling_loss(corpus):
     assert summary["memory"] is None or summary["memory"]["temp_size_in_bytes"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl, fp8", [("epilog", True)])
 def test_resume_from_a_checkpoint_takes_the_same_steps_bit_for_bit(corpus, tmp_path, impl,
                                                                      fp8):
@@ -231,6 +232,7 @@ def test_resume_from_a_checkpoint_takes_the_same_steps_bit_for_bit(corpus, tmp_p
                     progress=False, checkpoint_dir=tmp_path)
 
 
+@pytest.mark.slow
 def test_train_script_writes_its_summary(tmp_path):
     out = tmp_path / "run.json"
     subprocess.run([sys.executable, str(EXAMPLES / "gpt" / "train.py"), "--config", "tiny",
@@ -242,6 +244,7 @@ def test_train_script_writes_its_summary(tmp_path):
     assert len(summary["validation_loss"]) == 1
 
 
+@pytest.mark.slow
 def test_compare_runs_the_four_variants_side_by_side(tmp_path):
     subprocess.run([sys.executable, str(EXAMPLES / "gpt" / "compare.py"), "--config", "tiny",
                     "--layers", "1", "--steps", "4", "--eval-every", "2", "--budget-s", "20",
@@ -282,6 +285,7 @@ def test_a_short_run_clamps_its_warm_up_and_says_why_it_has_no_speed():
     assert "tokens/s not measured" in done.stdout and "nan" not in done.stdout
 
 
+@pytest.mark.slow
 def test_profile_names_what_each_fusion_computes(tmp_path):
     """profile.py's plumbing on the CPU (no GPU kernels to trace there: the report says so),
     and its reading of optimized HLO: a fusion is described by the operations inside it."""

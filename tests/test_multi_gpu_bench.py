@@ -79,6 +79,7 @@ def test_one_device_fails_clearly():
         multi_gpu_bench.run(["dp"], multi_gpu_bench.SMOKE, multi_gpu_bench.SMOKE_TP, 1, None)
 
 
+@pytest.mark.slow
 def test_smoke_run_with_profile(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multi_gpu_bench.py"), "--smoke",

@@ -53,6 +53,7 @@ def test_every_notebook_is_tested_and_listed_in_the_readme():
     assert [name for name in NAMES if f"notebooks/{name}" not in readme] == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_notebook_runs_and_its_results_outputs_are_current(name):
     committed = nbformat.read(NOTEBOOKS / name, as_version=4)

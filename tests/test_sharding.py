@@ -42,6 +42,7 @@ def _run_checks(env_updates: dict[str, str]) -> None:
         warnings.warn(f"sharding checks: {section[:3000]}", RuntimeWarning, stacklevel=2)
 
 
+@pytest.mark.slow
 def test_sharded_on_8_host_cpu_devices():
     _run_checks({"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
                  "JAX_PLATFORMS": "cpu"})
