@@ -29,6 +29,18 @@ MLIR_TYPES = {bool: "i1", int: "i32"}  # an attribute's type as the module spell
 TOLERANCE = {"cpu": 1e-5, "cuda": 0.05}  # relative to the largest value; masks: bits
 
 
+def _version(text: str) -> tuple:
+    return tuple(int(part) for part in text.split(".")[:3] if part.isdigit())
+
+
+def _skip_if_newer_than_this_jax(folder: Path) -> None:
+    """JAX reads modules serialized by its own and earlier versions, not later ones (a newer
+    StableHLO): a folder exported with a newer jax than this one is not this version's to run."""
+    made_with = json.loads((folder / "manifest.json").read_text())["jax"]
+    if _version(made_with) > _version(jax.__version__):
+        pytest.skip(f"exported with jax {made_with}, newer than this jax {jax.__version__}")
+
+
 def _id(folder: Path) -> str:
     return f"{folder.parent.name}-{folder.name}"
 
@@ -52,6 +64,7 @@ def test_the_python_targets_are_the_ones_the_handler_decodes():
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=_id)
 def test_every_custom_call_is_a_target_of_this_version_with_its_attributes(folder):
+    _skip_if_newer_than_this_jax(folder)
     by_name = {t.name: t for t in targets.TARGETS}
     manifest = json.loads((folder / "manifest.json").read_text())
     for name in manifest["cases"]:
@@ -77,6 +90,7 @@ def _run_fresh(folder: Path) -> list[dict]:
 
 
 def _check(folder: Path):
+    _skip_if_newer_than_this_jax(folder)
     results = _run_fresh(folder)
     manifest = json.loads((folder / "manifest.json").read_text())
     assert [r["name"] for r in results] == list(manifest["cases"])

@@ -475,6 +475,7 @@ def project_text_files():
             yield path
 
 
+@pytest.mark.slow
 def test_nothing_cites_files_outside_the_project():
     """A user's checkout has only the project: no file may cite the developers' folder beside
     it (the measuring method is in benchmarks/README.md)."""

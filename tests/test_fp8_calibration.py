@@ -90,6 +90,7 @@ CASES = [(rows, widths, activations, bias, dtype) for rows, ((widths, activation
          in zip((1, 127, 129) * 2, [(s, d) for s in STACKS for d in (jnp.float32, jnp.bfloat16)])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows, widths, activations, bias, dtype", CASES)
 def test_cold_then_warm_steps(rows, widths, activations, bias, dtype):
     """From a fresh state, delayed (and "auto") scaling steps as the model says (current
@@ -141,6 +142,7 @@ def temporaries(fn, *args) -> int:
     return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("activations", [("relu", "relu", None), ("gelu", "gelu", None)])
 def test_calibration_costs_no_conditional_and_no_memory(activations):
     """No conditional (on a GPU XLA waits on the host for a conditional's predicate: one stall

@@ -461,6 +461,7 @@ def test_residuals_are_fp8():
     assert ("f32", (5, jax_epilog.gelu_aux_columns(129))) in gelu
 
 
+@pytest.mark.slow
 def test_jit_vmap_and_checkpoint():
     x, params = make_stack(8, (24, 48, 10), lead=(4, 6))
     loss = lambda x, p: jnp.sum(jax_epilog.mlp(x, p, fp8=ALL) ** 2)
@@ -679,6 +680,7 @@ def test_amax_reduction_axes_outside_shard_map_changes_nothing(scaling):
         _step_with(typo, x, params, state)
 
 
+@pytest.mark.slow
 def test_amax_reduction_over_a_vmapped_axis_is_the_whole_batch(cpu_device):
     """A bound axis of `vmap(axis_name=)` reduces like a mesh axis: vmapped over 3 blocks of
     rows, each block scaled with the amaxes of all three is the unmapped call on all rows

@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -35,6 +36,7 @@ def problems():
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow
 @given(problems())
 def test_matches_numpy_model(problem: Problem):
     a, b, inputs = problem.operands()

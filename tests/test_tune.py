@@ -316,6 +316,7 @@ def two_layer_step():
     return grid.step_fn(w, grid.epilog_stack), w.shapes()
 
 
+@pytest.mark.slow
 def test_tune_times_every_problem_on_the_cpu_and_writes_the_user_table(fake_gpu, capsys):
     fn, args = two_layer_step()
     table = tune.tune([(fn, args)], seconds=0.005, progress=False)
