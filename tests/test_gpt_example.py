@@ -271,9 +271,100 @@ def test_compare_runs_the_four_variants_side_by_side(tmp_path):
     # targets say so instead of "yes"
     assert variants["epilog_fp8"]["fp8_in_program"] is False
     assert variants["flax_fp8"]["fp8_in_program"] is True  # Flax's FP8 quantizes every layer
-    assert "no FP8 GEMM ran in epilog_fp8" in text
-    rows = [line for line in text.splitlines() if line.startswith("| tiny: epilog_fp8")]
-    assert rows and all(line.endswith("| not applicable (no FP8 GEMM ran) |") for line in rows)
+    # and on a CPU no GEMM reads FP8 operands, Flax's FP8 quantizing or not: no FP8 target
+    # is met there, each says it does not apply
+    assert {v["fp8_gemms"] for v in variants.values()} == {0}
+    assert "no FP8 GEMM ran in flax_fp8 (" in text and " nor in epilog_fp8 (" in text
+    assert "FP8 emulated" not in text
+    for name in ("epilog_fp8", "flax_fp8"):
+        rows = [line for line in text.splitlines() if line.startswith(f"| tiny: {name}")]
+        assert rows and all(line.endswith(f"| not applicable (no FP8 GEMM ran in {name}) |")
+                            for line in rows)
+
+
+RESULTS = EXAMPLES / "gpt" / "results"
+
+
+def compare_module():
+    from gpt import compare
+    return compare
+
+
+def test_fp8_gemms_counts_the_gemms_that_read_fp8_operands():
+    compare = compare_module()
+    cpu = """
+%fused_computation (param_0: f32[8,16], param_1: f32[16,8]) -> f32[8,8] {
+  %param_0 = f32[8,16]{1,0} parameter(0)
+  %param_1 = f32[16,8]{1,0} parameter(1)
+  ROOT %dot.0 = f32[8,8]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}
+}
+%fused_computation.1 (param_0.2: f32[8,16]) -> f32[8,16] {
+  %param_0.2 = f32[8,16]{1,0} parameter(0)
+  %convert.1 = f8e4m3fn[8,16]{1,0} convert(%param_0.2)
+  ROOT %convert.0 = f32[8,16]{1,0} convert(%convert.1)
+}"""
+    assert compare.fp8_gemms(cpu) == 0  # FP8 rounding, then a float32 dot
+    gpu = """
+%triton_gemm (param_0.7: f8e4m3fn[64,64], param_1.7: f8e4m3fn[64,64]) -> bf16[64,64] {
+  %param_0.7 = f8e4m3fn[64,64]{1,0} parameter(0)
+  %param_1.7 = f8e4m3fn[64,64]{1,0} parameter(1)
+  ROOT %dot.9 = bf16[64,64]{1,0} dot(%param_0.7, %param_1.7), lhs_contracting_dims={1}
+}
+ENTRY %main (x: f8e4m3fn[64,64], w: f8e5m2[64,64], s: f32[]) -> bf16[64,64] {
+  %x = f8e4m3fn[64,64]{1,0} parameter(0)
+  %w = f8e5m2[64,64]{1,0} parameter(1)
+  %s = f32[] parameter(2)
+  %cublas = (bf16[64,64]{1,0}, s8[4194304]{0}) custom-call(%x, %w, %s, %s), custom_call_target="__cublas$lt$matmul$f8"
+  %ours = (bf16[64,64]{1,0}, s8[0]{0}) custom-call(f8e4m3fn[64,64]{1,0} %x, f8e5m2[64,64]{1,0} %w), custom_call_target="jax_epilog_matmul"
+  %ours_bf16 = (bf16[64,64]{1,0}, s8[0]{0}) custom-call(%b, %b), custom_call_target="jax_epilog_matmul"
+  %not_a_gemm = f8e4m3fn[64,64]{1,0} custom-call(%x), custom_call_target="Sharding"
+  %fusion = bf16[64,64]{1,0} fusion(%x, %x), kind=kCustom, calls=%triton_gemm, backend_config={"kind":"__triton_gemm"}
+  ROOT %b = bf16[64,64]{1,0} add(%cublas, %fusion)
+}"""
+    # XLA's FP8 GEMM, ours (operand types inline) and the dot inside a Triton GEMM fusion, once
+    assert compare.fp8_gemms(gpu) == 3
+
+
+def test_on_a_cpu_flax_fp8_rounds_to_fp8_but_runs_no_fp8_gemm(corpus):
+    if jax.default_backend() == "gpu":
+        pytest.skip("a CPU fact")
+    compare = compare_module()
+    batch = data.Batches(corpus.train, TINY.batch_size, TINY.model.seq_len, TINY.seed).batch(0)
+    variant = compare.build(TINY, "flax_fp8", "flax_fp8", False, jnp.float32, "xla", batch)
+    assert variant.record["fp8_in_program"] and variant.record["fp8_gemms"] == 0
+
+
+def fp8_records(report, **fp8_gemms):
+    """`report`'s results with each named variant's FP8 GEMM count (and FP8 values) set."""
+    for result in report["results"].values():
+        for name, count in fp8_gemms.items():
+            result["variants"][name].update(fp8_gemms=count,
+                                            fp8_in_program=count > 0 or name == "flax_fp8")
+    return report
+
+
+def test_targets_about_an_fp8_variant_that_ran_no_fp8_gemm_are_not_applicable():
+    compare = compare_module()
+    # The committed H200 run (before FP8 GEMMs were counted): every target judged, as then.
+    h200 = json.loads((RESULTS / "h200" / "gpt_compare.json").read_text())
+    judged = compare.targets(h200["results"])
+    assert [row["met"] for row in judged] == [row["met"] for row in h200["targets"]]
+    assert None not in [row["met"] for row in judged]
+    # A CPU run of tiny: Flax's FP8 rounds without FP8 GEMMs, jax-epilog's quantizes no layer.
+    cpu = fp8_records(json.loads((RESULTS / "cpu_tiny" / "gpt_compare.json").read_text()),
+                      flax_fp8=0, epilog_fp8=0, stock=0, epilog=0)
+    cpu["targets"] = compare.targets(cpu["results"])
+    assert [(row["met"], row["not_applicable"]) for row in cpu["targets"]] == [
+        (None, "no FP8 GEMM ran in epilog_fp8"), (None, "no FP8 GEMM ran in flax_fp8")]
+    text = compare.render(cpu)
+    assert "tiny: no FP8 GEMM ran in flax_fp8 (its FP8 values are converted back" in text
+    assert "nor in epilog_fp8 (no layer is FP8" in text and "FP8 emulated" not in text
+    assert "| tiny: flax_fp8 validation loss within 1% of stock's | -0.07% | not applicable " \
+           "(no FP8 GEMM ran in flax_fp8) |" in text
+    # The peer without FP8 GEMMs: the targets naming it do not apply, the others still do.
+    peerless = compare.targets(fp8_records(h200, flax_fp8=0, epilog_fp8=72)["results"])
+    for row in peerless:
+        assert (row["met"] is None) == ("flax_fp8" in row["target"]), row
 
 
 def test_a_short_run_clamps_its_warm_up_and_says_why_it_has_no_speed():
