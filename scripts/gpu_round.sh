@@ -11,6 +11,7 @@
 # DEADLINE: stop every stage that would run past this many seconds from the start (20 s are
 # kept to pack the results), so a command with a time limit still returns its tarball.
 # Carry .whl (nvmath-python and its needs) so the nvmath comparisons run too.
+# Carry .wheelhouse (scripts/build_gpu_wheel.sh's wheel) for the wheel stage.
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="${OUT:-$ROOT/benchmarks/results/gpu_round}"
@@ -224,22 +225,58 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       note "gpt profile: rc=$? ($((SECONDS - start)) s)"
       head -n 12 "$OUT/gpt_profile/gpt_profile.md" 2>/dev/null | tee -a "$SUMMARY" ;;
     wheel)
-      # The GPU wheel (scripts/build_gpu_wheel.sh), carried in .wheelhouse/, installed as a GPU
-      # user without a compiler does: pip on a PATH of the interpreter's own folder alone (no
-      # c++, g++, gcc or clang++), CXX pointing nowhere. The tests stage then runs against it.
-      whl=$(ls "$ROOT"/.wheelhouse/jax_epilog-*manylinux*.whl 2>/dev/null | head -n 1)
-      bare="$(dirname "$(command -v "$PY")")"
-      for cc in c++ g++ gcc clang++; do
-        PATH="$bare" command -v "$cc" >/dev/null && note "wheel: $cc is on the bare PATH"
-      done
-      PATH="$bare" CXX=/nonexistent "$PY" -m pip install --no-index --no-deps --force-reinstall \
-        "$whl" > "$OUT/wheel.log" 2>&1
+      # The GPU wheel (scripts/build_gpu_wheel.sh), carried in .wheelhouse/ (the newest there),
+      # installed as a GPU user without a compiler does: no index, no dependencies (JAX's CUDA
+      # plugin and NVIDIA's cu13 wheels are already here), pip run by the interpreter's full
+      # path with PATH an empty folder and CC/CXX pointing nowhere, so no compiler can be
+      # reached (checked). The tests stage then runs against it (`build` would reinstall).
+      whl=$(ls -t "$ROOT"/.wheelhouse/jax_epilog-*manylinux*.whl 2>/dev/null | head -n 1)
+      py="$(command -v "$PY")"
+      nocc="$(mktemp -d)"
+      reachable=$(for cc in c++ g++ gcc cc clang clang++; do PATH="$nocc" command -v "$cc"; done)
+      if [ -z "$whl" ]; then
+        note "wheel: no .wheelhouse/jax_epilog-*manylinux*.whl (carry .wheelhouse)"; continue
+      elif [ -n "$reachable" ]; then
+        note "wheel: not run, a compiler is reachable: $reachable"; continue
+      fi
+      note "wheel: installing $(basename "$whl") (sha256 $(sha256sum "$whl" | cut -c1-16)) with PATH=$nocc: none of c++ g++ gcc cc clang clang++ found"
+      (cd /tmp && PATH="$nocc" CC=/nonexistent CXX=/nonexistent "$py" -m pip install -v \
+        --no-index --no-deps --force-reinstall --no-cache-dir "$whl") > "$OUT/wheel.log" 2>&1
       rc=$?
-      (cd /tmp && "$PY" -c "import jax_epilog, jax_epilog.runtime.library as c; \
-print('installed:', jax_epilog.__file__); \
-print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c.cublaslt_version())") \
-        2>&1 | tee -a "$OUT/wheel.log"
-      note "wheel: rc=$rc $(basename "${whl:-none}") on a PATH without a compiler; $(tail -n 1 "$OUT/wheel.log")" ;;
+      note "wheel: pip rc=$rc: $(grep -m1 '^Successfully installed' "$OUT/wheel.log"); lines of the log naming a build or compiler: $(grep -ciE 'building wheel|setup\.py|cmake|c\+\+|g\+\+|gcc|compil' "$OUT/wheel.log")"
+      # What was installed, whether it is this tree's Python (the tests stage tests this tree's
+      # tests against it), the handler's state as the build stage prints it, and one call
+      # that must run the custom call.
+      (cd /tmp && "$py" - "$ROOT" <<'PYEOF' 2>&1 | tee -a "$OUT/wheel.log"
+import filecmp, pathlib, sys
+import jax, jax.numpy as jnp
+import jax_epilog, jax_epilog.runtime.library as c
+installed = pathlib.Path(jax_epilog.__file__).parent
+source = pathlib.Path(sys.argv[1]) / "jax_epilog"
+print("installed:", installed, "jax", jax.__version__, "devices", jax.devices())
+files = sorted(str(p.relative_to(source)) for p in source.rglob("*")
+               if p.suffix in (".py", ".json") and "__pycache__" not in p.parts)
+_, differ, missing = filecmp.cmpfiles(source, installed, files, shallow=False)
+print("sources:", "the same as this tree's" if not differ + missing else
+      f"THE WHEEL IS NOT THIS TREE'S: differ {differ}, missing {missing}")
+print("library available:", c.available(), c.unavailable_reason(), "cuBLASLt", c.cublaslt_version())
+if c.available() and jax.default_backend() == "gpu":
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (256, 512), jnp.bfloat16)
+    w = jax.random.normal(k[1], (512, 384), jnp.bfloat16) * 0.05
+    b = jax.random.normal(k[2], (384,), jnp.bfloat16)
+    f = jax.jit(lambda x, w, b: jax_epilog.matmul(
+        x, w, epilog="relu_bias", epilog_inputs={"bias": b}, backend="cublaslt"))
+    calls = f.lower(x, w, b).compile().as_text().count('custom_call_target="jax_epilog_matmul')
+    out = f(x, w, b)
+    out = out[0] if isinstance(out, tuple) else out
+    want = jax.nn.relu(x.astype(jnp.float32) @ w.astype(jnp.float32) + b.astype(jnp.float32))
+    print("relu_bias with backend=cublaslt:", calls, "custom call(s), largest error",
+          float(jnp.max(jnp.abs(out.astype(jnp.float32) - want))), "of", float(jnp.max(want)))
+PYEOF
+      )
+      note "wheel: $(grep -E '^(sources|library available|relu_bias)' "$OUT/wheel.log" | tr '\n' ' ')"
+      rm -rf "$nocc" ;;
     export)
       # Exported modules in fresh processes (tests/test_exported.py): export the CUDA modules
       # of this tree (EXPORT_COMMIT names it) and of the 97e9b38 tree carried at .old/97e9b38
