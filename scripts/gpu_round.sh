@@ -215,7 +215,14 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       (cd "$ROOT" && runs --cap "${GPT_CAP:-480}" "$PY" examples/gpt/compare.py \
         ${GPT_ARGS:---config small large --budget-s 400} --out "$OUT/gpt" 2>&1) > "$OUT/gpt.log"
       note "gpt compare: rc=$? ($((SECONDS - start)) s)"
-      grep -A12 "^## Targets" "$OUT/gpt/gpt_compare.md" 2>/dev/null | tee -a "$SUMMARY" ;;
+      grep -A12 "^## Targets" "$OUT/gpt/gpt_compare.md" 2>/dev/null | tee -a "$SUMMARY"
+      # The GEMMs on FP8 operands each variant's step holds (what decides whether its FP8
+      # targets apply), beside its cuBLASLt custom calls.
+      "$PY" -c "import json, sys
+for c, x in json.load(open(sys.argv[1]))['results'].items():
+    for n, v in x['variants'].items():
+        print('gpt', c, n, 'fp8_gemms', v.get('fp8_gemms'), 'custom calls', v['gemm_custom_calls'])
+" "$OUT/gpt/gpt_compare.json" 2>&1 | tee -a "$SUMMARY" ;;
     gptprofile)
       # Where the GPT step's time goes, per variant (GPT_PROFILE_ARGS, default large, Flax's
       # FP8 against ours): the kernels of a few traced steps, by kind and the longest ones.
