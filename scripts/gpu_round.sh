@@ -289,6 +289,9 @@ PYEOF
       # of this tree (EXPORT_COMMIT names it) and of the 97e9b38 tree carried at .old/97e9b38
       # (its Python with this build's library: the C++ is the same), then run every module in a
       # process that only imports jax and jax_epilog. The modules come back in exported.tgz.
+      # Then the import's cost: `import jax_epilog` of the installed package (which loads the
+      # library here) against the e5238ee tree at .old/e5238ee (before the import loaded it),
+      # each with this build's library, medians of fresh processes (scripts/import_time.py).
       site=$(cd /tmp && "$PY" -c "import jax_epilog, os; print(os.path.dirname(jax_epilog.__file__))")
       made="$OUT/exported"; : > "$OUT/export.log"
       (cd /tmp && runs "$PY" "$ROOT/tests/exported/make_modules.py" --platform cuda \
@@ -304,6 +307,21 @@ PYEOF
         (cd / && runs "$PY" "$ROOT/tests/exported/run_modules.py" "$folder") >> "$OUT/export.log" 2>&1
       done
       note "export: $(grep -c '"errors"' "$OUT/export.log") module runs, $(grep -c '"exception"' "$OUT/export.log") raised"
+      # The verdict: tests/test_exported.py on the committed folders and the ones just made
+      # (attributes against this version's targets; each CUDA folder in a fresh process).
+      (cd /tmp && JAX_EPILOG_EXPORTED="$made" runs "$PY" -m pytest "$ROOT/tests/test_exported.py" \
+        -q -ra -p no:cacheprovider 2>&1) > "$OUT/export_test.log"
+      note "export: test_exported.py: $(tail -n 1 "$OUT/export_test.log")"
+      : > "$OUT/import_time.log"
+      trees=()
+      if [ -d "$ROOT/.old/e5238ee/jax_epilog" ]; then
+        cp "$site/libjax_epilog_ffi.so" "$ROOT/.old/e5238ee/jax_epilog/"
+        trees=(--tree "$ROOT/.old/e5238ee")
+      fi
+      "$PY" "$ROOT/scripts/import_time.py" --runs "${IMPORT_RUNS:-7}" >> "$OUT/import_time.log" 2>&1
+      [ ${#trees[@]} -gt 0 ] && "$PY" "$ROOT/scripts/import_time.py" --runs "${IMPORT_RUNS:-7}" \
+        "${trees[@]}" >> "$OUT/import_time.log" 2>&1
+      while read -r line; do note "export: $line"; done < "$OUT/import_time.log"
       grep -E '^== |"exception"|Error' "$OUT/export.log" | head -30
       tar -C "$OUT" -czf "$OUT/exported.tgz" exported && rm -rf "$made" ;;
     probe)

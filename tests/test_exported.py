@@ -22,8 +22,14 @@ import pytest
 from jax_epilog.runtime import targets
 
 HERE = Path(__file__).resolve().parent / "exported"
-FOLDERS = sorted(p.parent for p in HERE.glob("*/*/manifest.json"))
+# JAX_EPILOG_EXPORTED: more folders laid out like tests/exported (<commit>/<platform>/), e.g.
+# modules just exported on a GPU machine (scripts/gpu_round.sh's export stage), tested alike.
+ROOTS = [HERE, *(Path(p) for p in os.environ.get("JAX_EPILOG_EXPORTED", "").split(os.pathsep)
+                 if p)]
+FOLDERS = sorted(p.parent for root in ROOTS for p in root.glob("*/*/manifest.json"))
 CALL = re.compile(r"stablehlo\.custom_call @(\w+)\([^)]*\)\s*\{(.*?)\}\s*:", re.S)
+# Any call of ours, however it is printed: CALL must have parsed each one.
+OURS = re.compile(r"custom_call @(jax_epilog\w*)")
 ATTRIBUTE = re.compile(r"(\w+) = (true|false|-?\d+)(?: : (\w+))?")
 MLIR_TYPES = {bool: "i1", int: "i32"}  # an attribute's type as the module spells it
 TOLERANCE = {"cpu": 1e-5, "cuda": 0.05}  # relative to the largest value; masks: bits
@@ -62,14 +68,74 @@ def test_the_python_targets_are_the_ones_the_handler_decodes():
             ("i32" if kind is not bool else "i1", name) for name, kind in target.attributes]
 
 
+def test_registration_registers_each_target_of_the_table_from_symbols_the_library_exports(
+        monkeypatch):
+    """`targets.register` registers exactly the table's targets for CUDA, each with its two
+    stages, from handler symbols that `ffi/epilog_matmul.cc` defines and `ffi/exports.map`
+    exports (the library itself is only built on GPU machines)."""
+    registered, asked = {}, []
+
+    class Handle:  # stands in for the loaded library: records the symbols looked up
+        def __getattr__(self, symbol):
+            asked.append(symbol)
+            return symbol
+
+    monkeypatch.setattr(jax.ffi, "pycapsule", lambda pointer: ("capsule", pointer))
+    monkeypatch.setattr(jax.ffi, "register_ffi_target",
+                        lambda name, stages, platform: registered.setdefault(
+                            (name, platform), stages))
+    targets.register(Handle())
+    assert registered == {
+        (t.name, "CUDA"): {"execute": ("capsule", t.symbol),
+                           "initialize": ("capsule", t.symbol + "Initialize")}
+        for t in targets.TARGETS}
+    source = (HERE.parents[1] / "ffi" / "epilog_matmul.cc").read_text()
+    defined = set(re.findall(r"XLA_FFI_DEFINE_HANDLER_SYMBOL\(\s*(\w+)", source))
+    exported = set(re.findall(r"^\s*(\w+);", (HERE.parents[1] / "ffi" / "exports.map")
+                              .read_text(), re.M))
+    assert set(asked) <= defined & exported, (set(asked) - defined, set(asked) - exported)
+
+
+def test_import_and_registration_start_no_jax_backend():
+    """A registration for CUDA made before JAX's backends start is queued until the CUDA
+    plugin starts (jaxlib/xla_client.py, register_custom_call_target): so the import, which
+    registers where a driver is, does not start a backend (its cost stays the library's
+    load). Checked in a fresh process, after the import and after registering again with
+    stand-in pointers (here nothing may be loaded at import: no driver or no library)."""
+    done = subprocess.run([sys.executable, "-c", (
+        "import ctypes, jax, jax_epilog\n"
+        "from jax._src import xla_bridge\n"
+        "from jax_epilog.runtime import targets\n"
+        "assert not xla_bridge.backends_are_initialized(), 'the import started a backend'\n"
+        "libc = ctypes.CDLL(None)\n"
+        "class Handle:\n"
+        "    def __getattr__(self, symbol):\n"
+        "        return libc.abs  # a real pointer, never called: no CUDA backend starts\n"
+        "targets.register(Handle())\n"
+        "assert not xla_bridge.backends_are_initialized(), 'registering started a backend'\n"
+        "print('ok')\n")],
+        capture_output=True, text=True, timeout=300, cwd="/",
+        env={**os.environ, "JAX_PLATFORMS": "cpu"})  # a GPU's CUDA never sees the stand-ins
+    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stderr[-2000:]
+
+
 @pytest.mark.parametrize("folder", FOLDERS, ids=_id)
 def test_every_custom_call_is_a_target_of_this_version_with_its_attributes(folder):
     _skip_if_newer_than_this_jax(folder)
     by_name = {t.name: t for t in targets.TARGETS}
     manifest = json.loads((folder / "manifest.json").read_text())
-    for name in manifest["cases"]:
+    for name, case in manifest["cases"].items():
         module = jax.export.deserialize((folder / f"{name}.bin").read_bytes()).mlir_module()
-        for target, config in CALL.findall(module):
+        calls = [(t, c) for t, c in CALL.findall(module) if t.startswith("jax_epilog")]
+        # The calls parsed with their attributes are all of ours in the module, and the ones
+        # make_modules found when it exported it (so a change in how MLIR is printed fails
+        # here instead of leaving nothing to check).
+        assert sorted(t for t, _ in calls) == sorted(OURS.findall(module)), name
+        assert sorted({t for t, _ in calls}) == sorted(
+            t for t in case["custom_calls"] if t.startswith("jax_epilog")), name
+        if folder.name == "cuda":  # every CUDA case was exported to reach the kernel
+            assert calls, f"{name}: no jax_epilog custom call in a CUDA module"
+        for target, config in calls:
             assert target in by_name, f"{name}: {target} is not registered by this version"
             got = {key: (value, kind) for key, value, kind in ATTRIBUTE.findall(config)
                    if key not in ("operand_layouts", "result_layouts")}
@@ -105,10 +171,12 @@ def test_cpu_modules_run_in_a_fresh_process(folder):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("folder", [f for f in FOLDERS if f.name == "cuda"], ids=_id)
+@pytest.mark.parametrize("folder", sorted({f.parent / "cuda" for f in FOLDERS}), ids=_id)
 def test_cuda_modules_run_in_a_fresh_process(folder):
     if not any(d.platform == "gpu" for d in jax.devices()):
         pytest.skip("needs a CUDA device")
+    if not (folder / "manifest.json").exists():  # CUDA modules are made on a GPU machine
+        pytest.skip(f"{folder} not generated yet (scripts/gpu_round.sh export makes it)")
     _check(folder)
 
 
