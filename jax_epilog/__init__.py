@@ -8,6 +8,8 @@ when first used, so `import jax_epilog` never imports Flax). `pack_relu_mask` an
 `unpack_relu_mask` convert between a boolean array and cuBLASLt's packed ReLU mask. `Fp8`
 configures FP8 training in the layers (`fp8=`); `Fp8History` is a layer's delayed-scaling
 state (`fp8_state=`); `quantize` makes an FP8 operand and its scale for `matmul`.
+`quantize_params` stores a trained model's large kernels in FP8 (`Fp8Weight`) for serving,
+and `calibrate` gives them static input scales (docs/serving.md).
 `explain(fn, *args)` prints how each stack and GEMM of a program runs on CUDA and which rule
 or table entry decided it.
 
@@ -28,6 +30,8 @@ import importlib as _importlib
 
 from jax_epilog.float8.recipe import Fp8, Fp8History
 from jax_epilog.float8.scaling import quantize_tensor as quantize
+from jax_epilog.float8.weights import Fp8Weight, quantize_params
+from jax_epilog.layers.serving import calibrate
 from jax_epilog.layers.functional import dense, mlp
 from jax_epilog.op.epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
 from jax_epilog.op.matmul import matmul, reference_matmul
@@ -46,6 +50,8 @@ __all__ = [
     "Epilog",
     "Fp8",
     "Fp8History",
+    "Fp8Weight",
+    "calibrate",
     "dense",
     "explain",
     "gelu_aux_columns",
@@ -53,6 +59,7 @@ __all__ = [
     "mlp",
     "pack_relu_mask",
     "quantize",
+    "quantize_params",
     "reference_matmul",
     "relu_mask_bytes",
     "unpack_relu_mask",

@@ -54,6 +54,7 @@ from jax_epilog.op import manual_axes
 from jax_epilog.planning import context, stack_plan
 from jax_epilog.float8.recipe import as_fp8, check_state
 from jax_epilog.layers import fp8_step  # FP8 training (SPEC §5)
+from jax_epilog.layers import serving  # stored FP8 weights (docs/serving.md)
 from jax_epilog.layers.gemms import (GELU_PRE_ACTIVATION_NAME, LAYER_INPUT_NAME,  # noqa: F401
                           RELU_MASK_NAME, layer_forward)
 from jax_epilog.op.arguments import SUPPORTED_DTYPES
@@ -259,6 +260,8 @@ def _backend(name: str, value, choices: dict) -> str:
 
 def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=None,
          fp8_state=None):
+    if serving.has_stored_weights(params):
+        return _serve(x, params, activations, dtype)
     fp8 = as_fp8(fp8)
     fp8_state = check_state(fp8, fp8_state, len(activations))
     stack_backends = (_backend("forward", forward, FORWARD_CHOICES),
@@ -295,13 +298,28 @@ def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=Non
     return y.reshape(*lead, y.shape[-1])
 
 
+def _serve(x, params, activations, dtype):
+    """The inference forward of a stack with kernels stored in FP8 (`serving.forward`); the
+    training arguments (`fp8=`, `fp8_state=`, backends) do not apply to it."""
+    params = _check_params(x, params)
+    dtype = _compute_dtype(dtype, [serving.operands_dtype(x, params)])
+    params = tuple((kernel if isinstance(kernel, serving.Fp8Weight) else
+                    jnp.asarray(kernel, dtype), bias) for kernel, bias in params)
+    x = jnp.asarray(x, dtype)
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = serving.forward(tuple(activations), dtype, x.reshape(math.prod(lead), k), params)
+    return y.reshape(*lead, y.shape[-1])
+
+
 def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="auto",
           backward="auto", dtype=None, fp8=None, fp8_state=None):
     """`act(x @ kernel + bias)` in one cuBLASLt epilog GEMM, with a fused backward.
 
     Args:
       x: `(..., K)`; the leading dims are flattened into the GEMM's rows.
-      kernel: `(K, N)`.
+      kernel: `(K, N)`, or a `jax_epilog.Fp8Weight` (weights stored in FP8 for inference,
+        `jax_epilog.quantize_params`): then the layer is one FP8 GEMM with the bias and
+        activation in its epilog, forward only (docs/serving.md).
       bias: `(N,)` or None.
       activation: None, "relu" or "gelu" (tanh approximation); `jax.nn.relu` and `jax.nn.gelu`
         (its default is the tanh approximation) stand for the names.
@@ -338,8 +356,8 @@ def mlp(x, layers, *, activation="relu", final_activation=None, precision=None,
 
     Args:
       x: `(..., K)`.
-      layers: a sequence of `(kernel, bias)` pairs, kernel `(K_i, K_{i+1})`, bias
-        `(K_{i+1},)` or None.
+      layers: a sequence of `(kernel, bias)` pairs, kernel `(K_i, K_{i+1})` (or an
+        `Fp8Weight`, as for `dense`: forward only), bias `(K_{i+1},)` or None.
       activation: None, "relu" or "gelu" (or `jax.nn.relu` / `jax.nn.gelu`) after every layer
         but the last.
       final_activation: the same, after the last layer.

@@ -26,6 +26,8 @@ except ImportError as error:
     raise ImportError(f"jax_epilog.linen needs Flax: {_install_hint('flax')}") from error
 
 from jax_epilog.float8.recipe import Fp8History, as_fp8
+from jax_epilog.float8.weights import Fp8Weight
+from jax_epilog.layers.serving import promote
 from jax_epilog.layers.functional import activation_name, dense, mlp
 
 #: The variable collection of the FP8 amax histories (delayed scaling, `fp8=True`'s): Flax's
@@ -73,14 +75,18 @@ class Dense(linen.Module):
 
     @linen.compact
     def kernel_and_bias(self, in_features: int) -> tuple[Any, Optional[Any]]:
-        """This layer's parameters for inputs of `in_features` (created on first use)."""
+        """This layer's parameters for inputs of `in_features` (created on first use). The
+        kernel may be stored in FP8 (`jax_epilog.quantize_params`), for inference."""
+        kernel = None
         if self.has_variable("params", "kernel"):
-            built = jnp.shape(linen.unbox(self.get_variable("params", "kernel")))[0]
+            kernel = linen.unbox(self.get_variable("params", "kernel"))
+            built = jnp.shape(kernel)[0]
             if built != in_features:
                 raise ValueError(f"x has {in_features} features; this Dense was initialised "
                                  f"with in_features={built}")
-        kernel = self.param("kernel", self.kernel_init, (in_features, self.features),
-                            self.param_dtype)
+        if not isinstance(kernel, Fp8Weight):  # Flax's shape check reads only arrays
+            kernel = self.param("kernel", self.kernel_init, (in_features, self.features),
+                                self.param_dtype)
         bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) \
             if self.use_bias else None
         return kernel, bias
@@ -103,7 +109,7 @@ class Dense(linen.Module):
 
     def __call__(self, inputs):
         kernel, bias = self.kernel_and_bias(jnp.shape(inputs)[-1])
-        inputs, kernel, bias = promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        inputs, kernel, bias = promote(promote_dtype, inputs, kernel, bias, dtype=self.dtype)
         return dense(inputs, kernel, bias, activation=activation_name(self.activation),
                      precision=self.precision, fp8=self.fp8, fp8_state=self.fp8_state(self.fp8))
 
@@ -155,7 +161,7 @@ class MLP(linen.Module):
                           name=f"layers_{i}")
             params.extend(layer.kernel_and_bias(sizes[i]))
             states.append(layer.fp8_state(self.fp8))
-        inputs, *params = promote_dtype(inputs, *params, dtype=self.dtype)
+        inputs, *params = promote(promote_dtype, inputs, *params, dtype=self.dtype)
         return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=activation,
                    final_activation=final_activation, precision=self.precision, fp8=self.fp8,
                    fp8_state=None if None in states else states)

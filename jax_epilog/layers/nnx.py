@@ -28,6 +28,8 @@ except ImportError as error:
     raise ImportError(f"jax_epilog.nnx needs Flax: {_install_hint('flax')}") from error
 
 from jax_epilog.float8.recipe import Fp8History, as_fp8
+from jax_epilog.float8.weights import Fp8Weight
+from jax_epilog.layers.serving import promote
 from jax_epilog.layers.functional import activation_name, dense, mlp
 
 # Flax >= 0.12 wants lists of modules wrapped so it can see their state; older Flax takes lists.
@@ -111,7 +113,12 @@ class Dense(nnx.Module):
         self.input_amax_history, self.gradient_amax_history = _amax_histories(fp8)
 
     def kernel_and_bias(self) -> tuple[Any, Optional[Any]]:
-        return self.kernel[...], (self.bias[...] if self.bias is not None else None)
+        """The parameters' values; the kernel may be stored in FP8 (an `Fp8Weight`, put there
+        by `nnx.update(model, jax_epilog.quantize_params(nnx.state(model, nnx.Param)))`)."""
+        kernel = self.kernel.get_value() if hasattr(self.kernel, "get_value") else \
+            self.kernel.value
+        return (kernel if isinstance(kernel, Fp8Weight) else kernel[...],
+                self.bias[...] if self.bias is not None else None)
 
     def fp8_state(self) -> Optional[Fp8History]:
         """This layer's `fp8_state=` for `jax_epilog.dense` (None under current scaling)."""
@@ -121,7 +128,8 @@ class Dense(nnx.Module):
 
     def __call__(self, inputs):
         _check_in_features(inputs, self.in_features, "Dense")
-        inputs, kernel, bias = promote_dtype(inputs, *self.kernel_and_bias(), dtype=self.dtype)
+        inputs, kernel, bias = promote(promote_dtype, inputs, *self.kernel_and_bias(),
+                                       dtype=self.dtype)
         return dense(inputs, kernel, bias, activation=self.activation, precision=self.precision,
                      fp8=self.fp8, fp8_state=self.fp8_state())
 
@@ -170,7 +178,7 @@ class MLP(nnx.Module):
     def __call__(self, inputs):
         _check_in_features(inputs, self.layers[0].in_features, "MLP")
         params = [p for layer in self.layers for p in layer.kernel_and_bias()]
-        inputs, *params = promote_dtype(inputs, *params, dtype=self.dtype)
+        inputs, *params = promote(promote_dtype, inputs, *params, dtype=self.dtype)
         states = [layer.fp8_state() for layer in self.layers]
         return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=self.activation,
                    final_activation=self.final_activation, precision=self.precision,

@@ -1,0 +1,173 @@
+"""Inference with weights stored in FP8 (`Fp8Weight`, docs/serving.md): the forward of a
+`dense`/`mlp` stack some of whose kernels are `Fp8Weight`s, and `calibrate`, which gives them
+static input scales.
+
+Each stored-FP8 layer is one FP8 GEMM: the input quantized to e4m3 (from its own amax, in one
+XLA fusion with whatever produced it, or with the weight's static `input_scale`), the stored
+`(N, K)` data read as it is (K-major, what the kernel wants), bias and ReLU/GELU in the
+GEMM's epilog, the result in the compute dtype. 16-bit layers of the same stack run their
+ordinary forward GEMM. Nothing here is differentiable: a gradient through a stored-FP8 stack
+raises an error that says to train the 16-bit parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_epilog.float8 import scaling
+from jax_epilog.float8.weights import Fp8Weight, check_weight
+from jax_epilog.op.epilogs import Epilog
+from jax_epilog.op.matmul import matmul
+from jax_epilog.op.reference import saturating_cast
+
+#: The activations' FP8 format: e4m3, the forward operands' format in training too.
+INPUT_FORMAT = "float8_e4m3fn"
+
+#: The stored-FP8 GEMMs use cuBLASLt's fast accumulation, as the training recipe's forward
+#: GEMMs do (`Fp8()`'s default) and TransformerEngine's forward does.
+FAST_ACCUMULATION = True
+
+_NOT_DIFFERENTIABLE = (
+    "layers with weights stored in FP8 (jax_epilog.Fp8Weight, made by quantize_params) run "
+    "inference only: differentiate the 16-bit parameters (fp8=True trains in FP8) and "
+    "quantize them after training")
+
+
+def has_stored_weights(params) -> bool:
+    """Whether any kernel of a stack's `(kernel, bias)` pairs is an `Fp8Weight`."""
+    return any(isinstance(pair[0], Fp8Weight) for pair in params
+               if isinstance(pair, (tuple, list)) and pair)
+
+
+def operands_dtype(x, params):
+    """The result type of `x` and a stack's 16-bit parameters, its compute dtype unless one
+    is given (an `Fp8Weight` holds FP8 data, not a compute dtype)."""
+    arrays = [x] + [p for pair in params for p in pair
+                    if p is not None and not isinstance(p, Fp8Weight)]
+    return jnp.result_type(*arrays)
+
+
+def promote(promote_dtype: Callable, *arrays, dtype):
+    """Flax's `promote_dtype` over `arrays`, `Fp8Weight`s passed through unchanged."""
+    plain = [a for a in arrays if not isinstance(a, Fp8Weight)]
+    promoted = iter(promote_dtype(*plain, dtype=dtype))
+    return [a if isinstance(a, Fp8Weight) else next(promoted) for a in arrays]
+
+
+def forward(activations: tuple, dtype, x, params):
+    """`act_i(h @ kernel_i + bias_i)` layer by layer, stored-FP8 kernels as FP8 GEMMs; `x`
+    `(rows, K)` in `dtype`, `params` checked pairs (16-bit ones cast to `dtype`). Not
+    differentiable (`_NOT_DIFFERENTIABLE`)."""
+    if _calibration.get() is not None:  # eager, values seen directly
+        return _layers(activations, dtype, x, params)
+    return _inference_only(activations, dtype, x, params)
+
+
+def _layers(activations: tuple, dtype, x, params):
+    h = x
+    for i, (activation, (kernel, bias)) in enumerate(zip(activations, params)):
+        epilog = Epilog.find(activation, bias is not None, False)
+        inputs = None if bias is None else {"bias": bias.astype(dtype)}
+        if not isinstance(kernel, Fp8Weight):
+            h = matmul(h, kernel, epilog=epilog, epilog_inputs=inputs)
+            continue
+        check_weight(f"layers[{i}] kernel", kernel, h.shape[-1])
+        h8, input_scale = quantize_input(h, kernel)
+        h = matmul(h8, kernel.data, transpose_b=True, epilog=epilog, epilog_inputs=inputs,
+                   quantization_scales={"a": input_scale, "b": kernel.scale},
+                   preferred_element_type=dtype, fast_accumulation=FAST_ACCUMULATION)
+    return h
+
+
+_inference_only = jax.custom_vjp(_layers, nondiff_argnums=(0, 1))
+
+
+def _raise_not_differentiable(*args):
+    raise TypeError(_NOT_DIFFERENTIABLE)
+
+
+_inference_only.defvjp(_raise_not_differentiable, _raise_not_differentiable)
+
+
+def quantize_input(h, weight: Fp8Weight):
+    """(h in e4m3, its float32 dequantization scale): with the weight's static `input_scale`,
+    else from h's amax (current scaling, one fusion with h's producer). Under `calibrate`,
+    h's amax is recorded for the weight."""
+    recorded = _calibration.get()
+    if recorded is not None:
+        _record(recorded, h, weight)
+    if weight.input_scale is None:
+        h8, scale = scaling.quantize(h, scaling.amax(h), INPUT_FORMAT, 0)
+        return h8, scale
+    scale = jnp.asarray(weight.input_scale, jnp.float32)
+    return saturating_cast(h.astype(jnp.float32) / scale, INPUT_FORMAT), scale
+
+
+# --- calibration ---------------------------------------------------------------------------
+
+_calibration: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
+    "jax_epilog_serving_calibration", default=None)
+
+
+def _record(recorded: dict, h, weight: Fp8Weight) -> None:
+    if isinstance(h, jax.core.Tracer):
+        raise TypeError("calibrate: apply_fn ran under a JAX transform (jax.jit, ...), where "
+                        "the inputs' amaxes cannot be read; pass a function that applies the "
+                        "model directly (calibrate runs it eagerly, a few batches)")
+    key = id(weight.data)
+    recorded[key] = max(recorded.get(key, 0.0), float(scaling.amax(h)))
+
+
+@contextlib.contextmanager
+def _recording(recorded: dict):
+    token = _calibration.set(recorded)
+    try:
+        yield
+    finally:
+        _calibration.reset(token)
+
+
+def calibrate(apply_fn: Callable[[Any, Any], Any], params, batches: Iterable, *,
+              margin: int = 0):
+    """`params` whose `Fp8Weight`s carry static input scales, from the inputs those layers
+    see over `batches`.
+
+    Args:
+      apply_fn: `apply_fn(params, batch)` runs the model (e.g. `lambda p, x:
+        model.apply({"params": p}, x)` for Linen, `lambda s, x: nnx.merge(graphdef, s)(x)`
+        for NNX). Called eagerly, once per batch: not under `jax.jit`.
+      params: a tree with `Fp8Weight`s (`quantize_params`).
+      batches: an iterable of at least one batch, representative of serving inputs.
+      margin: scales leave `2**margin` of headroom above the largest input seen (as
+        `Fp8(margin=)`); larger serving inputs saturate.
+
+    Returns:
+      The same tree; each `Fp8Weight` a batch reached has `input_scale` (its layer then
+      skips the per-call amax), the others keep current scaling.
+    """
+    recorded: dict[int, float] = {}
+    count = 0
+    with _recording(recorded):
+        for batch in batches:
+            apply_fn(params, batch)
+            count += 1
+    if not count:
+        raise ValueError("batches: expected at least one batch to calibrate on, got none")
+    if not recorded:
+        raise ValueError("params: no layer with a stored FP8 weight ran on the batches; "
+                         "quantize_params first, and apply_fn must run the model on params")
+
+    def with_scale(leaf):
+        if not isinstance(leaf, Fp8Weight) or id(leaf.data) not in recorded:
+            return leaf
+        q = scaling.multiplier(jnp.float32(recorded[id(leaf.data)]), INPUT_FORMAT, margin)
+        return Fp8Weight(leaf.data, leaf.scale, (1.0 / q).astype(jnp.float32))
+
+    return jax.tree_util.tree_map(with_scale, params,
+                                  is_leaf=lambda x: isinstance(x, Fp8Weight))
