@@ -46,6 +46,8 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jax_epilog.float8.weights import key_names
+
 from gpt import compare, configs, data, train
 from gpt.decode import CachedGPT, Generator, check_fits
 from gpt.model import GPT
@@ -79,13 +81,6 @@ def restore_parameters(directory: Path) -> tuple[configs.TrainConfig, dict, int]
     return config, state["state"]["params"], step
 
 
-def _names(path) -> tuple[str, ...]:
-    """A key path's names as strings (dict keys, attributes, indices), NNX's `value` left out."""
-    names = [str(getattr(key, "key", getattr(key, "name", getattr(key, "idx", key))))
-             for key in path]
-    return tuple(name for name in names if name != "value")
-
-
 def _lookup(tree: dict, names: tuple[str, ...]):
     for name in names:
         tree = tree[name]
@@ -96,7 +91,7 @@ def parameters_like(like: nnx.State, saved: dict) -> nnx.State:
     """`saved` (a checkpoint's nested dict) in the structure of `like` (a model's
     `nnx.State` of parameters), every shape checked."""
     def take(path, leaf):
-        names = _names(path)
+        names = key_names(path)
         try:
             value = _lookup(saved, names)
         except KeyError:
@@ -142,7 +137,7 @@ def fp8_include(min_features: Optional[int]) -> Optional[Callable]:
         return None
 
     def include(path, leaf) -> bool:
-        return _names(path)[-1:] == ("kernel",) and jnp.ndim(leaf) == 2 and \
+        return key_names(path)[-1:] == ("kernel",) and jnp.ndim(leaf) == 2 and \
             min(jnp.shape(leaf)) >= min_features
     return include
 
