@@ -184,7 +184,7 @@ class Generator:
         tokens = []
         start = time.perf_counter()
         for position in tqdm(range(prompt_len, prompt_len + new_tokens - 1), desc="decode",
-                             unit="step", disable=not progress, leave=False):
+                             unit="step", disable=not progress):
             token, cache = self.decode(cache, token, position, key, compiled.get("decode"))
             tokens.append(token)
         jax.block_until_ready(token)

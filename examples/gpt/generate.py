@@ -34,6 +34,7 @@ import dataclasses
 import statistics
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -44,7 +45,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 from jax_epilog.float8.weights import key_names
 
@@ -195,6 +195,13 @@ def weight_bytes(cached: CachedGPT) -> int:
                for leaf in jax.tree.leaves(nnx.state(cached)))
 
 
+def fp8_kernels(cached: CachedGPT) -> int:
+    """How many parameter leaves are stored in FP8 (jax-epilog's or Qwix's kernels)."""
+    return sum(1 for leaf in jax.tree.leaves(nnx.state(cached))
+               if jnp.dtype(leaf.dtype) in (jnp.dtype(jnp.float8_e4m3fn),
+                                            jnp.dtype(jnp.float8_e5m2)))
+
+
 # --- measurements ------------------------------------------------------------------------------
 
 def prompts_from(text: np.ndarray, batch: int, prompt_len: int) -> np.ndarray:
@@ -283,7 +290,13 @@ def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dt
                            sample_tokens=sample_tokens,
                            fp8_min_features=settings.fp8_min_features, calibration=calibration)
     record = {"build_s": time.perf_counter() - start, "weight_bytes": weight_bytes(cached),
-              "by_batch": {}}
+              "fp8_kernels": fp8_kernels(cached), "by_batch": {}}
+    print(f"{name}: built in {record['build_s']:.1f} s, weights "
+          f"{record['weight_bytes'] / 2**20:,.1f} MiB, {record['fp8_kernels']} kernels in FP8",
+          flush=True)
+    if name != "stock" and not record["fp8_kernels"]:
+        print(f"{name}: no kernel is stored in FP8 (quantize_params' default rule wants both "
+              "dims >= 512; --fp8-min-features lowers it)", flush=True)
     generator = Generator(cached, temperature=settings.temperature, top_k=settings.top_k)
     key = jax.random.key(settings.seed)
     for batch in settings.batches:
@@ -339,6 +352,18 @@ def compare_variants(names, config, weights, dtype, corpus, settings) -> dict[st
     return {"variants": records, "failed": failed}
 
 
+def _sampling(settings: dict) -> str:
+    if not settings["temperature"]:
+        return "greedy"
+    top_k = f", top-k {settings['top_k']}" if settings["top_k"] else ""
+    return f"sampled at temperature {settings['temperature']}{top_k}, seed {settings['seed']}"
+
+
+def _row(*cells) -> str:
+    """A Markdown table row."""
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
 def _mib(value: Optional[int]) -> str:
     return f"{value / 2**20:,.1f}" if value is not None else "n/a"
 
@@ -357,32 +382,31 @@ def render(report: dict) -> str:
              f"Weights: {report['weights']}; compute dtype {report['dtype']}. "
              f"d_model {model['d_model']}, {model['n_layers']} layers, {model['n_heads']} "
              f"heads. Prompts of {s['prompt_len']} validation bytes, {s['new_tokens']} new "
-             f"tokens ({'greedy' if not s['temperature'] else 'temperature ' + str(s['temperature']) + ', top-k ' + str(s['top_k'])}); "
+             f"tokens ({_sampling(s)}); epilog_fp8's input scales "
+             f"{'static (calibrated)' if s['static_scales'] else 'from each call (current)'}; "
              f"medians of {s['repeats']} runs after a warm-up. Method: "
              "examples/gpt/generate.py's docstring.", ""]
     if meta["platform"] != "gpu":
         lines += ["Not a GPU: every variant runs plain XLA and no GEMM reads FP8 operands "
                   "(FP8 values are converted back first), so the speeds measure only this "
                   "machine; the quality columns are the comparison.", ""]
-    lines += ["| variant | batch | prefill tokens/s | decode tokens/s | time to first token ms "
-              "| compile s | FP8 GEMMs (decode step) | peak MiB so far |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [_row("variant", "batch", "prefill tokens/s", "decode tokens/s",
+                   "time to first token ms", "compile s", "FP8 GEMMs (decode step)",
+                   "peak MiB so far"), _row(*["---"] * 8)]
     for name, r in result["variants"].items():
-        for batch, m in r["by_batch"].items():
-            lines.append(
-                f"| {name} | {batch} | {_number(m['prefill_tokens_per_s'])} | "
-                f"{_number(m['decode_tokens_per_s'])} | "
-                f"{m['time_to_first_token_s'] * 1e3:.1f} | {m['compile_s']:.1f} | "
-                f"{m['fp8_gemms_decode']} | {_mib(m['memory']['peak_bytes_in_use'])} |")
-    lines += [f"| {name} | failed: {error} | | | | | | |"
+        lines += [_row(name, batch, _number(m["prefill_tokens_per_s"]),
+                       _number(m["decode_tokens_per_s"]),
+                       f"{m['time_to_first_token_s'] * 1e3:.1f}", f"{m['compile_s']:.1f}",
+                       m["fp8_gemms_decode"], _mib(m["memory"]["peak_bytes_in_use"]))
+                  for batch, m in r["by_batch"].items()]
+    lines += [_row(name, f"failed: {error}", *[""] * 6)
               for name, error in result["failed"].items()]
-    lines += ["", "| variant | weights MiB | validation loss | vs stock | top-1 agreement with "
-              "stock |", "|---|---|---|---|---|"]
-    for name, r in result["variants"].items():
-        vs = r.get("validation_loss_vs_stock")
-        lines.append(f"| {name} | {_mib(r['weight_bytes'])} | {r['validation_loss']:.4f} | "
-                     f"{_number(vs, '+.2%')} | "
-                     f"{_number(r.get('top1_agreement_with_stock'), '.2%')} |")
+    lines += ["", _row("variant", "weights MiB", "validation loss", "vs stock",
+                       "top-1 agreement with stock"), _row(*["---"] * 5)]
+    lines += [_row(name, _mib(r["weight_bytes"]), f"{r['validation_loss']:.4f}",
+                   _number(r.get("validation_loss_vs_stock"), "+.2%"),
+                   _number(r.get("top1_agreement_with_stock"), ".2%"))
+              for name, r in result["variants"].items()]
     lines += ["", "Samples (the first sequence of the smallest batch: the prompt's last 80 "
               "bytes, then the generated ones):", ""]
     for name, r in result["variants"].items():
@@ -394,8 +418,8 @@ def render(report: dict) -> str:
 def versions() -> dict[str, Any]:
     found = train.versions()
     try:
-        found["qwix"] = train.metadata.version("qwix")
-    except train.metadata.PackageNotFoundError:
+        found["qwix"] = metadata.version("qwix")
+    except metadata.PackageNotFoundError:
         found["qwix"] = None
     return found
 
@@ -494,8 +518,7 @@ def single_variant(name, config, weights, dtype, corpus, settings) -> dict[str, 
     validation = data.validation_batches(corpus.validation, config.batch_size,
                                          config.model.seq_len, settings.eval_batches)
     record, _ = serve_variant(name, config, weights, dtype, corpus, settings, validation)
-    print(f"{name}: validation loss {record['validation_loss']:.4f}, weights "
-          f"{record['weight_bytes'] / 2**20:,.1f} MiB")
+    print(f"{name}: validation loss {record['validation_loss']:.4f}")
     return {"variants": {name: record}, "failed": {}}
 
 
