@@ -195,6 +195,7 @@ def run_main(*args):
     return generate.main([*args, "--no-progress"])
 
 
+@pytest.mark.slow
 def test_compare_writes_every_variant_with_quality(tmp_path):
     report = run_main("--random-init", "--compare", "--batch", "1", "3", "--prompt-len", "8",
                       "--new-tokens", "4", "--repeats", "1", "--eval-batches", "1",
