@@ -107,9 +107,11 @@ def parameters_like(like: nnx.State, saved: dict) -> nnx.State:
 def serving_weights(config: configs.TrainConfig, saved: Optional[dict], dtype) -> nnx.State:
     """The parameters to serve, cast to the compute `dtype`: `saved`'s, or the config's seed's
     (`train.build_model`) where `saved` is None."""
-    params = nnx.state(train.build_model(config, "stock"), nnx.Param)
-    if saved is not None:
-        params = parameters_like(params, saved)
+    build = lambda: train.build_model(config, "stock")
+    if saved is None:
+        params = nnx.state(build(), nnx.Param)
+    else:  # only the shapes: initialising a large model would cost its bytes and time
+        params = parameters_like(nnx.state(nnx.eval_shape(build), nnx.Param), saved)
     return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating)
                         else p, params)
 
