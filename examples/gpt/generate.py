@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jax_epilog
 from jax_epilog.float8.weights import key_names
 
 from gpt import compare, configs, data, train
@@ -148,10 +149,6 @@ def epilog_fp8(config: configs.TrainConfig, weights: nnx.State, dtype, *, attent
                fp8_min_features: Optional[int] = None, calibration=None) -> CachedGPT:
     """jax-epilog's layers with their kernels stored in FP8 once (`quantize_params`), and
     static input scales from `calibration` (batches of tokens) where given."""
-    import jax_epilog
-    if not hasattr(jax_epilog, "quantize_params"):
-        raise RuntimeError("variant epilog_fp8: this jax-epilog has no quantize_params "
-                           "(FP8 serving weights); update jax-epilog")
     model = model_with(config, "epilog", weights, dtype, attention)
     params = jax_epilog.quantize_params(nnx.state(model, nnx.Param),
                                         include=fp8_include(fp8_min_features))
@@ -409,7 +406,7 @@ def render(report: dict) -> str:
                    _number(r.get("validation_loss_vs_stock"), "+.2%"),
                    _number(r.get("top1_agreement_with_stock"), ".2%"))
               for name, r in result["variants"].items()]
-    lines += ["", "Samples (the first sequence of the smallest batch: the prompt's last 80 "
+    lines += ["", "Samples (the first sequence of the first `--batch`: the prompt's last 80 "
               "bytes, then the generated ones):", ""]
     for name, r in result["variants"].items():
         sample = next(iter(r["by_batch"].values()))["sample"]
