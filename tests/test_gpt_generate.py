@@ -189,6 +189,12 @@ def test_restores_the_parameters_train_py_saved(corpus, tmp_path):
     assert jax.tree.structure(weights) == jax.tree.structure(expected)
     for got, want in zip(jax.tree.leaves(weights), jax.tree.leaves(expected)):
         np.testing.assert_array_equal(got, want)
+    # Read onto the host (this orbax describes the saved state), cast there for a GPU.
+    assert generate._on_the_host(tmp_path / "2" / "state") is not None
+    in_bf16 = generate.serving_weights(restored_config, saved, jnp.bfloat16)
+    for got, want in zip(jax.tree.leaves(in_bf16), jax.tree.leaves(expected)):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got, want.astype(jnp.bfloat16))
 
 
 def run_main(*args):
@@ -213,6 +219,8 @@ def test_compare_writes_every_variant_with_quality(tmp_path):
             assert measured["decode_tokens_per_s"] > 0 and measured["prefill_tokens_per_s"] > 0
             assert measured["time_to_first_token_s"] > 0 and measured["compile_s"] > 0
             assert len(measured["sample"]["prompt"]) == 8
+            step_memory = measured["decode_step_memory"]
+            assert step_memory is None or step_memory["peak_bytes"] > 0
         assert 0.5 < record["top1_agreement_with_stock"] <= 1
     assert variants["stock"]["top1_agreement_with_stock"] == 1
     assert variants["stock"]["validation_loss_vs_stock"] == 0

@@ -62,10 +62,9 @@ QWIX_PROJECTIONS = r"model/blocks/\d+/(attention/(qkv|out)|mlp/layers/\d+)"
 # --- weights -----------------------------------------------------------------------------------
 
 def restore_parameters(directory: Path) -> tuple[configs.TrainConfig, dict, int]:
-    """(the training config, the parameters as a nested dict, the step) of the latest
-    checkpoint `train.py` wrote to `directory`. The whole saved state is read (its optimizer
-    state too: which FP8 state a run saved is not in its metadata) and all but the
-    parameters dropped."""
+    """(the training config, the parameters as a nested dict of host arrays, the step) of the
+    latest checkpoint `train.py` wrote to `directory`. The whole saved state is read (which
+    FP8 state a run saved is not in its metadata), and all but the parameters dropped."""
     import orbax.checkpoint as ocp
     directory = Path(directory)
     if not directory.is_dir():
@@ -78,8 +77,26 @@ def restore_parameters(directory: Path) -> tuple[configs.TrainConfig, dict, int]
     meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     saved = dict(meta["config"])
     config = configs.TrainConfig(model=configs.ModelConfig(**saved.pop("model")), **saved)
-    state = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+    state = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(_on_the_host(directory / str(step) / "state"))))
     return config, state["state"]["params"], step
+
+
+def _on_the_host(saved_state: Path):
+    """A restore target that puts the saved state on the host's CPU device: restored to the
+    GPU, the optimizer's moments would set the device's peak memory before any variant ran.
+    None (restored where it was saved) where this orbax does not describe the state: its
+    metadata API has changed across versions."""
+    import orbax.checkpoint as ocp
+    try:
+        metadata = ocp.StandardCheckpointer().metadata(saved_state)
+        tree = getattr(metadata, "item_metadata", metadata)
+        tree = getattr(tree, "tree", tree)
+        host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        return jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=host), tree)
+    except Exception:  # noqa: BLE001 -- any failure: restore as saved, only the peak differs
+        return None
 
 
 def _lookup(tree: dict, names: tuple[str, ...]):
@@ -88,20 +105,26 @@ def _lookup(tree: dict, names: tuple[str, ...]):
     return tree["value"] if isinstance(tree, dict) else tree  # NNX saves a Variable's value
 
 
-def parameters_like(like: nnx.State, saved: dict) -> nnx.State:
+def _in_dtype(value, dtype):
+    """`value` in `dtype` if it is a floating-point array (embeddings, kernels, norms)."""
+    return value.astype(dtype) if jnp.issubdtype(value.dtype, jnp.floating) else value
+
+
+def parameters_like(like: nnx.State, saved: dict, dtype) -> nnx.State:
     """`saved` (a checkpoint's nested dict) in the structure of `like` (a model's
-    `nnx.State` of parameters), every shape checked."""
+    `nnx.State` of parameters), every shape checked, cast to `dtype` before it reaches the
+    device."""
     def take(path, leaf):
         names = key_names(path)
         try:
-            value = _lookup(saved, names)
+            value = np.asarray(_lookup(saved, names))
         except KeyError:
             raise ValueError(f"checkpoint_dir: the checkpoint has no parameter "
                              f"{'/'.join(names)}") from None
-        if tuple(value.shape) != tuple(leaf.shape):
+        if value.shape != tuple(leaf.shape):
             raise ValueError(f"checkpoint_dir: parameter {'/'.join(names)} is "
-                             f"{tuple(value.shape)} there, the model's is {tuple(leaf.shape)}")
-        return jnp.asarray(value, leaf.dtype)
+                             f"{value.shape} there, the model's is {tuple(leaf.shape)}")
+        return jnp.asarray(_in_dtype(value, dtype))
     return jax.tree_util.tree_map_with_path(take, like)
 
 
@@ -110,11 +133,9 @@ def serving_weights(config: configs.TrainConfig, saved: Optional[dict], dtype) -
     (`train.build_model`) where `saved` is None."""
     build = lambda: train.build_model(config, "stock")
     if saved is None:
-        params = nnx.state(build(), nnx.Param)
-    else:  # only the shapes: initialising a large model would cost its bytes and time
-        params = parameters_like(nnx.state(nnx.eval_shape(build), nnx.Param), saved)
-    return jax.tree.map(lambda p: p.astype(dtype) if jnp.issubdtype(p.dtype, jnp.floating)
-                        else p, params)
+        return jax.tree.map(lambda p: _in_dtype(p, dtype), nnx.state(build(), nnx.Param))
+    # Only the shapes: initialising a large model would cost its bytes and time.
+    return parameters_like(nnx.state(nnx.eval_shape(build), nnx.Param), saved, dtype)
 
 
 # --- the variants ------------------------------------------------------------------------------
@@ -237,6 +258,9 @@ def measure(generator: Generator, prompts: np.ndarray, new_tokens: int, key, *,
         "decode_step_s": decode_s / decode_steps if decode_steps else None,
         "decode_tokens_per_s": batch * decode_steps / decode_s if decode_steps else None,
         "fp8_gemms_decode": compare.fp8_gemms(compiled["decode"].as_text() or ""),
+        # This variant's own: the compiled decode step's arguments (weights, cache), outputs
+        # and temporaries, less the donated cache. The device's figures are process-wide.
+        "decode_step_memory": compare.timing.memory_analysis(compiled["decode"]),
         "memory": memory_in_use(), "tokens": first.tokens,
     }
 
@@ -391,14 +415,16 @@ def render(report: dict) -> str:
                   "machine; the quality columns are the comparison.", ""]
     lines += [_row("variant", "batch", "prefill tokens/s", "decode tokens/s",
                    "time to first token ms", "compile s", "FP8 GEMMs (decode step)",
-                   "peak MiB so far"), _row(*["---"] * 8)]
+                   "decode step MiB", "device peak MiB so far"), _row(*["---"] * 9)]
     for name, r in result["variants"].items():
         lines += [_row(name, batch, _number(m["prefill_tokens_per_s"]),
                        _number(m["decode_tokens_per_s"]),
                        f"{m['time_to_first_token_s'] * 1e3:.1f}", f"{m['compile_s']:.1f}",
-                       m["fp8_gemms_decode"], _mib(m["memory"]["peak_bytes_in_use"]))
+                       m["fp8_gemms_decode"],
+                       _mib((m["decode_step_memory"] or {}).get("peak_bytes")),
+                       _mib(m["memory"]["peak_bytes_in_use"]))
                   for batch, m in r["by_batch"].items()]
-    lines += [_row(name, f"failed: {error}", *[""] * 6)
+    lines += [_row(name, f"failed: {error}", *[""] * 7)
               for name, error in result["failed"].items()]
     lines += ["", _row("variant", "weights MiB", "validation loss", "vs stock",
                        "top-1 agreement with stock"), _row(*["---"] * 5)]
@@ -499,6 +525,7 @@ def main(argv=None) -> dict[str, Any]:
     dtype = train.compute_dtype(args.dtype)
     corpus = data.load_corpus()
     weights = serving_weights(config, saved, dtype)
+    del saved  # the checkpoint's float32 copy: not held while the variants run
     names = VARIANTS if args.compare else (args.variant,)
     result = compare_variants(names, config, weights, dtype, corpus, settings) \
         if args.compare else single_variant(args.variant, config, weights, dtype, corpus,
