@@ -3,7 +3,7 @@
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
-#           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile serving
+#           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile serving generate
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
@@ -231,6 +231,26 @@ for c, x in json.load(open(sys.argv[1]))['results'].items():
       note "serving benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -A12 "^## Targets" "$OUT/serving/serving.md" 2>/dev/null | tee -a "$SUMMARY"
       tail -n 20 "$OUT/serving.log" ;;
+    generate)
+      # Serving the GPT (examples/gpt/generate.py): train GENERATE_CONFIG (`large`) with stock layers for
+      # GENERATE_TRAIN_STEPS into a checkpoint (a temporary folder, or GENERATE_CHECKPOINT_DIR
+      # to keep it for a later call: train.py then resumes there and trains no more), then
+      # stock, epilog_fp8 and qwix_fp8 from its weights side by side (GENERATE_ARGS). Qwix
+      # comes from the carried .whl/.
+      ckpt="${GENERATE_CHECKPOINT_DIR:-$(mktemp -d)}"
+      (cd "$ROOT" && runs --cap "${GENERATE_TRAIN_CAP:-240}" "$PY" examples/gpt/train.py \
+        --config "${GENERATE_CONFIG:-large}" --impl stock --steps "${GENERATE_TRAIN_STEPS:-300}" --no-progress \
+        --checkpoint-dir "$ckpt" 2>&1) > "$OUT/generate_train.log"
+      note "generate: trained ${GENERATE_CONFIG:-large} for ${GENERATE_TRAIN_STEPS:-300} steps: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/generate_train.log")"
+      (cd "$ROOT" && runs --cap "${GENERATE_CAP:-420}" "$PY" examples/gpt/generate.py \
+        --checkpoint-dir "$ckpt" --compare \
+        ${GENERATE_ARGS:---batch 1 16 64 --prompt-len 128 --new-tokens 256} --no-progress \
+        --out "$OUT/generate" 2>&1) > "$OUT/generate.log"
+      note "generate: rc=$? ($((SECONDS - start)) s)"
+      # The speed and quality tables' rows, then each variant's sample text.
+      grep -E "^(\| |- )(stock|epilog_fp8|qwix_fp8)( \||: )" "$OUT/generate/gpt_generate.md" 2>/dev/null | tee -a "$SUMMARY"
+      grep -E "FAILED|Error" "$OUT/generate.log" | head -20 | tee -a "$SUMMARY"
+      [ -z "${GENERATE_CHECKPOINT_DIR:-}" ] && rm -rf "$ckpt" ;;
     gptprofile)
       # Where the GPT step's time goes, per variant (GPT_PROFILE_ARGS, default large, Flax's
       # FP8 against ours): the kernels of a few traced steps, by kind and the longest ones.

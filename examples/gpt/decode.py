@@ -1,0 +1,214 @@
+"""Batched prefill and KV-cache decoding for the GPT of `model.py`, from the model's own layers.
+
+`CachedGPT(model)` wraps a `GPT`: `CachedGPT(model)(tokens)` is the model's full forward, and
+`CachedGPT(model)(tokens, cache, start)` runs `tokens` at positions `start, start + 1, ...`
+against a preallocated `KVCache`, writing their keys and values into it. Both go through the
+wrapper's one `__call__` so that a library that intercepts a model's `__call__` (Qwix's
+post-training quantization) quantizes the cached forward and the full one alike.
+
+The cached forward reuses every submodule of the model (embeddings, each block's
+`attention_norm`, `attention.qkv`, `attention.out`, `mlp_norm` and `mlp`, `final_norm`, the tied
+head or `head`), so its logits are the full forward's for the same tokens, whatever layers the
+model was built from (tested, teacher forced, to float tolerance). Only the attention is its
+own: each query attends over the whole cache with positions after it masked out, so one
+compiled decode step serves every position.
+
+`Generator` jits a prefill and a decode step once per batch shape (the cache donated, so it is
+updated in place) and samples greedily or with temperature and top-k.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from .model import GPT, ModelConfig
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, `(layers, batch, max_len, heads, head_dim)` each, in the
+    compute dtype; the positions not yet written hold zeros and are masked."""
+
+    keys: jax.Array
+    values: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.keys.shape[2]
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
+    if max_len > config.seq_len:
+        raise ValueError(f"max_len: {max_len} is more than the model's seq_len "
+                         f"{config.seq_len} (its learned positions)")
+    shape = (config.n_layers, batch, max_len, config.n_heads, config.head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+
+def _attend_to_cache(block, x, keys, values, start):
+    """One block's attention for `x` `(B, T, width)` at positions `start...`, the layer's cache
+    `keys`/`values` `(B, L, heads, head_dim)` updated with this step's keys and values."""
+    batch, length, width = x.shape
+    heads = keys.shape[2]
+    qkv = block.attention.qkv(x).reshape(batch, length, 3, heads, width // heads)
+    at = (0, start, 0, 0)
+    keys = jax.lax.dynamic_update_slice(keys, qkv[:, :, 1].astype(keys.dtype), at)
+    values = jax.lax.dynamic_update_slice(values, qkv[:, :, 2].astype(values.dtype), at)
+    # Query i (position start + i) sees cache positions up to its own; later ones are empty.
+    query_positions = start + jnp.arange(length)
+    mask = jnp.arange(keys.shape[1])[None, :] <= query_positions[:, None]
+    # XLA's attention: cuDNN's fused attention takes no arbitrary mask.
+    y = jax.nn.dot_product_attention(qkv[:, :, 0], keys.astype(qkv.dtype),
+                                     values.astype(qkv.dtype), mask=mask[None, None],
+                                     implementation="xla")
+    return block.attention.out(y.reshape(batch, length, width)), keys, values
+
+
+def forward_with_cache(model: GPT, tokens, cache: KVCache, start, *, last_only: bool = False):
+    """(logits, updated cache) for `tokens` `(B, T)` at positions `start ... start + T - 1`;
+    `last_only`: the logits of the last position only `(B, 1, vocab)` (the head's GEMM for the
+    others is skipped: generation needs only the next token)."""
+    positions = start + jnp.arange(tokens.shape[1])
+    x = model.token_embedding(tokens) + model.position_embedding(positions)
+    keys, values = [], []
+    for layer, block in enumerate(model.blocks):
+        attended, k, v = _attend_to_cache(block, block.attention_norm(x), cache.keys[layer],
+                                          cache.values[layer], start)
+        x = x + attended
+        x = x + block.mlp(block.mlp_norm(x))
+        keys.append(k)
+        values.append(v)
+    if last_only:
+        x = x[:, -1:]
+    x = model.final_norm(x)
+    logits = model.token_embedding.attend(x) if model.head is None else model.head(x)
+    return logits, KVCache(jnp.stack(keys), jnp.stack(values))
+
+
+class CachedGPT(nnx.Module):
+    """`(tokens)`: the model's full forward; `(tokens, cache, start)`: the cached one
+    (`forward_with_cache`). One `__call__` for both: the module docstring says why."""
+
+    def __init__(self, model: GPT):
+        self.model = model
+
+    def __call__(self, tokens, cache: Optional[KVCache] = None, start=0, *,
+                 last_only: bool = False):
+        if cache is None:
+            return self.model(tokens)
+        return forward_with_cache(self.model, tokens, cache, start, last_only=last_only)
+
+
+def sample(logits, key, *, temperature: float = 0.0, top_k: Optional[int] = None):
+    """The next tokens `(B,)` int32 from `logits` `(B, vocab)`: the argmax where `temperature`
+    is 0, else a draw from softmax(logits / temperature) over the `top_k` largest."""
+    if temperature < 0:
+        raise ValueError(f"temperature: expected >= 0, got {temperature!r}")
+    if top_k is not None and not 1 <= top_k <= logits.shape[-1]:
+        raise ValueError(f"top_k: expected 1 to {logits.shape[-1]}, got {top_k!r}")
+    logits = logits.astype(jnp.float32)
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k is not None:
+        kth_largest = jax.lax.top_k(logits, top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+class Generator:
+    """The jitted prefill and decode steps of one `CachedGPT` (its state captured once).
+
+    `prefill(cache, prompt, key)` and `decode(cache, tokens, position, key)` each return
+    (the next tokens `(B,)`, the updated cache); the cache argument is donated. A step's random
+    key is `fold_in(key, position)`, so a seed gives one sequence however it is stepped."""
+
+    def __init__(self, cached: CachedGPT, *, temperature: float = 0.0,
+                 top_k: Optional[int] = None):
+        sample(jnp.zeros((1, cached.model.config.vocab_size)), None if temperature == 0 else
+               jax.random.key(0), temperature=temperature, top_k=top_k)  # checks the arguments
+        self.config = cached.model.config
+        self.dtype = cached.model.final_norm.dtype or jnp.float32  # the compute dtype: the cache's
+        self.graphdef, self.state = nnx.split(cached)
+        self._sample = functools.partial(sample, temperature=temperature, top_k=top_k)
+        self._step = jax.jit(self._forward_and_sample, donate_argnums=1)
+
+    def _forward_and_sample(self, state, cache, tokens, start, key):
+        cached = nnx.merge(self.graphdef, state)
+        logits, cache = cached(tokens, cache, start, last_only=True)
+        position = start + tokens.shape[1] - 1  # of the last token: the key depends on it
+        return self._sample(logits[:, -1], jax.random.fold_in(key, position)), cache
+
+    def compile(self, batch: int, prompt_len: int, new_tokens: int, key) -> dict:
+        """The prefill and decode steps compiled for `batch` prompts of `prompt_len` tokens
+        and a cache for `new_tokens` more: {"prefill": ..., "decode": ...}."""
+        check_fits(self.config, prompt_len, new_tokens)
+        cache = jax.eval_shape(lambda: init_cache(self.config, batch, prompt_len + new_tokens,
+                                                  self.dtype))
+        lower = lambda length: self._step.lower(
+            self.state, cache, jax.ShapeDtypeStruct((batch, length), jnp.int32), jnp.int32(0),
+            key).compile()
+        return {"prefill": lower(prompt_len), "decode": lower(1)}
+
+    def prefill(self, cache: KVCache, prompt, key, compiled=None):
+        step = compiled or self._step
+        return step(self.state, cache, jnp.asarray(prompt, jnp.int32), jnp.int32(0), key)
+
+    def decode(self, cache: KVCache, tokens, position: int, key, compiled=None):
+        step = compiled or self._step
+        return step(self.state, cache, tokens[:, None], jnp.int32(position), key)
+
+    def generate(self, prompt, new_tokens: int, key, *, compiled: Optional[dict] = None,
+                 progress: bool = False) -> Generation:
+        """`new_tokens` tokens after `prompt` `(B, P)`: the first from the prefill, each other
+        from one decode step, with the `compiled` steps (`compile`) or jit's. Timed: the
+        prefill until its tokens are on the host (time to first token), then the decode steps
+        back to back until the last is ready. `progress`: a tqdm bar over the decode steps."""
+        batch, prompt_len = np.shape(prompt)
+        check_fits(self.config, prompt_len, new_tokens)
+        compiled = compiled or {}
+        cache = jax.block_until_ready(init_cache(self.config, batch, prompt_len + new_tokens,
+                                                 self.dtype))
+        prompt = jax.block_until_ready(jnp.asarray(prompt, jnp.int32))
+        start = time.perf_counter()
+        token, cache = self.prefill(cache, prompt, key, compiled.get("prefill"))
+        first = np.asarray(token)  # a server would hand the first tokens on here
+        prefill_s = time.perf_counter() - start
+        tokens = []
+        start = time.perf_counter()
+        for position in tqdm(range(prompt_len, prompt_len + new_tokens - 1), desc="decode",
+                             unit="step", disable=not progress):
+            token, cache = self.decode(cache, token, position, key, compiled.get("decode"))
+            tokens.append(token)
+        jax.block_until_ready(token)
+        decode_s = time.perf_counter() - start
+        return Generation(np.stack([first] + [np.asarray(t) for t in tokens], axis=1),
+                          prefill_s, decode_s)
+
+
+class Generation(NamedTuple):
+    """Generated tokens `(B, new_tokens)` and the wall times of the prefill (to the first
+    tokens on the host) and of the decode steps."""
+
+    tokens: np.ndarray
+    prefill_s: float
+    decode_s: float
+
+
+def check_fits(config: ModelConfig, prompt_len: int, new_tokens: int) -> None:
+    """The prompt and the new tokens must fit the model's learned positions."""
+    if prompt_len < 1:
+        raise ValueError(f"prompt_len: expected >= 1, got {prompt_len}")
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens: expected >= 1, got {new_tokens}")
+    if prompt_len + new_tokens > config.seq_len:
+        raise ValueError(f"prompt_len + new_tokens: {prompt_len} + {new_tokens} = "
+                         f"{prompt_len + new_tokens} is more than the model's seq_len "
+                         f"{config.seq_len} (its learned positions)")

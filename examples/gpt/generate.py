@@ -1,0 +1,552 @@
+"""Serve a trained GPT: batched prefill and KV-cache decoding, in 16-bit or FP8.
+
+    python examples/gpt/generate.py --random-init --config tiny --batch 1 4          # CPU smoke
+    python examples/gpt/generate.py --checkpoint-dir /tmp/gpt --variant epilog_fp8 --batch 16
+    python examples/gpt/generate.py --checkpoint-dir /tmp/gpt --compare --batch 1 16 64 \\
+        --prompt-len 128 --new-tokens 256 --out results/generate
+
+The parameters come from a checkpoint written by `train.py --checkpoint-dir` (any impl: the
+names are the same), or from the config's seed (`--random-init`). Serving casts them once to
+the compute dtype (bfloat16 on a GPU, float32 elsewhere); every variant starts from those:
+
+- `stock`: the model from `nnx.Linear`.
+- `epilog_fp8`: the model from jax-epilog's layers, its large kernels stored in FP8 once by
+  `jax_epilog.quantize_params` (bias and GELU fused into the FP8 GEMMs, 16-bit results);
+  `--static-scales` also calibrates static input scales (`jax_epilog.calibrate`).
+- `qwix_fp8`: Qwix's post-training quantization of the stock model, FP8 e4m3 weights
+  (per channel) and activations (dynamic), on the same projections (QKV, attention output, MLP).
+
+Prompts are `--prompt-len` bytes of the validation text for each of `--batch` sequences; the
+prefill samples the first new token, and each of `--new-tokens` - 1 decode steps the next
+(decode.py). Greedy by default, else `--temperature` and `--top-k` with `--seed`. Each
+variant and batch size is compiled first (compile time), run once with a progress bar (its
+text is printed), then timed `--repeats` times (medians): time to first token (the prefill,
+its token on the host), prefill and decode tokens/s. `--compare` runs all three and adds
+quality against stock, teacher forced on validation windows: the validation loss and the
+agreement of the next-token argmax; it writes `gpt_generate.json` and `gpt_generate.md` to
+`--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+if __package__ in (None, ""):  # run as a script: make `gpt` (this folder) importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jax_epilog
+from jax_epilog.float8.weights import key_names
+
+from gpt import compare, configs, data, train
+from gpt.decode import CachedGPT, Generator, check_fits
+from gpt.model import GPT
+
+VARIANTS = ("stock", "epilog_fp8", "qwix_fp8")
+#: The projections Qwix quantizes, by module path under `CachedGPT`: those jax-epilog's FP8
+#: would (the embeddings and the tied head stay 16-bit in both).
+QWIX_PROJECTIONS = r"model/blocks/\d+/(attention/(qkv|out)|mlp/layers/\d+)"
+
+
+# --- weights -----------------------------------------------------------------------------------
+
+def restore_parameters(directory: Path) -> tuple[configs.TrainConfig, dict, int]:
+    """(the training config, the parameters as a nested dict of host arrays, the step) of the
+    latest checkpoint `train.py` wrote to `directory`. The whole saved state is read (which
+    FP8 state a run saved is not in its metadata), and all but the parameters dropped."""
+    import orbax.checkpoint as ocp
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"checkpoint_dir: {directory} is not a directory")
+    manager = train.checkpoint_manager(directory)
+    step = manager.latest_step()
+    if step is None:
+        raise ValueError(f"checkpoint_dir: no checkpoint in {directory} (write one with "
+                         "train.py --checkpoint-dir)")
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    saved = dict(meta["config"])
+    config = configs.TrainConfig(model=configs.ModelConfig(**saved.pop("model")), **saved)
+    state = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(_on_the_host(directory / str(step) / "state"))))
+    return config, state["state"]["params"], step
+
+
+def _on_the_host(saved_state: Path):
+    """A restore target that puts the saved state on the host's CPU device: restored to the
+    GPU, the optimizer's moments would set the device's peak memory before any variant ran.
+    None (restored where it was saved) where this orbax does not describe the state: its
+    metadata API has changed across versions."""
+    import orbax.checkpoint as ocp
+    try:
+        metadata = ocp.StandardCheckpointer().metadata(saved_state)
+        tree = getattr(metadata, "item_metadata", metadata)
+        tree = getattr(tree, "tree", tree)
+        host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        return jax.tree.map(
+            lambda leaf: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=host), tree)
+    except Exception:  # noqa: BLE001 -- any failure: restore as saved, only the peak differs
+        return None
+
+
+def _lookup(tree: dict, names: tuple[str, ...]):
+    for name in names:
+        tree = tree[name]
+    return tree["value"] if isinstance(tree, dict) else tree  # NNX saves a Variable's value
+
+
+def _in_dtype(value, dtype):
+    """`value` in `dtype` if it is a floating-point array (embeddings, kernels, norms)."""
+    return value.astype(dtype) if jnp.issubdtype(value.dtype, jnp.floating) else value
+
+
+def parameters_like(like: nnx.State, saved: dict, dtype) -> nnx.State:
+    """`saved` (a checkpoint's nested dict) in the structure of `like` (a model's
+    `nnx.State` of parameters), every shape checked, cast to `dtype` before it reaches the
+    device."""
+    def take(path, leaf):
+        names = key_names(path)
+        try:
+            value = np.asarray(_lookup(saved, names))
+        except KeyError:
+            raise ValueError(f"checkpoint_dir: the checkpoint has no parameter "
+                             f"{'/'.join(names)}") from None
+        if value.shape != tuple(leaf.shape):
+            raise ValueError(f"checkpoint_dir: parameter {'/'.join(names)} is "
+                             f"{value.shape} there, the model's is {tuple(leaf.shape)}")
+        return jnp.asarray(_in_dtype(value, dtype))
+    return jax.tree_util.tree_map_with_path(take, like)
+
+
+def serving_weights(config: configs.TrainConfig, saved: Optional[dict], dtype) -> nnx.State:
+    """The parameters to serve, cast to the compute `dtype`: `saved`'s, or the config's seed's
+    (`train.build_model`) where `saved` is None."""
+    build = lambda: train.build_model(config, "stock")
+    if saved is None:
+        return jax.tree.map(lambda p: _in_dtype(p, dtype), nnx.state(build(), nnx.Param))
+    # Only the shapes: initialising a large model would cost its bytes and time.
+    return parameters_like(nnx.state(nnx.eval_shape(build), nnx.Param), saved, dtype)
+
+
+# --- the variants ------------------------------------------------------------------------------
+
+def model_with(config: configs.TrainConfig, impl: str, weights: nnx.State, dtype,
+               attention: str = "auto") -> GPT:
+    """The model for `impl` holding `weights`, built abstractly (no initialisation drawn)."""
+    model = nnx.eval_shape(lambda: GPT(config.model, impl=impl, dtype=dtype,
+                                       attention=attention, rngs=nnx.Rngs(0)))
+    nnx.update(model, weights)
+    abstract = [jax.tree_util.keystr(path) for path, leaf in
+                jax.tree_util.tree_leaves_with_path(nnx.state(model))
+                if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if abstract:
+        raise ValueError(f"impl={impl!r}: state the weights do not cover: {abstract[:5]}")
+    return model
+
+
+def fp8_include(min_features: Optional[int]) -> Optional[Callable]:
+    """`quantize_params`' rule: None (the package's default, both dims >= 512) or kernels whose
+    dims are both at least `min_features` (tests quantize `tiny`'s small layers so)."""
+    if min_features is None:
+        return None
+
+    def include(path, leaf) -> bool:
+        return key_names(path)[-1:] == ("kernel",) and jnp.ndim(leaf) == 2 and \
+            min(jnp.shape(leaf)) >= min_features
+    return include
+
+
+def epilog_fp8(config: configs.TrainConfig, weights: nnx.State, dtype, *, attention: str,
+               fp8_min_features: Optional[int] = None, calibration=None) -> CachedGPT:
+    """jax-epilog's layers with their kernels stored in FP8 once (`quantize_params`), and
+    static input scales from `calibration` (batches of tokens) where given."""
+    model = model_with(config, "epilog", weights, dtype, attention)
+    params = jax_epilog.quantize_params(nnx.state(model, nnx.Param),
+                                        include=fp8_include(fp8_min_features))
+    if calibration is not None:
+        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
+        params = jax_epilog.calibrate(
+            lambda p, tokens: nnx.merge(graphdef, p, rest)(tokens), params, calibration)
+    nnx.update(model, params)
+    return CachedGPT(model)
+
+
+def qwix_fp8(config: configs.TrainConfig, weights: nnx.State, dtype, *, attention: str,
+             sample_tokens) -> CachedGPT:
+    """Qwix's post-training quantization (the rule form of its README) of the stock model:
+    FP8 e4m3 weights and activations on `QWIX_PROJECTIONS`. Qwix quantizes the weights on a
+    first call, with `sample_tokens`."""
+    try:
+        import qwix
+    except ImportError as error:
+        raise RuntimeError(f"variant qwix_fp8: needs Qwix ({error}); pip install qwix") from None
+    rules = [qwix.QuantizationRule(module_path=QWIX_PROJECTIONS, weight_qtype=jnp.float8_e4m3fn,
+                                   act_qtype=jnp.float8_e4m3fn)]
+    stock = CachedGPT(model_with(config, "stock", weights, dtype, attention))
+    return qwix.quantize_model(stock, qwix.PtqProvider(rules), jnp.asarray(sample_tokens))
+
+
+def build_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dtype, *,
+                  attention: str = "auto", sample_tokens=None,
+                  fp8_min_features: Optional[int] = None, calibration=None) -> CachedGPT:
+    if name == "stock":
+        return CachedGPT(model_with(config, "stock", weights, dtype, attention))
+    if name == "epilog_fp8":
+        return epilog_fp8(config, weights, dtype, attention=attention,
+                          fp8_min_features=fp8_min_features, calibration=calibration)
+    if name == "qwix_fp8":
+        return qwix_fp8(config, weights, dtype, attention=attention, sample_tokens=sample_tokens)
+    raise ValueError(f"variant: expected one of {VARIANTS}, got {name!r}")
+
+
+def weight_bytes(cached: CachedGPT) -> int:
+    """Bytes of every parameter leaf in memory (an FP8 kernel's data and scales)."""
+    return sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+               for leaf in jax.tree.leaves(nnx.state(cached)))
+
+
+def fp8_kernels(cached: CachedGPT) -> int:
+    """How many parameter leaves are stored in FP8 (jax-epilog's or Qwix's kernels)."""
+    return sum(1 for leaf in jax.tree.leaves(nnx.state(cached))
+               if jnp.dtype(leaf.dtype) in (jnp.dtype(jnp.float8_e4m3fn),
+                                            jnp.dtype(jnp.float8_e5m2)))
+
+
+# --- measurements ------------------------------------------------------------------------------
+
+def prompts_from(text: np.ndarray, batch: int, prompt_len: int) -> np.ndarray:
+    """`batch` windows of `prompt_len` bytes spread evenly over `text`, int32."""
+    starts = np.linspace(0, len(text) - prompt_len - 1, batch).astype(np.int64)
+    return data.windows(text, starts, prompt_len)[0]
+
+
+def memory_in_use() -> dict[str, Optional[int]]:
+    """The device's bytes in use and its peak so far (process-wide), where it reports them."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"bytes_in_use": stats.get("bytes_in_use"),
+            "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
+
+
+def measure(generator: Generator, prompts: np.ndarray, new_tokens: int, key, *,
+            repeats: int, progress: bool) -> dict[str, Any]:
+    """Compile, one run with a progress bar (its tokens kept), then `repeats` timed runs."""
+    batch, prompt_len = prompts.shape
+    start = time.perf_counter()
+    compiled = generator.compile(batch, prompt_len, new_tokens, key)
+    compile_s = time.perf_counter() - start
+    first = generator.generate(prompts, new_tokens, key, compiled=compiled, progress=progress)
+    runs = [generator.generate(prompts, new_tokens, key, compiled=compiled)
+            for _ in range(repeats)]
+    prefill_s = statistics.median(r.prefill_s for r in runs)
+    decode_s = statistics.median(r.decode_s for r in runs)
+    decode_steps = new_tokens - 1
+    return {
+        "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "compile_s": compile_s, "repeats": repeats,
+        "time_to_first_token_s": prefill_s,
+        "prefill_tokens_per_s": batch * prompt_len / prefill_s,
+        "decode_step_s": decode_s / decode_steps if decode_steps else None,
+        "decode_tokens_per_s": batch * decode_steps / decode_s if decode_steps else None,
+        "fp8_gemms_decode": compare.fp8_gemms(compiled["decode"].as_text() or ""),
+        # This variant's own: the compiled decode step's arguments (weights, cache), outputs
+        # and temporaries, less the donated cache. The device's figures are process-wide.
+        "decode_step_memory": compare.timing.memory_analysis(compiled["decode"]),
+        "memory": memory_in_use(), "tokens": first.tokens,
+    }
+
+
+def teacher_forced(cached: CachedGPT, batches) -> tuple[float, list[np.ndarray]]:
+    """(the mean validation loss of the full forward, each batch's next-token argmax)."""
+    graphdef, state = nnx.split(cached)
+    logits_of = jax.jit(lambda s, tokens: nnx.merge(graphdef, s)(tokens))
+    losses, predictions = [], []
+    for inputs, targets in batches:
+        logits = logits_of(state, jnp.asarray(inputs))
+        losses.append(float(train.cross_entropy(logits, jnp.asarray(targets))))
+        predictions.append(np.asarray(jnp.argmax(logits, axis=-1)))
+    return float(np.mean(losses)), predictions
+
+
+def text_of(tokens: np.ndarray) -> str:
+    return bytes(np.asarray(tokens, np.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What to generate and how to measure it (the command line's options)."""
+
+    batches: tuple[int, ...]
+    prompt_len: int
+    new_tokens: int
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    seed: int = 0
+    repeats: int = 3
+    eval_batches: int = 4
+    attention: str = "auto"
+    fp8_min_features: Optional[int] = None
+    static_scales: bool = False
+    progress: bool = True
+
+
+def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dtype,
+                  corpus: data.Corpus, settings: Settings, validation) -> dict[str, Any]:
+    """(the record of one variant: built, generating and timed at every batch size, its
+    validation loss; each validation batch's next-token argmax)."""
+    start = time.perf_counter()
+    sample_tokens = validation[0][0][:1]
+    calibration = [jnp.asarray(inputs) for inputs, _ in validation] \
+        if settings.static_scales and name == "epilog_fp8" else None
+    cached = build_variant(name, config, weights, dtype, attention=settings.attention,
+                           sample_tokens=sample_tokens,
+                           fp8_min_features=settings.fp8_min_features, calibration=calibration)
+    record = {"build_s": time.perf_counter() - start, "weight_bytes": weight_bytes(cached),
+              "fp8_kernels": fp8_kernels(cached), "by_batch": {}}
+    print(f"{name}: built in {record['build_s']:.1f} s, weights "
+          f"{record['weight_bytes'] / 2**20:,.1f} MiB, {record['fp8_kernels']} kernels in FP8",
+          flush=True)
+    if name != "stock" and not record["fp8_kernels"]:
+        print(f"{name}: no kernel is stored in FP8 (quantize_params' default rule wants both "
+              "dims >= 512; --fp8-min-features lowers it)", flush=True)
+    generator = Generator(cached, temperature=settings.temperature, top_k=settings.top_k)
+    key = jax.random.key(settings.seed)
+    for batch in settings.batches:
+        prompts = prompts_from(corpus.validation, batch, settings.prompt_len)
+        measured = measure(generator, prompts, settings.new_tokens, key,
+                           repeats=settings.repeats, progress=settings.progress)
+        tokens = measured.pop("tokens")
+        measured["sample"] = {"prompt": text_of(prompts[0]), "generated": text_of(tokens[0])}
+        record["by_batch"][str(batch)] = measured
+        print_measurement(name, measured)
+    record["validation_loss"], predictions = teacher_forced(cached, validation)
+    return record, predictions
+
+
+def print_measurement(name: str, m: dict) -> None:
+    memory = m["memory"]
+    peak = (f"{memory['peak_bytes_in_use'] / 2**20:,.0f} MiB peak so far"
+            if memory["peak_bytes_in_use"] is not None else "peak memory not reported")
+    decode = (f"decode {m['decode_tokens_per_s']:,.0f} tokens/s" if m["decode_tokens_per_s"]
+              else "no decode step")
+    print(f"{name} batch {m['batch']}: prefill {m['prefill_tokens_per_s']:,.0f} tokens/s, "
+          f"{decode}, time to first token {m['time_to_first_token_s'] * 1e3:.1f} ms, "
+          f"compile {m['compile_s']:.1f} s, {peak}", flush=True)
+    print(f"  {m['sample']['prompt'][-60:]!r} -> {m['sample']['generated'][:120]!r}", flush=True)
+
+
+def add_quality(records: dict[str, dict], predictions: dict[str, list]) -> None:
+    """Each variant's validation loss relative to stock's and the share of positions where
+    its next-token argmax is stock's (teacher forced, the same windows)."""
+    if "stock" not in records:
+        return
+    for name, record in records.items():
+        record["validation_loss_vs_stock"] = \
+            record["validation_loss"] / records["stock"]["validation_loss"] - 1
+        record["top1_agreement_with_stock"] = float(np.mean([
+            np.mean(ours == theirs)
+            for ours, theirs in zip(predictions[name], predictions["stock"])]))
+
+
+def compare_variants(names, config, weights, dtype, corpus, settings) -> dict[str, Any]:
+    """Every variant in `names`, one after another in this process (one failing is recorded
+    and the others go on, as in compare.py)."""
+    validation = data.validation_batches(corpus.validation, config.batch_size,
+                                         config.model.seq_len, settings.eval_batches)
+    records, predictions, failed = {}, {}, {}
+    for name in names:
+        try:
+            records[name], predictions[name] = serve_variant(
+                name, config, weights, dtype, corpus, settings, validation)
+        except Exception as error:  # noqa: BLE001 -- recorded; the other variants still run
+            failed[name] = compare._failure("generate", name, "serving", error)
+    add_quality(records, predictions)
+    return {"variants": records, "failed": failed}
+
+
+def _sampling(settings: dict) -> str:
+    if not settings["temperature"]:
+        return "greedy"
+    top_k = f", top-k {settings['top_k']}" if settings["top_k"] else ""
+    return f"sampled at temperature {settings['temperature']}{top_k}, seed {settings['seed']}"
+
+
+def _row(*cells) -> str:
+    """A Markdown table row."""
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
+def _mib(value: Optional[int]) -> str:
+    return f"{value / 2**20:,.1f}" if value is not None else "n/a"
+
+
+def _number(value: Optional[float], spec: str = ",.0f") -> str:
+    return format(value, spec) if value is not None else "n/a"
+
+
+def render(report: dict) -> str:
+    meta, result = report["metadata"], report["result"]
+    model = report["config"]["model"]
+    s = report["settings"]
+    lines = ["# GPT serving: stock, jax-epilog FP8 and Qwix FP8", "",
+             f"{meta['date']}, {meta['device']} ({meta['platform']}), jax {meta['jax']}, "
+             f"flax {report['versions']['flax']}, qwix {report['versions'].get('qwix')}. "
+             f"Weights: {report['weights']}; compute dtype {report['dtype']}. "
+             f"d_model {model['d_model']}, {model['n_layers']} layers, {model['n_heads']} "
+             f"heads. Prompts of {s['prompt_len']} validation bytes, {s['new_tokens']} new "
+             f"tokens ({_sampling(s)}); epilog_fp8's input scales "
+             f"{'static (calibrated)' if s['static_scales'] else 'from each call (current)'}; "
+             f"medians of {s['repeats']} runs after a warm-up. Method: "
+             "examples/gpt/generate.py's docstring.", ""]
+    if meta["platform"] != "gpu":
+        lines += ["Not a GPU: every variant runs plain XLA and no GEMM reads FP8 operands "
+                  "(FP8 values are converted back first), so the speeds measure only this "
+                  "machine; the quality columns are the comparison.", ""]
+    lines += [_row("variant", "batch", "prefill tokens/s", "decode tokens/s",
+                   "time to first token ms", "compile s", "FP8 GEMMs (decode step)",
+                   "decode step MiB", "device peak MiB so far"), _row(*["---"] * 9)]
+    for name, r in result["variants"].items():
+        lines += [_row(name, batch, _number(m["prefill_tokens_per_s"]),
+                       _number(m["decode_tokens_per_s"]),
+                       f"{m['time_to_first_token_s'] * 1e3:.1f}", f"{m['compile_s']:.1f}",
+                       m["fp8_gemms_decode"],
+                       _mib((m["decode_step_memory"] or {}).get("peak_bytes")),
+                       _mib(m["memory"]["peak_bytes_in_use"]))
+                  for batch, m in r["by_batch"].items()]
+    lines += [_row(name, f"failed: {error}", *[""] * 7)
+              for name, error in result["failed"].items()]
+    lines += ["", _row("variant", "weights MiB", "validation loss", "vs stock",
+                       "top-1 agreement with stock"), _row(*["---"] * 5)]
+    lines += [_row(name, _mib(r["weight_bytes"]), f"{r['validation_loss']:.4f}",
+                   _number(r.get("validation_loss_vs_stock"), "+.2%"),
+                   _number(r.get("top1_agreement_with_stock"), ".2%"))
+              for name, r in result["variants"].items()]
+    lines += ["", "Samples (the first sequence of the first `--batch`: the prompt's last 80 "
+              "bytes, then the generated ones):", ""]
+    for name, r in result["variants"].items():
+        sample = next(iter(r["by_batch"].values()))["sample"]
+        lines += [f"- {name}: `{sample['prompt'][-80:]!r}` → `{sample['generated']!r}`"]
+    return "\n".join(lines) + "\n"
+
+
+def versions() -> dict[str, Any]:
+    found = train.versions()
+    try:
+        found["qwix"] = metadata.version("qwix")
+    except metadata.PackageNotFoundError:
+        found["qwix"] = None
+    return found
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint-dir", type=Path,
+                        help="a directory train.py --checkpoint-dir wrote (its latest step)")
+    source.add_argument("--random-init", action="store_true",
+                        help="no checkpoint: the config's seed's weights (smoke tests)")
+    parser.add_argument("--config", default="tiny", choices=tuple(configs.CONFIGS),
+                        help="with --random-init (a checkpoint carries its own)")
+    parser.add_argument("--variant", default="stock", choices=VARIANTS)
+    parser.add_argument("--compare", action="store_true",
+                        help="every variant in one process, with quality against stock")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1],
+                        help="batch sizes (each compiled and timed)")
+    parser.add_argument("--prompt-len", type=int,
+                        help="prompt bytes (default: half the model's seq_len, at most 128)")
+    parser.add_argument("--new-tokens", type=int,
+                        help="tokens to generate (default: what fits, at most 256)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, help="sample among the k likeliest")
+    parser.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs (the median)")
+    parser.add_argument("--eval-batches", type=int, default=4,
+                        help="validation batches for the quality metrics")
+    parser.add_argument("--dtype", default="auto", choices=tuple(train.DTYPES))
+    parser.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
+                        help="the full forward's attention (the cached one is XLA's)")
+    parser.add_argument("--fp8-min-features", type=int,
+                        help="epilog_fp8: store kernels whose dims are both at least this in "
+                             "FP8 (default: jax_epilog.quantize_params' rule, 512)")
+    parser.add_argument("--static-scales", action="store_true",
+                        help="epilog_fp8: static input scales from the validation batches "
+                             "(jax_epilog.calibrate)")
+    parser.add_argument("--out", type=Path, help="folder for gpt_generate.json and .md")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    for name in ("batch", "repeats", "eval_batches"):
+        values = getattr(args, name)
+        if any(value < 1 for value in (values if isinstance(values, list) else [values])):
+            parser.error(f"--{name.replace('_', '-')}: expected values >= 1, got {values}")
+    args.parser = parser
+    return args
+
+
+def settings_for(args: argparse.Namespace, config: configs.TrainConfig) -> Settings:
+    """`args` as `Settings`, the defaults fitted to the model's `seq_len`; a prompt and new
+    tokens that do not fit are the parser's error."""
+    seq_len = config.model.seq_len
+    prompt_len = args.prompt_len if args.prompt_len is not None else min(128, seq_len // 2)
+    new_tokens = args.new_tokens if args.new_tokens is not None else \
+        min(256, seq_len - prompt_len)
+    try:
+        check_fits(config.model, prompt_len, new_tokens)
+    except ValueError as error:
+        args.parser.error(f"--prompt-len/--new-tokens: {error}")
+    return Settings(tuple(args.batch), prompt_len, new_tokens, args.temperature, args.top_k,
+                    args.seed, args.repeats, args.eval_batches, args.attention,
+                    args.fp8_min_features, args.static_scales, not args.no_progress)
+
+
+def main(argv=None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.checkpoint_dir is not None:
+        try:
+            config, saved, step = restore_parameters(args.checkpoint_dir)
+        except ValueError as error:
+            args.parser.error(f"--{error}".replace("checkpoint_dir", "checkpoint-dir", 1))
+        weights_from = f"{args.checkpoint_dir} step {step}"
+    else:
+        config, saved, weights_from = configs.get(args.config), None, \
+            f"random ({args.config}, seed {configs.get(args.config).seed})"
+    settings = settings_for(args, config)
+    dtype = train.compute_dtype(args.dtype)
+    corpus = data.load_corpus()
+    weights = serving_weights(config, saved, dtype)
+    del saved  # the checkpoint's float32 copy: not held while the variants run
+    names = VARIANTS if args.compare else (args.variant,)
+    result = compare_variants(names, config, weights, dtype, corpus, settings) \
+        if args.compare else single_variant(args.variant, config, weights, dtype, corpus,
+                                            settings)
+    report = {"benchmark": "gpt_generate", "metadata": compare.timing.run_metadata(),
+              "versions": versions(), "dtype": jnp.dtype(dtype).name, "weights": weights_from,
+              "config": dataclasses.asdict(config), "settings": dataclasses.asdict(settings),
+              "result": result}
+    if args.out is not None:
+        compare.timing.write_report(report, args.out, "gpt_generate", render)
+    return report
+
+
+def single_variant(name, config, weights, dtype, corpus, settings) -> dict[str, Any]:
+    """One variant, its errors raised (no quality against stock)."""
+    validation = data.validation_batches(corpus.validation, config.batch_size,
+                                         config.model.seq_len, settings.eval_batches)
+    record, _ = serve_variant(name, config, weights, dtype, corpus, settings, validation)
+    print(f"{name}: validation loss {record['validation_loss']:.4f}")
+    return {"variants": {name: record}, "failed": {}}
+
+
+if __name__ == "__main__":
+    main()

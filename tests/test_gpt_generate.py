@@ -1,0 +1,256 @@
+"""The GPT example's serving script (examples/gpt/generate.py, decode.py) on the CPU, `tiny`:
+the cached forward against the model's full one, greedy and sampled generation, the three
+variants, restoring a checkpoint train.py wrote, and the errors for bad input."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+for needed in ("flax", "optax", "tqdm"):  # the example's own requirements
+    pytest.importorskip(needed)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+from flax import nnx  # noqa: E402
+
+import jax_epilog  # noqa: E402
+
+from gpt import configs, data, decode, generate, train  # noqa: E402
+
+TINY = configs.get("tiny").replace(n_layers=1)  # one block: compiles in half the time
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return data.load_corpus()
+
+
+def tiny_weights(tie_head=True, seed=0):
+    """`tiny`'s seed weights moved off their initialisation (nonzero biases, norms not 1), as
+    trained ones are."""
+    config = TINY.replace(tie_head=tie_head)
+    rng = np.random.default_rng(seed)
+    weights = generate.serving_weights(config, None, jnp.float32)
+    return config, jax.tree.map(lambda p: jnp.asarray(
+        p + 0.05 * rng.standard_normal(p.shape), p.dtype), weights)
+
+
+def jitted(cached):
+    """(the full forward, the cached forward) of `cached`, jitted: eagerly, every op of each
+    new shape compiles on its own, many times slower here."""
+    graphdef, state = nnx.split(cached)
+    full = jax.jit(lambda s, tokens: nnx.merge(graphdef, s)(tokens))
+    step = jax.jit(lambda s, tokens, cache, start: nnx.merge(graphdef, s)(tokens, cache, start))
+    return (lambda tokens: full(state, tokens),
+            lambda tokens, cache, start: step(state, tokens, cache, jnp.int32(start)))
+
+
+def cached_logits(cached, tokens, pieces):
+    """The logits of `tokens` fed to the cached forward in `pieces` (lengths), teacher
+    forced: a prefill, then shorter steps."""
+    _, step = jitted(cached)
+    cache = decode.init_cache(cached.model.config, tokens.shape[0], tokens.shape[1],
+                              jnp.float32)
+    out, start = [], 0
+    for length in pieces:
+        logits, cache = step(tokens[:, start:start + length], cache, start)
+        out.append(logits)
+        start += length
+    assert start == tokens.shape[1]
+    return jnp.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("impl, tie_head", [("stock", True), ("stock", False),
+                                            ("epilog", True)])
+def test_cached_forward_equals_the_full_forward_teacher_forced(corpus, impl, tie_head):
+    config, weights = tiny_weights(tie_head)
+    cached = decode.CachedGPT(generate.model_with(config, impl, weights, jnp.float32))
+    tokens = jnp.asarray(generate.prompts_from(corpus.validation, 3, 40))
+    with jax.default_matmul_precision("highest"):
+        full = jitted(cached)[0](tokens)
+        stepped = cached_logits(cached, tokens, [17, 5] + [1] * 6 + [12])
+    assert stepped.shape == full.shape == (3, 40, 256)
+    np.testing.assert_allclose(stepped, full, rtol=1e-5, atol=1e-5)
+    # A cache written at other positions does not leak into these: the mask hides it.
+    cache = decode.init_cache(config.model, 3, 48, jnp.float32)
+    cache = decode.KVCache(cache.keys + 7.0, cache.values - 3.0)
+    with jax.default_matmul_precision("highest"):
+        logits, _ = jitted(cached)[1](tokens, cache, 0)
+    np.testing.assert_allclose(logits, full, rtol=1e-5, atol=1e-5)
+
+
+def greedy_by_full_forward(cached, prompt, new_tokens):
+    """Greedy generation the slow way: the full forward of everything so far, each step."""
+    tokens, full = jnp.asarray(prompt), jitted(cached)[0]
+    for _ in range(new_tokens):
+        following = jnp.argmax(full(tokens)[:, -1], axis=-1).astype(tokens.dtype)
+        tokens = jnp.concatenate([tokens, following[:, None]], axis=1)
+    return np.asarray(tokens[:, prompt.shape[1]:])
+
+
+def test_greedy_generation_is_the_argmax_of_the_full_forward_step_by_step(corpus):
+    config, weights = tiny_weights()
+    cached = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
+    prompt = generate.prompts_from(corpus.validation, 4, 20)
+    generator = decode.Generator(cached)
+    with jax.default_matmul_precision("highest"):
+        first = generator.generate(prompt, 4, jax.random.key(0))
+        again = generator.generate(prompt, 4, jax.random.key(1))  # greedy: the key is unused
+        expected = greedy_by_full_forward(cached, prompt, 4)
+    assert first.tokens.shape == (4, 4) and first.tokens.dtype == np.int32
+    np.testing.assert_array_equal(first.tokens, again.tokens)
+    np.testing.assert_array_equal(first.tokens, expected)
+    assert first.prefill_s > 0 and first.decode_s > 0
+
+
+def test_top_k_1_sampling_is_greedy_and_sampling_follows_the_seed(corpus):
+    config, weights = tiny_weights()
+    cached = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
+    prompt = generate.prompts_from(corpus.validation, 4, 16)
+    greedy = decode.Generator(cached).generate(prompt, 8, jax.random.key(0)).tokens
+    top_1 = decode.Generator(cached, temperature=1.5, top_k=1)
+    np.testing.assert_array_equal(top_1.generate(prompt, 8, jax.random.key(3)).tokens, greedy)
+    sampler = decode.Generator(cached, temperature=2.0)
+    drawn = [sampler.generate(prompt, 8, jax.random.key(seed)).tokens for seed in (5, 5, 6)]
+    np.testing.assert_array_equal(drawn[0], drawn[1])
+    assert not np.array_equal(drawn[0], drawn[2])
+    assert not np.array_equal(drawn[0], greedy)
+
+
+def test_sample_keeps_to_the_top_k():
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256)), jnp.float32)
+    top_3 = np.asarray(jax.lax.top_k(logits, 3)[1])
+    drawn = np.stack([np.asarray(decode.sample(logits, jax.random.key(i), temperature=5.0,
+                                               top_k=3)) for i in range(20)])
+    assert all(token in top_3[row] for row in range(64) for token in drawn[:, row])
+    assert len(np.unique(drawn)) > 3  # more than one of the three is drawn per row
+
+
+def test_epilog_fp8_stores_fp8_kernels_and_with_static_scales_decodes_as_its_full_forward(
+        corpus):
+    config, weights = tiny_weights()
+    validation = data.validation_batches(corpus.validation, 4, config.model.seq_len, 1)
+    cached = generate.epilog_fp8(config, weights, jnp.float32, attention="auto",
+                                 fp8_min_features=64,
+                                 calibration=[jnp.asarray(x) for x, _ in validation])
+    kernels = [leaf for leaf in jax.tree.leaves(
+        nnx.state(cached, nnx.Param), is_leaf=lambda x: isinstance(x, jax_epilog.Fp8Weight))
+        if isinstance(leaf, jax_epilog.Fp8Weight)]
+    assert len(kernels) == 4 * config.model.n_layers  # qkv, out, MLP up and down
+    assert all(k.input_scale is not None and k.data.dtype == jnp.float8_e4m3fn
+               for k in kernels)
+    stock = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
+    assert generate.weight_bytes(cached) < 0.5 * generate.weight_bytes(stock)
+    # Static scales quantize each row alike whatever else is in the call: the cached
+    # forward is the full one.
+    tokens = jnp.asarray(validation[0][0][:, :24])
+    full = jitted(cached)[0](tokens)
+    np.testing.assert_allclose(cached_logits(cached, tokens, [16] + [1] * 8), full,
+                               rtol=1e-4, atol=1e-4)
+    # FP8 changes the logits, a little.
+    difference = float(jnp.max(jnp.abs(full - jitted(stock)[0](tokens))))
+    assert 0 < difference < 0.2 * float(jnp.max(jnp.abs(full)))
+
+
+def test_qwix_fp8_quantizes_the_projections_only(corpus):
+    pytest.importorskip("qwix")
+    config, weights = tiny_weights()
+    tokens = jnp.asarray(generate.prompts_from(corpus.validation, 2, 24))
+    cached = generate.qwix_fp8(config, weights, jnp.float32, attention="auto",
+                               sample_tokens=tokens[:1])
+    dtypes = {jax.tree_util.keystr(path): leaf.dtype for path, leaf in
+              jax.tree_util.tree_leaves_with_path(nnx.state(cached))}
+    fp8 = sorted(path for path, dtype in dtypes.items() if dtype == jnp.float8_e4m3fn)
+    assert len(fp8) == 4 * config.model.n_layers
+    assert all("embedding" not in path and "norm" not in path for path in fp8)
+    stock = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
+    full, reference = jitted(cached)[0](tokens), jitted(stock)[0](tokens)
+    assert 0 < float(jnp.max(jnp.abs(full - reference))) < 0.2 * float(jnp.max(jnp.abs(full)))
+    # Its cached forward runs quantized too (Qwix intercepts CachedGPT's one __call__).
+    logits = cached_logits(cached, tokens, [16] + [1] * 8)
+    assert not np.allclose(logits, reference, atol=1e-6)
+    np.testing.assert_allclose(logits, full, atol=0.2 * float(jnp.max(jnp.abs(full))))
+
+
+def test_restores_the_parameters_train_py_saved(corpus, tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    config = TINY.replace(steps=2, warmup_steps=1, eval_every=2, log_every=1, n_layers=1)
+    trained = train.train(config, "stock", corpus=corpus, progress=False,
+                          checkpoint_dir=tmp_path)
+    restored_config, saved, step = generate.restore_parameters(tmp_path)
+    assert restored_config == config and step == 2
+    weights = generate.serving_weights(restored_config, saved, jnp.float32)
+    expected = trained["state"].params
+    assert jax.tree.structure(weights) == jax.tree.structure(expected)
+    for got, want in zip(jax.tree.leaves(weights), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(got, want)
+    # Read onto the host (this orbax describes the saved state), cast there for a GPU.
+    assert generate._on_the_host(tmp_path / "2" / "state") is not None
+    in_bf16 = generate.serving_weights(restored_config, saved, jnp.bfloat16)
+    for got, want in zip(jax.tree.leaves(in_bf16), jax.tree.leaves(expected)):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(got, want.astype(jnp.bfloat16))
+
+
+def run_main(*args):
+    return generate.main([*args, "--no-progress"])
+
+
+@pytest.mark.slow
+def test_compare_writes_every_variant_with_quality(tmp_path):
+    report = run_main("--random-init", "--compare", "--batch", "1", "3", "--prompt-len", "8",
+                      "--new-tokens", "4", "--repeats", "1", "--eval-batches", "1",
+                      "--fp8-min-features", "64", "--out", str(tmp_path))
+    written = json.loads((tmp_path / "gpt_generate.json").read_text())
+    assert written["result"] == json.loads(json.dumps(report["result"]))
+    variants, failed = written["result"]["variants"], written["result"]["failed"]
+    # Qwix is optional (pip install qwix): without it its variant fails and the others run.
+    missing = set() if importlib.util.find_spec("qwix") else {"qwix_fp8"}
+    assert set(failed) == missing and all("Qwix" in failed[name] for name in missing)
+    assert list(variants) == [name for name in generate.VARIANTS if name not in missing]
+    for name, record in variants.items():
+        assert set(record["by_batch"]) == {"1", "3"}
+        for batch, measured in record["by_batch"].items():
+            assert measured["decode_tokens_per_s"] > 0 and measured["prefill_tokens_per_s"] > 0
+            assert measured["time_to_first_token_s"] > 0 and measured["compile_s"] > 0
+            assert len(measured["sample"]["prompt"]) == 8
+            step_memory = measured["decode_step_memory"]
+            assert step_memory is None or step_memory["peak_bytes"] > 0
+        assert 0.5 < record["top1_agreement_with_stock"] <= 1
+    assert variants["stock"]["top1_agreement_with_stock"] == 1
+    assert variants["stock"]["validation_loss_vs_stock"] == 0
+    assert variants["epilog_fp8"]["weight_bytes"] < variants["stock"]["weight_bytes"]
+    assert [variants[name]["fp8_kernels"] for name in variants] == \
+        [0, 8, 8][:len(variants)]  # tiny's 2 blocks: qkv, out, MLP up and down
+    text = (tmp_path / "gpt_generate.md").read_text()
+    assert all(f"| {name} | 3 |" in text for name in variants)
+    assert written["metadata"]["platform"] == jax.default_backend()
+
+
+def test_bad_input_names_the_argument(tmp_path, capsys):
+    def error_of(*args):
+        with pytest.raises(SystemExit):
+            run_main(*args)
+        return capsys.readouterr().err
+
+    assert "--prompt-len/--new-tokens" in error_of("--random-init", "--prompt-len", "65")
+    assert "seq_len 64" in error_of("--random-init", "--prompt-len", "40", "--new-tokens", "30")
+    assert "--batch: expected values >= 1" in error_of("--random-init", "--batch", "4", "0")
+    assert f"--checkpoint-dir: no checkpoint in {tmp_path}" in error_of(
+        "--checkpoint-dir", str(tmp_path))
+    assert "is not a directory" in error_of("--checkpoint-dir", str(tmp_path / "missing"))
+    assert not (tmp_path / "missing").exists()
+    assert "--random-init" in error_of()  # neither weights source
+    with pytest.raises(ValueError, match="top_k"):
+        decode.sample(jnp.zeros((1, 4)), jax.random.key(0), temperature=1.0, top_k=5)
+    with pytest.raises(ValueError, match="temperature"):
+        decode.Generator(decode.CachedGPT(generate.model_with(
+            TINY, "stock", generate.serving_weights(TINY, None, jnp.float32), jnp.float32)),
+            temperature=-1.0)
+    with pytest.raises(ValueError, match="variant"):
+        generate.build_variant("int4", TINY, None, jnp.float32)
