@@ -7,9 +7,13 @@ Two parts, each a ratio measured in one process against XLA's bf16 (`xla_bf16`):
    - xla_bf16: `jax.nn.gelu(x @ w + b)` under `jax.jit`, bf16 weights;
    - ours_bf16: `jax_epilog.dense(x, w, b, activation="gelu")`, bf16 weights (the decode
      shapes' "never slower" check);
-   - ours_fp8: the same with `w` stored in FP8 (`quantize_params`), the input's scale from its
-     amax each call;
-   - ours_fp8_static: with a static input scale (`calibrate`, no amax pass);
+   - ours_fp8: the same with `w` stored in FP8 (`quantize_params`), as it runs by default
+     (`planning.serving_plan`: weight-only up to 256 rows, an FP8 GEMM above);
+   - ours_fp8_gemm: always the FP8 GEMM, the input's scale from its amax each call
+     (`JAX_EPILOG_SERVING=fp8`);
+   - ours_fp8_static: the FP8 GEMM with a static input scale (`calibrate`, no amax pass);
+   - ours_weight_only: always weight-only (`JAX_EPILOG_SERVING=weight_only`): the bf16 input
+     times the FP8 weight converted inside XLA's GEMM;
    - xla_fp8: XLA's own FP8 dot on the same stored weight (the input quantized the same way,
      `lax.dot_general` of the FP8 operands to bf16, scales, bias and GELU after it), what a
      user could write without this package.
@@ -30,6 +34,8 @@ harness, the output error against bf16 (max |y - y_bf16| / max |y_bf16|), the we
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional
@@ -89,10 +95,58 @@ def gemm_variants(k: int, n: int) -> tuple[dict, dict[str, int]]:
         "xla_bf16": (jax.jit(lambda x, w, b: jax.nn.gelu(x @ w + b)), (w, b)),
         "ours_bf16": (dense, (w, b)),
         "ours_fp8": (dense, (stored, b)),
-        "ours_fp8_static": (dense, (static, b)),
+        "ours_fp8_gemm": (Way("fp8", dense), (stored, b)),
+        "ours_fp8_static": (Way("fp8", dense), (static, b)),
+        "ours_weight_only": (Way("weight_only", dense), (stored, b)),
         "xla_fp8": (jax.jit(xla_fp8_dense), (stored, b)),
     }
     return variants, {"bf16": w.nbytes, "fp8": stored.nbytes}
+
+
+class Way:
+    """A jitted function compiled with `JAX_EPILOG_SERVING=way` (read when it is traced), so
+    that one process can time each way of serving."""
+
+    def __init__(self, way: str, jitted):
+        self.way, self.jitted, self.compiled = way, jitted, {}
+
+    def __call__(self, *args):
+        key = jax.tree_util.tree_structure(args), tuple(jnp.shape(a) for a in
+                                                        jax.tree_util.tree_leaves(args))
+        if key not in self.compiled:
+            before = os.environ.get("JAX_EPILOG_SERVING")
+            os.environ["JAX_EPILOG_SERVING"] = self.way
+            try:
+                self.compiled[key] = self.jitted.lower(*args).compile()
+            finally:
+                if before is None:
+                    del os.environ["JAX_EPILOG_SERVING"]
+                else:
+                    os.environ["JAX_EPILOG_SERVING"] = before
+        return self.compiled[key](*args)
+
+    def lower(self, *args):
+        self(*args)
+        return self.jitted.lower(*args)
+
+
+_GEMM_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+
+
+def gemm_kinds(fn, args) -> dict[str, int]:
+    """The GEMMs of `fn`'s compiled program by kind: custom-call targets that are GEMMs
+    (cuBLAS, cuBLASLt FP8, ours) and XLA's Triton GEMM fusions."""
+    compiled = fn.compiled[next(iter(fn.compiled))] if isinstance(fn, Way) else \
+        fn.lower(*args).compile()
+    text = compiled.as_text()
+    kinds: dict[str, int] = {}
+    for target in _GEMM_TARGET.findall(text):
+        if "gemm" in target or "matmul" in target:
+            kinds[target] = kinds.get(target, 0) + 1
+    triton = len(re.findall(r'"kind":"__triton_gemm"', text))
+    if triton:
+        kinds["__triton_gemm"] = triton
+    return kinds
 
 
 def block_variants(d: int, f: int) -> tuple[dict, dict[str, int]]:
@@ -151,6 +205,8 @@ def measure_row(variants: dict, x_shape, baseline: str, x_first: bool,
             for name, (fn, weights) in variants.items()}
     outputs = {name: np.asarray(fn(*args(weights, xs[0])).astype(jnp.float32))
                for name, (fn, weights) in variants.items()}
+    kinds = {name: gemm_kinds(fn, args(weights, xs[0]))
+             for name, (fn, weights) in variants.items()}
     want = outputs[baseline]
     row = {}
     for name in variants:
@@ -159,6 +215,7 @@ def measure_row(variants: dict, x_shape, baseline: str, x_first: bool,
             "careful_ratio": careful[baseline].seconds / careful[name].seconds,
             "user_ratio": user[baseline].seconds / user[name].seconds,
             "error": float(np.max(np.abs(outputs[name] - want)) / np.max(np.abs(want))),
+            "gemms": kinds[name],
         }
     return row
 

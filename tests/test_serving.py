@@ -52,11 +52,29 @@ def served_model(x, kernel: Fp8Weight, bias, activation, input_scale=None):
     z = (x8 @ w) * np.float64(np.float32(input_scale)) * np.float64(kernel.scale)
     if bias is not None:
         z = z + np.asarray(bias, np.float64)
+    return _activation(z, activation)
+
+
+def weight_only_model(x, kernel: Fp8Weight, bias, activation):
+    """A weight-only layer in float64: x as it is, times the dequantized stored weight."""
+    x = np.asarray(x, np.float64).reshape(-1, np.shape(x)[-1])
+    w = np.asarray(kernel.data.astype(jnp.float32), np.float64).T * np.float64(kernel.scale)
+    return _activation(x @ w + (0 if bias is None else np.asarray(bias, np.float64)),
+                       activation)
+
+
+def _activation(z, activation):
     if activation == "relu":
-        z = np.maximum(z, 0)
-    elif activation == "gelu":
-        z = 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+        return np.maximum(z, 0)
+    if activation == "gelu":
+        return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
     return z
+
+
+@pytest.fixture(autouse=True)
+def fp8_gemms(monkeypatch):
+    """The layers' FP8-GEMM way unless a test asks for another (`serving_plan`)."""
+    monkeypatch.setenv("JAX_EPILOG_SERVING", "fp8")
 
 
 def assert_served(y, want, dtype):
@@ -146,6 +164,38 @@ def test_dense_with_a_stored_weight_is_the_fp8_formula(rows, activation, dtype):
     assert y.shape == (rows, 72) and y.dtype == dtype
     assert_served(y, served_model(np.asarray(x.astype(jnp.float32)), kernel,
                                   np.asarray(bias.astype(jnp.float32)), activation), dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 256, 257])
+def test_few_rows_run_weight_only_by_default(rows, monkeypatch):
+    monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
+    kernel = quantize_weight(random(1, (136, 72), scale=0.2))
+    bias = random(2, (72,), jnp.float32)
+    x = random(3, (rows, 136), jnp.float32)
+    y = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation="gelu"))(x, kernel, bias)
+    model = weight_only_model if rows <= 256 else served_model
+    assert_served(y, model(np.asarray(x), kernel, np.asarray(bias), "gelu"), jnp.float32)
+
+
+@pytest.mark.parametrize("rows", [1, 127, 300])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_weight_only_is_the_dequantized_weight_times_x(rows, activation, dtype, monkeypatch):
+    monkeypatch.setenv("JAX_EPILOG_SERVING", "weight_only")
+    kernel = quantize_weight(random(1, (136, 72), scale=0.2))
+    bias = random(2, (72,), dtype)
+    x = random(3, (rows, 136), dtype)
+    y = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation=activation))(
+        x, kernel, bias)
+    assert y.shape == (rows, 72) and y.dtype == dtype
+    assert_served(y, weight_only_model(np.asarray(x.astype(jnp.float32)), kernel,
+                                       np.asarray(bias.astype(jnp.float32)), activation), dtype)
+
+
+def test_serving_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("JAX_EPILOG_SERVING", "int4")
+    with pytest.raises(ValueError, match="JAX_EPILOG_SERVING='int4': expected one of auto"):
+        jax_epilog.dense(random(0, (4, 32)), quantize_weight(random(1, (32, 16))))
 
 
 def test_mlp_mixes_stored_and_16_bit_layers_and_keeps_leading_dims():
@@ -286,7 +336,7 @@ def test_orbax_saves_half_the_bytes_and_restores_exactly(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 127, 256, 2048])
 def test_served_gemm_runs_the_kernel_on_a_gpu(rows, monkeypatch):
-    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)  # the serving path's own choice
+    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)  # the FP8 call's own choice
     kernel = quantize_weight(random(1, (1024, 1536), scale=0.05))
     bias = random(2, (1536,), jnp.bfloat16)
     x = random(3, (rows, 1024), jnp.bfloat16)
@@ -298,3 +348,18 @@ def test_served_gemm_runs_the_kernel_on_a_gpu(rows, monkeypatch):
         y = fn(x, kernel, bias)
     assert_served(y, served_model(np.asarray(x.astype(jnp.float32)), kernel,
                                   np.asarray(bias.astype(jnp.float32)), "gelu"), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 127])
+def test_weight_only_runs_xla_on_a_gpu(rows, monkeypatch):
+    monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
+    kernel = quantize_weight(random(1, (1024, 1536), scale=0.05))
+    bias = random(2, (1536,), jnp.bfloat16)
+    x = random(3, (rows, 1024), jnp.bfloat16)
+    fn = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation="gelu"))
+    assert 'custom_call_target="jax_epilog_matmul' not in fn.lower(x, kernel, bias).compile(
+        ).as_text()
+    assert_served(fn(x, kernel, bias), weight_only_model(
+        np.asarray(x.astype(jnp.float32)), kernel, np.asarray(bias.astype(jnp.float32)),
+        "gelu"), jnp.bfloat16)

@@ -2,11 +2,12 @@
 `dense`/`mlp` stack some of whose kernels are `Fp8Weight`s, and `calibrate`, which gives them
 static input scales.
 
-Each stored-FP8 layer is one FP8 GEMM: the input quantized to e4m3 (from its own amax, in one
-XLA fusion with whatever produced it, or with the weight's static `input_scale`), the stored
-`(N, K)` data read as it is (K-major, what the kernel wants), bias and ReLU/GELU in the
-GEMM's epilog, the result in the compute dtype. 16-bit layers of the same stack run their
-ordinary forward GEMM. Nothing here is differentiable: a gradient through a stored-FP8 stack
+A stored-FP8 layer over many rows is one FP8 GEMM: the input quantized to e4m3 (from its own
+amax, in one XLA fusion with whatever produced it, or with the weight's static
+`input_scale`), the stored `(N, K)` data read as it is (K-major, what the kernel wants), bias
+and ReLU/GELU in the GEMM's epilog, the result in the compute dtype. Over few rows (decoding)
+it runs weight-only (`weight_only`); `planning.serving_plan` chooses. 16-bit layers of the
+same stack run their ordinary forward GEMM. Nothing here is differentiable: a gradient through a stored-FP8 stack
 raises an error that says to train the 16-bit parameters.
 """
 
@@ -22,9 +23,10 @@ import jax.numpy as jnp
 
 from jax_epilog.float8 import scaling
 from jax_epilog.float8.weights import Fp8Weight, check_weight
-from jax_epilog.op.epilogs import Epilog
+from jax_epilog.op.epilogs import ACTIVATIONS, Epilog
 from jax_epilog.op.matmul import matmul
 from jax_epilog.op.reference import saturating_cast
+from jax_epilog.planning.serving_plan import serving_way
 
 #: The activations' FP8 format: e4m3, the forward operands' format in training too.
 INPUT_FORMAT = "float8_e4m3fn"
@@ -78,11 +80,31 @@ def _layers(activations: tuple, dtype, x, params):
             h = matmul(h, kernel, epilog=epilog, epilog_inputs=inputs)
             continue
         check_weight(f"layers[{i}] kernel", kernel, h.shape[-1])
+        recorded = _calibration.get()
+        if recorded is not None:
+            _record(recorded, h, kernel)
+        if serving_way(h.shape[0]).choice == "weight_only":
+            h = weight_only(h, kernel, bias, activation)
+            continue
         h8, input_scale = quantize_input(h, kernel)
         h = matmul(h8, kernel.data, transpose_b=True, epilog=epilog, epilog_inputs=inputs,
                    quantization_scales={"a": input_scale, "b": kernel.scale},
                    preferred_element_type=dtype, fast_accumulation=FAST_ACCUMULATION)
     return h
+
+
+def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str]):
+    """`act(h @ (scale · data)ᵀ + bias)` with h unquantized: the FP8 data converted to h's
+    dtype where the GEMM reads it (XLA fuses the convert into its GEMM), the product in
+    float32, then scale, bias and activation in one fusion, the result in h's dtype."""
+    z = jax.lax.dot_general(h, weight.data.astype(h.dtype), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    z = z * weight.scale
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    if activation is not None:
+        z = ACTIVATIONS[activation].plain(z)
+    return z.astype(h.dtype)
 
 
 _inference_only = jax.custom_vjp(_layers, nondiff_argnums=(0, 1))
@@ -97,11 +119,7 @@ _inference_only.defvjp(_raise_not_differentiable, _raise_not_differentiable)
 
 def quantize_input(h, weight: Fp8Weight):
     """(h in e4m3, its float32 dequantization scale): with the weight's static `input_scale`,
-    else from h's amax (current scaling, one fusion with h's producer). Under `calibrate`,
-    h's amax is recorded for the weight."""
-    recorded = _calibration.get()
-    if recorded is not None:
-        _record(recorded, h, weight)
+    else from h's amax (current scaling, one fusion with h's producer)."""
     if weight.input_scale is None:
         h8, scale = scaling.quantize(h, scaling.amax(h), INPUT_FORMAT, 0)
         return h8, scale
