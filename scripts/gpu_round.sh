@@ -3,7 +3,7 @@
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
-#           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile generate
+#           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile serving generate
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
@@ -243,6 +243,14 @@ for c, x in json.load(open(sys.argv[1]))['results'].items():
       grep -E "^(\| |- )(stock|epilog_fp8|qwix_fp8)( \||: )" "$OUT/generate/gpt_generate.md" 2>/dev/null | tee -a "$SUMMARY"
       grep -E "FAILED|Error" "$OUT/generate.log" | head -20 | tee -a "$SUMMARY"
       [ -z "${GENERATE_CHECKPOINT_DIR:-}" ] && rm -rf "$ckpt" ;;
+    serving)
+      # Stored FP8 weights against XLA's bf16 and Qwix's PTQ (benchmarks/serving_bench.py;
+      # SERVING_ARGS, e.g. "--parts block"). Qwix comes from the carried .whl.
+      (cd "$ROOT/benchmarks" && runs --cap "${SERVING_CAP:-400}" "$PY" serving_bench.py \
+        ${SERVING_ARGS:-} --out "$OUT/serving" 2>&1) > "$OUT/serving.log"
+      note "serving benchmark: rc=$? ($((SECONDS - start)) s)"
+      grep -A12 "^## Targets" "$OUT/serving/serving.md" 2>/dev/null | tee -a "$SUMMARY"
+      tail -n 20 "$OUT/serving.log" ;;
     gptprofile)
       # Where the GPT step's time goes, per variant (GPT_PROFILE_ARGS, default large, Flax's
       # FP8 against ours): the kernels of a few traced steps, by kind and the longest ones.

@@ -1,0 +1,238 @@
+"""Serving with weights stored in FP8 (docs/serving.md) against XLA's bf16 and Qwix's FP8.
+
+Two parts, each a ratio measured in one process against XLA's bf16 (`xla_bf16`):
+
+1. **One GEMM**, `gelu(x @ w + b)` (tanh GELU) at K x N = 4096 x 14336 (a Llama FFN
+   up-projection) and 8192 x 8192, for M (the rows: tokens of a batch) from 1 to 8192:
+   - xla_bf16: `jax.nn.gelu(x @ w + b)` under `jax.jit`, bf16 weights;
+   - ours_bf16: `jax_epilog.dense(x, w, b, activation="gelu")`, bf16 weights (the decode
+     shapes' "never slower" check);
+   - ours_fp8: the same with `w` stored in FP8 (`quantize_params`), the input's scale from its
+     amax each call;
+   - ours_fp8_static: with a static input scale (`calibrate`, no amax pass);
+   - xla_fp8: XLA's own FP8 dot on the same stored weight (the input quantized the same way,
+     `lax.dot_general` of the FP8 operands to bf16, scales, bias and GELU after it), what a
+     user could write without this package.
+2. **A transformer MLP block** `gelu(x W1 + b1) W2 + b2`, D 4096, F 14336, Flax Linen models
+   from one set of bf16 parameters: flax_bf16 (`nn.Dense`), ours_fp8
+   (`jax_epilog.linen.MLP` on `quantize_params` of them) and qwix_fp8 (Qwix's PTQ, e4m3
+   weights and activations for every layer, the rule of its README).
+
+Both harnesses of benchmarks/README.md: careful (inputs rotated past L2, the variants' rounds
+interleaved, median) and user (the same input every call, each variant's own wall-clock loop,
+one `block_until_ready` a round). Reported: ms, the ratio to xla_bf16 (or flax_bf16) in each
+harness, the output error against bf16 (max |y - y_bf16| / max |y_bf16|), the weights' bytes.
+
+    python benchmarks/serving_bench.py --out benchmarks/results/serving   # H200: ~3 min
+    python benchmarks/serving_bench.py --smoke --out /tmp/serving         # any CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import timing  # benchmarks/timing.py
+import jax_epilog
+import jax_epilog.linen
+from jax_epilog.float8 import scaling
+from jax_epilog.float8.weights import Fp8Weight
+
+GEMM_SHAPES = {"K4096xN14336": (4096, 14336), "K8192xN8192": (8192, 8192)}
+GEMM_ROWS = (1, 16, 64, 256, 1024, 2048, 8192)
+BLOCK = (4096, 14336)
+BLOCK_ROWS = (16, 64, 256, 2048, 8192)
+SMOKE = dict(shapes={"K64xN96": (64, 96)}, rows=(1, 17), block=(64, 128), block_rows=(3,))
+
+#: Issue 37's targets: (part, variant, baseline, rows predicate, minimum ratio).
+TARGETS = (
+    ("gemm", "ours_fp8", "xla_bf16", "M >= 2048", lambda m: m >= 2048, 1.8),
+    ("gemm", "ours_fp8", "xla_bf16", "M <= 64", lambda m: m <= 64, 1.7),
+    ("gemm", "ours_fp8", "xla_bf16", "M in 1-256", lambda m: m <= 256, 1.4),
+    ("gemm", "ours_bf16", "xla_bf16", "M in 1-256 (never slower)", lambda m: m <= 256, 1.0),
+    ("block", "ours_fp8", "flax_bf16", "M >= 2048", lambda m: m >= 2048, 1.6),
+    ("block", "ours_fp8", "flax_bf16", "M <= 64", lambda m: m <= 64, 1.5),
+    ("block", "ours_fp8", "qwix_fp8", "every M", lambda m: True, 1.3),
+)
+
+
+def normal(key: int, shape, scale: float = 1.0, dtype=jnp.bfloat16):
+    return (jax.random.normal(jax.random.key(key), shape, jnp.float32) * scale).astype(dtype)
+
+
+def xla_fp8_dense(x, stored: Fp8Weight, bias):
+    """The stored weight through XLA's own FP8 dot: the input quantized as ours is, then
+    `dot_general` of the two FP8 operands (XLA rewrites it to cuBLASLt's FP8 GEMM), the
+    scales, bias and GELU after it."""
+    x8, sx = scaling.quantize(x, scaling.amax(x), "float8_e4m3fn", 0)
+    y = jax.lax.dot_general(x8, stored.data, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.bfloat16)
+    return jax.nn.gelu(y * (sx * stored.scale).astype(jnp.bfloat16) + bias)
+
+
+def gemm_variants(k: int, n: int) -> tuple[dict, dict[str, int]]:
+    """name: (jitted function, its weight arguments) for one GEMM shape, and the weights'
+    bytes."""
+    w = normal(1, (k, n), k ** -0.5)
+    b = normal(2, (n,), 0.1)
+    stored = jax_epilog.quantize_params({"kernel": w}, include=lambda path, leaf: True)["kernel"]
+    dense = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation="gelu"))
+    static = jax_epilog.calibrate(lambda p, x: jax_epilog.dense(x, p, b, activation="gelu"),
+                                  stored, [normal(3, (256, k))])
+    variants = {
+        "xla_bf16": (jax.jit(lambda x, w, b: jax.nn.gelu(x @ w + b)), (w, b)),
+        "ours_bf16": (dense, (w, b)),
+        "ours_fp8": (dense, (stored, b)),
+        "ours_fp8_static": (dense, (static, b)),
+        "xla_fp8": (jax.jit(xla_fp8_dense), (stored, b)),
+    }
+    return variants, {"bf16": w.nbytes, "fp8": stored.nbytes}
+
+
+def block_variants(d: int, f: int) -> tuple[dict, dict[str, int]]:
+    """name: (jitted apply, its variables) for the MLP block, all from one `init`."""
+    from flax import linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            dense = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+            h = nn.gelu(nn.Dense(f, name="layers_0", **dense)(x), approximate=True)
+            return nn.Dense(d, name="layers_1", **dense)(h)
+
+    flax_model = Block()
+    params = flax_model.init(jax.random.key(0), normal(4, (8, d)))["params"]
+    ours = jax_epilog.linen.MLP([f, d], activation="gelu", dtype=jnp.bfloat16,
+                                param_dtype=jnp.bfloat16)
+    ours_params = jax_epilog.quantize_params(  # the default rule, minus its size floor
+        params, include=lambda path, leaf: jnp.ndim(leaf) == 2)
+    variants = {
+        "flax_bf16": (jax.jit(lambda p, x: flax_model.apply({"params": p}, x)), (params,)),
+        "ours_fp8": (jax.jit(lambda p, x: ours.apply({"params": p}, x)), (ours_params,)),
+    }
+    weight_bytes = {"bf16": _bytes(params), "ours_fp8": _bytes(ours_params)}
+    try:
+        import qwix
+    except ImportError:
+        print("qwix is not installed (pip install qwix): qwix_fp8 skipped", file=sys.stderr)
+        return variants, weight_bytes
+    rules = [qwix.QtRule(module_path=".*", weight_qtype=jnp.float8_e4m3fn,
+                         act_qtype=jnp.float8_e4m3fn)]
+    ptq_model = qwix.quantize_model(flax_model, qwix.PtqProvider(rules))
+    abstract = jax.eval_shape(ptq_model.init, jax.random.key(0), normal(4, (8, d)))["params"]
+    ptq_params = qwix.quantize_params(params, abstract)
+    variants["qwix_fp8"] = (jax.jit(lambda p, x: ptq_model.apply({"params": p}, x)),
+                            (ptq_params,))
+    weight_bytes["qwix_fp8"] = _bytes(ptq_params)
+    return variants, weight_bytes
+
+
+def _bytes(tree) -> int:
+    return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "nbytes"))
+
+
+def measure_row(variants: dict, x_shape, baseline: str, x_first: bool,
+                rounds: int) -> dict[str, Any]:
+    """Both harnesses and the error against `baseline` for one input shape. `x_first`: the
+    functions take `(x, *weights)`, else `(*weights, x)`."""
+    xs = [normal(10 + i, x_shape) for i in range(timing.input_copies(
+        int(np.prod(x_shape)) * 2))]
+    args = lambda weights, x: (x, *weights) if x_first else (*weights, x)
+    careful = timing.time_interleaved(
+        {name: (fn, [args(weights, x) for x in xs]) for name, (fn, weights) in variants.items()},
+        rounds=rounds)
+    user = {name: timing.time_calls(fn, [args(weights, xs[0])], rounds=rounds)
+            for name, (fn, weights) in variants.items()}
+    outputs = {name: np.asarray(fn(*args(weights, xs[0])).astype(jnp.float32))
+               for name, (fn, weights) in variants.items()}
+    want = outputs[baseline]
+    row = {}
+    for name in variants:
+        row[name] = {
+            "careful_ms": careful[name].seconds * 1e3, "user_ms": user[name].seconds * 1e3,
+            "careful_ratio": careful[baseline].seconds / careful[name].seconds,
+            "user_ratio": user[baseline].seconds / user[name].seconds,
+            "error": float(np.max(np.abs(outputs[name] - want)) / np.max(np.abs(want))),
+        }
+    return row
+
+
+def targets(report: dict) -> list[dict]:
+    rows = []
+    for part, variant, baseline, label, where, minimum in TARGETS:
+        ratios = [min(r[baseline]["careful_ms"] / r[variant]["careful_ms"],
+                      r[baseline]["user_ms"] / r[variant]["user_ms"])
+                  for r in report[part] if where(r["M"]) and variant in r and baseline in r]
+        if ratios:
+            rows.append({"target": f"{part}: {variant} >= {minimum}x {baseline} at {label}",
+                         "worst": min(ratios), "met": min(ratios) >= minimum})
+    return rows
+
+
+def render(report: dict) -> str:
+    lines = ["# Serving with weights stored in FP8", "",
+             timing.provenance(report["meta"]), "",
+             "Ratios are the baseline's time over the variant's, careful harness (user harness "
+             "in brackets); error: max |y - y_bf16| / max |y_bf16|.", ""]
+    for part, title in (("gemm", "One GEMM, gelu(x @ w + b)"),
+                        ("block", "MLP block gelu(x W1 + b1) W2 + b2")):
+        if not report[part]:
+            continue
+        names = [n for n in report[part][0] if isinstance(report[part][0][n], dict)]
+        lines += [f"## {title}", "", "| shape | M | " + " | ".join(names) + " |",
+                  "|---|---|" + "---|" * len(names)]
+        for r in report[part]:
+            cells = [f"{r[n]['careful_ratio']:.2f} ({r[n]['user_ratio']:.2f}) "
+                     f"{r[n]['careful_ms']:.3f} ms, err {r[n]['error']:.3f}" for n in names]
+            lines.append(f"| {r['shape']} | {r['M']} | " + " | ".join(cells) + " |")
+        lines += ["", "Weight bytes: " + ", ".join(
+            f"{k} {v / 2**20:.1f} MiB" for k, v in report["weight_bytes"][part].items()), ""]
+    lines += ["## Targets (worst row, the lower of the two harnesses)", "",
+              "| target | worst | met |", "|---|---|---|"]
+    lines += [f"| {t['target']} | {t['worst']:.2f} | {'yes' if t['met'] else 'MISSED'} |"
+              for t in report["targets"]]
+    return "\n".join(lines + timing.footnotes(report["meta"], [])) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, any CPU")
+    parser.add_argument("--parts", default="gemm,block")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    grid = SMOKE if args.smoke else dict(shapes=GEMM_SHAPES, rows=GEMM_ROWS, block=BLOCK,
+                                         block_rows=BLOCK_ROWS)
+    report: dict[str, Any] = {"meta": timing.run_metadata(), "gemm": [], "block": [],
+                              "weight_bytes": {}}
+    parts = args.parts.split(",")
+    if "gemm" in parts:
+        for shape, (k, n) in grid["shapes"].items():
+            variants, report["weight_bytes"]["gemm"] = gemm_variants(k, n)
+            for m in grid["rows"]:
+                row = measure_row(variants, (m, k), "xla_bf16", True, args.rounds)
+                report["gemm"].append({"shape": shape, "M": m, "baseline": "xla_bf16", **row})
+                print(shape, m, {n: round(v["careful_ratio"], 2) for n, v in row.items()},
+                      flush=True)
+    if "block" in parts:
+        d, f = grid["block"]
+        variants, report["weight_bytes"]["block"] = block_variants(d, f)
+        for m in grid["block_rows"]:
+            row = measure_row(variants, (m, d), "flax_bf16", False, args.rounds)
+            report["block"].append({"shape": f"D{d} F{f}", "M": m, "baseline": "flax_bf16",
+                                    **row})
+            print("block", m, {n: round(v["careful_ratio"], 2) for n, v in row.items()},
+                  flush=True)
+    report["targets"] = targets(report)
+    timing.write_report(report, args.out, "serving", render)
+    return report
+
+
+if __name__ == "__main__":
+    main()
