@@ -152,20 +152,6 @@ def test_quantize_params_is_idempotent_and_refuses_fp8_kernels():
 
 # --- the served layers ------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows", [1, 127, 129])
-@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_dense_with_a_stored_weight_is_the_fp8_formula(rows, activation, dtype):
-    kernel = quantize_weight(random(1, (136, 72), scale=0.2))
-    bias = random(2, (72,), dtype)
-    x = random(3, (rows, 136), dtype)
-    y = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation=activation))(
-        x, kernel, bias)
-    assert y.shape == (rows, 72) and y.dtype == dtype
-    assert_served(y, served_model(np.asarray(x.astype(jnp.float32)), kernel,
-                                  np.asarray(bias.astype(jnp.float32)), activation), dtype)
-
-
 @pytest.mark.parametrize("rows", [1, 256, 257])
 def test_few_rows_run_weight_only_by_default(rows, monkeypatch):
     monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
@@ -177,19 +163,24 @@ def test_few_rows_run_weight_only_by_default(rows, monkeypatch):
     assert_served(y, model(np.asarray(x), kernel, np.asarray(bias), "gelu"), jnp.float32)
 
 
-@pytest.mark.parametrize("rows", [1, 127, 300])
+@pytest.mark.parametrize("rows", [1, 127, 129, 300])
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_weight_only_is_the_dequantized_weight_times_x(rows, activation, dtype, monkeypatch):
-    monkeypatch.setenv("JAX_EPILOG_SERVING", "weight_only")
+@pytest.mark.parametrize("way", ["fp8", "weight_only"])
+def test_dense_with_a_stored_weight_is_its_way_s_formula(way, rows, activation, dtype,
+                                                          monkeypatch):
+    """`fp8`: the FP8 GEMM of the quantized input; `weight_only`: x times the dequantized
+    weight."""
+    monkeypatch.setenv("JAX_EPILOG_SERVING", way)
     kernel = quantize_weight(random(1, (136, 72), scale=0.2))
     bias = random(2, (72,), dtype)
     x = random(3, (rows, 136), dtype)
     y = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation=activation))(
         x, kernel, bias)
     assert y.shape == (rows, 72) and y.dtype == dtype
-    assert_served(y, weight_only_model(np.asarray(x.astype(jnp.float32)), kernel,
-                                       np.asarray(bias.astype(jnp.float32)), activation), dtype)
+    model = served_model if way == "fp8" else weight_only_model
+    assert_served(y, model(np.asarray(x.astype(jnp.float32)), kernel,
+                           np.asarray(bias.astype(jnp.float32)), activation), dtype)
 
 
 def test_serving_setting_is_checked(monkeypatch):
