@@ -152,14 +152,14 @@ def test_quantize_params_is_idempotent_and_refuses_fp8_kernels():
 
 # --- the served layers ------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows", [1, 256, 257])
+@pytest.mark.parametrize("rows", [1, 64, 65])
 def test_few_rows_run_weight_only_by_default(rows, monkeypatch):
     monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
     kernel = quantize_weight(random(1, (136, 72), scale=0.2))
     bias = random(2, (72,), jnp.float32)
     x = random(3, (rows, 136), jnp.float32)
     y = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation="gelu"))(x, kernel, bias)
-    model = weight_only_model if rows <= 256 else served_model
+    model = weight_only_model if rows <= 64 else served_model
     assert_served(y, model(np.asarray(x), kernel, np.asarray(bias), "gelu"), jnp.float32)
 
 
@@ -342,7 +342,7 @@ def test_served_gemm_runs_the_kernel_on_a_gpu(rows, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16, 127])
+@pytest.mark.parametrize("rows", [1, 16, 64])
 def test_weight_only_runs_xla_on_a_gpu(rows, monkeypatch):
     monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
     kernel = quantize_weight(random(1, (1024, 1536), scale=0.05))

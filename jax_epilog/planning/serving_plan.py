@@ -19,10 +19,11 @@ from jax_epilog.runtime import settings
 
 WAYS = ("fp8", "weight_only")
 
-#: The most rows a layer runs weight-only with. Measured on the H200 (docs/serving.md):
-#: at K 4096 x N 14336 and K 8192 x N 8192 the FP8 GEMM with its input's quantization lost to
-#: XLA's bf16 GEMM up to 256 rows and won from 1024.
-WEIGHT_ONLY_MAX_ROWS = 256
+#: The most rows a layer runs weight-only with. Measured on the H200 (docs/serving.md,
+#: benchmarks/results/serving): at K 4096 x N 14336 and K 8192 x N 8192 weight-only ran
+#: 0.98-1.12x XLA's bf16 GEMM at 1-64 rows, where the FP8 GEMM ran 0.58-1.05x; at 256 rows
+#: weight-only ran 0.66-0.76x and the FP8 GEMM 0.99-1.06x.
+WEIGHT_ONLY_MAX_ROWS = 64
 
 
 def serving_way(rows: int) -> Choice:
