@@ -41,6 +41,9 @@ class Config(NamedTuple):
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    #: Compute `w · xᵀ` (the weight as the dot's left operand, converted in registers, which
+    #: Triton's dot takes from registers) instead of `x · wᵀ`.
+    swap: bool = False
 
 
 DEFAULT = Config()
@@ -56,22 +59,23 @@ def fits(k: int, n: int, config: Config = DEFAULT) -> bool:
     return n % config.block_n == 0 and k % (config.split_k * config.block_k) == 0
 
 
-def _kernel(x_ref, w_ref, out_ref, *, block_k: int, steps: int):
+def _kernel(x_ref, w_ref, out_ref, *, block_k: int, steps: int, swap: bool):
     def step(i, total):
         start = pl.multiple_of(i * block_k, block_k)
         x = x_ref[:, pl.ds(start, block_k)]
         w = w_ref[:, pl.ds(start, block_k)].astype(x.dtype)
-        return total + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
+        left, right = (w, x) if swap else (x, w)
+        return total + jax.lax.dot_general(left, right, (((1,), (1,)), ((), ())),
                                            preferred_element_type=jnp.float32)
 
-    rows, block_n = out_ref.shape
-    out_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros((rows, block_n), jnp.float32))
+    out_ref[...] = jax.lax.fori_loop(0, steps, step, jnp.zeros(out_ref.shape, jnp.float32))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def partial_products(x, data, *, config: Config = DEFAULT, interpret: bool = False):
-    """`(split_k, padded rows, N)` float32 partial sums of `x (M, K) @ data (N, K)ᵀ` (data
-    converted to x's dtype); their sum over the first axis, first M rows, is the product."""
+    """Float32 partial sums of `x (M, K) @ data (N, K)ᵀ` (data converted to x's dtype),
+    `(split_k, padded rows, N)`, or of its transpose, `(split_k, N, padded rows)`, with
+    `config.swap`; `product` sums them."""
     rows, k = x.shape
     n = data.shape[0]
     if not fits(k, n, config):
@@ -80,14 +84,21 @@ def partial_products(x, data, *, config: Config = DEFAULT, interpret: bool = Fal
     m = padded_rows(rows)
     x = jnp.pad(x, ((0, m - rows), (0, 0)))
     chunk = k // config.split_k
-    kernel = functools.partial(_kernel, block_k=config.block_k, steps=chunk // config.block_k)
+    kernel = functools.partial(_kernel, block_k=config.block_k, steps=chunk // config.block_k,
+                               swap=config.swap)
+    if config.swap:  # partial sums of yᵀ: (split_k, N, padded rows)
+        out_shape, out_block = (config.split_k, n, m), (None, config.block_n, m)
+        out_index = lambda j, s: (s, j, 0)
+    else:
+        out_shape, out_block = (config.split_k, m, n), (None, m, config.block_n)
+        out_index = lambda j, s: (s, 0, j)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((config.split_k, m, n), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid=(n // config.block_n, config.split_k),
         in_specs=[pl.BlockSpec((m, chunk), lambda j, s: (0, s)),
                   pl.BlockSpec((config.block_n, chunk), lambda j, s: (j, s))],
-        out_specs=pl.BlockSpec((None, m, config.block_n), lambda j, s: (s, 0, j)),
+        out_specs=pl.BlockSpec(out_block, out_index),
         compiler_params=_compiler_params(config),
         interpret=interpret,
         name="jax_epilog_weight_only",
@@ -102,7 +113,8 @@ def _compiler_params(config: Config):
 
 def product(x, data, *, config: Config = DEFAULT, interpret: bool = False):
     """`x @ data.T` in float32, `(M, N)`."""
-    return partial_products(x, data, config=config, interpret=interpret).sum(0)[:x.shape[0]]
+    total = partial_products(x, data, config=config, interpret=interpret).sum(0)
+    return (total.T if config.swap else total)[:x.shape[0]]
 
 
 def runs_here(k: int, n: int, config: Config = DEFAULT) -> bool:
