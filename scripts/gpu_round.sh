@@ -3,7 +3,7 @@
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
-#           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile serving weightonly generate
+#           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile serving generate
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
@@ -231,12 +231,6 @@ for c, x in json.load(open(sys.argv[1]))['results'].items():
       note "serving benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -A12 "^## Targets" "$OUT/serving/serving.md" 2>/dev/null | tee -a "$SUMMARY"
       tail -n 20 "$OUT/serving.log" ;;
-    weightonly)
-      # The weight-only kernel's tilings at decode shapes (benchmarks/weight_only_sweep.py).
-      (cd "$ROOT/benchmarks" && runs --cap "${WEIGHTONLY_CAP:-300}" "$PY" weight_only_sweep.py \
-        --out "$OUT/weight_only" 2>&1) > "$OUT/weight_only.log"
-      note "weight-only sweep: rc=$? ($((SECONDS - start)) s)"
-      grep -E "swept|^\| " "$OUT/weight_only.log" | tail -n 45 | tee -a "$SUMMARY" ;;
     generate)
       # Serving the GPT (examples/gpt/generate.py): train GENERATE_CONFIG (`large`) with stock layers for
       # GENERATE_TRAIN_STEPS into a checkpoint (a temporary folder, or GENERATE_CHECKPOINT_DIR
