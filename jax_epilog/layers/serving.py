@@ -26,7 +26,7 @@ from jax_epilog.float8.weights import Fp8Weight, check_weight
 from jax_epilog.op.epilogs import ACTIVATIONS, Epilog
 from jax_epilog.op.matmul import matmul
 from jax_epilog.op.reference import saturating_cast
-from jax_epilog.planning.serving_plan import serving_way
+from jax_epilog.planning.serving_plan import WEIGHT_ONLY_MIN_ROWS, serving_way
 
 #: The activations' FP8 format: e4m3, the forward operands' format in training too.
 INPUT_FORMAT = "float8_e4m3fn"
@@ -96,9 +96,12 @@ def _layers(activations: tuple, dtype, x, params):
 def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str]):
     """`act(h @ (scale · data)ᵀ + bias)` with h unquantized: the FP8 data converted to h's
     dtype where the GEMM reads it (XLA fuses the convert into its GEMM), the product in
-    float32, then scale, bias and activation in one fusion, the result in h's dtype."""
-    z = jax.lax.dot_general(h, weight.data.astype(h.dtype), (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)
+    float32, then scale, bias and activation in one fusion, the result in h's dtype. Fewer
+    than `WEIGHT_ONLY_MIN_ROWS` rows are padded with zero rows, which are sliced off."""
+    rows = h.shape[0]
+    padded = jnp.pad(h, ((0, max(0, WEIGHT_ONLY_MIN_ROWS - rows)), (0, 0)))
+    z = jax.lax.dot_general(padded, weight.data.astype(h.dtype), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)[:rows]
     z = z * weight.scale
     if bias is not None:
         z = z + bias.astype(jnp.float32)

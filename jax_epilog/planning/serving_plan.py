@@ -25,6 +25,12 @@ WAYS = ("fp8", "weight_only")
 #: weight-only ran 0.66-0.76x and the FP8 GEMM 0.99-1.06x.
 WEIGHT_ONLY_MAX_ROWS = 64
 
+#: Weight-only GEMMs over fewer rows are padded to this many. Measured on the H200
+#: (docs/serving.md, 8 layers per call): XLA's weight-only GEMM of one row took 25-35 µs
+#: at K4096 x N14336, K14336 x N4096 and K8192 x N8192, where 16 rows took 22-25 µs (its
+#: one-row dot is not the tiled GEMM that streams the weight).
+WEIGHT_ONLY_MIN_ROWS = 16
+
 
 def serving_way(rows: int) -> Choice:
     """"fp8" or "weight_only" for a served layer over `rows` rows, with why."""
