@@ -291,9 +291,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any CPU")
     parser.add_argument("--parts", default="gemm,block")
     parser.add_argument("--rounds", type=int, default=7)
+    rows = lambda text: tuple(int(r) for r in text.split(","))
+    parser.add_argument("--rows", type=rows, help="the GEMM's rows, e.g. 1,16,2048 "
+                        f"(default {','.join(map(str, GEMM_ROWS))})")
+    parser.add_argument("--block-rows", type=rows, help="the block's rows "
+                        f"(default {','.join(map(str, BLOCK_ROWS))})")
     args = parser.parse_args(argv)
-    grid = SMOKE if args.smoke else dict(shapes=GEMM_SHAPES, rows=GEMM_ROWS, block=BLOCK,
-                                         block_rows=BLOCK_ROWS, layers=LAYERS)
+    grid = SMOKE if args.smoke else dict(shapes=GEMM_SHAPES, rows=args.rows or GEMM_ROWS,
+                                         block=BLOCK, block_rows=args.block_rows or BLOCK_ROWS,
+                                         layers=LAYERS)
     report: dict[str, Any] = {"meta": timing.run_metadata(), "gemm": [], "block": [],
                               "weight_bytes": {}}
     parts = args.parts.split(",")
