@@ -23,6 +23,7 @@ import jax_epilog
 from conftest import HAS_CUDA
 from jax_epilog.float8 import weights
 from jax_epilog.float8.weights import Fp8Weight, quantize_weight
+from jax_epilog.layers import serving
 
 E4M3 = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
 
@@ -282,6 +283,40 @@ def test_calibrate_sets_static_scales_that_reproduce_the_calibration_batch():
     assert_served(y, want, jnp.float32)
 
 
+@pytest.mark.parametrize("rows", [1, 129])
+def test_a_gemm_writes_the_next_layers_fp8_input_with_its_static_scale(rows, monkeypatch):
+    """bf16 layers: the first FP8 GEMM's result is the second's e4m3 input, multiplied by
+    1 / its static scale and saturated, with no 16-bit copy in between."""
+    check_fp8_chain(rows, (64, 48, 32), monkeypatch)
+
+
+def check_fp8_chain(rows, widths, monkeypatch):
+    """Two calibrated bf16 layers of `widths` (K, hidden, N) against the float64 model of
+    the chain; returns the jitted stack and its arguments."""
+    k, hidden, n = widths
+    params = [(quantize_weight(random(1, (k, hidden), scale=0.1)),
+               random(2, (hidden,), jnp.bfloat16)),
+              (quantize_weight(random(3, (hidden, n), scale=0.1)), None)]
+    apply = lambda p, x: jax_epilog.mlp(x, p, activation="gelu")
+    batch = random(4, (rows, k), jnp.bfloat16, scale=5.0)
+    calibrated = jax_epilog.calibrate(apply, params, [batch * 0.5])  # the first saturates
+    first, second = calibrated[0][0], calibrated[1][0]
+    h = served_model(batch.astype(jnp.float32), first, np.asarray(params[0][1], np.float32),
+                     "gelu", input_scale=first.input_scale).astype(np.float32)
+    h8 = to_e4m3(h * (np.float32(1) / np.float32(second.input_scale)))
+    want = (h8 @ np.asarray(second.data.astype(jnp.float32), np.float64).T) * \
+        np.float64(np.float32(second.input_scale)) * np.float64(second.scale)
+    results = []
+    original = serving.matmul
+    monkeypatch.setattr(serving, "matmul", lambda *args, **kwargs: results.append(
+        jnp.dtype(kwargs["preferred_element_type"]).name) or original(*args, **kwargs))
+    y = jax.jit(apply)(calibrated, batch)
+    assert results == ["float8_e4m3fn", "bfloat16"]
+    assert y.dtype == jnp.bfloat16
+    assert_served(y, want, jnp.bfloat16)
+    return jax.jit(apply), (calibrated, batch)
+
+
 def test_calibrate_refuses_jit_no_batches_and_unquantized_params():
     params = [(quantize_weight(random(1, (64, 48))), None)]
     apply = lambda p, x: jax_epilog.mlp(x, p)
@@ -339,6 +374,17 @@ def test_served_gemm_runs_the_kernel_on_a_gpu(rows, monkeypatch):
         y = fn(x, kernel, bias)
     assert_served(y, served_model(np.asarray(x.astype(jnp.float32)), kernel,
                                   np.asarray(bias.astype(jnp.float32)), "gelu"), jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [127, 2048])
+def test_fp8_chain_runs_the_kernel_on_a_gpu(rows, monkeypatch):
+    monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no reference fallback
+        fn, args = check_fp8_chain(rows, (1024, 1536, 512), monkeypatch)
+    assert fn.lower(*args).compile().as_text().count(
+        'custom_call_target="jax_epilog_matmul') == 2
 
 
 @pytest.mark.gpu

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from jax_epilog.float8 import scaling
 from jax_epilog.float8.weights import Fp8Weight, check_weight
-from jax_epilog.op.epilogs import ACTIVATIONS, Epilog
+from jax_epilog.op.epilogs import ACTIVATIONS, Epilog, aux_dtype
 from jax_epilog.op.matmul import matmul
 from jax_epilog.op.reference import saturating_cast
 from jax_epilog.planning.serving_plan import WEIGHT_ONLY_MIN_ROWS, serving_way
@@ -72,25 +72,45 @@ def forward(activations: tuple, dtype, x, params):
 
 
 def _layers(activations: tuple, dtype, x, params):
-    h = x
+    h, h8 = x, None  # h8: (e4m3 input, its scale) when the GEMM before wrote it in FP8
     for i, (activation, (kernel, bias)) in enumerate(zip(activations, params)):
         epilog = Epilog.find(activation, bias is not None, False)
-        inputs = None if bias is None else {"bias": bias.astype(dtype)}
         if not isinstance(kernel, Fp8Weight):
+            inputs = None if bias is None else {"bias": bias.astype(dtype)}
             h = matmul(h, kernel, epilog=epilog, epilog_inputs=inputs)
             continue
-        check_weight(f"layers[{i}] kernel", kernel, h.shape[-1])
+        check_weight(f"layers[{i}] kernel", kernel, (h if h8 is None else h8[0]).shape[-1])
         recorded = _calibration.get()
         if recorded is not None:
             _record(recorded, h, kernel)
-        if serving_way(h.shape[0]).choice == "weight_only":
+        if serving_way(x.shape[0]).choice == "weight_only":  # the same way for every layer
             h = weight_only(h, kernel, bias, activation)
             continue
-        h8, input_scale = quantize_input(h, kernel)
-        h = matmul(h8, kernel.data, transpose_b=True, epilog=epilog, epilog_inputs=inputs,
-                   quantization_scales={"a": input_scale, "b": kernel.scale},
-                   preferred_element_type=dtype, fast_accumulation=FAST_ACCUMULATION)
+        h8, input_scale = quantize_input(h, kernel) if h8 is None else h8
+        following = params[i + 1][0] if i + 1 < len(params) else None
+        if writes_fp8_input(following, recorded, dtype):
+            # The next layer's static scale is known: this GEMM writes its e4m3 input
+            # itself (saturating), saving a pass over the activation and half its bytes.
+            result, scales = INPUT_FORMAT, {"d": 1.0 / following.input_scale}
+            inputs = None if bias is None else {"bias": bias.astype(aux_dtype(result))}
+        else:
+            result, scales = dtype, {}
+            inputs = None if bias is None else {"bias": bias.astype(dtype)}
+        y = matmul(h8, kernel.data, transpose_b=True, epilog=epilog, epilog_inputs=inputs,
+                   quantization_scales={"a": input_scale, "b": kernel.scale, **scales},
+                   preferred_element_type=result, fast_accumulation=FAST_ACCUMULATION)
+        h, h8 = (y, None) if result == dtype else (None, (y, following.input_scale))
     return h
+
+
+def writes_fp8_input(following, recorded, dtype) -> bool:
+    """Whether a served FP8 GEMM writes its result in e4m3 for the layer after it: that
+    layer's weight is stored in FP8 with a static input scale (`calibrate`), so its FP8 GEMM
+    would quantize with that scale anyway. In bfloat16 only: an FP8 result's bias is
+    bfloat16 (cuBLASLt's), which would round a float32 or float16 bias. Not while
+    calibrating, which records 16-bit inputs."""
+    return (isinstance(following, Fp8Weight) and following.input_scale is not None
+            and recorded is None and jnp.dtype(dtype) == jnp.bfloat16)
 
 
 def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str]):
