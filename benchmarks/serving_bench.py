@@ -19,7 +19,8 @@ Two parts, each a ratio measured in one process against XLA's bf16 (`xla_bf16`):
      user could write without this package.
 2. **A transformer MLP block** `gelu(x W1 + b1) W2 + b2`, D 4096, F 14336, Flax Linen models
    from one set of bf16 parameters: flax_bf16 (`nn.Dense`), ours_fp8
-   (`jax_epilog.linen.MLP` on `quantize_params` of them) and qwix_fp8 (Qwix's PTQ, e4m3
+   (`jax_epilog.linen.MLP` on `quantize_params` of them), ours_fp8_static (the same,
+   `calibrate`d: the first GEMM writes the second's FP8 input) and qwix_fp8 (Qwix's PTQ, e4m3
    weights and activations for every layer, the rule of its README).
 
 Every timed call runs `LAYERS` layers (or blocks), each with its own weights, on the same
@@ -193,6 +194,11 @@ def block_variants(d: int, f: int, count: int) -> tuple[dict, dict[str, int]]:
                       ([(p,) for p in params],)),
         "ours_fp8": (stacked(lambda p, x: ours.apply({"params": p}, x), False),
                      ([(p,) for p in ours_params],)),
+        # Static input scales: the first GEMM writes the second's FP8 input itself.
+        "ours_fp8_static": (stacked(lambda p, x: ours.apply({"params": p}, x), False),
+                            ([(jax_epilog.calibrate(lambda p, x: ours.apply({"params": p}, x),
+                                                    p, [normal(5, (256, d))]),)
+                              for p in ours_params],)),
     }
     weight_bytes = {"bf16": _bytes(params[0]), "ours_fp8": _bytes(ours_params[0])}
     try:
