@@ -302,8 +302,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
                         f"(default {','.join(map(str, GEMM_ROWS))})")
     parser.add_argument("--block-rows", type=rows, help="the block's rows "
                         f"(default {','.join(map(str, BLOCK_ROWS))})")
+    parser.add_argument("--shapes", type=lambda text: text.split(","),
+                        help=f"the GEMM's shapes (default {','.join(GEMM_SHAPES)})")
     args = parser.parse_args(argv)
-    grid = SMOKE if args.smoke else dict(shapes=GEMM_SHAPES, rows=args.rows or GEMM_ROWS,
+    shapes = {name: GEMM_SHAPES[name] for name in args.shapes or GEMM_SHAPES}
+    grid = SMOKE if args.smoke else dict(shapes=shapes, rows=args.rows or GEMM_ROWS,
                                          block=BLOCK, block_rows=args.block_rows or BLOCK_ROWS,
                                          layers=LAYERS)
     report: dict[str, Any] = {"meta": timing.run_metadata(), "gemm": [], "block": [],
