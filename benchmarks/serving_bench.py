@@ -305,6 +305,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--shapes", type=lambda text: text.split(","),
                         help=f"the GEMM's shapes (default {','.join(GEMM_SHAPES)})")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.shapes or ()) - set(GEMM_SHAPES))
+    if unknown:
+        parser.error(f"--shapes: unknown {unknown}; choose from {sorted(GEMM_SHAPES)}")
     shapes = {name: GEMM_SHAPES[name] for name in args.shapes or GEMM_SHAPES}
     grid = SMOKE if args.smoke else dict(shapes=shapes, rows=args.rows or GEMM_ROWS,
                                          block=BLOCK, block_rows=args.block_rows or BLOCK_ROWS,
