@@ -307,3 +307,27 @@ def test_gpu_kernel_matches_the_model(pair, epilog, out):
         p, size = model(a, b, sa, sb, ta, tb, bias)
         # Hopper's FP8 tensor cores sum a 128-K block in reduced precision, then promote.
         check(f(*args), p, size, out, slack=2.0**-12)
+
+
+# --- the benchmark --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_benchmark_smoke_report(tmp_path):
+    """benchmarks/block_fp8_bench.py end to end on tiny shapes: every variant reported, the
+    errors finite and the targets judged (timings are never asserted)."""
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import block_fp8_bench
+
+    block_fp8_bench.main(["--smoke", "--max-s", "5", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "block_fp8.json").read_text())
+    (row,) = report["speed"]
+    assert set(row["variants"]) == set(block_fp8_bench.VARIANTS)
+    for variant in row["variants"].values():
+        assert variant["careful"]["seconds"] > 0 and variant["user"]["seconds"] > 0
+    for data in ("ordinary", "outliers"):
+        assert all(0 < e < 0.2 for e in report["errors"][data].values()), report["errors"]
+    assert len(report["targets"]) == 4
+    assert "## Targets" in (tmp_path / "block_fp8.md").read_text()
