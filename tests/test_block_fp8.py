@@ -262,6 +262,33 @@ def test_batched_operands_and_vmap_are_refused():
         jax.vmap(lambda a: _call(a, b, sa, sb, False, True))(jnp.stack([a, a]))
 
 
+def test_sharded_operands_give_the_unsharded_result():
+    """Under a mesh a block-scaled call is bound whole (its scales are tiles, not scalars the
+    partitioner could replicate): a sharded over 4×2 host devices, y to a rounding of the
+    unsharded one (XLA may split K and sum the partial products in another order)."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import jax, numpy as np, jax_epilog\n"
+        "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
+        "mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('d', 'm'))\n"
+        "x8, sx = jax_epilog.quantize_1x128(jax.random.normal(jax.random.key(0), (256, 256)))\n"
+        "w8, sw = jax_epilog.quantize_128x128(jax.random.normal(jax.random.key(1), (128, 256)))\n"
+        "f = jax.jit(lambda a, b, sa, sb: jax_epilog.matmul(\n"
+        "    a, b, transpose_b=True, quantization_scales={'a': sa, 'b': sb}))\n"
+        "whole = f(x8, w8, sx, sw)\n"
+        "sharded = f(jax.device_put(x8, NamedSharding(mesh, P('d', 'm'))), w8, sx, sw)\n"
+        "w, s = (np.asarray(y, np.float32) for y in (whole, sharded))\n"
+        "assert np.all(np.abs(w - s) <= 2.0**-7 * np.abs(w) + 1e-3)  # K split: sum order\n"
+        "print('ok')\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stderr[-2000:]
+
+
 # --- the CUDA lowering (from this host) -----------------------------------------------------
 
 @pytest.mark.parametrize("pair", PAIRS, ids="-".join)
