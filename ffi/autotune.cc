@@ -98,7 +98,10 @@ ffi::Error StoreKey(const Problem& p, std::string* key) {
          (IsFp8(p.dtype) ? " dtype_b=" + number(static_cast<int>(p.dtype_b)) +
                                " dtype_d=" + number(static_cast<int>(p.dtype_d)) +
                                (p.amax ? " amax=1" : "")
-                         : std::string());
+                         : std::string()) +
+         (p.block_scaled() ? " block_rows=" + number(p.a_block_rows) + "," +
+                                 number(p.b_block_rows)
+                           : std::string());
   return ffi::Error::Success();
 }
 
@@ -676,6 +679,9 @@ bool ApplyStoredAlgo(Plan& plan) {
 ffi::Error TunePlan(Plan& plan, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(plan.mutex);
   if (plan.tuned) return ffi::Error::Success();
+  // A block-scaled plan keeps the heuristic's algorithm: the tuning scratch holds scalar
+  // scales, where its kernels read scale tensors.
+  if (plan.problem.block_scaled()) return ffi::Error::Success();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   JAX_EPILOG_CUDA(cudaStreamIsCapturing(stream, &capture),
                   "asking whether XLA's stream is capturing, to autotune " + plan.description);

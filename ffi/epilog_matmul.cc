@@ -3,9 +3,11 @@
 // cuBLASLt's column-major one (plan.cc) and runs the cached plan on XLA's
 // stream.
 //
-// Two targets share this code: jax_epilog_matmul, and jax_epilog_matmul_c for calls
+// Three targets share this code: jax_epilog_matmul, jax_epilog_matmul_c for calls
 // with a C matrix (R = alpha P + beta C), whose last three operands are c, alpha and
-// beta; a call without c is exactly what it was before c existed.
+// beta, and jax_epilog_matmul_block for block-scaled FP8 calls, whose scales are tensors
+// of 1x128 tiles or 128x128 blocks (two more attributes: the tiles' rows); a call
+// without c or block scales is exactly what it was before either existed.
 //
 // Two stages are exported for each. JaxEpilogMatmulInitialize runs in XLA's initialize
 // stage, before execution and outside any command-buffer capture, with the same
@@ -77,6 +79,8 @@ struct Attributes {
   bool transpose_b;
   bool allow_tf32;
   bool fast_accumulation;  // FP8 operands only; ignored (normalised to false) otherwise
+  int32_t a_block_rows = 0;  // jax_epilog_matmul_block only: 1 or 128 (0: scalar scales)
+  int32_t b_block_rows = 0;
 };
 
 // A call decoded and checked: the problem (plan key) and its buffers.
@@ -194,6 +198,21 @@ ffi::Error DecodeScalar(const ffi::RemainingArgs& args, size_t index, const char
   return ffi::Error::Success();
 }
 
+// A block-scale tensor (jax_epilog_matmul_block) of an operand with `rows` rows and K
+// columns, in cuBLASLt's layout: 1x128 tiles (block_rows 1) as (K/128, rows rounded up to
+// 4), 128x128 blocks as (ceil(rows/128), K/128 rounded up to 4), both row-major float32.
+ffi::Error DecodeBlockScale(const ffi::RemainingArgs& args, size_t index, const char* name,
+                            int32_t block_rows, int64_t rows, int64_t k, const void** pointer) {
+  auto arg = args.get<ffi::AnyBuffer>(index);
+  if (!arg.has_value()) return arg.error();
+  auto round4 = [](int64_t x) { return (x + 3) / 4 * 4; };
+  const int64_t outer = block_rows == 1 ? k / 128 : (rows + 127) / 128;
+  const int64_t inner = block_rows == 1 ? round4(rows) : round4(k / 128);
+  JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(arg.value(), name, ffi::DataType::F32, {outer, inner}));
+  *pointer = arg.value().untyped_data();
+  return ffi::Error::Success();
+}
+
 // The aux matrix, input or output alike: (batch, M, AuxRow) of its own type.
 ffi::Error DecodeAux(const ffi::AnyBuffer& buffer, Aux aux, Call* call) {
   Problem& p = call->problem;
@@ -238,7 +257,12 @@ ffi::Error DecodeInput(const ffi::RemainingArgs& args, Call* call) {
         (scales ? " (with " + std::to_string(scales) + " FP8 scales)" : std::string()) +
         (p.has_c ? " (with c, alpha, beta)" : "") + ", got " + std::to_string(2 + args.size()));
   if (p.has_c) JAX_EPILOG_RETURN_IF_ERROR(DecodeC(args, want + scales, call));
-  if (scales > 0) {
+  if (p.block_scaled()) {
+    JAX_EPILOG_RETURN_IF_ERROR(DecodeBlockScale(args, want, "scale_a", p.a_block_rows, p.m, p.k,
+                                                &call->buffers.scale_a));
+    JAX_EPILOG_RETURN_IF_ERROR(DecodeBlockScale(args, want + 1, "scale_b", p.b_block_rows, p.n,
+                                                p.k, &call->buffers.scale_b));
+  } else if (scales > 0) {
     JAX_EPILOG_RETURN_IF_ERROR(DecodeScalar(args, want, "scale_a", &call->buffers.scale_a));
     JAX_EPILOG_RETURN_IF_ERROR(DecodeScalar(args, want + 1, "scale_b", &call->buffers.scale_b));
     if (scales == 3)
@@ -338,6 +362,13 @@ ffi::Error Decode(int32_t xla_device, bool has_c, ffi::AnyBuffer a, ffi::AnyBuff
   JAX_EPILOG_RETURN_IF_ERROR(DecodeOperands(a, b, &p));
   p.allow_tf32 = attrs.allow_tf32 && p.dtype == DType::kF32;
   p.fast_accumulation = attrs.fast_accumulation && IsFp8(p.dtype);
+  p.a_block_rows = attrs.a_block_rows;
+  p.b_block_rows = attrs.b_block_rows;
+  if (p.block_scaled() && (p.b_block_rows == 0 || !IsFp8(p.dtype) || p.k % 128 != 0))
+    return ffi::Error::InvalidArgument(
+        "jax_epilog_matmul_block: block scales need FP8 operands, tiles for both (1 or 128 "
+        "rows) and K a multiple of 128, got a " + std::to_string(p.a_block_rows) + "x128, b " +
+        std::to_string(p.b_block_rows) + "x128, K=" + std::to_string(p.k));
   call->epilog = FindEpilog(attrs.epilog);
   if (call->epilog == nullptr)
     return ffi::Error::InvalidArgument("jax_epilog_matmul: unknown epilog " +
@@ -379,18 +410,17 @@ ffi::Error NoThrow(Body body) {
   }
 }
 
-// Both stages of both targets: decode and check the call, find (or build) its plan, then
-// tune it (initialize) or run it (execute). kHasC: the target with a C matrix
+// Both stages of every target: decode and check the call, find (or build) its plan, then
+// tune it (initialize) or run it (execute). has_c: the target with a C matrix
 // (jax_epilog_matmul_c).
-template <ffi::ExecutionStage kStage, bool kHasC>
-ffi::Error Matmul(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                  ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t epilog,
-                  bool transpose_a, bool transpose_b, bool allow_tf32, bool fast_accumulation) {
+template <ffi::ExecutionStage kStage>
+ffi::Error Run(cudaStream_t stream, int32_t xla_device, bool has_c, ffi::AnyBuffer a,
+               ffi::AnyBuffer b, ffi::RemainingArgs args, ffi::RemainingRets rets,
+               const Attributes& attrs) {
   return NoThrow([&] {
     Call call;
     std::shared_ptr<Plan> plan;
-    const Attributes attrs{epilog, transpose_a, transpose_b, allow_tf32, fast_accumulation};
-    JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, kHasC, a, b, args, rets, attrs, &call));
+    JAX_EPILOG_RETURN_IF_ERROR(Decode(xla_device, has_c, a, b, args, rets, attrs, &call));
     JAX_EPILOG_RETURN_IF_ERROR(GetPlan(call.problem, &plan));
     if constexpr (kStage == ffi::ExecutionStage::kExecute) {
       return RunPlan(*plan, call.buffers, stream);
@@ -399,6 +429,26 @@ ffi::Error Matmul(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a, ffi
       return TunePlan(*plan, stream);
     }
   });
+}
+
+// jax_epilog_matmul (kHasC false) and jax_epilog_matmul_c.
+template <ffi::ExecutionStage kStage, bool kHasC>
+ffi::Error Matmul(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                  ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t epilog,
+                  bool transpose_a, bool transpose_b, bool allow_tf32, bool fast_accumulation) {
+  const Attributes attrs{epilog, transpose_a, transpose_b, allow_tf32, fast_accumulation};
+  return Run<kStage>(stream, xla_device, kHasC, a, b, args, rets, attrs);
+}
+
+// jax_epilog_matmul_block: the tiles' rows of a's and b's scales (1 or 128) besides.
+template <ffi::ExecutionStage kStage>
+ffi::Error MatmulBlock(cudaStream_t stream, int32_t xla_device, ffi::AnyBuffer a,
+                       ffi::AnyBuffer b, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                       int32_t epilog, bool transpose_a, bool transpose_b, bool allow_tf32,
+                       bool fast_accumulation, int32_t a_block_rows, int32_t b_block_rows) {
+  const Attributes attrs{epilog,      transpose_a,       transpose_b, allow_tf32,
+                         fast_accumulation, a_block_rows, b_block_rows};
+  return Run<kStage>(stream, xla_device, false, a, b, args, rets, attrs);
 }
 
 // Both stages bind the same parameters, so either can be registered alone.
@@ -418,6 +468,13 @@ auto Binding() {
       .template Attr<bool>("fast_accumulation");  // FP8 operands only (else ignored)
 }
 
+template <ffi::ExecutionStage stage>
+auto BlockBinding() {
+  return Binding<stage>()
+      .template Attr<int32_t>("a_block_rows")   // 1: 1x128 tiles, 128: 128x128 blocks
+      .template Attr<int32_t>("b_block_rows");
+}
+
 }  // namespace
 }  // namespace jax_epilog
 
@@ -425,6 +482,8 @@ JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmul(XLA_FFI_CallFrame* call_frame);
 JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulInitialize(XLA_FFI_CallFrame* call_frame);
 JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulC(XLA_FFI_CallFrame* call_frame);
 JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulCInitialize(XLA_FFI_CallFrame* call_frame);
+JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulBlock(XLA_FFI_CallFrame* call_frame);
+JAX_EPILOG_EXPORT XLA_FFI_Error* JaxEpilogMatmulBlockInitialize(XLA_FFI_CallFrame* call_frame);
 
 // Each handler is in parentheses: the macro would split its template arguments at the
 // comma. Execute is command-buffer compatible: a call always enqueues exactly one
@@ -451,3 +510,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxEpilogMatmulCInitialize,
     (jax_epilog::Matmul<xla::ffi::ExecutionStage::kInitialize, true>),
     jax_epilog::Binding<xla::ffi::ExecutionStage::kInitialize>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpilogMatmulBlock,
+    (jax_epilog::MatmulBlock<xla::ffi::ExecutionStage::kExecute>),
+    jax_epilog::BlockBinding<xla::ffi::ExecutionStage::kExecute>(),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpilogMatmulBlockInitialize,
+    (jax_epilog::MatmulBlock<xla::ffi::ExecutionStage::kInitialize>),
+    jax_epilog::BlockBinding<xla::ffi::ExecutionStage::kInitialize>());

@@ -130,6 +130,45 @@ ffi::Error MakeLayouts(const Problem& p, Plan* plan) {
                     p.m * p.n, "C", problem);
 }
 
+// Block scaling (docs/fp8.md, "Block scaling"): FP8 operands in the TN layout (a (M, K), b
+// (N, K)), K a multiple of 128, one GEMM, a 16/32-bit y without C or amax, tiles of 1 or
+// 128 rows and not both 128 (cuBLASLt has no 128x128 by 128x128 kernel).
+ffi::Error CheckBlockScaling(const Problem& p) {
+  if (p.a_block_rows == 0 && p.b_block_rows == 0) return ffi::Error::Success();
+  auto tile = [](int32_t rows) { return rows == 1 || rows == 128; };
+  if (!tile(p.a_block_rows) || !tile(p.b_block_rows) ||
+      (p.a_block_rows == 128 && p.b_block_rows == 128) || !IsFp8(p.dtype) ||
+      IsFp8(p.dtype_d) || p.amax || p.has_c || p.fast_accumulation || p.transpose_a ||
+      !p.transpose_b || p.k % 128 != 0 || p.batch != 1 || p.batch_b != 1)
+    return ffi::Error::InvalidArgument(
+        "block scaling takes tiles of 1 or 128 rows (not both 128), FP8 a (M, K) and b (N, K) "
+        "with K a multiple of 128, batch 1 and a 16/32-bit y without C, amax or fast "
+        "accumulation: " + p.ToString());
+  return ffi::Error::Success();
+}
+
+// The block scale modes on the descriptor (cuBLASLt's A is our b). Headers before 12.9 have
+// no such modes: the plan is then unsupported, and the Python side runs the reference.
+ffi::Error SetBlockScaleModes(const Problem& p, cublasLtMatmulDesc_t desc,
+                              const std::string& problem) {
+#if CUBLAS_VERSION >= 120900
+  auto mode = [](int32_t rows) {
+    return int32_t{rows == 1 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                             : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F};
+  };
+  JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                     mode(p.b_block_rows), "CUBLASLT_MATMUL_DESC_A_SCALE_MODE",
+                                     problem));
+  return SetDesc(desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, mode(p.a_block_rows),
+                 "CUBLASLT_MATMUL_DESC_B_SCALE_MODE", problem);
+#else
+  (void)p;
+  (void)desc;
+  return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                    "block scaling needs cuBLASLt 12.9 or later at build time: " + problem);
+#endif
+}
+
 }  // namespace
 
 ffi::Error CheckProblem(const Problem& p) {
@@ -160,7 +199,7 @@ ffi::Error CheckProblem(const Problem& p) {
   if (p.has_c && IsFp8(p.dtype_d))
     return ffi::Error::InvalidArgument("a C matrix with an FP8 y is not supported: " +
                                        p.ToString());
-  return ffi::Error::Success();
+  return CheckBlockScaling(p);
 }
 
 ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
@@ -194,6 +233,7 @@ ffi::Error BuildPlan(const Problem& p, cublasLtHandle_t handle, Plan* plan) {
   if (p.fast_accumulation)
     JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, int8_t{1},
                                        "CUBLASLT_MATMUL_DESC_FAST_ACCUM", problem));
+  if (p.block_scaled()) JAX_EPILOG_RETURN_IF_ERROR(SetBlockScaleModes(p, desc, problem));
   // A call with c passes alpha and beta as device pointers (its traced operands), so new
   // values need no new plan; calls without c keep the host constants 1 and 0 (Enqueue).
   if (p.has_c)
@@ -225,7 +265,8 @@ uint8_t AlignmentLog2(const void* ptr, int64_t batch_stride_bytes) {
 bool Problem::operator==(const Problem& o) const {
   auto fields = [](const Problem& p) {
     return std::tie(p.device, p.epilog, p.dtype, p.dtype_b, p.dtype_d, p.amax, p.has_c,
-                    p.transpose_a, p.transpose_b, p.allow_tf32, p.fast_accumulation, p.batch,
+                    p.transpose_a, p.transpose_b, p.allow_tf32, p.fast_accumulation,
+                    p.a_block_rows, p.b_block_rows, p.batch,
                     p.batch_b, p.batch_bias, p.m, p.n, p.k, p.workspace_bytes, p.align_a,
                     p.align_b, p.align_y, p.align_bias, p.align_aux, p.align_c);
   };
@@ -240,6 +281,9 @@ std::string Problem::ToString() const {
                              (amax ? " with amax" : "")
                        : std::string()) +
          (allow_tf32 ? " (tf32)" : "") + (fast_accumulation ? " (fast accumulation)" : "") +
+         (block_scaled() ? " (block scales: a " + std::to_string(a_block_rows) + "x128, b " +
+                               std::to_string(b_block_rows) + "x128)"
+                         : std::string()) +
          (has_c ? ", with C (device alpha, beta)" : "") +
          ", batch=" + std::to_string(batch) + " batch_b=" + std::to_string(batch_b) +
          " batch_bias=" + std::to_string(batch_bias) + ", M=" + std::to_string(m) +
@@ -258,7 +302,8 @@ size_t ProblemHash::operator()(const Problem& p) const {
   auto mix = [&h](uint64_t v) {
     h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
   };
-  mix(static_cast<uint64_t>(p.device));
+  mix(static_cast<uint64_t>(p.device) | static_cast<uint64_t>(p.a_block_rows) << 32 |
+      static_cast<uint64_t>(p.b_block_rows) << 48);
   mix(static_cast<uint64_t>(p.epilog));
   mix(static_cast<uint64_t>(p.dtype_b) | uint64_t{static_cast<uint8_t>(p.dtype_d)} << 8 |
       uint64_t{p.amax} << 16 | uint64_t{p.has_c} << 17 | uint64_t{p.fast_accumulation} << 18 |

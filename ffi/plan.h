@@ -50,6 +50,11 @@ struct Problem {
   // accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM), partial sums not periodically promoted
   // to float32: faster, less accurate.
   bool fast_accumulation = false;
+  // Block-scaled FP8 only (the target jax_epilog_matmul_block): the rows of a's and b's
+  // scale tiles, 1 (1x128 tiles, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F) or 128 (128x128
+  // blocks, _BLK128x128_32F); 0 for both: per-tensor scalar scales.
+  int32_t a_block_rows = 0, b_block_rows = 0;
+  bool block_scaled() const { return a_block_rows != 0; }
   int64_t batch = 1, batch_b = 1, batch_bias = 1;
   int64_t m = 0, n = 0, k = 0;
   uint64_t workspace_bytes = 0;
@@ -139,7 +144,8 @@ struct CallBuffers {
   void* y = nullptr;
   void* bias = nullptr;  // bias input or bias-gradient output, when the epilog has one
   void* aux = nullptr;   // aux input or output, when the epilog has one
-  // FP8 calls: device pointers to float32 scalars (XLA buffers).
+  // FP8 calls: device pointers to float32 scalars (XLA buffers), or for a block-scaled
+  // call to its scale tensors (cuBLASLt's layouts: epilog_matmul.cc's DecodeBlockScale).
   const void* scale_a = nullptr;
   const void* scale_b = nullptr;
   const void* scale_d = nullptr;  // an FP8 y only

@@ -25,7 +25,8 @@ void CopyMessage(const std::string& text, char* message, size_t message_len) {
 int QuerySupport(int device, int epilog, int dtype, int dtype_b, int dtype_d, int amax,
                  int has_c, int transpose_a, int transpose_b, int64_t batch, int64_t batch_b,
                  int64_t batch_bias, int64_t m, int64_t n, int64_t k, int allow_tf32,
-                 int fast_accumulation, uint64_t workspace_bytes, std::string* message) {
+                 int fast_accumulation, int a_block_rows, int b_block_rows,
+                 uint64_t workspace_bytes, std::string* message) {
   using jax_epilog::DType;
   for (int t : {dtype, dtype_b, dtype_d}) {
     if (t < 0 || t >= jax_epilog::kDTypeCount) {
@@ -56,6 +57,8 @@ int QuerySupport(int device, int epilog, int dtype, int dtype_b, int dtype_d, in
   p.transpose_b = transpose_b != 0;
   p.allow_tf32 = allow_tf32 != 0;
   p.fast_accumulation = fast_accumulation != 0;  // GetPlan keeps it for FP8 operands only
+  p.a_block_rows = a_block_rows;
+  p.b_block_rows = b_block_rows;
   p.batch = batch;
   p.batch_b = batch_b;
   p.batch_bias = batch_bias;
@@ -86,9 +89,10 @@ JAX_EPILOG_EXPORT int jax_epilog_supports_fp8(void) { return 1; }
 
 // The interface between this library and the Python package: the FFI targets' attributes and
 // the ctypes entry points' arguments. Raised whenever either changes (2: the
-// fast_accumulation attribute), so the package refuses a library built from older sources
+// fast_accumulation attribute; 3: the block-scaled target and its query), so the package
+// refuses a library built from older sources
 // (cuda_library.ABI_VERSION) instead of failing to decode its calls.
-JAX_EPILOG_EXPORT int jax_epilog_abi_version(void) { return 2; }
+JAX_EPILOG_EXPORT int jax_epilog_abi_version(void) { return 3; }
 
 // 1: cuBLASLt has an algorithm for the problem (its plan is now cached, so the first
 // call does not pay for it); 0: it has none, `message` says why; -1: the question
@@ -97,22 +101,24 @@ JAX_EPILOG_EXPORT int jax_epilog_abi_version(void) { return 2; }
 // 2 float32, 3 float8_e4m3fn, 4 float8_e5m2; `amax`: an FP8 call's result_amax.
 // `has_c`: a call with a C matrix (device alpha and beta, the plan jax_epilog_matmul_c
 // builds). `fast_accumulation`: cuBLASLt's FP8 fast accumulation (FP8 operands only;
-// ignored for others). `epilog` is the public value. Never throws.
+// ignored for others). `a_block_rows`, `b_block_rows`: a block-scaled FP8 call's tile rows
+// (1 or 128; 0 for both: scalar scales). `epilog` is the public value. Never throws.
 JAX_EPILOG_EXPORT int jax_epilog_query_support(int device, int epilog, int dtype,
                                                int dtype_b, int dtype_d, int amax, int has_c,
                                                int transpose_a, int transpose_b,
                                                int64_t batch, int64_t batch_b,
                                                int64_t batch_bias, int64_t m, int64_t n,
                                                int64_t k, int allow_tf32,
-                                               int fast_accumulation,
-                                               uint64_t workspace_bytes, char* message,
+                                               int fast_accumulation, int a_block_rows,
+                                               int b_block_rows, uint64_t workspace_bytes, char* message,
                                                size_t message_len) {
   CopyMessage("", message, message_len);
   try {
     std::string text;
     const int answer = QuerySupport(device, epilog, dtype, dtype_b, dtype_d, amax, has_c,
                                     transpose_a, transpose_b, batch, batch_b, batch_bias, m, n, k,
-                                    allow_tf32, fast_accumulation, workspace_bytes, &text);
+                                    allow_tf32, fast_accumulation, a_block_rows, b_block_rows,
+                                    workspace_bytes, &text);
     CopyMessage(text, message, message_len);
     return answer;
   } catch (const std::exception& e) {  // e.g. std::bad_alloc; must not cross into C

@@ -7,7 +7,9 @@ else. `dense` and `mlp` are differentiable layers built on it; `jax_epilog.nnx` 
 when first used, so `import jax_epilog` never imports Flax). `pack_relu_mask` and
 `unpack_relu_mask` convert between a boolean array and cuBLASLt's packed ReLU mask. `Fp8`
 configures FP8 training in the layers (`fp8=`); `Fp8History` is a layer's delayed-scaling
-state (`fp8_state=`); `quantize` makes an FP8 operand and its scale for `matmul`.
+state (`fp8_state=`); `quantize` makes an FP8 operand and its scale for `matmul`;
+`quantize_1x128` and `quantize_128x128` make a block-scaled one and its `BlockScales` (one scale
+per 1×128 tile or 128×128 block, the DeepSeek-V3 recipe; docs/fp8.md, "Block scaling").
 `quantize_params` stores a trained model's large kernels in FP8 (`Fp8Weight`) for serving,
 and `calibrate` gives them static input scales (docs/serving.md).
 `explain(fn, *args)` prints how each stack and GEMM of a program runs on CUDA and which rule
@@ -28,11 +30,13 @@ imports only the layers below it (docs/architecture.md):
 
 import importlib as _importlib
 
+from jax_epilog.float8.blocks import quantize_1x128, quantize_128x128
 from jax_epilog.float8.recipe import Fp8, Fp8History
 from jax_epilog.float8.scaling import quantize_tensor as quantize
 from jax_epilog.float8.weights import Fp8Weight, quantize_params
 from jax_epilog.layers.serving import calibrate
 from jax_epilog.layers.functional import dense, mlp
+from jax_epilog.op.block_scales import BlockScales
 from jax_epilog.op.epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
 from jax_epilog.op.matmul import matmul, reference_matmul
 from jax_epilog.op.activations import pack_relu_mask, unpack_relu_mask
@@ -46,6 +50,7 @@ _load_if_a_gpu_is_present()
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockScales",
     "EXPORT_SAFETY_CHECKS",
     "Epilog",
     "Fp8",
@@ -59,6 +64,8 @@ __all__ = [
     "mlp",
     "pack_relu_mask",
     "quantize",
+    "quantize_128x128",
+    "quantize_1x128",
     "quantize_params",
     "reference_matmul",
     "relu_mask_bytes",

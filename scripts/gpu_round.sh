@@ -4,6 +4,7 @@
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile serving generate
+#           blockfp8
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
@@ -189,6 +190,19 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       note "fp8 benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -iE "met|missed|crossover" "$OUT/fp8.log" | tail -n 12 | tee -a "$SUMMARY"
       cat "$OUT/fp8/fp8.md" 2>/dev/null | head -50 ;;
+    blockfp8)
+      # Block-scaled FP8 (issue 39): its GPU tests (the cuBLASLt kernel against the float64
+      # model), then the GEMM benchmark (block vs per-tensor FP8 vs bf16) and the outlier errors.
+      (cd /tmp && runs --cap "${BLOCKFP8_TEST_CAP:-300}" "$PY" -m pytest \
+        "$ROOT/tests/test_block_fp8.py" -q -ra -m gpu -p no:cacheprovider 2>&1) \
+        > "$OUT/blockfp8_tests.log"
+      note "blockfp8 gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/blockfp8_tests.log")"
+      grep -E "FAILED|Error|has no kernel" "$OUT/blockfp8_tests.log" | head -20
+      (cd "$ROOT/benchmarks" && runs --cap "${BLOCKFP8_CAP:-300}" "$PY" block_fp8_bench.py \
+        ${BLOCKFP8_ARGS:-} --out "$OUT/block_fp8" 2>&1) > "$OUT/block_fp8.log"
+      note "blockfp8 benchmark: rc=$? ($((SECONDS - start)) s)"
+      grep -E "^target|FALLBACK" "$OUT/block_fp8.log" | tee -a "$SUMMARY"
+      cat "$OUT/block_fp8/block_fp8.md" 2>/dev/null | head -40 ;;
     fp8profile)
       # Where the FP8 step's time goes: GPU kernels of traced M1 steps per variant
       # (FP8_PROFILE_ARGS, e.g. "--variants ours_fp8,xla_fp8", or "--peer --row W2,TMLP":

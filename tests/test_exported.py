@@ -61,11 +61,18 @@ def test_there_are_modules_of_97e9b38_and_a_later_commit_for_both_platforms():
 def test_the_python_targets_are_the_ones_the_handler_decodes():
     """`runtime.targets` and the C++ binding (`.Attr<T>(name)`) name the same attributes."""
     source = (HERE.parents[1] / "ffi" / "epilog_matmul.cc").read_text()
-    decoded = re.findall(r'\.template Attr<(\w+)>\("(\w+)"\)', source)
     types = {"int32_t": "i32", "bool": "i1"}
+
+    def decoded(text):
+        return [(types[t], n) for t, n in re.findall(r'\.template Attr<(\w+)>\("(\w+)"\)', text)]
+
+    # Binding() decodes every target's attributes; BlockBinding() adds the block target's.
+    base = decoded(source.split("auto BlockBinding()")[0])
+    block = decoded(source)[len(base):]
     for target in targets.TARGETS:
-        assert [(types[t], n) for t, n in decoded] == [
-            ("i32" if kind is not bool else "i1", name) for name, kind in target.attributes]
+        want = base + (block if target is targets.MATMUL_BLOCK else [])
+        assert want == [("i32" if kind is not bool else "i1", name)
+                        for name, kind in target.attributes], target.name
 
 
 def test_registration_registers_each_target_of_the_table_from_symbols_the_library_exports(

@@ -10,9 +10,9 @@ import pytest
 
 import jax_epilog
 
-TOP_LEVEL = {"EXPORT_SAFETY_CHECKS", "Epilog", "Fp8", "Fp8History", "Fp8Weight", "calibrate",
+TOP_LEVEL = {"BlockScales", "EXPORT_SAFETY_CHECKS", "Epilog", "Fp8", "Fp8History", "Fp8Weight", "calibrate",
              "dense", "explain", "gelu_aux_columns", "matmul", "mlp", "pack_relu_mask",
-             "quantize", "quantize_params", "reference_matmul", "relu_mask_bytes", "unpack_relu_mask"}
+             "quantize", "quantize_128x128", "quantize_1x128", "quantize_params", "reference_matmul", "relu_mask_bytes", "unpack_relu_mask"}
 MODULES = {"config", "explanation", "linen", "nnx", "tune"}
 PATHS = {
     "jax_epilog.config": ["autotune_enabled", "set_autotune", "set_plan_cache_capacity",

@@ -3,6 +3,7 @@
 - `epilogs`: the one table of epilog facts (inputs, outputs, shapes, dtypes, what a bias
   gradient sums); `activations`: ReLU, GELU and the bit mask exactly as cuBLASLt computes them;
 - `arguments`: `matmul`'s argument checks and the reshape into the kernel's rank-3 form;
+- `block_scales`: block-scaled FP8's `BlockScales`, their layouts and their checks;
 - `call`: a call as the primitives see it (`Params`, `Problem`) and the two primitives;
 - `primitive`: their rules (abstract eval, batching, the differentiation error, registration);
 - `sharding`: the outer primitive's lowering, partitioned per device (`custom_partitioning`);

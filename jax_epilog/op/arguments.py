@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_epilog.op import block_scales
 from jax_epilog.op.call import Params
 from jax_epilog.op.epilogs import (ARRAYS, DEFAULT_FP8_RESULT, FP8_DTYPES, FP8_RESULT_DTYPES,
                                    Epilog, array_dtype, as_epilog, dim_sizes, is_fp8,
@@ -237,7 +238,16 @@ def _check_scales(fp8: bool, out, quantization_scales, result_amax) -> tuple:
     missing = [k for k in ("a", "b") if k not in quantization_scales]
     if missing:
         raise ValueError(f"quantization_scales: missing {missing}; FP8 operands need 'a' and 'b'")
-    scales = [_check_scale(k, quantization_scales[k]) for k in ("a", "b")]
+    given = [quantization_scales[k] for k in ("a", "b")]
+    blocks = [block_scales.is_block_scales(x) for x in given]
+    if any(blocks):
+        if not all(blocks):
+            plain = "b" if blocks[0] else "a"
+            raise TypeError(f"quantization_scales[{plain!r}]: with block scales for the other "
+                            "operand this one needs BlockScales too (jax_epilog.quantize_1x128 "
+                            "or quantize_128x128); per-tensor and block scales do not mix")
+        return tuple(given)  # checked against the operands' shapes in `prepare`
+    scales = [_check_scale(k, x) for k, x in zip(("a", "b"), given)]
     if is_fp8(out):
         d = quantization_scales.get("d", None)
         scales.append(jnp.ones((), jnp.float32) if d is None else _check_scale("d", d))
@@ -348,6 +358,15 @@ def prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
     if not b_shared and tuple(b.shape[:-2]) != lead:
         raise ValueError(f"b: leading dims {tuple(b.shape[:-2])} must equal a's leading dims "
                          f"{lead} (or b must be 2-D to be shared)")
+    blocks = None
+    if scales and block_scales.is_block_scales(scales[0]):
+        blocks = (scales[0].block, scales[1].block)
+        block_scales.check_call(blocks, k, epilog=epilog, has_c=c is not None, result_dtype=out,
+                                result_amax=bool(result_amax),
+                                fast_accumulation=fast_accumulation,
+                                batched=a.ndim != 2 or b.ndim != 2)
+        scales = (block_scales.check_values("a", scales[0], m, k),
+                  block_scales.check_values("b", scales[1], n, k))
     c_operands = _check_c(c, alpha, beta, out, lead, m, n)
     checked = {name: _check_input(name, inputs[name], dtype=array_dtype(name, out),
                                   shapes=_user_shapes(name, lead, m, n), n=n)
@@ -372,7 +391,8 @@ def prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
     params = Params(epilog, bool(transpose_a), bool(transpose_b),
                     allow_tf32_for(precision, a.dtype), backend,
                     result_dtype=out.name if fp8 else None, result_amax=bool(result_amax),
-                    has_c=bool(c_operands), fast_accumulation=fast_accumulation)
+                    has_c=bool(c_operands), fast_accumulation=fast_accumulation,
+                    block_scaling=blocks)
     return Call(a3, b3, kernel_inputs, params, lead, m, n, b_shared)
 
 

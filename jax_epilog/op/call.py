@@ -29,6 +29,9 @@ class _Fields(NamedTuple):
     # FP8 calls only: cuBLASLt's FP8 fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM) on
     # the kernel; the reference ignores it (it computes the exact float32 formula).
     fast_accumulation: bool = False
+    # Block-scaled FP8 calls only (`block_scales`): a's and b's tiles, e.g. ("1x128",
+    # "128x128"); their scales are then arrays of those tiles. None: per-tensor scalars.
+    block_scaling: Optional[tuple[str, str]] = None
 
 
 class Params(_Fields):
@@ -93,6 +96,6 @@ def plain_product(primitive, params: Params, a, b):
     float32 for FP8 operands (unit scales: the caller applies the real ones), else in the
     operands' dtype."""
     plain = params._replace(epilog=Epilog.DEFAULT, result_amax=False, has_c=False,
-                            result_dtype="float32" if is_fp8(a.dtype) else None)
+                            block_scaling=None, result_dtype="float32" if is_fp8(a.dtype) else None)
     ones = [jnp.ones((), jnp.float32)] * (2 if is_fp8(a.dtype) else 0)
     return primitive.bind(a, b, *ones, **plain._asdict())[0]

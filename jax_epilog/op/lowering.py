@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_epilog.op import padding, reference
+from jax_epilog.op import block_scales, padding, reference
 from jax_epilog.op.call import Params, kernel_p, problem_of, result_dtype_of
 from jax_epilog.op.epilogs import Epilog, is_fp8
 from jax_epilog.planning import call_plan, context
@@ -49,7 +49,7 @@ def lower_reference(ctx, *args, exact: bool = True, **params):
                            allow_tf32=params.allow_tf32, exact=exact,
                            fast_accumulation=params.fast_accumulation,
                            result_dtype=params.result_dtype, result_amax=params.result_amax,
-                           has_c=params.has_c)
+                           has_c=params.has_c, block_scaling=params.block_scaling)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
@@ -90,7 +90,8 @@ def kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
         extra = dict(b_dtype=np.dtype(b.dtype).name,
                      result_dtype=result_dtype_of(params, a.dtype).name,
                      result_amax=bool(params.result_amax),
-                     fast_accumulation=bool(params.fast_accumulation))
+                     fast_accumulation=bool(params.fast_accumulation),
+                     **({"block_rows": _block_rows(params)} if params.block_scaling else {}))
     supported, message = cuda_library.query_support(
         params.epilog, np.dtype(a.dtype).name, params.transpose_a, params.transpose_b, p.batch,
         b.shape[0], bias_batch, p.m, p.n, p.k, params.allow_tf32, settings.workspace_bytes(),
@@ -98,18 +99,32 @@ def kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
     return supported is not False, message
 
 
+def _block_rows(params: Params) -> tuple[int, int]:
+    """The rows of a's and b's scale tiles (1 or 128), (0, 0) for per-tensor scales."""
+    if not params.block_scaling:
+        return (0, 0)
+    return tuple(block_scales.block_rows(block) for block in params.block_scaling)
+
+
 def _custom_call(params: Params):
     """The custom call itself, on operands in `params`' layout and aligned."""
-    target = targets.MATMUL_C if params.has_c else targets.MATMUL
+    target = (targets.MATMUL_C if params.has_c else
+              targets.MATMUL_BLOCK if params.block_scaling else targets.MATMUL)
     workspace = jax.ShapeDtypeStruct((settings.workspace_bytes(),), np.uint8)
+    extra = dict(zip(("a_block_rows", "b_block_rows"), _block_rows(params)))
     attributes = targets.attributes(
         target, epilog=params.epilog, transpose_a=params.transpose_a,
         transpose_b=params.transpose_b, allow_tf32=params.allow_tf32,
-        fast_accumulation=params.fast_accumulation)
+        fast_accumulation=params.fast_accumulation, **(extra if params.block_scaling else {}))
 
     def call(*operands):
         avals, _ = kernel_p.abstract_eval(*map(jax.typeof, operands), **params._asdict())
         shapes = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in avals] + [workspace]
+        if params.block_scaling:  # the scales in cuBLASLt's padded layout
+            first = 2 + len(params.epilog.input_names)
+            operands = list(operands)
+            for i, block in zip((first, first + 1), params.block_scaling):
+                operands[i] = block_scales.kernel_values(operands[i], block)
         return jax.ffi.ffi_call(target.name, shapes)(*operands, **attributes)[:-1]
 
     return call

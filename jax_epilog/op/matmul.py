@@ -260,7 +260,8 @@ def _reference(params: Params, a, b, *inputs, exact: bool = True):
                             transpose_a=params.transpose_a, transpose_b=params.transpose_b,
                             allow_tf32=params.allow_tf32, result_dtype=params.result_dtype,
                             result_amax=params.result_amax, has_c=params.has_c,
-                            fast_accumulation=params.fast_accumulation)
+                            fast_accumulation=params.fast_accumulation,
+                            block_scaling=params.block_scaling)
 
 
 @keyword_hints

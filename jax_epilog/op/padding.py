@@ -85,6 +85,9 @@ def _pad_operands(params: Params, sizes: tuple[int, int]) -> Callable:
             inputs[i] = inputs[i].at[..., p.n:].set(0)
         inputs = [_resize_n_axes(x, name, n, cut=False)
                   for name, x in zip(operand_names[2:], inputs)]
+        if params.block_scaling and params.block_scaling[1] == "1x128":  # a scale per row of b
+            i = operand_names.index("scale_b") - 2
+            inputs[i] = jnp.pad(inputs[i], ((0, 0), (0, n - p.n)), constant_values=1.0)
         return [a, b, *inputs]
 
     return pad

@@ -24,7 +24,7 @@ from jax._src import dispatch as _jax_dispatch
 from jax.core import ShapedArray
 from jax.interpreters import ad, batching, mlir
 
-from jax_epilog.op import lowering
+from jax_epilog.op import block_scales, lowering
 
 from jax_epilog.op import reference
 
@@ -35,7 +35,8 @@ from jax_epilog.op.epilogs import ARRAYS, Epilog, array_dtype, is_fp8
 
 
 def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, backend,
-                   result_dtype=None, result_amax=False, has_c=False, fast_accumulation=False):
+                   result_dtype=None, result_amax=False, has_c=False, fast_accumulation=False,
+                   block_scaling=None):
     del allow_tf32, backend
     epilog = Epilog(epilog)
     params = dict(epilog=epilog, result_dtype=result_dtype, result_amax=result_amax,
@@ -58,10 +59,16 @@ def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, ba
     if len(args) != len(operand_names) - 2:
         raise ValueError(f"epilog_matmul: {epilog.name} takes {operand_names[2:]}, "
                          f"got {len(args)} inputs")
+    if block_scaling and (not is_fp8(a.dtype) or p.batch != 1 or b.shape[0] != 1):
+        raise ValueError(f"epilog_matmul: block scales need FP8 operands of batch 1, got "
+                         f"{a.dtype} {a.shape} and {b.shape}")
+    # Block-scaled calls: the scale operands are arrays of their tiles (`block_scales`).
+    blocks = dict(zip(("scale_a", "scale_b"), zip(block_scaling or (), (p.m, p.n))))
     bias_batch = 1
     for name, x in zip(operand_names[2:], args):
         bias_batch = x.shape[0] if name == "bias" else bias_batch
-        expected = array_shape(name, p, bias_batch)
+        expected = (block_scales.scale_shape(*blocks[name], p.k) if name in blocks
+                    else array_shape(name, p, bias_batch))
         if tuple(x.shape) != expected or bias_batch not in (1, p.batch):
             raise ValueError(f"epilog_matmul: {name} has shape {x.shape}, expected {expected}")
         if ARRAYS[name].dtype == "float32" and x.dtype != jnp.float32:
@@ -130,6 +137,10 @@ def _fold_batch_axis(x, bdim, name: str, size: int, batch: int):
 
 
 def _batch_rule(args, dims, **params):
+    if params.get("block_scaling"):
+        raise NotImplementedError(
+            "jax_epilog.matmul with block scales under jax.vmap is not supported: a block-"
+            "scaled call is one 2-D GEMM; fold the mapped axis into the rows of a instead")
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     names, _ = names_of(params, args[0].dtype)
     a, a_dim = args[0], dims[0]

@@ -17,7 +17,10 @@ rounding of the product.
 FP8 operands (SPEC §5): the exact reference widens them to float32 (exactly) and accumulates in
 float32; XLA's way is XLA's direct FP8 `dot_general`, which XLA rewrites to its own cuBLASLt FP8
 GEMM (a dequantize-then-bf16 dot would not be). Then `finish` applies the scales, the epilog,
-the FP8 result's scale and saturating cast, and the amax.
+the FP8 result's scale and saturating cast, and the amax. Block-scaled FP8 operands
+(`block_scales`) are dequantized exactly first (`block_dequantize`: every FP8 value times its
+tile's or block's float32 scale, one float32 rounding), then multiplied in float32 at HIGHEST
+precision, in both ways: XLA has no block-scaled GEMM of its own to rewrite to.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_epilog.op import block_scales
 from jax_epilog.op.epilogs import ACTIVATIONS, ARRAYS, Epilog, array_dtype, is_fp8, scale_names
 
 
@@ -41,6 +45,25 @@ def _product(a, b, transpose_a: bool, transpose_b: bool, reduced_precision: bool
     else:
         dims = (((a_contract,), (b_contract,)), ((0,), (0,)))
     return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=dtype)
+
+
+def block_dequantize(x, values, block: str, transposed: bool):
+    """op(x) of a block-scaled FP8 operand `x` (rank 3, batch 1: (1, rows, K), or (1, K, rows)
+    `transposed`) as float32 (rows, K): each value times its tile's or block's scale."""
+    x = x[0].T if transposed else x[0]
+    rows, k = x.shape
+    return x.astype(jnp.float32) * block_scales.expand(jnp.asarray(values, jnp.float32), block,
+                                                       rows, k)
+
+
+def _block_product(a, b, scales, blocks, transpose_a: bool, transpose_b: bool):
+    """P (1, M, N) float32 of block-scaled operands: exact dequantization, a float32 product."""
+    a_rows = block_dequantize(a, scales[0], blocks[0], transpose_a)  # (M, K)
+    b_rows = block_dequantize(b, scales[1], blocks[1], not transpose_b)  # (N, K)
+    p = jax.lax.dot_general(a_rows, b_rows, (((1,), (1,)), ((), ())),
+                            precision=jax.lax.Precision.HIGHEST,
+                            preferred_element_type=jnp.float32)
+    return p[None]
 
 
 def saturating_cast(x, dtype):
@@ -77,7 +100,7 @@ def _epilog(p, inputs, epilog: Epilog, aux_dtype, exact: bool):
 
 def finish(p, a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
            result_dtype=None, result_amax: bool = False, has_c: bool = False,
-           exact: bool = True) -> tuple:
+           exact: bool = True, block_scaling=None) -> tuple:
     """A call's outputs from its float32 product `p` `(batch, M, N)`, before any scale.
 
     `args` are the call's operands after a and b (the epilog's inputs, then the FP8 scales).
@@ -85,6 +108,7 @@ def finish(p, a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
     result, or sd · R rounded and saturated to an FP8 one; `result_amax` is max |R| (SPEC §5).
     With a C matrix (`has_c`: the last three operands are c, alpha, beta; SPEC §6) the epilog
     runs on alpha · P + beta · C, computed in `p`'s dtype (float32 when exact).
+    With `block_scaling` the scales are already in `p` (`_block_product`).
     Shared by the reference, the sharded path (after a psum over K) and vmap with per-example
     scales."""
     epilog = Epilog(epilog)
@@ -95,7 +119,9 @@ def finish(p, a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
     scales = dict(zip(scale_names(a.dtype, out), (jnp.asarray(s, jnp.float32)
                                                   for s in args[n_inputs:n_inputs + n_scales])))
     aux = array_dtype("bias", out)  # the floating aux dtype
-    if scales:
+    if block_scaling:
+        scales = {}
+    elif scales:
         p = p * (scales["scale_a"] * scales["scale_b"])  # cuBLASLt's alpha · sa · sb
     if has_c:  # R = epilog(alpha · P + beta · C): C added before the bias (SPEC §6)
         c, alpha, beta = args[n_inputs + n_scales:n_inputs + n_scales + 3]
@@ -122,7 +148,7 @@ def finish(p, a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
 def epilog_matmul(a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool,
                   allow_tf32: bool = False, exact: bool = True, result_dtype=None,
                   result_amax: bool = False, has_c: bool = False,
-                  fast_accumulation: bool = False):
+                  fast_accumulation: bool = False, block_scaling=None):
     """The kernel's outputs (y[, aux][, bias gradient][, amax]) for normalised rank-3 operands.
 
     `args` are the epilog's inputs in `Epilog.input_names` order: bias `(batch|1, N)`,
@@ -130,9 +156,14 @@ def epilog_matmul(a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool
     (`epilogs.scale_names`); then, with `has_c`, c `(batch, M, N)`, alpha and beta (SPEC §6).
     `fast_accumulation` (FP8, XLA's way only): XLA's FP8 dot at DEFAULT precision, which XLA
     runs with cuBLASLt's fast accumulation, rather than HIGHEST.
+    `block_scaling` (a's and b's tiles): the scales are block-scale arrays (`block_scales`).
     """
     out = jnp.dtype(result_dtype or a.dtype)
-    if is_fp8(a.dtype):
+    if block_scaling:
+        n_inputs = len(Epilog(epilog).input_names)
+        p = _block_product(a, b, args[n_inputs:n_inputs + 2], block_scaling, transpose_a,
+                           transpose_b)
+    elif is_fp8(a.dtype):
         if exact:  # FP8 values widen exactly; the products and their sum are float32
             p = _product(a.astype(jnp.float32), b.astype(jnp.float32), transpose_a,
                          transpose_b, False, jnp.float32)
@@ -146,4 +177,4 @@ def epilog_matmul(a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool
         p = _product(a, b, transpose_a, transpose_b, reduced, jnp.float32 if exact else a.dtype)
     return finish(p, a, b, *args, epilog=epilog, transpose_a=transpose_a,
                   transpose_b=transpose_b, result_dtype=out, result_amax=result_amax,
-                  has_c=has_c, exact=exact)
+                  has_c=has_c, exact=exact, block_scaling=block_scaling)

@@ -51,7 +51,11 @@ def lower_partitioned(ctx, *args, **params):
 
 
 def partitioned(params: Params, *operands):
-    """The inner primitive on `operands`, partitioned by XLA's SPMD partitioner."""
+    """The inner primitive on `operands`, partitioned by XLA's SPMD partitioner. A block-scaled
+    call (whose scales are tiles of a and b, not scalars) is bound whole: under a mesh XLA
+    gathers its operands and every device runs the whole GEMM."""
+    if params.block_scaling:
+        return _bind(params, *operands)
     shapes = tuple(tuple(x.shape) for x in operands)
     return _partitioned_op(params, shapes, jnp.dtype(operands[0].dtype).name)(*operands)
 

@@ -29,7 +29,7 @@ _LIBRARY_FILE = "libjax_epilog_ffi.so"
 # The build installs the library at the package's top (ffi/CMakeLists.txt).
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 #: The library interface this package speaks (ffi/support_query.cc, jax_epilog_abi_version).
-ABI_VERSION = 2
+ABI_VERSION = 3
 _PRELOAD = ("libcudart.so.13", "libcublasLt.so.13")
 
 
@@ -97,7 +97,8 @@ class _Library:
             ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
             ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_int, ctypes.c_int, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_size_t,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint64,
+            ctypes.c_char_p, ctypes.c_size_t,
         ]
         for name, restype, argtypes in _CONTROLS:
             getattr(lib, name).restype = restype
@@ -189,14 +190,15 @@ def query_support(epilog: int, dtype: str, transpose_a: bool, transpose_b: bool,
                   b_batch: int, bias_batch: int, m: int, n: int, k: int, allow_tf32: bool,
                   workspace_bytes: int, device: int = 0, b_dtype: Optional[str] = None,
                   result_dtype: Optional[str] = None, result_amax: bool = False,
-                  has_c: bool = False,
-                  fast_accumulation: bool = False) -> tuple[Optional[bool], str]:
+                  has_c: bool = False, fast_accumulation: bool = False,
+                  block_rows: tuple[int, int] = (0, 0)) -> tuple[Optional[bool], str]:
     """Whether cuBLASLt has a kernel for this problem on `device`.
 
     `dtype` is a's; `b_dtype` and `result_dtype` (y's) default to it (they differ only for
     FP8 operands, as may `result_amax`). `has_c`: a call with a C matrix (alpha and beta
     device pointers, the plan `TARGET_NAME_C` runs). `fast_accumulation`: cuBLASLt's FP8
-    fast accumulation (FP8 operands only; the library ignores it for others). Returns
+    fast accumulation (FP8 operands only; the library ignores it for others). `block_rows`:
+    the rows of a's and b's block-scale tiles (1 or 128; 0, 0: per-tensor scales). Returns
     (True|False, message), or (None, reason) when it cannot tell (no library, no GPU on this
     machine: e.g. exporting for CUDA from a CPU host). Building the answer also builds and
     caches the plan, so the first execution does no planning.
@@ -209,7 +211,8 @@ def query_support(epilog: int, dtype: str, transpose_a: bool, transpose_b: bool,
         device, epilog, _DTYPE_CODES[dtype], _DTYPE_CODES[b_dtype or dtype],
         _DTYPE_CODES[result_dtype or dtype], int(result_amax), int(has_c), int(transpose_a),
         int(transpose_b), batch, b_batch, bias_batch, m, n, k, int(allow_tf32),
-        int(fast_accumulation), workspace_bytes, message, len(message))
+        int(fast_accumulation), int(block_rows[0]), int(block_rows[1]), workspace_bytes,
+        message, len(message))
     text = message.value.decode(errors="replace")
     if status < 0:
         return None, text

@@ -31,7 +31,11 @@ MATMUL_ATTRIBUTES = (("epilog", np.int32), ("transpose_a", bool), ("transpose_b"
 MATMUL = Target("jax_epilog_matmul", "JaxEpilogMatmul", MATMUL_ATTRIBUTES)
 #: A call with a C matrix (SPEC §6): the same handler, c, alpha and beta as its last operands.
 MATMUL_C = Target("jax_epilog_matmul_c", "JaxEpilogMatmulC", MATMUL_ATTRIBUTES)
-TARGETS = (MATMUL, MATMUL_C)
+#: A block-scaled FP8 call (docs/fp8.md, "Block scaling"): its scales are arrays of tiles; the
+#: extra attributes are the rows of a's and b's tiles (1: 1x128 tiles, 128: 128x128 blocks).
+MATMUL_BLOCK = Target("jax_epilog_matmul_block", "JaxEpilogMatmulBlock",
+                      MATMUL_ATTRIBUTES + (("a_block_rows", np.int32), ("b_block_rows", np.int32)))
+TARGETS = (MATMUL, MATMUL_C, MATMUL_BLOCK)
 
 #: Pass as `jax.export.export(..., disabled_checks=EXPORT_SAFETY_CHECKS)` when exporting for
 #: CUDA: the exported module calls our custom calls, which JAX does not know to be stable.

@@ -1,0 +1,100 @@
+"""Block-scaled FP8 quantization (the DeepSeek-V3 recipe; docs/fp8.md, "Block scaling"), in
+plain JAX that XLA fuses with whatever produces the tensor: current scaling, one amax per
+1×128 tile (`quantize_1x128`: activations and gradients) or per 128×128 block
+(`quantize_128x128`: weights), scales in the layouts `matmul` takes (`op.block_scales`).
+
+A tensor x (rows, K) is quantized along K, the axis its GEMM contracts. The weight gradient
+contracts the other axis (the tokens), so it needs x's transposed copy quantized along the
+rows: `quantize_1x128(x, transposed=True)`, or `quantize_1x128_both` for both copies from one
+read of x. A 128×128 block is the same block of the transposed matrix, so a weight's
+transposed copy is its transposed data and scales (`transpose_128x128`), no requantization.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_epilog.float8.recipe import _format
+from jax_epilog.float8.scaling import multiplier
+from jax_epilog.op.block_scales import BLOCK, BlockScales
+from jax_epilog.op.reference import block_dequantize, saturating_cast
+
+
+def _check(x, name: str = "x"):
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{name}: expected a floating-point array, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D array (rows, K), got shape {x.shape}")
+
+
+def _check_k(k: int, name: str, axis: str) -> None:
+    if k % BLOCK:
+        raise ValueError(f"{name}: the quantized axis ({axis}) must be a multiple of {BLOCK}, got "
+                         f"{k}; zero-pad it to {-(-k // BLOCK) * BLOCK} first (zeros add nothing "
+                         "to the product)")
+
+
+def _quantize(x, block_amax, expand, dtype: str):
+    """(x in FP8, the float32 dequantization scales) from each element's block amax."""
+    q = multiplier(block_amax, dtype, 0)
+    return saturating_cast(x.astype(jnp.float32) * expand(q), dtype), 1.0 / q
+
+
+def quantize_1x128(x, dtype="float8_e4m3fn", *, transposed: bool = False):
+    """`(x8, BlockScales(values, "1x128"))`: x (rows, K) quantized per 1×128 tile along K,
+    each tile's largest |value| mapped to the format's largest finite value (current scaling);
+    values (K/128, rows). With `transposed`, xᵀ (K, rows) quantized along rows instead (the
+    weight gradient's operand): x8 (K, rows), values (rows/128, K). Zero tiles get scale 1."""
+    _check(x)
+    dtype = _format("dtype", dtype)
+    x = x.T if transposed else x
+    rows, k = x.shape
+    _check_k(k, "x", "rows, with transposed=True" if transposed else "K, its last axis")
+    tiles = x.astype(jnp.float32).reshape(rows, k // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(tiles), axis=2)  # (rows, K/128)
+    x8, scale = _quantize(x, amax, lambda q: jnp.repeat(q, BLOCK, axis=1), dtype)
+    return x8, BlockScales(scale.T, "1x128")
+
+
+def quantize_1x128_both(x, dtype="float8_e4m3fn"):
+    """`(quantize_1x128(x), quantize_1x128(x, transposed=True))`: the forward's and the weight
+    gradient's copies of an activation (or gradient) x (rows, K), in one jitted expression
+    that reads x once where XLA fuses the two."""
+    return quantize_1x128(x, dtype), quantize_1x128(x, dtype, transposed=True)
+
+
+def quantize_128x128(x, dtype="float8_e4m3fn"):
+    """`(x8, BlockScales(values, "128x128"))`: x (rows, K) quantized per 128×128 block (current
+    scaling), values (⌈rows/128⌉, K/128); the last row block may be partial."""
+    _check(x)
+    dtype = _format("dtype", dtype)
+    rows, k = x.shape
+    _check_k(k, "x", "K, its last axis")
+    row_blocks = -(-rows // BLOCK)
+    padded = jnp.pad(x.astype(jnp.float32), ((0, row_blocks * BLOCK - rows), (0, 0)))
+    blocks = padded.reshape(row_blocks, BLOCK, k // BLOCK, BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=(1, 3))  # (rows/128, K/128)
+
+    def expand(q):
+        return jnp.repeat(jnp.repeat(q, BLOCK, axis=0), BLOCK, axis=1)[:rows]
+
+    x8, scale = _quantize(x, amax, expand, dtype)
+    return x8, BlockScales(scale, "128x128")
+
+
+def transpose_128x128(x8, scales: BlockScales):
+    """The transposed copy of a 128×128-quantized x (rows, K): `(x8ᵀ, its BlockScales)`, for
+    a GEMM that contracts x's rows (those must then be a multiple of 128)."""
+    if not isinstance(scales, BlockScales) or scales.block != "128x128":
+        raise TypeError("scales: expected BlockScales of 128x128 blocks (1x128 tiles run along "
+                        "one axis: quantize the transposed copy with quantize_1x128(x, "
+                        "transposed=True))")
+    _check_k(x8.shape[0], "x8", "rows, contracted once transposed")
+    return x8.T, BlockScales(scales.values.T, "128x128")
+
+
+def dequantize(x8, scales: BlockScales):
+    """`x8` (rows, K) back to float32: each value times its tile's or block's scale (the
+    exact reference dequantization `matmul` computes on other platforms)."""
+    return block_dequantize(x8[None], scales.values, scales.block, False)

@@ -1,0 +1,135 @@
+"""Block-scaled FP8 operands (the DeepSeek-V3 recipe; docs/fp8.md, "Block scaling"): one
+float32 dequantization scale per 1×128 tile or per 128×128 block of an FP8 operand, where
+per-tensor FP8 has one per tensor. cuBLASLt runs them on Hopper since 12.9
+(CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F / _BLK128x128_32F).
+
+Tiles always run along the contraction K, so the scales are defined on the operand as the
+product reads it, op(x) of shape (rows, K) (rows: M for a, N for b), whatever its transpose:
+
+- ``"1x128"``: `values` (K/128, rows); ``values[j, i]`` scales ``op(x)[i, 128j:128j+128]``;
+- ``"128x128"``: `values` (⌈rows/128⌉, K/128); ``values[i, j]`` scales the block
+  ``op(x)[128i:128i+128, 128j:128j+128]`` (the last row block may be partial).
+
+These are cuBLASLt's own layouts without its padding: `kernel_values` pads the inner
+dimension to a multiple of 4 (16 bytes) right before the custom call. K must be a multiple
+of 128 (refused otherwise: zero-pad K before quantizing); rows may be any size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+#: A tile's length along K, and a block's edge.
+BLOCK = 128
+#: The tile shapes, as `BlockScales.block` names them.
+BLOCKS = ("1x128", "128x128")
+#: The epilogs block-scaled calls run (cuBLASLt on Hopper: docs/fp8.md's support matrix).
+SUPPORTED_EPILOGS = ("DEFAULT", "BIAS")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScales:
+    """An FP8 operand's block scales for `matmul(..., quantization_scales={"a": BlockScales,
+    "b": BlockScales})`: `values` float32 in the layout of `block` (module docstring), and
+    `block`, ``"1x128"`` or ``"128x128"``. The operand stands for its values times the scale
+    of the tile or block each value is in. A pytree whose one leaf is `values` (`block` is
+    static), so it passes through `jax.jit` and `lax.scan` as an array does."""
+
+    values: Any
+    block: str = "1x128"
+
+
+jax.tree_util.register_pytree_node(
+    BlockScales, lambda s: ((s.values,), s.block),
+    lambda block, leaves: BlockScales(leaves[0], block))
+
+
+def scale_shape(block: str, rows: int, k: int) -> tuple[int, int]:
+    """The shape of `BlockScales.values` for an operand op(x) of shape (rows, k)."""
+    if block == "1x128":
+        return (k // BLOCK, rows)
+    return (-(-rows // BLOCK), k // BLOCK)
+
+
+def is_block_scales(x) -> bool:
+    return isinstance(x, BlockScales)
+
+
+def check_call(blocks: tuple[str, str], k: int, *, epilog, has_c: bool, result_dtype,
+               result_amax: bool, fast_accumulation: bool, batched: bool) -> None:
+    """Refuses what the block-scaled kernels do not run, naming the argument: two 128x128
+    operands, a K that is not a multiple of 128, and the options they do not take."""
+    for key, block in zip("ab", blocks):
+        if block not in BLOCKS:
+            raise ValueError(f"quantization_scales[{key!r}].block: expected one of {BLOCKS}, "
+                             f"got {block!r}")
+    if blocks == ("128x128", "128x128"):
+        raise ValueError("quantization_scales: a and b both have 128x128 block scales, which "
+                         "cuBLASLt does not multiply; give the activation-like operand 1x128 "
+                         "tiles (jax_epilog.quantize_1x128)")
+    if k % BLOCK:
+        raise ValueError(f"a: block-scaled operands need K a multiple of {BLOCK}, got K={k}; "
+                         f"zero-pad K (columns of a and rows of b) to {-(-k // BLOCK) * BLOCK} "
+                         "before quantizing (zeros add nothing to the product)")
+    if epilog.name not in SUPPORTED_EPILOGS:
+        raise ValueError(f"epilog: block-scaled calls run {', '.join(SUPPORTED_EPILOGS)}, got "
+                         f"{epilog.name}; apply the activation in the fusion that quantizes the "
+                         "next operand")
+    refused = [("c", has_c), ("result_amax", result_amax),
+               ("fast_accumulation", fast_accumulation),
+               ("preferred_element_type", jnp.dtype(result_dtype).name.startswith("float8")),
+               ("a", batched)]
+    for name, present in refused:
+        if present:
+            what = {"preferred_element_type": "an FP8 result",
+                    "a": "leading (batch) dimensions: pass 2-D a and b"}.get(name, name)
+            raise ValueError(f"{name}: block-scaled calls take no {what}; block scaling runs "
+                             "2-D a and b to a 16/32-bit y, epilog DEFAULT or BIAS")
+
+
+def check_values(key: str, scales: BlockScales, rows: int, k: int):
+    """`scales.values` as a float32 array of the shape its block asks for."""
+    label = f"quantization_scales[{key!r}]"
+    values = scales.values
+    dtype = getattr(values, "dtype", None)
+    if dtype is None or jnp.dtype(dtype) != jnp.float32:
+        raise TypeError(f"{label}.values: expected a float32 array, got "
+                        f"{jnp.dtype(dtype).name if dtype is not None else type(values).__name__}")
+    want = scale_shape(scales.block, rows, k)
+    if tuple(values.shape) != want:
+        rows_name = "M" if key == "a" else "N"
+        raise ValueError(f"{label}.values: expected shape {want} for {scales.block} blocks of "
+                         f"op({key}) ({rows_name}={rows}, K={k}), got {tuple(values.shape)} "
+                         f"(layout: docs/fp8.md, 'Block scaling')")
+    return jnp.asarray(values)
+
+
+def kernel_values(values, block: str):
+    """`values` in cuBLASLt's layout: the inner dimension padded to a multiple of 4."""
+    inner = values.shape[1]
+    padded = -(-inner // 4) * 4
+    if padded == inner:
+        return values
+    return jnp.pad(values, ((0, 0), (0, padded - inner)), constant_values=1.0)
+
+
+def block_rows(block: str) -> int:
+    """The rows of one tile: what the custom call's scale attributes carry."""
+    return 1 if block == "1x128" else BLOCK
+
+
+def expand(values, block: str, rows: int, k: int):
+    """`values` broadcast to one scale per element of op(x) (rows, k), float32."""
+    if block == "1x128":
+        per_row = values.T  # (rows, k/128)
+        return jnp.repeat(per_row, BLOCK, axis=1)
+    full = jnp.repeat(jnp.repeat(values, BLOCK, axis=0), BLOCK, axis=1)
+    return full[:rows, :k]
+
+
+__all__ = ["BLOCK", "BLOCKS", "BlockScales", "SUPPORTED_EPILOGS", "block_rows", "check_call",
+           "check_values", "expand", "is_block_scales", "kernel_values", "scale_shape"]

@@ -1,0 +1,361 @@
+"""Block-scaled FP8 (docs/fp8.md, "Block scaling"): `matmul` with `BlockScales` against a
+float64 NumPy model written here independently of `jax_epilog` (CPU: the reference; `gpu`:
+the cuBLASLt kernel), the quantization helpers' round trip, the CUDA lowering's custom call
+(lowered for CUDA from this host), and the errors for what block scaling does not run.
+
+The model: op(x) (rows, K) of each operand is its FP8 values times the scale of the 1×128
+tile (values[j, i] for row i, columns 128j..128j+127) or 128×128 block (values[i, j]) they
+are in; P = op(a) op(b)ᵀ in float64, plus the bias; y is P rounded to the result dtype.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_epilog
+from jax_epilog import BlockScales, quantize_1x128, quantize_128x128
+from jax_epilog.float8 import blocks
+
+E4M3 = ml_dtypes.float8_e4m3fn
+PAIRS = [("1x128", "128x128"), ("128x128", "1x128"), ("1x128", "1x128")]
+LAYOUTS = list(itertools.product([False, True], repeat=2))  # (transpose_a, transpose_b)
+
+
+# --- the float64 model ----------------------------------------------------------------------
+
+def _expand(values, block: str, rows: int, k: int) -> np.ndarray:
+    values = np.asarray(values, np.float64)
+    if block == "1x128":
+        return np.repeat(values.T, 128, axis=1)
+    return np.repeat(np.repeat(values, 128, axis=0), 128, axis=1)[:rows, :k]
+
+
+def _op_rows(x, transposed: bool) -> np.ndarray:
+    """op(x) as (rows, K) float64."""
+    x = np.asarray(x).astype(np.float64)
+    return x.T if transposed else x
+
+
+def model(a, b, sa: BlockScales, sb: BlockScales, transpose_a, transpose_b, bias=None):
+    """(P in float64, |op(a)| |op(b)|ᵀ: the size of the sum's terms, for tolerances)."""
+    a_rows = _op_rows(a, transpose_a)
+    b_rows = _op_rows(b, not transpose_b)
+    a_rows = a_rows * _expand(sa.values, sa.block, *a_rows.shape)
+    b_rows = b_rows * _expand(sb.values, sb.block, *b_rows.shape)
+    p = a_rows @ b_rows.T
+    if bias is not None:
+        p = p + np.asarray(bias).astype(np.float64)
+    return p, np.abs(a_rows) @ np.abs(b_rows).T
+
+
+def _scales(rng, block: str, rows: int, k: int) -> BlockScales:
+    shape = (k // 128, rows) if block == "1x128" else (-(-rows // 128), k // 128)
+    values = 2.0 ** rng.uniform(-7, -1, size=shape)  # random, not powers of two (float16-safe)
+    return BlockScales(jnp.asarray(values, jnp.float32), block)
+
+
+def make(rng, m, n, k, blocks_, transpose_a, transpose_b):
+    """Random FP8 operands in the stored layouts and random positive block scales."""
+    def fp8(shape):
+        return (rng.standard_normal(shape) * 8).astype(np.float32).astype(E4M3)
+    a = fp8((k, m) if transpose_a else (m, k))
+    b = fp8((n, k) if transpose_b else (k, n))
+    return a, b, _scales(rng, blocks_[0], m, k), _scales(rng, blocks_[1], n, k)
+
+
+def check(y, p, size, dtype, slack: float):
+    """y within its rounding and `slack` · (the terms' size) of the model's P."""
+    y = np.asarray(y).astype(np.float64)
+    allowed = float(jnp.finfo(dtype).eps) * np.abs(p) + slack * size + 1e-30
+    worst = np.max(np.abs(y - p) / allowed)
+    assert worst <= 1.0, f"{worst:.3g} x the allowed error"
+
+
+def _call(a, b, sa, sb, transpose_a, transpose_b, epilog="default", bias=None,
+          out=jnp.bfloat16, **kw):
+    return jax_epilog.matmul(a, b, epilog=epilog,
+                             epilog_inputs={"bias": bias} if bias is not None else None,
+                             transpose_a=transpose_a, transpose_b=transpose_b,
+                             quantization_scales={"a": sa, "b": sb},
+                             preferred_element_type=out, **kw)
+
+
+# --- the reference (CPU) against the model --------------------------------------------------
+
+# (m, n, k): rows of a 1, 127, 129 (the 1x128 tiles' rows need not be whole blocks; a partial
+# last 128x128 block), 128x256, 384x128, odd multiples of 128 in K.
+SHAPES = [(128, 256, 128), (384, 128, 384), (1, 128, 256), (127, 130, 128), (129, 384, 384)]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids="-".join)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_reference_matches_the_model(pair, shape):
+    rng = np.random.default_rng(sum(shape))
+    m, n, k = shape
+    for (ta, tb), out in zip(LAYOUTS, [jnp.bfloat16, jnp.float32, jnp.float16, jnp.float32]):
+        a, b, sa, sb = make(rng, m, n, k, pair, ta, tb)
+        bias = jnp.asarray(rng.standard_normal(n), out)
+        y = _call(a, b, sa, sb, ta, tb, "bias", bias, out=out)
+        assert y.shape == (m, n) and y.dtype == out
+        p, size = model(a, b, sa, sb, ta, tb, bias)
+        check(y, p, size, out, slack=2.0**-20)
+
+
+# --- quantization ---------------------------------------------------------------------------
+
+def _outliers(rng, rows, k, channels=(3,), factor=1000.0):
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    x[:, list(channels)] *= factor
+    return jnp.asarray(x)
+
+
+def _round_trip_bound(x, x8, scales: BlockScales):
+    """|x - dequantized| ≤ half an e4m3 step (2⁻⁴ relative) or, below e4m3's normals, half its
+    smallest subnormal step (2⁻¹⁰) times the tile's scale."""
+    back = np.asarray(blocks.dequantize(x8, scales), np.float64)
+    x = np.asarray(x, np.float64)
+    scale = _expand(scales.values, scales.block, *x.shape)
+    assert np.all(np.abs(back - x) <= np.abs(x) * 2.0**-4 + scale * 2.0**-10 + 1e-30)
+    return scale
+
+
+@pytest.mark.parametrize("rows", [1, 127, 129, 256])
+def test_1x128_round_trip(rows):
+    rng = np.random.default_rng(rows)
+    x = _outliers(rng, rows, 384)
+    x8, scales = quantize_1x128(x)
+    assert x8.dtype == jnp.float8_e4m3fn and scales.block == "1x128"
+    assert scales.values.shape == (3, rows) and scales.values.dtype == jnp.float32
+    _round_trip_bound(x, x8, scales)
+    # every tile's largest |value| lands on e4m3's largest, 448
+    tile_max = np.abs(np.asarray(x8, np.float32)).reshape(rows, 3, 128).max(axis=2)
+    np.testing.assert_array_equal(tile_max, 448.0)
+    # the weight gradient's copy: xᵀ quantized along the rows
+    xt8, t_scales = quantize_1x128(x[:128] if rows >= 128 else jnp.tile(x, (128, 1))[:128],
+                                   transposed=True)
+    assert xt8.shape == (384, 128) and t_scales.values.shape == (1, 384)
+
+
+def test_1x128_both_is_the_two_copies():
+    x = _outliers(np.random.default_rng(1), 256, 128)
+    (x8, s), (xt8, st) = blocks.quantize_1x128_both(x)
+    np.testing.assert_array_equal(np.asarray(x8, np.float32),
+                                  np.asarray(quantize_1x128(x)[0], np.float32))
+    assert xt8.shape == (128, 256) and st.values.shape == (2, 128)
+    _round_trip_bound(x.T, xt8, st)
+
+
+@pytest.mark.parametrize("rows", [128, 129, 384])
+def test_128x128_round_trip_and_transpose(rows):
+    x = _outliers(np.random.default_rng(rows), rows, 256)
+    x8, scales = quantize_128x128(x)
+    assert scales.values.shape == (-(-rows // 128), 2)
+    _round_trip_bound(x, x8, scales)
+    if rows % 128 == 0:
+        xt8, st = blocks.transpose_128x128(x8, scales)
+        np.testing.assert_array_equal(np.asarray(blocks.dequantize(xt8, st)),
+                                      np.asarray(blocks.dequantize(x8, scales)).T)
+
+
+def test_zero_tiles_get_scale_one():
+    x = jnp.zeros((2, 256), jnp.float32).at[0, 200].set(3.0)
+    x8, scales = quantize_1x128(x)
+    np.testing.assert_array_equal(np.asarray(scales.values)[0], 1.0)  # tile 0: all zeros
+    assert float(blocks.dequantize(x8, scales)[0, 200]) == 3.0
+
+
+def test_block_scaling_beats_per_tensor_on_outlier_channels():
+    """0.1% of the activation channels ×1000: the 1x128 × 128x128 product's error against
+    float32 is below per-tensor FP8's (measured here 0.75×: e4m3 keeps ordinary values of a
+    ×1000 tensor in its normal range, so both errors are mostly e4m3's own rounding), and on
+    ordinary data no larger."""
+    rng = np.random.default_rng(7)
+    k = 1024
+    w = jnp.asarray(rng.standard_normal((256, k)) / np.sqrt(k), jnp.float32)  # (N, K)
+    for channels, bound in (((5,), 0.85), ((), 1.0)):
+        x = _outliers(rng, 256, k, channels)
+        exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+        xq, sx = quantize_1x128(x)
+        wq, sw = quantize_128x128(w)
+        y_block = _call(xq, wq, sx, sw, False, True, out=jnp.float32)
+        (xt, sxt), (wt, swt) = jax_epilog.quantize(x), jax_epilog.quantize(w)
+        y_tensor = jax_epilog.matmul(xt, wt, transpose_b=True, preferred_element_type=jnp.float32,
+                                     quantization_scales={"a": sxt, "b": swt})
+        errors = [np.linalg.norm(np.asarray(y) - exact) / np.linalg.norm(exact)
+                  for y in (y_block, y_tensor)]
+        assert errors[0] <= bound * errors[1], errors
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+def _operands(m=128, n=128, k=256):
+    rng = np.random.default_rng(0)
+    return make(rng, m, n, k, ("1x128", "128x128"), False, True)
+
+
+def test_two_128x128_operands_are_refused():
+    a, b, _, sb = _operands()
+    sa = BlockScales(jnp.ones((1, 2), jnp.float32), "128x128")
+    with pytest.raises(ValueError, match="both have 128x128"):
+        _call(a, b, sa, sb, False, True)
+
+
+def test_k_not_a_multiple_of_128_is_refused():
+    a, b, sa, sb = _operands(k=256)
+    with pytest.raises(ValueError, match="K a multiple of 128.*zero-pad K"):
+        _call(a[:, :200], b[:, :200], sa, sb, False, True)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quantize_1x128(jnp.ones((4, 200)))
+
+
+@pytest.mark.parametrize("key,values,error,match", [
+    ("a", jnp.ones((2, 127), jnp.float32), ValueError, r"expected shape \(2, 128\)"),
+    ("b", jnp.ones((2, 1), jnp.float32), ValueError, r"expected shape \(1, 2\)"),
+    ("a", jnp.ones((2, 128), jnp.bfloat16), TypeError, "expected a float32 array, got bf"),
+])
+def test_wrong_scale_arrays_name_the_argument(key, values, error, match):
+    a, b, sa, sb = _operands()
+    scales = {"a": sa, "b": sb}
+    scales[key] = BlockScales(values, scales[key].block)
+    with pytest.raises(error, match=rf"quantization_scales\['{key}'\]\.values: {match}"):
+        _call(a, b, scales["a"], scales["b"], False, True)
+
+
+def test_block_and_scalar_scales_do_not_mix():
+    a, b, sa, _ = _operands()
+    with pytest.raises(TypeError, match=r"quantization_scales\['b'\].*BlockScales too"):
+        _call(a, b, sa, 1.0, False, True)
+
+
+def test_unknown_block_is_refused():
+    a, b, sa, sb = _operands()
+    with pytest.raises(ValueError, match=r"\['a'\]\.block: expected one of"):
+        _call(a, b, BlockScales(sa.values, "1x32"), sb, False, True)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(epilog="relu_bias"), "epilog: block-scaled calls run DEFAULT, BIAS"),
+    (dict(out=jnp.float8_e4m3fn), "preferred_element_type: .*FP8 result"),
+    (dict(result_amax=True), "result_amax"),
+    (dict(fast_accumulation=True), "fast_accumulation"),
+])
+def test_options_block_scaling_does_not_take(kw, match):
+    a, b, sa, sb = _operands()
+    if kw.get("epilog") == "relu_bias":
+        kw["bias"] = jnp.zeros(128, jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        _call(a, b, sa, sb, False, True, **kw)
+
+
+def test_batched_operands_and_vmap_are_refused():
+    a, b, sa, sb = _operands()
+    with pytest.raises(ValueError, match="a: block-scaled calls take no leading"):
+        _call(a[None], b, sa, sb, False, True)
+    with pytest.raises(NotImplementedError, match="vmap"):
+        jax.vmap(lambda a: _call(a, b, sa, sb, False, True))(jnp.stack([a, a]))
+
+
+def test_sharded_operands_give_the_unsharded_result():
+    """Under a mesh a block-scaled call is bound whole (its scales are tiles, not scalars the
+    partitioner could replicate): a sharded over 4×2 host devices, y to a rounding of the
+    unsharded one (XLA may split K and sum the partial products in another order)."""
+    import os
+    import subprocess
+    import sys
+    code = (
+        "import jax, numpy as np, jax_epilog\n"
+        "from jax.sharding import Mesh, NamedSharding, PartitionSpec as P\n"
+        "mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('d', 'm'))\n"
+        "x8, sx = jax_epilog.quantize_1x128(jax.random.normal(jax.random.key(0), (256, 256)))\n"
+        "w8, sw = jax_epilog.quantize_128x128(jax.random.normal(jax.random.key(1), (128, 256)))\n"
+        "f = jax.jit(lambda a, b, sa, sb: jax_epilog.matmul(\n"
+        "    a, b, transpose_b=True, quantization_scales={'a': sa, 'b': sb}))\n"
+        "whole = f(x8, w8, sx, sw)\n"
+        "sharded = f(jax.device_put(x8, NamedSharding(mesh, P('d', 'm'))), w8, sx, sw)\n"
+        "w, s = (np.asarray(y, np.float32) for y in (whole, sharded))\n"
+        "assert np.all(np.abs(w - s) <= 2.0**-7 * np.abs(w) + 1e-3)  # K split: sum order\n"
+        "print('ok')\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stderr[-2000:]
+
+
+# --- the CUDA lowering (from this host) -----------------------------------------------------
+
+@pytest.mark.parametrize("pair", PAIRS, ids="-".join)
+def test_cuda_lowering_calls_the_block_target(pair, monkeypatch):
+    from jax_epilog.op import lowering
+    monkeypatch.setattr(lowering.cuda_library, "query_support", lambda *a, **k: (True, ""))
+    a, b, sa, sb = make(np.random.default_rng(0), 129, 100, 256, pair, True, False)
+    f = jax.jit(lambda a, b, sa, sb: _call(a, b, sa, sb, True, False, backend="cublaslt"))
+    text = f.trace(a, b, sa, sb).lower(lowering_platforms=("cuda",)).as_text()
+    call = next(line for line in text.splitlines() if "@jax_epilog_matmul_block(" in line)
+    rows = {"1x128": 1, "128x128": 128}
+    assert f"a_block_rows = {rows[pair[0]]} : i32" in call
+    assert f"b_block_rows = {rows[pair[1]]} : i32" in call
+    assert "transpose_a = false" in call and "transpose_b = true" in call  # TN, relaid in XLA
+    # the scales in cuBLASLt's layout: inner dims padded to 4; N padded to 112 for b's rows
+    want_a = "2x132xf32" if pair[0] == "1x128" else "2x4xf32"
+    want_b = "2x112xf32" if pair[1] == "1x128" else "1x4xf32"
+    assert want_a in call and want_b in call, call
+
+
+# --- the GPU --------------------------------------------------------------------------------
+
+GPU_SHAPES = [(256, 256, 512), (129, 384, 256), (1, 128, 128), (127, 130, 384)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", PAIRS, ids="-".join)
+@pytest.mark.parametrize("epilog", ["default", "bias"])
+@pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float16, jnp.float32], ids=lambda d: d.__name__)
+def test_gpu_kernel_matches_the_model(pair, epilog, out):
+    gpu = jax.devices("cuda")[0]
+    rng = np.random.default_rng(11)
+    shapes = GPU_SHAPES if out == jnp.bfloat16 else GPU_SHAPES[1:2]  # other results: odd rows
+    for (m, n, k), (ta, tb) in itertools.product(shapes, LAYOUTS):
+        a, b, sa, sb = make(rng, m, n, k, pair, ta, tb)
+        bias = jnp.asarray(rng.standard_normal(n), out) if epilog == "bias" else None
+        f = jax.jit(lambda a, b, sa, sb, bias: _call(a, b, sa, sb, ta, tb, epilog, bias,
+                                                     out=out, backend="cublaslt"))
+        args = jax.device_put((a, b, sa, sb, bias), gpu)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no fallback to the reference
+            text = f.lower(*args).as_text()
+        assert "jax_epilog_matmul_block" in text, (m, n, k, ta, tb)
+        p, size = model(a, b, sa, sb, ta, tb, bias)
+        # Hopper's FP8 tensor cores sum a 128-K block in reduced precision, then promote.
+        check(f(*args), p, size, out, slack=2.0**-12)
+
+
+# --- the benchmark --------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_benchmark_smoke_report(tmp_path):
+    """benchmarks/block_fp8_bench.py end to end on tiny shapes: every variant reported, the
+    errors finite and the targets judged (timings are never asserted)."""
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import block_fp8_bench
+
+    block_fp8_bench.main(["--smoke", "--max-s", "5", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "block_fp8.json").read_text())
+    (row,) = report["speed"]
+    assert set(row["variants"]) == set(block_fp8_bench.VARIANTS)
+    for variant in row["variants"].values():
+        assert variant["careful"]["seconds"] > 0 and variant["user"]["seconds"] > 0
+    for data in ("ordinary", "outliers"):
+        assert all(0 < e < 0.2 for e in report["errors"][data].values()), report["errors"]
+    assert len(report["targets"]) == 4
+    assert "## Targets" in (tmp_path / "block_fp8.md").read_text()
