@@ -85,7 +85,8 @@ def _hidden_gradient(dh, gu, hidden: int):
 # --- compute dtype -------------------------------------------------------------------------
 
 def _dot(a, b, precision, dtype):
-    return jnp.matmul(a, b, precision=precision, preferred_element_type=jnp.float32).astype(dtype)
+    """a @ b in the compute dtype (XLA's GEMMs accumulate in float32 and write that dtype)."""
+    return jnp.matmul(a, b, precision=precision).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -120,7 +121,7 @@ def _input(x):
 
 class Saved(NamedTuple):
     """What the FP8 backward keeps: the FP8 input x8, `[g u]`8, h8 and kernels, their
-    dequantization scales, and x's and h's amaxes (for the next state)."""
+    dequantization scales, and x's and h's amaxes (for the next state; None without one)."""
 
     x8: object
     x_scale: object
@@ -151,8 +152,9 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
         return y, None
     gu8, gu_scale, _ = quantize_scaled(gu, fmt, margin, amax_axes=axes)
     named = functools.partial(checkpoint_name, name=SWIGLU_HIDDEN_NAME)
+    recorded = state is not None  # the amaxes are kept only for the next state
     return y, Saved(_input(x8), x_scale, named(gu8), gu_scale, named(h8), h_scale, w8, w_scale,
-                    down8, down_scale, x_amax, h_amax)
+                    down8, down_scale, x_amax if recorded else None, h_amax if recorded else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
