@@ -209,6 +209,8 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{v['grad_error_max']:.4f} |")
         for variant, error in row.get("variant_errors", {}).items():
             lines.append(f"| {shape} | {variant} | failed: {error} |")
+    models = {n: v["model"] for row in report["rows"].values() for n, v in row["variants"].items()}
+    lines += ["", "Variants:", ""] + [f"- {n}: `{m}`" for n, m in models.items()]
     lines += ["", "## Targets (issue 38)", ""]
     lines += [f"- {fp8_peer._target_line(t)}" for t in report.get("targets", [])]
     if report["skipped"]:
