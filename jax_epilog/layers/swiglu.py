@@ -40,6 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
 from jax_epilog.float8.scaling import quantize_scaled, record
+from jax_epilog.float8.weights import Fp8Weight
 from jax_epilog.layers import fp8_step
 from jax_epilog.layers.functional import _compute_dtype, _described
 from jax_epilog.layers.gemms import LAYER_INPUT_NAME
@@ -75,11 +76,12 @@ def _hidden(gu, hidden: int):
     return jax.nn.silu(gu[:, :hidden].astype(jnp.float32)) * gu[:, hidden:].astype(jnp.float32)
 
 
-def _hidden_gradient(dh, gu, hidden: int):
-    """`[dg du]` in float32: dg = dh·u·silu'(g), du = dh·silu(g)."""
+def _hidden_gradient(dh, gu, hidden: int, dtype):
+    """`[dg du]` in `dtype`, each computed in float32: dg = dh·u·silu'(g), du = dh·silu(g)."""
     silu, dsilu = _silu_and_derivative(gu[:, :hidden])
     dh = dh.astype(jnp.float32)
-    return jnp.concatenate([dh * gu[:, hidden:].astype(jnp.float32) * dsilu, dh * silu], axis=1)
+    return jnp.concatenate([(dh * gu[:, hidden:].astype(jnp.float32) * dsilu).astype(dtype),
+                            (dh * silu).astype(dtype)], axis=1)
 
 
 # --- compute dtype -------------------------------------------------------------------------
@@ -106,7 +108,7 @@ def _block_bwd(block: Block, saved, dy):
     dtype, p = dy.dtype, block.precision
     h = _hidden(gu, block.hidden).astype(dtype)
     ddown = _dot(h.T, dy, p, down.dtype)
-    dgu = _hidden_gradient(_dot(dy, down.T, p, dtype), gu, block.hidden).astype(dtype)
+    dgu = _hidden_gradient(_dot(dy, down.T, p, dtype), gu, block.hidden, dtype)
     return _dot(dgu, gate_up.T, p, x.dtype), _dot(x.T, dgu, p, gate_up.dtype), ddown
 
 
@@ -183,8 +185,8 @@ def _fp8_block_bwd(block: Block, residuals, dy):
     dh, _ = matmul8(dy8, dy_scale, s.down8, s.down_scale, dtype, "auto", fast_data,
                     transpose_b=True)
     gu = s.gu8.astype(jnp.float32) * s.gu_scale
-    dgu8, dgu_scale, dgu_amax = quantize_scaled(_hidden_gradient(dh, gu, block.hidden), fmt,
-                                                margin, amax_axes=axes)
+    dgu8, dgu_scale, dgu_amax = quantize_scaled(_hidden_gradient(dh, gu, block.hidden, jnp.float32),
+                                                fmt, margin, amax_axes=axes)
     dgu8, x8 = fp8_step._barrier(dgu8, s.x8)
     dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T, dgu_scale, dtype, "auto", fast_weight,
                           transpose_b=True)
@@ -204,6 +206,12 @@ _fp8_block.defvjp(_fp8_block_fwd, _fp8_block_bwd)
 
 def _kernels(x, gate_up, down):
     """(the `(D, 2F)` kernel `[gate up]`, down, F), checked against x `(..., D)`."""
+    stored = [a for a in (*(gate_up if isinstance(gate_up, (tuple, list)) else (gate_up,)), down)
+              if isinstance(a, Fp8Weight)]
+    if stored:
+        raise TypeError("gate_up, down: swiglu trains 16/32-bit kernels and does not run "
+                        "kernels stored in FP8 (jax_epilog.Fp8Weight); keep the block's "
+                        "kernels out of quantize_params (its include= rule)")
     d = jnp.shape(x)[-1] if jnp.ndim(x) else None
     if d is None:
         raise ValueError(f"x: expected an array of shape (..., D), got shape {jnp.shape(x)}")
