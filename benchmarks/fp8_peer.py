@@ -250,16 +250,16 @@ def measure(w: Workload, only, budget: timing.Budget) -> dict[str, Any]:
     checked against flax_bf16's gradients, then timed in both harnesses."""
     models, same_as = row_variants(w, only)
     params_bytes = 4 * sum(k * n + n for k, n in zip(w.widths, w.widths[1:]))  # float32
-    return {"same_as": same_as, **measure_models(models, (w.batch, w.widths[0]), params_bytes,
-                                                 w.flops("step"), budget)}
+    return {"same_as": same_as, **measure_models(w.name, models, (w.batch, w.widths[0]),
+                                                 params_bytes, w.flops("step"), budget)}
 
 
-def measure_models(models: dict[str, linen.Module], x_shape: tuple[int, int],
+def measure_models(row: str, models: dict[str, linen.Module], x_shape: tuple[int, int],
                    params_bytes: int, flops: float, budget: timing.Budget,
                    describe_model: Callable[[linen.Module], str] = describe) -> dict[str, Any]:
     """Every model of `models` (flax_bf16 first, whose parameters they all start from) on
-    random inputs of `x_shape`: compiled, calibrated, checked against flax_bf16's gradients,
-    then timed in both harnesses. Also `benchmarks/swiglu_bench.py`'s."""
+    random inputs of `x_shape` (the row named `row`): compiled, calibrated, checked against
+    flax_bf16's gradients, then timed in both harnesses. Also `benchmarks/swiglu_bench.py`'s."""
     copies = timing.input_copies(jnp.dtype(DTYPE).itemsize * math.prod(x_shape) + params_bytes)
     xs = [jax.random.normal(jax.random.fold_in(jax.random.key(0), i), x_shape, DTYPE)
           for i in range(copies)]
@@ -274,7 +274,7 @@ def measure_models(models: dict[str, linen.Module], x_shape: tuple[int, int],
                                                                       (variables, xs[0]))
             compile_seconds = time.perf_counter() - start
             for message in fallbacks:  # loud: this variant is not measuring the real path
-                print(f"FALLBACK {w.name} {name}: {message}", file=sys.stderr, flush=True)
+                print(f"FALLBACK {row} {name}: {message}", file=sys.stderr, flush=True)
             start = time.perf_counter()
             for i in range(CALIBRATION_STEPS):
                 _, grads = compiled(variables, xs[0])
@@ -304,7 +304,7 @@ def measure_models(models: dict[str, linen.Module], x_shape: tuple[int, int],
             if name == "flax_bf16":
                 raise  # the base of every ratio and error
             record["variant_errors"][name] = f"{type(e).__name__}: {e}"
-            print(f"{w.name} {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            print(f"{row} {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     for harness in HARNESSES:
         times = timing.time_interleaved(
             {name: (steps[name], sets if harness == "careful" else sets[:1])

@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import flax
-import jax.numpy as jnp
 from flax import linen
 from flax.linen import fp8_ops
 
@@ -142,7 +141,7 @@ def run(rows: dict[str, tuple[int, int, int]], budget_seconds: float, out: Path,
             models = {n: VARIANTS[n](f) for n in names}
             report["rows"][name] = {
                 "tokens": tokens, "d": d, "f": f,
-                **fp8_peer.measure_models(models, (tokens, d), 4 * 3 * d * f,
+                **fp8_peer.measure_models(name, models, (tokens, d), 4 * 3 * d * f,
                                           step_flops(tokens, d, f), budget, describe),
                 "wall_seconds": time.perf_counter() - row_started}
         except Exception as e:  # noqa: BLE001  (out of memory: the next row may fit)

@@ -65,7 +65,7 @@ class Block(NamedTuple):
 
 
 def _silu_and_derivative(g):
-    """(silu(g), silu'(g)) in float32: silu(g) = g·σ(g), silu'(g) = σ(g)·(1 + g·(1 - σ(g)))."""
+    """(silu(g), silu'(g)) in float32: silu = g·σ(g), silu' = σ(g)·(1 + g·(1 - σ(g)))."""
     g = g.astype(jnp.float32)
     sigmoid = jax.nn.sigmoid(g)
     return g * sigmoid, sigmoid * (1.0 + g * (1.0 - sigmoid))
