@@ -304,3 +304,19 @@ def test_runs_fp8_follows_the_layer_rule():
     assert not swiglu_module.runs_fp8(Fp8(), 16, 2048, 8192, 2048)  # too small to pay
     assert not swiglu_module.runs_fp8(Fp8(), 8192, 2040, 8192, 2040)  # D not a multiple of 16
     assert swiglu_module.runs_fp8(ALL, 1, 20, 36, 20)
+
+
+def test_jit_vmap_and_checkpoint_give_the_same_gradients():
+    """A remat policy changes nothing; under vmap each slice is a block of its own (its own
+    amaxes, so its own scales), as a loop over the slices computes it."""
+    x, gate, up, down, dy = make_block(11, 17, 32, 48, lead=(2,))
+    fn = lambda x, g, u, w: jax_epilog.swiglu(x, (g, u), w, fp8=ALL)
+    run = jax.jit(grads, static_argnums=0)
+    want = run(fn, x, gate, up, down, dy)
+    policy = jax.checkpoint_policies.save_only_these_names(swiglu_module.SWIGLU_HIDDEN_NAME)
+    for got, w in zip(run(jax.checkpoint(fn, policy=policy), x, gate, up, down, dy), want):
+        close(got, w, 1e-6)
+    batched = run(jax.vmap(fn, in_axes=(0, None, None, None)), x, gate, up, down, dy)
+    slices = [run(fn, x[i], gate, up, down, dy[i]) for i in range(2)]
+    for got, per_slice in zip(batched, zip(*slices)):
+        close(got, jnp.stack(per_slice) if got.ndim == 3 else sum(per_slice), 1e-5)
