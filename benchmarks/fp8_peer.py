@@ -250,13 +250,21 @@ def measure(w: Workload, only, budget: timing.Budget) -> dict[str, Any]:
     checked against flax_bf16's gradients, then timed in both harnesses."""
     models, same_as = row_variants(w, only)
     params_bytes = 4 * sum(k * n + n for k, n in zip(w.widths, w.widths[1:]))  # float32
-    copies = timing.input_copies(jnp.dtype(DTYPE).itemsize * w.batch * w.widths[0]
-                                 + params_bytes)
-    xs = [jax.random.normal(jax.random.fold_in(jax.random.key(0), i), (w.batch, w.widths[0]),
-                            DTYPE) for i in range(copies)]
+    return {"same_as": same_as, **measure_models(w.name, models, (w.batch, w.widths[0]),
+                                                 params_bytes, w.flops("step"), budget)}
+
+
+def measure_models(row: str, models: dict[str, linen.Module], x_shape: tuple[int, int],
+                   params_bytes: int, flops: float, budget: timing.Budget,
+                   describe_model: Callable[[linen.Module], str] = describe) -> dict[str, Any]:
+    """Every model of `models` (flax_bf16 first, whose parameters they all start from) on
+    random inputs of `x_shape` (the row named `row`): compiled, calibrated, checked against
+    flax_bf16's gradients, then timed in both harnesses. Also `benchmarks/swiglu_bench.py`'s."""
+    copies = timing.input_copies(jnp.dtype(DTYPE).itemsize * math.prod(x_shape) + params_bytes)
+    xs = [jax.random.normal(jax.random.fold_in(jax.random.key(0), i), x_shape, DTYPE)
+          for i in range(copies)]
     params = initial_variables(models["flax_bf16"], xs[0])["params"]
-    record: dict[str, Any] = {"variants": {}, "same_as": same_as, "input_copies": copies,
-                              "variant_errors": {}}
+    record: dict[str, Any] = {"variants": {}, "input_copies": copies, "variant_errors": {}}
     steps, arg_sets, reference = {}, {}, None
     for name, model in models.items():
         try:
@@ -266,7 +274,7 @@ def measure(w: Workload, only, budget: timing.Budget) -> dict[str, Any]:
                                                                       (variables, xs[0]))
             compile_seconds = time.perf_counter() - start
             for message in fallbacks:  # loud: this variant is not measuring the real path
-                print(f"FALLBACK {w.name} {name}: {message}", file=sys.stderr, flush=True)
+                print(f"FALLBACK {row} {name}: {message}", file=sys.stderr, flush=True)
             start = time.perf_counter()
             for i in range(CALIBRATION_STEPS):
                 _, grads = compiled(variables, xs[0])
@@ -280,7 +288,7 @@ def measure(w: Workload, only, budget: timing.Budget) -> dict[str, Any]:
             errors = leaf_errors(reference, grads["params"])
             worst = max(errors, key=lambda p: errors[p]["error"])
             record["variants"][name] = {
-                "model": describe(model),
+                "model": describe_model(model),
                 "compile_seconds": compile_seconds, "first_step_seconds": first_step_seconds,
                 "loss": float(loss),
                 "temp_mib": never_slower._temp_mib(compiled),
@@ -296,8 +304,7 @@ def measure(w: Workload, only, budget: timing.Budget) -> dict[str, Any]:
             if name == "flax_bf16":
                 raise  # the base of every ratio and error
             record["variant_errors"][name] = f"{type(e).__name__}: {e}"
-            print(f"{w.name} {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-    flops = w.flops("step")
+            print(f"{row} {name} failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
     for harness in HARNESSES:
         times = timing.time_interleaved(
             {name: (steps[name], sets if harness == "careful" else sets[:1])

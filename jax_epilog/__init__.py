@@ -2,14 +2,15 @@
 
 `matmul` runs `a @ b` with a bias, ReLU/GELU, a 1-bit ReLU mask or a fused backward (DRELU_BGRAD
 and friends) in one cuBLASLt kernel on CUDA, and the same semantics in plain JAX everywhere
-else. `dense` and `mlp` are differentiable layers built on it; `jax_epilog.nnx` and
-`jax_epilog.linen` wrap them as Flax modules (those need Flax installed, and are imported only
-when first used, so `import jax_epilog` never imports Flax). `pack_relu_mask` and
-`unpack_relu_mask` convert between a boolean array and cuBLASLt's packed ReLU mask. `Fp8`
-configures FP8 training in the layers (`fp8=`); `Fp8History` is a layer's delayed-scaling
-state (`fp8_state=`); `quantize` makes an FP8 operand and its scale for `matmul`;
-`quantize_1x128` and `quantize_128x128` make a block-scaled one and its `BlockScales` (one scale
-per 1×128 tile or 128×128 block, the DeepSeek-V3 recipe; docs/fp8.md, "Block scaling").
+else. `dense` and `mlp` are differentiable layers built on it, `swiglu` the Llama-style MLP
+block; `jax_epilog.nnx` and `jax_epilog.linen` wrap them as Flax modules (those need Flax
+installed, and are imported only when first used, so `import jax_epilog` never imports
+Flax). `pack_relu_mask` and `unpack_relu_mask` convert between a boolean array and
+cuBLASLt's packed ReLU mask. `Fp8` configures FP8 training in the layers (`fp8=`);
+`Fp8History` is a layer's delayed-scaling state (`fp8_state=`); `quantize` makes an FP8
+operand and its scale for `matmul`; `quantize_1x128` and `quantize_128x128` make a
+block-scaled one and its `BlockScales` (one scale per 1×128 tile or 128×128 block, the
+DeepSeek-V3 recipe; docs/fp8.md, "Block scaling").
 `quantize_params` stores a trained model's large kernels in FP8 (`Fp8Weight`) for serving,
 and `calibrate` gives them static input scales (docs/serving.md).
 `explain(fn, *args)` prints how each stack and GEMM of a program runs on CUDA and which rule
@@ -36,6 +37,7 @@ from jax_epilog.float8.scaling import quantize_tensor as quantize
 from jax_epilog.float8.weights import Fp8Weight, quantize_params
 from jax_epilog.layers.serving import calibrate
 from jax_epilog.layers.functional import dense, mlp
+from jax_epilog.layers.swiglu import swiglu
 from jax_epilog.op.block_scales import BlockScales
 from jax_epilog.op.epilogs import Epilog, gelu_aux_columns, relu_mask_bytes
 from jax_epilog.op.matmul import matmul, reference_matmul
@@ -69,6 +71,7 @@ __all__ = [
     "quantize_params",
     "reference_matmul",
     "relu_mask_bytes",
+    "swiglu",
     "unpack_relu_mask",
 ]
 

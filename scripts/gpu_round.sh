@@ -4,7 +4,7 @@
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile serving generate
-#           blockfp8
+#           blockfp8 swiglu
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
@@ -237,6 +237,19 @@ for c, x in json.load(open(sys.argv[1]))['results'].items():
     for n, v in x['variants'].items():
         print('gpt', c, n, 'fp8_gemms', v.get('fp8_gemms'), 'custom calls', v['gemm_custom_calls'])
 " "$OUT/gpt/gpt_compare.json" 2>&1 | tee -a "$SUMMARY" ;;
+    swiglu)
+      # The SwiGLU block (issue 38): its GPU tests, then benchmarks/swiglu_bench.py (RMSNorm +
+      # SwiGLU + residual step against stock bf16, Flax's FP8 and three FP8 Dense; SWIGLU_ARGS,
+      # e.g. "--rows S2"). Results rewritten after every row, so a cut run keeps what it has.
+      (cd /tmp && runs --cap 240 "$PY" -m pytest "$ROOT/tests/test_swiglu_gpu.py" -q -ra \
+        -p no:cacheprovider -m gpu 2>&1) > "$OUT/swiglu_tests.log"
+      note "swiglu gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/swiglu_tests.log")"
+      (cd "$ROOT/benchmarks" && runs --cap "${SWIGLU_CAP:-420}" "$PY" swiglu_bench.py \
+        --max-s $(( ${SWIGLU_CAP:-420} - 30 )) ${SWIGLU_ARGS:-} --out "$OUT/swiglu" 2>&1) \
+        > "$OUT/swiglu.log"
+      note "swiglu benchmark: rc=$? ($((SECONDS - start)) s)"
+      grep -E "^(\||## |- )" "$OUT/swiglu/swiglu.md" 2>/dev/null | tee -a "$SUMMARY"
+      grep -E "^skipped|^FALLBACK|failed" "$OUT/swiglu.log" | tee -a "$SUMMARY" ;;
     serving)
       # Stored FP8 weights against XLA's bf16 and Qwix's PTQ (benchmarks/serving_bench.py;
       # SERVING_ARGS, e.g. "--parts block"). Qwix comes from the carried .whl.

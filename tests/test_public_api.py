@@ -10,17 +10,19 @@ import pytest
 
 import jax_epilog
 
-TOP_LEVEL = {"BlockScales", "EXPORT_SAFETY_CHECKS", "Epilog", "Fp8", "Fp8History", "Fp8Weight", "calibrate",
+TOP_LEVEL = {"BlockScales", "EXPORT_SAFETY_CHECKS", "Epilog", "Fp8", "Fp8History", "Fp8Weight",
+             "calibrate",
              "dense", "explain", "gelu_aux_columns", "matmul", "mlp", "pack_relu_mask",
-             "quantize", "quantize_128x128", "quantize_1x128", "quantize_params", "reference_matmul", "relu_mask_bytes", "unpack_relu_mask"}
+             "quantize", "quantize_128x128", "quantize_1x128", "quantize_params",
+             "reference_matmul", "relu_mask_bytes", "swiglu", "unpack_relu_mask"}
 MODULES = {"config", "explanation", "linen", "nnx", "tune"}
 PATHS = {
     "jax_epilog.config": ["autotune_enabled", "set_autotune", "set_plan_cache_capacity",
                           "autotune", "autotune_cache_path", "workspace_bytes", "SETTINGS"],
     "jax_epilog.tune": ["tune", "problems_of", "stacks_of", "main"],
     "jax_epilog.explanation": ["explain", "explanation", "Explanation", "main"],
-    "jax_epilog.nnx": ["Dense", "MLP", "AmaxHistory", "update_amax_histories"],
-    "jax_epilog.linen": ["Dense", "MLP", "FP8_COLLECTION"],
+    "jax_epilog.nnx": ["Dense", "MLP", "SwiGLU", "AmaxHistory", "update_amax_histories"],
+    "jax_epilog.linen": ["Dense", "MLP", "SwiGLU", "FP8_COLLECTION"],
 }
 
 

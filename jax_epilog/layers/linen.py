@@ -1,4 +1,5 @@
-"""Flax Linen modules: `Dense` and `MLP`, drop-in for `linen.Dense` followed by an activation.
+"""Flax Linen modules: `Dense` and `MLP`, drop-in for `linen.Dense` followed by an activation,
+and `SwiGLU`, the Llama-style MLP block.
 
 The parameters are the stock ones (`kernel` `(inputs.shape[-1], features)`, `bias`
 `(features,)`) with the same default initialisers, so `init` with the same key gives exactly
@@ -29,6 +30,7 @@ from jax_epilog.float8.recipe import Fp8History, as_fp8
 from jax_epilog.float8.weights import Fp8Weight
 from jax_epilog.layers.serving import promote
 from jax_epilog.layers.functional import activation_name, dense, mlp
+from jax_epilog.layers.swiglu import FP8_GEMMS, swiglu
 
 #: The variable collection of the FP8 amax histories (delayed scaling, `fp8=True`'s): Flax's
 #: "overwrite with gradient" collection, whose gradients are the variables' next values and
@@ -165,3 +167,66 @@ class MLP(linen.Module):
         return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=activation,
                    final_activation=final_activation, precision=self.precision, fp8=self.fp8,
                    fp8_state=None if None in states else states)
+
+
+class SwiGLU(linen.Module):
+    """The Llama-style MLP block `down(silu(gate(x)) * up(x))`, no biases, as one
+    `jax_epilog.swiglu` call (its FP8 form: one gate/up GEMM, h quantized where it is computed,
+    the backward's activations kept in FP8).
+
+    The parameters are those of three bias-free `linen.Dense` submodules named `gate`, `up` and
+    `down` (`gate/kernel` `(D, hidden_features)`, likewise `up/kernel`, `down/kernel`
+    `(hidden_features, out_features)`), made by the same initialiser from the same RNG paths,
+    so a checkpoint of such a block loads as is. Separate kernels, not one `(D, 2F)`: the
+    concatenation the step needs is fused into the quantization that reads the kernels anyway
+    (docs/fp8.md, "SwiGLU"), and each kernel shards on its own along F.
+
+    Attributes:
+      hidden_features: F, the width of silu(g)·u (Llama's `intermediate_size`).
+      out_features: D_out; None (default): the input's D, as a residual block needs.
+      dtype, param_dtype, precision, kernel_init: as for `linen.Dense`.
+      fp8: None, True or `jax_epilog.Fp8(...)`: as `jax_epilog.swiglu`'s `fp8=`. Unless
+        `Fp8(scaling="current")`, the block keeps the amax histories of its two GEMMs in
+        `FP8_COLLECTION` (`gate_up_input_amax_history`, ..., `down_gradient_amax_history`)
+        and runs delayed scaling, exactly as `Dense` does.
+    """
+
+    hidden_features: int
+    out_features: Optional[int] = None
+    dtype: Optional[Any] = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    kernel_init: Any = linen.initializers.lecun_normal()
+    fp8: Any = None
+
+    def __post_init__(self):
+        as_fp8(self.fp8)
+        super().__post_init__()
+
+    @linen.compact
+    def __call__(self, inputs):
+        d = jnp.shape(inputs)[-1]
+        d_out = d if self.out_features is None else self.out_features
+        kernels = [Dense(features, use_bias=False, param_dtype=self.param_dtype,
+                         kernel_init=self.kernel_init, name=name).kernel_and_bias(width)[0]
+                   for name, width, features in (("gate", d, self.hidden_features),
+                                                 ("up", d, self.hidden_features),
+                                                 ("down", self.hidden_features, d_out))]
+        inputs, gate, up, down = promote(promote_dtype, inputs, *kernels, dtype=self.dtype)
+        return swiglu(inputs, (gate, up), down, precision=self.precision, fp8=self.fp8,
+                      fp8_state=self._fp8_state())
+
+    def _fp8_state(self):
+        """The block's two `Fp8History` (as `Dense.fp8_state`, one per GEMM), or None."""
+        fp8 = as_fp8(self.fp8)
+        if fp8 is None or not fp8.keeps_state:
+            return None
+        names = [f"{gemm}_{field}_amax_history" for gemm in FP8_GEMMS
+                 for field in Fp8History._fields]
+        if fp8.scaling == "auto" and not self.is_mutable_collection(FP8_COLLECTION) and \
+                not all(self.has_variable(FP8_COLLECTION, name) for name in names):
+            return None
+        initial = [value for history in fp8.init_state(len(FP8_GEMMS)) for value in history]
+        values = [self.variable(FP8_COLLECTION, name, lambda value=value: value).value
+                  for name, value in zip(names, initial)]
+        return tuple(Fp8History(*values[i:i + 2]) for i in range(0, len(values), 2))

@@ -1,4 +1,5 @@
-"""Flax NNX modules: `Dense` and `MLP`, drop-in for `nnx.Linear` followed by an activation.
+"""Flax NNX modules: `Dense` and `MLP`, drop-in for `nnx.Linear` followed by an activation,
+and `SwiGLU`, the Llama-style MLP block.
 
 The parameters are the stock ones: `kernel` `(in_features, out_features)` and `bias`
 `(out_features,)`, made by the same initialisers from the same RNG stream in the same order, so
@@ -31,6 +32,7 @@ from jax_epilog.float8.recipe import Fp8History, as_fp8
 from jax_epilog.float8.weights import Fp8Weight
 from jax_epilog.layers.serving import promote
 from jax_epilog.layers.functional import activation_name, dense, mlp
+from jax_epilog.layers.swiglu import FP8_GEMMS, swiglu
 
 # Flax >= 0.12 wants lists of modules wrapped so it can see their state; older Flax takes lists.
 _ModuleList = getattr(nnx, "List", list)
@@ -183,3 +185,60 @@ class MLP(nnx.Module):
         return mlp(inputs, list(zip(params[0::2], params[1::2])), activation=self.activation,
                    final_activation=self.final_activation, precision=self.precision,
                    fp8=self.fp8, fp8_state=None if None in states else states)
+
+
+class SwiGLU(nnx.Module):
+    """The Llama-style MLP block `down(silu(gate(x)) * up(x))`, no biases, as one
+    `jax_epilog.swiglu` call.
+
+    `SwiGLU(4096, 14336, rngs=nnx.Rngs(0))` holds `gate`, `up` and `down`, each a bias-free
+    `Dense` whose state is that of `nnx.Linear(..., use_bias=False)` made in that order from
+    the same `rngs` (`gate.kernel` `(in_features, hidden_features)`, `up.kernel` likewise,
+    `down.kernel` `(hidden_features, out_features)`), so the initial weights and checkpoints
+    are those of such a block. Separate kernels, not one `(D, 2F)`: the step's concatenation
+    is fused into the quantization that reads them anyway (docs/fp8.md, "SwiGLU").
+
+    Args:
+      in_features: D.
+      hidden_features: F, the width of silu(g)·u (Llama's `intermediate_size`).
+      out_features: D_out; None (default): D.
+      dtype, param_dtype, precision, kernel_init, rngs: as for `nnx.Linear`.
+      fp8: None, True or `jax_epilog.Fp8(...)`: as `jax_epilog.swiglu`'s `fp8=`. Unless
+        `Fp8(scaling="current")`, the block holds its two GEMMs' amax histories as
+        `AmaxHistory` variables (`gate_up_input_amax_history`, ...,
+        `down_gradient_amax_history`) and runs delayed scaling, as `Dense` does.
+    """
+
+    def __init__(self, in_features: int, hidden_features: int,
+                 out_features: Optional[int] = None, *, dtype: Optional[Any] = None,
+                 param_dtype: Any = jnp.float32, precision: Any = None,
+                 kernel_init: Any = nnx.initializers.lecun_normal(), rngs: nnx.Rngs,
+                 fp8: Any = None):
+        fp8 = as_fp8(fp8)
+        out_features = in_features if out_features is None else out_features
+        layer = dict(use_bias=False, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
+        self.gate = Dense(in_features, hidden_features, **layer)
+        self.up = Dense(in_features, hidden_features, **layer)
+        self.down = Dense(hidden_features, out_features, **layer)
+        self.in_features = in_features
+        self.dtype = dtype
+        self.precision = precision
+        self.fp8 = fp8
+        for gemm in FP8_GEMMS:
+            histories = _amax_histories(fp8)
+            for field, history in zip(Fp8History._fields, histories):
+                setattr(self, f"{gemm}_{field}_amax_history", history)
+
+    def fp8_state(self) -> Optional[tuple[Fp8History, ...]]:
+        """The block's `fp8_state=` for `jax_epilog.swiglu` (None under current scaling)."""
+        if self.gate_up_input_amax_history is None:
+            return None
+        return tuple(Fp8History(*(getattr(self, f"{gemm}_{field}_amax_history")[...]
+                                  for field in Fp8History._fields)) for gemm in FP8_GEMMS)
+
+    def __call__(self, inputs):
+        _check_in_features(inputs, self.in_features, "SwiGLU")
+        kernels = [layer.kernel_and_bias()[0] for layer in (self.gate, self.up, self.down)]
+        inputs, gate, up, down = promote(promote_dtype, inputs, *kernels, dtype=self.dtype)
+        return swiglu(inputs, (gate, up), down, precision=self.precision, fp8=self.fp8,
+                      fp8_state=self.fp8_state())

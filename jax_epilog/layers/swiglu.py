@@ -1,0 +1,291 @@
+"""`swiglu`: the Llama-style MLP block `down(silu(x @ gate) * (x @ up))`, no biases, as ONE
+`jax.custom_vjp` that keeps little for its backward.
+
+In the compute dtype (no `fp8=`) the GEMMs are XLA's (a bf16 GEMM with no bias or ReLU/GELU
+gains nothing from an epilog: XLA's own runs at the chip's ceiling, benchmarks/README.md).
+The custom VJP keeps x and the gate/up GEMM's result `[g u]` and recomputes h = silu(g)·u in
+the backward's elementwise fusions, where JAX's autodiff of the plain block keeps h too.
+
+With `fp8=` (SPEC §5's recipe, `Fp8`; docs/fp8.md, "SwiGLU"):
+
+- Forward: x and the concatenated kernel `[gate up]` `(D, 2F)` quantized to e4m3, then ONE
+  FP8 GEMM for g and u (N = 2F, result in the compute dtype). One XLA fusion reads `[g u]`
+  and writes h = silu(g)·u quantized to e4m3 (the down GEMM's operand) and `[g u]` in e4m3
+  (the backward's copy); then the FP8 down GEMM.
+- Residuals: x8, `[g u]`8 and h8 (one byte per element each) with their scales, and the
+  two FP8 kernels: never a 16-bit copy of an activation.
+- Backward: dy quantized to e5m2; d(down) = h8ᵀ dy8 and dh = dy8 down8ᵀ; one fusion computes
+  dg = dh·u·silu'(g) and du = dh·silu(g) from `[g u]`8 and quantizes `[dg du]` to e5m2;
+  d(gate_up) = x8ᵀ `[dg du]`8 and dx = `[dg du]`8 `[gate up]`8ᵀ.
+- Delayed scaling (`fp8_state=`: two `Fp8History`, the gate/up GEMM's (input x, gradient
+  `[dg du]`) then the down GEMM's (input h, gradient dy)): x and h take their scales from the
+  histories, as a stack's layer inputs do; the kernels, the gradients and the saved `[g u]`8
+  keep current scaling (as the stacks' weights and top gradients do). The state's gradient is
+  its next value, each history with this step's amax recorded.
+
+`Fp8(layers="auto")` runs the block FP8 where both GEMMs pass `stack_plan.fp8_pays` (large
+enough, widths multiples of 16), else in the compute dtype (an `fp8_state` then passes
+through unchanged); `layers="all"` always.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
+from jax_epilog.float8.scaling import quantize_scaled, record
+from jax_epilog.float8.weights import Fp8Weight
+from jax_epilog.layers import fp8_step
+from jax_epilog.layers.functional import _compute_dtype, _described
+from jax_epilog.layers.gemms import LAYER_INPUT_NAME
+from jax_epilog.op import manual_axes
+from jax_epilog.planning.stack_plan import quantized_layers
+
+#: `checkpoint_name` of the block's saved hidden activations (`[g u]`, and h8 under FP8), for
+#: remat policies; its input is saved as `LAYER_INPUT_NAME`, as the stacks' are.
+SWIGLU_HIDDEN_NAME = "jax_epilog_swiglu_hidden"
+
+#: `fp8_state=` of the block: one `Fp8History` per GEMM, in this order.
+FP8_GEMMS = ("gate_up", "down")
+
+
+class Block(NamedTuple):
+    """The static description of one traced block: its FP8 config (None: compute dtype),
+    its GEMMs' precision, and F (the split of `[g u]`)."""
+
+    fp8: Optional[Fp8]
+    precision: object
+    hidden: int
+
+
+def _silu_and_derivative(g):
+    """(silu(g), silu'(g)) in float32: silu = g·σ(g), silu' = σ(g)·(1 + g·(1 - σ(g)))."""
+    g = g.astype(jnp.float32)
+    sigmoid = jax.nn.sigmoid(g)
+    return g * sigmoid, sigmoid * (1.0 + g * (1.0 - sigmoid))
+
+
+def _hidden(gu, hidden: int):
+    """h = silu(g)·u in float32 from `[g u]` `(M, 2F)`."""
+    return jax.nn.silu(gu[:, :hidden].astype(jnp.float32)) * gu[:, hidden:].astype(jnp.float32)
+
+
+def _hidden_gradient(dh, gu, hidden: int, dtype):
+    """`[dg du]` in `dtype`, each computed in float32: dg = dh·u·silu'(g), du = dh·silu(g)."""
+    silu, dsilu = _silu_and_derivative(gu[:, :hidden])
+    dh = dh.astype(jnp.float32)
+    return jnp.concatenate([(dh * gu[:, hidden:].astype(jnp.float32) * dsilu).astype(dtype),
+                            (dh * silu).astype(dtype)], axis=1)
+
+
+# --- compute dtype -------------------------------------------------------------------------
+
+def _dot(a, b, precision, dtype):
+    """a @ b in the compute dtype (XLA's GEMMs accumulate in float32 and write that dtype)."""
+    return jnp.matmul(a, b, precision=precision).astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _block(block: Block, x, gate_up, down):
+    gu = _dot(x, gate_up, block.precision, x.dtype)
+    return _dot(_hidden(gu, block.hidden).astype(x.dtype), down, block.precision, x.dtype)
+
+
+def _block_fwd(block: Block, x, gate_up, down):
+    gu = _dot(x, gate_up, block.precision, x.dtype)
+    y = _dot(_hidden(gu, block.hidden).astype(x.dtype), down, block.precision, x.dtype)
+    return y, (_input(x), checkpoint_name(gu, SWIGLU_HIDDEN_NAME), gate_up, down)
+
+
+def _block_bwd(block: Block, saved, dy):
+    x, gu, gate_up, down = saved
+    dtype, p = dy.dtype, block.precision
+    h = _hidden(gu, block.hidden).astype(dtype)
+    ddown = _dot(h.T, dy, p, down.dtype)
+    dgu = _hidden_gradient(_dot(dy, down.T, p, dtype), gu, block.hidden, dtype)
+    return _dot(dgu, gate_up.T, p, x.dtype), _dot(x.T, dgu, p, gate_up.dtype), ddown
+
+
+_block.defvjp(_block_fwd, _block_bwd)
+
+
+def _input(x):
+    return checkpoint_name(x, LAYER_INPUT_NAME)
+
+
+# --- FP8 -----------------------------------------------------------------------------------
+
+class Saved(NamedTuple):
+    """What the FP8 backward keeps: the FP8 input x8, `[g u]`8, h8 and kernels, their
+    dequantization scales, and x's and h's amaxes (for the next state; None without one)."""
+
+    x8: object
+    x_scale: object
+    gu8: object
+    gu_scale: object
+    h8: object
+    h_scale: object
+    w8: object
+    w_scale: object
+    down8: object
+    down_scale: object
+    x_amax: object
+    h_amax: object
+
+
+def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
+    fp8 = block.fp8
+    axes, fmt, margin = fp8.amax_reduction_axes, fp8.forward, fp8.margin
+    history = (lambda i: state[i].input) if fp8.delayed and state is not None else (lambda i: None)
+    fast = fp8.fast("forward")
+    x8, x_scale, x_amax = quantize_scaled(x, fmt, margin, history(0), axes)
+    w8, w_scale, _ = quantize_scaled(gate_up, fmt, margin, amax_axes=axes)
+    down8, down_scale, _ = quantize_scaled(down, fmt, margin, amax_axes=axes)
+    gu, _ = fp8_step._matmul8(x8, x_scale, w8, w_scale, x.dtype, "auto", fast)
+    h8, h_scale, h_amax = quantize_scaled(_hidden(gu, block.hidden), fmt, margin, history(1), axes)
+    y, _ = fp8_step._matmul8(h8, h_scale, down8, down_scale, x.dtype, "auto", fast)
+    if not keep:
+        return y, None
+    gu8, gu_scale, _ = quantize_scaled(gu, fmt, margin, amax_axes=axes)
+    named = functools.partial(checkpoint_name, name=SWIGLU_HIDDEN_NAME)
+    recorded = state is not None  # the amaxes are kept only for the next state
+    return y, Saved(_input(x8), x_scale, named(gu8), gu_scale, named(h8), h_scale, w8, w_scale,
+                    down8, down_scale, x_amax if recorded else None, h_amax if recorded else None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_block(block: Block, x, gate_up, down, state):
+    return _fp8_forward(block, x, gate_up, down, state, keep=False)[0]
+
+
+def _fp8_block_fwd(block: Block, x, gate_up, down, state):
+    y, saved = _fp8_forward(block, x, gate_up, down, state, keep=True)
+    return y, (saved, state)
+
+
+def _fp8_block_bwd(block: Block, residuals, dy):
+    s, state = residuals
+    fp8, dtype = block.fp8, dy.dtype
+    axes, fmt, margin = fp8.amax_reduction_axes, fp8.gradient, fp8.margin
+    fast_data, fast_weight = fp8.fast("data gradient"), fp8.fast("weight gradient")
+    matmul8 = fp8_step._matmul8
+    dy8, dy_scale, dy_amax = quantize_scaled(dy, fmt, margin, amax_axes=axes)
+    # The weight gradient's K-major operands (h8ᵀ, dy8ᵀ) are made after the barrier, as in
+    # the stacks (fp8_step._barrier says why); the data gradient waits for it.
+    dy8, h8 = fp8_step._barrier(dy8, s.h8)
+    ddown, _ = matmul8(h8.T, s.h_scale, dy8.T, dy_scale, dtype, "auto", fast_weight,
+                       transpose_b=True)
+    dy8, ddown = fp8_step._barrier(dy8, ddown)
+    dh, _ = matmul8(dy8, dy_scale, s.down8, s.down_scale, dtype, "auto", fast_data,
+                    transpose_b=True)
+    gu = s.gu8.astype(jnp.float32) * s.gu_scale
+    dgu8, dgu_scale, dgu_amax = quantize_scaled(_hidden_gradient(dh, gu, block.hidden, jnp.float32),
+                                                fmt, margin, amax_axes=axes)
+    dgu8, x8 = fp8_step._barrier(dgu8, s.x8)
+    dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T, dgu_scale, dtype, "auto", fast_weight,
+                          transpose_b=True)
+    dgu8, dgate_up = fp8_step._barrier(dgu8, dgate_up)
+    dx, _ = matmul8(dgu8, dgu_scale, s.w8, s.w_scale, dtype, "auto", fast_data,
+                    transpose_b=True)
+    next_state = None if state is None else (
+        Fp8History(record(state[0].input, s.x_amax), record(state[0].gradient, dgu_amax)),
+        Fp8History(record(state[1].input, s.h_amax), record(state[1].gradient, dy_amax)))
+    return dx, dgate_up, ddown, next_state
+
+
+_fp8_block.defvjp(_fp8_block_fwd, _fp8_block_bwd)
+
+
+# --- the public block ------------------------------------------------------------------------
+
+def _kernels(x, gate_up, down):
+    """(the `(D, 2F)` kernel `[gate up]`, down, F), checked against x `(..., D)`."""
+    stored = [a for a in (*(gate_up if isinstance(gate_up, (tuple, list)) else (gate_up,)), down)
+              if isinstance(a, Fp8Weight)]
+    if stored:
+        raise TypeError("gate_up, down: swiglu trains 16/32-bit kernels and does not run "
+                        "kernels stored in FP8 (jax_epilog.Fp8Weight); keep the block's "
+                        "kernels out of quantize_params (its include= rule)")
+    d = jnp.shape(x)[-1] if jnp.ndim(x) else None
+    if d is None:
+        raise ValueError(f"x: expected an array of shape (..., D), got shape {jnp.shape(x)}")
+    if isinstance(gate_up, (tuple, list)):
+        if len(gate_up) != 2:
+            raise TypeError(f"gate_up: expected a (D, 2F) kernel or a (gate, up) pair of (D, F) "
+                            f"kernels, got {_described(gate_up)}")
+        gate, up = gate_up
+        for name, kernel in (("gate", gate), ("up", up)):
+            if jnp.ndim(kernel) != 2 or jnp.shape(kernel)[0] != d:
+                raise ValueError(f"gate_up ({name}): expected shape ({d}, F) (x has {d} "
+                                 f"features), got {jnp.shape(kernel)}")
+        if jnp.shape(gate) != jnp.shape(up):
+            raise ValueError(f"gate_up: gate and up must have the same shape (D, F), got "
+                             f"{jnp.shape(gate)} and {jnp.shape(up)}")
+        hidden = jnp.shape(gate)[1]
+        gate_up = jnp.concatenate([gate, up], axis=1)  # fused into the cast or quantization
+    else:
+        shape = jnp.shape(gate_up)
+        if len(shape) != 2 or shape[0] != d or shape[1] % 2:
+            raise ValueError(f"gate_up: expected shape ({d}, 2F) ([gate up] side by side; x has "
+                             f"{d} features) or a (gate, up) pair, got {_described(gate_up)}")
+        hidden = shape[1] // 2
+    if jnp.ndim(down) != 2 or jnp.shape(down)[0] != hidden:
+        raise ValueError(f"down: expected shape ({hidden}, D_out) (the hidden width F = "
+                         f"{hidden}), got {jnp.shape(down)}")
+    return gate_up, down, hidden
+
+
+def runs_fp8(fp8: Optional[Fp8], rows: int, d: int, hidden: int, d_out: int) -> bool:
+    """Whether the block runs FP8 under `fp8` (`as_fp8`'d) for `rows` rows: `layers="all"`,
+    or both its GEMMs `(rows, D) @ (D, 2F)` and `(rows, F) @ (F, D_out)` by the rule."""
+    return fp8 is not None and all(c.choice == "fp8" for c in quantized_layers(
+        fp8, rows, (d, 2 * hidden)) + quantized_layers(fp8, rows, (hidden, d_out)))
+
+
+def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=None):
+    """The SwiGLU MLP block of Llama-style models, `down(silu(x @ gate) * (x @ up))`, no biases.
+
+    Args:
+      x: `(..., D)`; the leading dims are flattened into the GEMMs' rows.
+      gate_up: the gate and up kernels, either as a pair `(gate, up)` of `(D, F)` kernels or
+        side by side in one `(D, 2F)` kernel (`gate = gate_up[:, :F]`, `up = gate_up[:, F:]`).
+        Either way they run as one GEMM (a pair is concatenated in the step, a copy XLA fuses
+        into the cast or FP8 quantization that reads the kernels anyway).
+      down: `(F, D_out)`.
+      dtype: the computation dtype; None: `jnp.result_type` of x and the kernels, like Flax.
+      precision: the GEMMs' precision in the compute dtype (float32 only), as `dense`'s.
+      fp8: None or False (compute dtype), True (`jax_epilog.Fp8()`) or `jax_epilog.Fp8(...)`:
+        the gate/up GEMM and the down GEMM in FP8 (e4m3 activations and kernels, e5m2
+        gradients by default), h = silu(g)·u quantized in the fusion that computes it, the
+        backward's activations kept in FP8 (docs/fp8.md, "SwiGLU"). `Fp8()` runs FP8 where
+        both GEMMs are large enough (`layers="auto"`), `Fp8(layers="all")` always.
+      fp8_state: two `jax_epilog.Fp8History` (`Fp8(...).init_state(2)`: the gate/up GEMM's,
+        then the down GEMM's): delayed scaling, as for `dense`; its gradient is its next value.
+
+    Returns:
+      `(..., D_out)` in the computation dtype. Differentiable in reverse mode w.r.t. x, the
+      kernels and `fp8_state`.
+    """
+    fp8 = as_fp8(fp8)
+    fp8_state = check_state(fp8, fp8_state, len(FP8_GEMMS))
+    gate_up, down, hidden = _kernels(x, gate_up, down)
+    dtype = _compute_dtype(dtype, [x, gate_up, down])
+    x, gate_up, down = (jnp.asarray(a, dtype) for a in (x, gate_up, down))
+    lead, d, d_out = x.shape[:-1], x.shape[-1], down.shape[1]
+    rows = x.reshape(math.prod(lead), d)
+    axes = manual_axes.varying_axes([rows, gate_up, down])
+    rows, gate_up, down = (manual_axes.vary(a, axes) for a in (rows, gate_up, down))
+    if runs_fp8(fp8, rows.shape[0], d, hidden, d_out):
+        block = Block(fp8.resolved(fp8_state is not None), precision, hidden)
+        y = _fp8_block(block, rows, gate_up, down, fp8_state)
+    else:
+        y = _block(Block(None, precision, hidden), rows, gate_up, down)
+        if fp8_state is not None:
+            y = fp8_step.carry_state(y, fp8_state)
+    return y.reshape(*lead, d_out)
