@@ -1,7 +1,7 @@
 """The GPT example trained data parallel by 2 processes on this machine's CPU
 (`train.py --distributed`, `jax.distributed.initialize` with a coordinator on a free local
 port): the losses of one process with the same global batch, a checkpoint written once and
-restored by both.
+restored by both, data parallel with the state replicated, then resumed fully sharded.
 
 Each process starts JAX and compiles the step: about a minute in all, so the slow tier."""
 
@@ -88,7 +88,8 @@ def test_two_processes_train_as_one_and_share_a_checkpoint(tmp_path):
     # written once: the state's bytes are one process's checkpoint's, not one copy each
     assert _data_bytes(ckpt / "2") < 1.5 * _data_bytes(tmp_path / "single_ckpt" / "2")
 
-    outputs = _run(2, second, "--checkpoint-dir", str(ckpt))
+    # resumed fully sharded: the replicated checkpoint restored into shards of the state
+    outputs = _run(2, second, "--checkpoint-dir", str(ckpt), "--fsdp")
     for i, text in enumerate(outputs):
         assert f"process {i} of 2: 1 of 2 devices, resumed from step 2" in text, text
     got = _losses(first) + _losses(second)
@@ -96,4 +97,5 @@ def test_two_processes_train_as_one_and_share_a_checkpoint(tmp_path):
     # The mean over 2 shards of rows, and gradients summed across processes, in another
     # order than one device's: float32 rounding, through 4 AdamW steps.
     assert got == pytest.approx(want, rel=2e-6)
-    assert json.loads(second.read_text())["processes"] == 2
+    resumed = json.loads(second.read_text())
+    assert resumed["processes"] == 2 and resumed["fully_sharded"]

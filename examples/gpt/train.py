@@ -120,12 +120,25 @@ def data_mesh() -> Optional[jax.sharding.Mesh]:
     return jax.sharding.Mesh(np.array(devices), ("data",)) if len(devices) > 1 else None
 
 
+def state_shardings(mesh: jax.sharding.Mesh, state, fully_sharded: bool = False):
+    """The state's shardings: replicated, or `fully_sharded` (FSDP, ZeRO-3): every matrix
+    (parameters and their optimizer moments) split along its first axis over "data" where it
+    divides evenly; XLA gathers each where a layer uses it (the FP8 layers gather their
+    weights in FP8, docs/multi_gpu.md) and reduce-scatters the gradients."""
+    def sharding(leaf):
+        shape = getattr(leaf, "shape", ())
+        split = fully_sharded and len(shape) >= 2 and shape[0] % mesh.size == 0
+        return NamedSharding(mesh, P("data") if split else P())
+    return jax.tree.map(sharding, state)
+
+
 class Trainer:
     """The jitted train and eval steps of one model, functional over `TrainState`; data
-    parallel over `mesh`'s "data" axis where given (`data_mesh`)."""
+    parallel over `mesh`'s "data" axis where given (`data_mesh`), the state replicated or
+    `fully_sharded` (`state_shardings`)."""
 
     def __init__(self, model: GPT, optimizer: optax.GradientTransformation,
-                 mesh: Optional[jax.sharding.Mesh] = None):
+                 mesh: Optional[jax.sharding.Mesh] = None, fully_sharded: bool = False):
         self.graphdef, params, fp8, self.rest = split(model)
         self.optimizer = optimizer
         self.mesh = mesh
@@ -136,12 +149,12 @@ class Trainer:
             self.eval_loss = jax.jit(self._eval_loss)
             return
         replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-        # Every process holds the same initial state (the same seed): a replicated copy.
-        self.initial = jax.device_put(self.initial, replicated)
-        self.step = jax.jit(self._step, donate_argnums=0,
-                            in_shardings=(replicated, rows, rows),
-                            out_shardings=(replicated, replicated))
-        self.eval_loss = jax.jit(self._eval_loss, in_shardings=(replicated, rows, rows),
+        states = state_shardings(mesh, self.initial, fully_sharded)
+        # Every process holds the same initial state (the same seed) and keeps its shards.
+        self.initial = jax.device_put(self.initial, states)
+        self.step = jax.jit(self._step, donate_argnums=0, in_shardings=(states, rows, rows),
+                            out_shardings=(states, replicated))
+        self.eval_loss = jax.jit(self._eval_loss, in_shardings=(states, rows, rows),
                                  out_shardings=replicated)
 
     def batch(self, arrays):
@@ -252,13 +265,17 @@ def versions() -> dict[str, Any]:
 def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False,
           dtype_name: str = "auto", attention: str = "auto",
           checkpoint_dir: Optional[Path] = None, corpus: Optional[data.Corpus] = None,
-          progress: bool = True, stop_after: Optional[int] = None) -> dict[str, Any]:
+          progress: bool = True, stop_after: Optional[int] = None,
+          fully_sharded: bool = False) -> dict[str, Any]:
     """Trains (or resumes from `checkpoint_dir`) to `config.steps`, or stops after step
     `stop_after` (checkpointing there, as an interrupted run would have); returns the summary."""
     dtype = compute_dtype(dtype_name)
     corpus = corpus if corpus is not None else data.load_corpus()
     model = build_model(config, impl, fp8=fp8, dtype=dtype, attention=attention)
-    trainer = Trainer(model, make_optimizer(config), data_mesh())
+    mesh = data_mesh()
+    if fully_sharded and mesh is None:
+        raise ValueError("fully_sharded: shards the state over several devices; JAX sees one")
+    trainer = Trainer(model, make_optimizer(config), mesh, fully_sharded)
     batches = data.Batches(corpus.train, config.batch_size, config.model.seq_len, config.seed)
     validation = data.validation_batches(corpus.validation, config.batch_size,
                                          config.model.seq_len, config.eval_batches)
@@ -313,6 +330,7 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
         "steps": [start, end], "resumed_from": resumed_from,
         "tokens_per_step": config.tokens_per_step,
         "processes": jax.process_count(), "devices": jax.device_count(),
+        "fully_sharded": fully_sharded,
         "step_time_median_s": step_time,
         "tokens_per_s": config.tokens_per_step / step_time if step_time else None,
         "compile_s": compile_seconds, "memory": memory,
@@ -349,6 +367,9 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--log-every", type=int, help="record the training loss every N steps")
     parser.add_argument("--stop-after", type=int,
                         help="stop (and checkpoint) after this step, as an interrupted run")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard the parameters and optimizer state over the devices "
+                             "(gathered per layer) instead of replicating them")
     parser.add_argument("--distributed", action="store_true",
                         help="one of several processes: jax.distributed.initialize first")
     parser.add_argument("--coordinator-address", default=None,
@@ -385,7 +406,8 @@ def main(argv=None) -> dict[str, Any]:
                      f"{args.impl}); Flax's own FP8 is --impl flax_fp8")
     summary = train(config, args.impl, fp8=args.fp8, dtype_name=args.dtype,
                     attention=args.attention, checkpoint_dir=args.checkpoint_dir,
-                    progress=not args.no_progress, stop_after=args.stop_after)
+                    progress=not args.no_progress, stop_after=args.stop_after,
+                    fully_sharded=args.fsdp)
     summary.pop("state")
     speed = (f"tokens/s {summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else
              f"tokens/s not measured (the first {config.log_every} steps include compilation; "
