@@ -25,10 +25,6 @@ A dimension that does not divide evenly over its mesh axes, or a mesh axis alrea
 another dimension, is replicated instead. Which axes each array has comes from
 `epilogs.ARRAYS`. A sharded call cannot be serialised with `jax.export` (the partitioner calls
 back into Python); single-device exports contain the kernel alone.
-
-`flat_barrier`, the FP8 layers' optimization barrier, is partitioned the same way: each device
-flattens its own block, so the barrier keeps every operand's sharding (a flattening of the
-global array would gather whatever is split along a minor dimension).
 """
 
 from __future__ import annotations
@@ -232,37 +228,3 @@ def _sharding_rule(params: Params, shapes: tuple, dtype: str, mesh, operand_type
     return rule, dict(reduction_factors=("k",), need_replication_factors=need_replication,
                       **factor_sizes)
 
-
-# --- an optimization barrier that keeps shardings -----------------------------------------------
-
-def flat_barrier(*arrays):
-    """`jax.lax.optimization_barrier` over `arrays` (None passes), each crossing it flattened
-    on every device: a 1-D array has one layout, so XLA's layout assignment cannot move a
-    transpose across the barrier (`fp8_step` says why that matters). Partitioned like the
-    GEMM, with a Shardy rule that keeps each operand's sharding, so under `jax.jit` each
-    device flattens its own block and nothing is gathered."""
-    present = [a for a in arrays if a is not None]
-    if not present:
-        return arrays
-    crossed = iter(_barrier_op(tuple(a.ndim for a in present))(*present))
-    return tuple(None if a is None else next(crossed) for a in arrays)
-
-
-def _local_barrier(*arrays):
-    flat = jax.lax.optimization_barrier(tuple(a.reshape(-1) for a in arrays))
-    return tuple(f.reshape(a.shape) for f, a in zip(flat, arrays))
-
-
-@functools.cache
-def _barrier_op(ranks: tuple[int, ...]):
-    op = custom_partitioning(_local_barrier)
-    terms = [" ".join(f"a{i}d{d}" for d in range(rank)) or "" for i, rank in enumerate(ranks)]
-    rule = f"{', '.join(terms)} -> {', '.join(terms)}"
-    op.def_partition(partition=_barrier_partition, sharding_rule=rule)
-    return op
-
-
-def _barrier_partition(mesh, arg_shapes, result_shape):
-    del result_shape
-    shardings = tuple(a.sharding for a in arg_shapes)
-    return mesh, _local_barrier, shardings, shardings
