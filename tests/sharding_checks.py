@@ -657,8 +657,10 @@ def test_fp8_block_has_the_collectives_of_bf16(layout, scaling):
             assert fp8.counts[kind] <= bf16.counts[kind], (kind, fp8, bf16)
         extra = bound_bytes if kind == "all-reduce" else 0
         assert fp8.bytes[kind] <= bf16.bytes[kind] + extra, (kind, fp8, bf16)
-    assert fp8.other_scalars == 0 and bf16.scalar_all_reduces == 0, (fp8, bf16)
-    assert fp8.scalar_all_reduces > 0  # the amaxes are reduced (whole-tensor scales)
+    assert fp8.other_scalars == 0, fp8
+    # the amaxes are reduced (whole-tensor scales); bf16's only scalar is the loss's sum,
+    # which the CPU sends with the gradients
+    assert fp8.scalar_all_reduces > bf16.scalar_all_reduces, (fp8, bf16)
     if layout == "fully sharded":
         assert bf16.bytes["all-gather"] > 0
         assert fp8.bytes["all-gather"] <= 0.55 * bf16.bytes["all-gather"], (fp8, bf16)
