@@ -227,4 +227,3 @@ def _sharding_rule(params: Params, shapes: tuple, dtype: str, mesh, operand_type
     rule = f"{', '.join(operands)} -> {', '.join(results)}"
     return rule, dict(reduction_factors=("k",), need_replication_factors=need_replication,
                       **factor_sizes)
-
