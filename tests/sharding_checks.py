@@ -24,6 +24,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import collectives
 import jax_epilog
 from jax_epilog import Epilog
 from jax_epilog.runtime import targets
@@ -630,3 +631,50 @@ def test_fp8_step_gathers_nothing_the_bf16_step_does_not(scaling):
         <= FP8_TOL
     for g, w in zip(jax.tree.leaves(got[1][1]), jax.tree.leaves(want[1][1])):
         np.testing.assert_allclose(g, w, rtol=0 if FP8_EXACT else FP8_STATE_RTOL)
+
+
+# --- FP8 collectives: tensor, sequence and fully sharded parallelism (tests/collectives.py) ---
+
+@pytest.mark.skipif(len(DEVICES) < 8, reason="the (data=2, model=4) mesh needs 8 devices")
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("layout", list(collectives.LAYOUTS))
+def test_fp8_block_has_the_collectives_of_bf16(layout, scaling):
+    """A Megatron MLP block's training step under `jit`: the FP8 program has no collective
+    that moves more than the bf16 one's (no all-gather or all-to-all the bf16 program lacks,
+    no more bytes of any kind), and its extra collectives are scalar all-reduces (amaxes).
+    Fully sharded, the weights are gathered in FP8: at most 0.55x bf16's bytes."""
+    compiled = lambda recipe: collectives.summarize(collectives.collectives(
+        (lambda step, args: step.lower(*args).compile().as_text())(
+            *collectives.block_step(layout, recipe, MESHES["data_model"]))))
+    bf16, fp8 = compiled("bf16"), compiled(scaling)
+    # One known extra, delayed scaling with the first layer's K split (fully sharded): the
+    # cold-history bound on the GEMM-written hidden activation (`scaling.result_bound`) sums
+    # |W1| over K, an all-reduce of HIDDEN float32 column sums, 0.1% of the step's bytes.
+    bound_bytes = 4 * collectives.HIDDEN if scaling == "delayed" and layout == "fully sharded" \
+        else 0
+    for kind in collectives.KINDS:
+        if kind != "all-reduce":  # FP8 may split one fused all-reduce into several
+            assert fp8.counts[kind] <= bf16.counts[kind], (kind, fp8, bf16)
+        extra = bound_bytes if kind == "all-reduce" else 0
+        assert fp8.bytes[kind] <= bf16.bytes[kind] + extra, (kind, fp8, bf16)
+    assert fp8.other_scalars == 0, fp8
+    # the amaxes are reduced (whole-tensor scales); bf16's only scalar is the loss's sum,
+    # which the CPU sends with the gradients
+    assert fp8.scalar_all_reduces > bf16.scalar_all_reduces, (fp8, bf16)
+    if layout == "fully sharded":
+        assert bf16.bytes["all-gather"] > 0
+        assert fp8.bytes["all-gather"] <= 0.55 * bf16.bytes["all-gather"], (fp8, bf16)
+
+
+@pytest.mark.skipif(len(DEVICES) < 8, reason="the (data=2, model=4) mesh needs 8 devices")
+@pytest.mark.parametrize("layout", ["tensor parallel", "fully sharded"])
+def test_fp8_block_step_sharded_is_one_devices(layout):
+    """The same step's values: the loss and gradients of the sharded FP8 step are those of
+    the step on one device (the per-shard barrier and the gathered FP8 weights change no
+    value; FP8_TOL covers the bfloat16 sums in another order)."""
+    step, args = collectives.block_step(layout, "current", MESHES["data_model"])
+    got = step(*args)
+    one, one_args = collectives.block_step(None, "current")
+    want = one(*one_args)
+    assert _fp8_error(got[0], want[0]) <= FP8_TOL
+    assert _fp8_error(got[1][0], want[1][0]) <= FP8_TOL

@@ -10,6 +10,7 @@ rounding only (more than float32 rounding, so the comparison with the model can 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -459,6 +460,25 @@ def test_residuals_are_fp8():
     gelu = saved_residuals(lambda x, p: jax_epilog.mlp(x, p, activation="gelu", fp8=ALL),
                            x, params)
     assert ("f32", (5, jax_epilog.gelu_aux_columns(129))) in gelu
+
+
+def test_backward_barriers_take_flat_arrays_on_one_device():
+    """The backward's optimization barriers (`fp8_step._barrier`, a primitive partitioned per
+    shard) still see 1-D arrays on one device, the layout guard of docs/fp8.md ("Layouts"):
+    odd shapes, the bias gradient (bf16) crossing with the FP8 gradient."""
+    rng = np.random.default_rng(31)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+    layers = [(normal(64, 136), normal(136)), (normal(136, 24), None)]
+    config = Fp8(layers="all", scaling="current")
+    loss = lambda layers, x: jnp.sum(jax_epilog.mlp(x, layers, fp8=config)
+                                     .astype(jnp.float32))
+    text = jax.jit(jax.grad(loss)).lower(layers, normal(129, 64)).as_text()
+    barriers = [line.split(":", 2)[-1] for line in text.splitlines()
+                if "stablehlo.optimization_barrier" in line]
+    assert len(barriers) == 4, barriers  # two per FP8 layer
+    for types in barriers:
+        shapes = re.findall(r"tensor<([^>]*)>", types)
+        assert shapes and all(s.count("x") == 1 for s in shapes), types  # rank 1 each
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
     python examples/gpt/train.py --config tiny                       # CPU, a minute
     python examples/gpt/train.py --config small --impl epilog --fp8  # one H200
     python examples/gpt/train.py --config large --impl stock --checkpoint-dir /tmp/gpt --out run.json
+    python examples/gpt/train.py --distributed ...   # one copy per process (README.md)
 
 AdamW with linear warm-up and cosine decay, global-norm clipping, a tqdm bar with the loss and
 tokens/s, the validation loss every `eval_every` steps, orbax checkpoints (parameters, optimizer
@@ -11,6 +12,14 @@ resumed from `--checkpoint-dir` takes exactly the steps an uninterrupted run tak
 writes a JSON summary: tokens/s, median step time, the compiled step's memory, the loss
 histories and the versions. Compute is bfloat16 on a GPU (float32 parameters), float32
 elsewhere.
+
+Data parallel over every device JAX sees (`data_mesh`): with several devices the state is
+replicated and each global batch split along its rows over a "data" axis. `--distributed`
+first joins the processes of a multi-process run (`jax.distributed.initialize`, JAX's own
+runtime), whose devices then make up the one mesh: every process runs this script with the
+same arguments, builds the same global batch (the loader is a function of seed and position)
+and feeds its devices their rows; checkpoints are written once for all (orbax), and process 0
+alone shows progress and writes `--out`.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import sys
@@ -34,6 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import jax_epilog
@@ -102,16 +114,61 @@ def cross_entropy(logits, targets):
         logits.astype(jnp.float32), targets).mean()
 
 
-class Trainer:
-    """The jitted train and eval steps of one model, functional over `TrainState`."""
+def data_mesh() -> Optional[jax.sharding.Mesh]:
+    """Every device of every process along one "data" axis; None with a single device."""
+    devices = jax.devices()
+    return jax.sharding.Mesh(np.array(devices), ("data",)) if len(devices) > 1 else None
 
-    def __init__(self, model: GPT, optimizer: optax.GradientTransformation):
+
+def state_shardings(mesh: jax.sharding.Mesh, state, fully_sharded: bool = False):
+    """The state's shardings: replicated, or `fully_sharded` (FSDP, ZeRO-3): every matrix
+    (parameters and their optimizer moments) split along its first axis over "data" where it
+    divides evenly; XLA gathers each where a layer uses it (the FP8 layers gather their
+    weights in FP8, docs/multi_gpu.md) and reduce-scatters the gradients."""
+    def sharding(leaf):
+        shape = getattr(leaf, "shape", ())
+        split = fully_sharded and len(shape) >= 2 and shape[0] % mesh.size == 0
+        return NamedSharding(mesh, P("data") if split else P())
+    return jax.tree.map(sharding, state)
+
+
+class Trainer:
+    """The jitted train and eval steps of one model, functional over `TrainState`; data
+    parallel over `mesh`'s "data" axis where given (`data_mesh`), the state replicated or
+    `fully_sharded` (`state_shardings`)."""
+
+    def __init__(self, model: GPT, optimizer: optax.GradientTransformation,
+                 mesh: Optional[jax.sharding.Mesh] = None, fully_sharded: bool = False):
         self.graphdef, params, fp8, self.rest = split(model)
         self.optimizer = optimizer
+        self.mesh = mesh
         self.initial = TrainState(jnp.zeros((), jnp.int32), params, fp8,
                                   optimizer.init(params))
-        self.step = jax.jit(self._step, donate_argnums=0)
-        self.eval_loss = jax.jit(self._eval_loss)
+        if mesh is None:
+            self.step = jax.jit(self._step, donate_argnums=0)
+            self.eval_loss = jax.jit(self._eval_loss)
+            return
+        replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        states = state_shardings(mesh, self.initial, fully_sharded)
+        # Every process holds the same initial state (the same seed) and keeps its shards.
+        self.initial = jax.device_put(self.initial, states)
+        self.step = jax.jit(self._step, donate_argnums=0, in_shardings=(states, rows, rows),
+                            out_shardings=(states, replicated))
+        self.eval_loss = jax.jit(self._eval_loss, in_shardings=(states, rows, rows),
+                                 out_shardings=replicated)
+
+    def batch(self, arrays):
+        """A host batch (the same global batch on every process) as the step takes it: split
+        along its rows over the mesh, each process giving its own devices' rows."""
+        if self.mesh is None:
+            return arrays
+        rows = NamedSharding(self.mesh, P("data"))
+        if arrays[0].shape[0] % self.mesh.size:
+            raise ValueError(f"batch_size: {arrays[0].shape[0]} rows do not split evenly over "
+                             f"the {self.mesh.size} devices of the data-parallel mesh; use a "
+                             f"multiple of {self.mesh.size}")
+        return tuple(jax.make_array_from_callback(a.shape, rows, lambda index, a=a: a[index])
+                     for a in arrays)
 
     def _loss(self, params, fp8, inputs, targets):
         model = nnx.merge(self.graphdef, params, fp8, self.rest)
@@ -133,11 +190,11 @@ class Trainer:
     def compile(self, state: TrainState, batch) -> tuple[Any, Optional[dict]]:
         """(the compiled train step, its `memory_analysis()` in bytes, or None where the
         backend gives none)."""
-        compiled = self.step.lower(state, *batch).compile()
+        compiled = self.step.lower(state, *self.batch(batch)).compile()
         return compiled, memory_stats(compiled)
 
     def validation_loss(self, state: TrainState, batches) -> float:
-        return float(np.mean([self.eval_loss(state, *batch) for batch in batches]))
+        return float(np.mean([self.eval_loss(state, *self.batch(batch)) for batch in batches]))
 
 
 def memory_stats(compiled) -> Optional[dict]:
@@ -208,13 +265,17 @@ def versions() -> dict[str, Any]:
 def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False,
           dtype_name: str = "auto", attention: str = "auto",
           checkpoint_dir: Optional[Path] = None, corpus: Optional[data.Corpus] = None,
-          progress: bool = True, stop_after: Optional[int] = None) -> dict[str, Any]:
+          progress: bool = True, stop_after: Optional[int] = None,
+          fully_sharded: bool = False) -> dict[str, Any]:
     """Trains (or resumes from `checkpoint_dir`) to `config.steps`, or stops after step
     `stop_after` (checkpointing there, as an interrupted run would have); returns the summary."""
     dtype = compute_dtype(dtype_name)
     corpus = corpus if corpus is not None else data.load_corpus()
     model = build_model(config, impl, fp8=fp8, dtype=dtype, attention=attention)
-    trainer = Trainer(model, make_optimizer(config))
+    mesh = data_mesh()
+    if fully_sharded and mesh is None:
+        raise ValueError("fully_sharded: shards the state over several devices; JAX sees one")
+    trainer = Trainer(model, make_optimizer(config), mesh, fully_sharded)
     batches = data.Batches(corpus.train, config.batch_size, config.model.seq_len, config.seed)
     validation = data.validation_batches(corpus.validation, config.batch_size,
                                          config.model.seq_len, config.eval_batches)
@@ -225,6 +286,10 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
         restored = restore_checkpoint(manager, state, batches, config)
         if restored is not None:
             state, resumed_from = restored, int(restored.step)
+    if jax.process_count() > 1:
+        print(f"process {jax.process_index()} of {jax.process_count()}: "
+              f"{jax.local_device_count()} of {jax.device_count()} devices, "
+              f"resumed from step {resumed_from}", flush=True)
 
     compile_start = time.perf_counter()
     step_fn, memory = trainer.compile(state, batches.batch(batches.position))
@@ -232,10 +297,11 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
     start, end = int(state.step), min(config.steps, stop_after or config.steps)
     train_losses, val_losses, interval_step_times = [], [], []
     bar = tqdm(range(start, end), desc=f"{impl}{' fp8' if fp8 else ''}", unit="step",
-               disable=not progress, initial=start, total=config.steps)
+               disable=not progress or jax.process_index() != 0, initial=start,
+               total=config.steps)
     interval_start, interval_steps = time.perf_counter(), 0
     for step in bar:
-        state, metrics = step_fn(state, *next(batches))
+        state, metrics = step_fn(state, *trainer.batch(next(batches)))
         interval_steps += 1
         done = step + 1
         if done % config.log_every == 0 or done == end:
@@ -249,7 +315,8 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
             interval_start, interval_steps = time.perf_counter(), 0
         if done % config.eval_every == 0 or done == config.steps:
             val_losses.append((done, trainer.validation_loss(state, validation)))
-            bar.write(f"step {done}: validation loss {val_losses[-1][1]:.4f}")
+            if jax.process_index() == 0:
+                bar.write(f"step {done}: validation loss {val_losses[-1][1]:.4f}")
             interval_start, interval_steps = time.perf_counter(), 0
         if manager is not None and (done == end or (
                 config.checkpoint_every and done % config.checkpoint_every == 0)):
@@ -262,12 +329,19 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
         "attention": model.blocks[0].attention.implementation,
         "steps": [start, end], "resumed_from": resumed_from,
         "tokens_per_step": config.tokens_per_step,
+        "processes": jax.process_count(), "devices": jax.device_count(),
+        "fully_sharded": fully_sharded,
         "step_time_median_s": step_time,
         "tokens_per_s": config.tokens_per_step / step_time if step_time else None,
         "compile_s": compile_seconds, "memory": memory,
         "train_loss": train_losses, "validation_loss": val_losses,
         "versions": versions(), "state": state,
     }
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    return int(value) if value else None
 
 
 def main(argv=None) -> dict[str, Any]:
@@ -290,12 +364,36 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--checkpoint-dir", type=Path,
                         help="save here (and resume from the latest checkpoint here)")
     parser.add_argument("--checkpoint-every", type=int)
+    parser.add_argument("--log-every", type=int, help="record the training loss every N steps")
+    parser.add_argument("--stop-after", type=int,
+                        help="stop (and checkpoint) after this step, as an interrupted run")
+    parser.add_argument("--fsdp", action="store_true",
+                        help="shard the parameters and optimizer state over the devices "
+                             "(gathered per layer) instead of replicating them")
+    parser.add_argument("--distributed", action="store_true",
+                        help="one of several processes: jax.distributed.initialize first")
+    parser.add_argument("--coordinator-address", default=None,
+                        help="with --distributed: host:port of process 0's coordinator "
+                             "(default: JAX_COORDINATOR_ADDRESS, or the cluster's, e.g. SLURM)")
+    parser.add_argument("--num-processes", type=int, default=_env_int("JAX_NUM_PROCESSES"),
+                        help="with --distributed (default: JAX_NUM_PROCESSES, or the cluster's)")
+    parser.add_argument("--process-id", type=int, default=_env_int("JAX_PROCESS_ID"),
+                        help="with --distributed (default: JAX_PROCESS_ID, or the cluster's)")
     parser.add_argument("--out", type=Path, help="write the JSON summary here")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    if args.distributed:
+        # JAX's multi-controller runtime: None lets it read JAX_COORDINATOR_ADDRESS or detect
+        # the cluster (SLURM, Open MPI, Kubernetes, TPU pods).
+        jax.distributed.initialize(coordinator_address=args.coordinator_address,
+                                   num_processes=args.num_processes,
+                                   process_id=args.process_id)
+    elif (args.coordinator_address, args.num_processes, args.process_id) != (None,) * 3:
+        parser.error("--coordinator-address, --num-processes and --process-id (or their "
+                     "environment variables) take effect with --distributed")
     overrides = {"steps": args.steps, "warmup_steps": args.warmup_steps, "batch_size": args.batch_size, "n_layers": args.layers,
                  "eval_every": args.eval_every, "seed": args.seed,
-                 "checkpoint_every": args.checkpoint_every}
+                 "checkpoint_every": args.checkpoint_every, "log_every": args.log_every}
     config = configs.get(args.config)
     steps = args.steps if args.steps is not None else config.steps
     if args.warmup_steps is None and config.warmup_steps > steps:
@@ -308,14 +406,15 @@ def main(argv=None) -> dict[str, Any]:
                      f"{args.impl}); Flax's own FP8 is --impl flax_fp8")
     summary = train(config, args.impl, fp8=args.fp8, dtype_name=args.dtype,
                     attention=args.attention, checkpoint_dir=args.checkpoint_dir,
-                    progress=not args.no_progress)
+                    progress=not args.no_progress, stop_after=args.stop_after,
+                    fully_sharded=args.fsdp)
     summary.pop("state")
     speed = (f"tokens/s {summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else
              f"tokens/s not measured (the first {config.log_every} steps include compilation; "
              f"run more than {config.log_every} steps)")
     print(f"{speed}, validation loss "
           f"{summary['validation_loss'][-1][1] if summary['validation_loss'] else 'n/a'}")
-    if args.out is not None:
+    if args.out is not None and jax.process_index() == 0:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(summary, indent=1))
         print(f"wrote {args.out}")

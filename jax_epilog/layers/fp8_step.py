@@ -89,7 +89,7 @@ from jax_epilog.float8.scaling import (_calibrates, bound_axes, delayed_amax, mu
                                        quantize_scaled, record, reduce_amax, result_bound)
 from jax_epilog.layers import gemms as layer_gemms
 from jax_epilog.layers.gemms import LAYER_INPUT_NAME, layer_forward
-from jax_epilog.op import manual_axes
+from jax_epilog.op import barrier, manual_axes
 from jax_epilog.op.epilogs import Epilog
 from jax_epilog.op.matmul import activation_gradient, data_gradient, matmul, weight_gradient
 from jax_epilog.planning.stack_plan import Layer, StackPlan, weight_grad_gives_bias_grad
@@ -125,7 +125,8 @@ def positive(x8):
 
 
 def _barrier(*arrays):
-    """`jax.lax.optimization_barrier` over `arrays` (None passes), each crossing it flattened.
+    """`jax.lax.optimization_barrier` over `arrays` (None passes), each crossing it flattened
+    (`barrier.flat_barrier`, which does it per shard, so a sharded h8 or dZ8 stays sharded).
 
     A 1-D array has one layout, so XLA cannot carry a layout across the barrier: without the
     flattening, layout assignment moved the weight gradient's transposes (h8ᵀ, dZ8ᵀ) into the
@@ -133,9 +134,7 @@ def _barrier(*arrays):
     computed the ReLU derivative on a transposed 16-bit data gradient: 13 transposes, 4.3 ms
     of an M1 step on the H200 where its 8 one-byte transposes take about 1.8 ms
     (docs/fp8.md, "Layouts")."""
-    flat = jax.lax.optimization_barrier(
-        tuple(None if a is None else a.reshape(-1) for a in arrays))
-    return tuple(None if f is None else f.reshape(a.shape) for f, a in zip(flat, arrays))
+    return barrier.flat_barrier(*arrays)
 
 
 # --- the custom VJP over a stack --------------------------------------------------------------
