@@ -320,3 +320,26 @@ def test_jit_vmap_and_checkpoint_give_the_same_gradients():
     slices = [run(fn, x[i], gate, up, down, dy[i]) for i in range(2)]
     for got, per_slice in zip(batched, zip(*slices)):
         close(got, jnp.stack(per_slice) if got.ndim == 3 else sum(per_slice), 1e-5)
+
+
+def test_modules_annotate_down_apart_for_sharding():
+    nnx = pytest.importorskip("flax.nnx")
+    linen = pytest.importorskip("flax.linen")
+    from jax_epilog import linen as epilog_linen
+    from jax_epilog import nnx as epilog_nnx
+
+    spec = jax.sharding.PartitionSpec
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("embed", "mlp"))
+    init = nnx.initializers.lecun_normal()
+    with jax.set_mesh(mesh):
+        block = epilog_nnx.SwiGLU(
+            16, 32, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+            down_kernel_init=nnx.with_partitioning(init, ("mlp", "embed")))
+    for layer in (block.gate, block.up):
+        assert layer.kernel[...].sharding.spec == spec("embed", "mlp")
+    assert block.down.kernel[...].sharding.spec == spec("mlp", "embed")
+    model = epilog_linen.SwiGLU(32, kernel_init=linen.with_partitioning(init, ("embed", "mlp")),
+                                down_kernel_init=linen.with_partitioning(init, ("mlp", "embed")))
+    params = model.init(jax.random.key(0), jnp.ones((2, 16)))["params"]
+    assert params["gate"]["kernel"].names == params["up"]["kernel"].names == ("embed", "mlp")
+    assert params["down"]["kernel"].names == ("mlp", "embed")
