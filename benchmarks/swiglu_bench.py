@@ -14,8 +14,9 @@ up(h))` without biases, as a Flax linen model whose parameters are `norm/scale` 
 - ours_swiglu_fp8: `SwiGLU(fp8=True)` (delayed scaling from the module's histories);
 - ours_swiglu_fp8_current: `SwiGLU(fp8=Fp8(scaling="current"))`.
 
-Rows (tokens, D, F): S1 (8192, 2048, 8192), S2 (16384, 4096, 14336), and the GPT example's
-MLP shape EX (8192, 1024, 4096). The step, calibration, harnesses and the gradient error are
+Rows (tokens, D, F): S1 (8192, 2048, 8192), S2 (16384, 4096, 14336), and EX (16384, 4096,
+11008): the GPT example's `large` (16 × 1024 tokens, d_model 4096) with Llama's SwiGLU width
+for a GELU MLP of 4·d_model (2/3 of 4·4096, rounded up to a multiple of 256). The step, calibration, harnesses and the gradient error are
 `fp8_peer.py`'s (`fp8_peer.measure_models`): `jax.jit(jax.value_and_grad(mean(y²)))` over
 every variable, the FP8 collection replaced by its gradient after each of 3 calibrating steps,
 both harnesses of benchmarks/README.md (careful: rotated inputs; user: the same inputs), the
@@ -51,7 +52,7 @@ DTYPE = fp8_peer.DTYPE
 HARNESSES = fp8_peer.HARNESSES
 
 #: name -> (tokens, D, F)
-ROWS = {"S1": (8192, 2048, 8192), "S2": (16384, 4096, 14336), "EX": (8192, 1024, 4096)}
+ROWS = {"S1": (8192, 2048, 8192), "S2": (16384, 4096, 14336), "EX": (16384, 4096, 11008)}
 SMOKE_ROWS = {"T1": (129, 48, 80), "T2": (64, 32, 48)}
 
 

@@ -112,10 +112,11 @@ def model_block(x, gate, up, down, dy):
     dy8, sdy = quantize(dy, amax(dy), E5M2)
     ddown = f32(gemm(h8.T, sh, dy8, sdy))
     dh = gemm(dy8, sdy, d8.T, sd).astype(np.float32).astype(np.float64)
-    gu8, sgu = quantize(gu, amax(gu), E4M3)
-    saved = gu8.astype(np.float64) * np.float64(sgu)
-    silu, dsilu = silu_and_derivative(saved[:, :hidden])
-    dgu = f32(np.concatenate([dh * saved[:, hidden:] * dsilu, dh * silu], 1))
+    g, u = ((v8.astype(np.float64) * np.float64(scale))
+            for v8, scale in (quantize(v, amax(v), E4M3) for v in (gu[:, :hidden],
+                                                                  gu[:, hidden:])))
+    silu, dsilu = silu_and_derivative(g)
+    dgu = f32(np.concatenate([f32(dh * u * dsilu), f32(dh * silu)], 1))
     dgu8, sdgu = quantize(dgu, amax(dgu), E5M2)
     dkernel = f32(gemm(x8.T, sx, dgu8, sdgu))
     dx = f32(gemm(dgu8, sdgu, w8.T, sw))
@@ -137,15 +138,14 @@ def test_fp8_is_the_quantized_block(rows, d, f):
 
 
 def test_fp8_saves_only_fp8_activations():
-    """The residuals: x8 (M, D), [g u]8 (M, 2F), h8 (M, F), the two FP8 kernels, scalars."""
+    """The residuals: x8 (M, D), g8, u8 and h8 (M, F), the two FP8 kernels, scalars."""
     rows, d, f = 64, 32, 48
     x, gate, up, down, _ = make_block(4, rows, d, f)
     found = saved_residuals(lambda x, g, u, w: jax_epilog.swiglu(x, (g, u), w, fp8=ALL),
                             x, gate, up, down)
     arrays = sorted((dtype, shape) for dtype, shape in found if shape)
-    assert arrays == sorted([("f8_e4m3fn", (rows, d)), ("f8_e4m3fn", (rows, 2 * f)),
-                             ("f8_e4m3fn", (rows, f)), ("f8_e4m3fn", (d, 2 * f)),
-                             ("f8_e4m3fn", (f, d))]), found
+    assert arrays == sorted([("f8_e4m3fn", (rows, d)), *[("f8_e4m3fn", (rows, f))] * 3,
+                             ("f8_e4m3fn", (d, 2 * f)), ("f8_e4m3fn", (f, d))]), found
 
 
 def _residual_bytes(fn, *args) -> int:
@@ -175,8 +175,8 @@ def test_fp8_keeps_fewer_residual_bytes_than_three_fp8_dense_layers_or_flax_fp8(
 
     variables = FlaxBlock().init(jax.random.key(0), x)
     flax = _residual_bytes(lambda v: FlaxBlock().apply(v, x), variables)
-    activations = rows * (d + 3 * f)  # x8, [g u]8, h8: one byte each
-    assert ours == activations + 3 * d * f + 5 * 4  # + the FP8 kernels and the 5 scales
+    activations = rows * (d + 3 * f)  # x8, g8, u8, h8: one byte each
+    assert ours == activations + 3 * d * f + 6 * 4  # + the FP8 kernels and the 6 scales
     assert ours < 0.6 * three and ours < 0.4 * flax, (ours, three, flax)
 
 
@@ -320,3 +320,26 @@ def test_jit_vmap_and_checkpoint_give_the_same_gradients():
     slices = [run(fn, x[i], gate, up, down, dy[i]) for i in range(2)]
     for got, per_slice in zip(batched, zip(*slices)):
         close(got, jnp.stack(per_slice) if got.ndim == 3 else sum(per_slice), 1e-5)
+
+
+def test_modules_annotate_down_apart_for_sharding():
+    nnx = pytest.importorskip("flax.nnx")
+    linen = pytest.importorskip("flax.linen")
+    from jax_epilog import linen as epilog_linen
+    from jax_epilog import nnx as epilog_nnx
+
+    spec = jax.sharding.PartitionSpec
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("embed", "mlp"))
+    init = nnx.initializers.lecun_normal()
+    with jax.set_mesh(mesh):
+        block = epilog_nnx.SwiGLU(
+            16, 32, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(init, ("embed", "mlp")),
+            down_kernel_init=nnx.with_partitioning(init, ("mlp", "embed")))
+    for layer in (block.gate, block.up):
+        assert layer.kernel[...].sharding.spec == spec("embed", "mlp")
+    assert block.down.kernel[...].sharding.spec == spec("mlp", "embed")
+    model = epilog_linen.SwiGLU(32, kernel_init=linen.with_partitioning(init, ("embed", "mlp")),
+                                down_kernel_init=linen.with_partitioning(init, ("mlp", "embed")))
+    params = model.init(jax.random.key(0), jnp.ones((2, 16)))["params"]
+    assert params["gate"]["kernel"].names == params["up"]["kernel"].names == ("embed", "mlp")
+    assert params["down"]["kernel"].names == ("mlp", "embed")

@@ -184,7 +184,11 @@ class SwiGLU(linen.Module):
     Attributes:
       hidden_features: F, the width of silu(g)·u (Llama's `intermediate_size`).
       out_features: D_out; None (default): the input's D, as a residual block needs.
-      dtype, param_dtype, precision, kernel_init: as for `linen.Dense`.
+      dtype, param_dtype, precision, kernel_init: as for `linen.Dense` (`kernel_init` makes
+        all three kernels).
+      down_kernel_init: the down kernel's initialiser, if not `kernel_init`: e.g. for
+        sharding annotations, `linen.with_partitioning(init, ("mlp", "embed"))` where gate and
+        up take `("embed", "mlp")`.
       fp8: None, True or `jax_epilog.Fp8(...)`: as `jax_epilog.swiglu`'s `fp8=`. Unless
         `Fp8(scaling="current")`, the block keeps the amax histories of its two GEMMs in
         `FP8_COLLECTION` (`gate_up_input_amax_history`, ..., `down_gradient_amax_history`)
@@ -197,6 +201,7 @@ class SwiGLU(linen.Module):
     param_dtype: Any = jnp.float32
     precision: Any = None
     kernel_init: Any = linen.initializers.lecun_normal()
+    down_kernel_init: Any = None
     fp8: Any = None
 
     def __post_init__(self):
@@ -207,11 +212,13 @@ class SwiGLU(linen.Module):
     def __call__(self, inputs):
         d = jnp.shape(inputs)[-1]
         d_out = d if self.out_features is None else self.out_features
+        down_init = self.kernel_init if self.down_kernel_init is None else self.down_kernel_init
         kernels = [Dense(features, use_bias=False, param_dtype=self.param_dtype,
-                         kernel_init=self.kernel_init, name=name).kernel_and_bias(width)[0]
-                   for name, width, features in (("gate", d, self.hidden_features),
-                                                 ("up", d, self.hidden_features),
-                                                 ("down", self.hidden_features, d_out))]
+                         kernel_init=init, name=name).kernel_and_bias(width)[0]
+                   for name, width, features, init in (
+                       ("gate", d, self.hidden_features, self.kernel_init),
+                       ("up", d, self.hidden_features, self.kernel_init),
+                       ("down", self.hidden_features, d_out, down_init))]
         inputs, gate, up, down = promote(promote_dtype, inputs, *kernels, dtype=self.dtype)
         return swiglu(inputs, (gate, up), down, precision=self.precision, fp8=self.fp8,
                       fp8_state=self._fp8_state())

@@ -202,7 +202,11 @@ class SwiGLU(nnx.Module):
       in_features: D.
       hidden_features: F, the width of silu(g)·u (Llama's `intermediate_size`).
       out_features: D_out; None (default): D.
-      dtype, param_dtype, precision, kernel_init, rngs: as for `nnx.Linear`.
+      dtype, param_dtype, precision, kernel_init, rngs: as for `nnx.Linear` (`kernel_init`
+        makes all three kernels).
+      down_kernel_init: the down kernel's initialiser, if not `kernel_init`: e.g. for
+        sharding annotations, `nnx.with_partitioning(init, ("mlp", "embed"))` where gate and
+        up take `("embed", "mlp")`.
       fp8: None, True or `jax_epilog.Fp8(...)`: as `jax_epilog.swiglu`'s `fp8=`. Unless
         `Fp8(scaling="current")`, the block holds its two GEMMs' amax histories as
         `AmaxHistory` variables (`gate_up_input_amax_history`, ...,
@@ -212,14 +216,15 @@ class SwiGLU(nnx.Module):
     def __init__(self, in_features: int, hidden_features: int,
                  out_features: Optional[int] = None, *, dtype: Optional[Any] = None,
                  param_dtype: Any = jnp.float32, precision: Any = None,
-                 kernel_init: Any = nnx.initializers.lecun_normal(), rngs: nnx.Rngs,
-                 fp8: Any = None):
+                 kernel_init: Any = nnx.initializers.lecun_normal(),
+                 down_kernel_init: Any = None, rngs: nnx.Rngs, fp8: Any = None):
         fp8 = as_fp8(fp8)
         out_features = in_features if out_features is None else out_features
-        layer = dict(use_bias=False, param_dtype=param_dtype, kernel_init=kernel_init, rngs=rngs)
-        self.gate = Dense(in_features, hidden_features, **layer)
-        self.up = Dense(in_features, hidden_features, **layer)
-        self.down = Dense(hidden_features, out_features, **layer)
+        layer = dict(use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        self.gate = Dense(in_features, hidden_features, kernel_init=kernel_init, **layer)
+        self.up = Dense(in_features, hidden_features, kernel_init=kernel_init, **layer)
+        self.down = Dense(hidden_features, out_features, **layer, kernel_init=kernel_init
+                          if down_kernel_init is None else down_kernel_init)
         self.in_features = in_features
         self.dtype = dtype
         self.precision = precision

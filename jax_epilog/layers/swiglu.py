@@ -9,17 +9,17 @@ the backward's elementwise fusions, where JAX's autodiff of the plain block keep
 With `fp8=` (SPEC §5's recipe, `Fp8`; docs/fp8.md, "SwiGLU"):
 
 - Forward: x and the concatenated kernel `[gate up]` `(D, 2F)` quantized to e4m3, then ONE
-  FP8 GEMM for g and u (N = 2F, result in the compute dtype). One XLA fusion reads `[g u]`
-  and writes h = silu(g)·u quantized to e4m3 (the down GEMM's operand) and `[g u]` in e4m3
-  (the backward's copy); then the FP8 down GEMM.
-- Residuals: x8, `[g u]`8 and h8 (one byte per element each) with their scales, and the
-  two FP8 kernels: never a 16-bit copy of an activation.
+  FP8 GEMM for g and u (N = 2F, result in the compute dtype). XLA's fusions read `[g u]`
+  and write h = silu(g)·u quantized to e4m3 (the down GEMM's operand) and g and u in e4m3,
+  each on its own scale (the backward's copies); then the FP8 down GEMM.
+- Residuals: x8, g8, u8 and h8 (one byte per element each) with their scales, and the two
+  FP8 kernels: never a 16-bit copy of an activation.
 - Backward: dy quantized to e5m2; d(down) = h8ᵀ dy8 and dh = dy8 down8ᵀ; one fusion computes
-  dg = dh·u·silu'(g) and du = dh·silu(g) from `[g u]`8 and quantizes `[dg du]` to e5m2;
+  dg = dh·u·silu'(g) and du = dh·silu(g) from g8 and u8 and quantizes `[dg du]` to e5m2;
   d(gate_up) = x8ᵀ `[dg du]`8 and dx = `[dg du]`8 `[gate up]`8ᵀ.
 - Delayed scaling (`fp8_state=`: two `Fp8History`, the gate/up GEMM's (input x, gradient
   `[dg du]`) then the down GEMM's (input h, gradient dy)): x and h take their scales from the
-  histories, as a stack's layer inputs do; the kernels, the gradients and the saved `[g u]`8
+  histories, as a stack's layer inputs do; the kernels, the gradients and the saved g8 and u8
   keep current scaling (as the stacks' weights and top gradients do). The state's gradient is
   its next value, each history with this step's amax recorded.
 
@@ -47,7 +47,7 @@ from jax_epilog.layers.gemms import LAYER_INPUT_NAME
 from jax_epilog.op import manual_axes
 from jax_epilog.planning.stack_plan import quantized_layers
 
-#: `checkpoint_name` of the block's saved hidden activations (`[g u]`, and h8 under FP8), for
+#: `checkpoint_name` of the block's saved hidden activations (`[g u]`; g8, u8, h8 under FP8), for
 #: remat policies; its input is saved as `LAYER_INPUT_NAME`, as the stacks' are.
 SWIGLU_HIDDEN_NAME = "jax_epilog_swiglu_hidden"
 
@@ -76,11 +76,11 @@ def _hidden(gu, hidden: int):
     return jax.nn.silu(gu[:, :hidden].astype(jnp.float32)) * gu[:, hidden:].astype(jnp.float32)
 
 
-def _hidden_gradient(dh, gu, hidden: int, dtype):
+def _hidden_gradient(dh, g, u, dtype):
     """`[dg du]` in `dtype`, each computed in float32: dg = dh·u·silu'(g), du = dh·silu(g)."""
-    silu, dsilu = _silu_and_derivative(gu[:, :hidden])
+    silu, dsilu = _silu_and_derivative(g)
     dh = dh.astype(jnp.float32)
-    return jnp.concatenate([(dh * gu[:, hidden:].astype(jnp.float32) * dsilu).astype(dtype),
+    return jnp.concatenate([(dh * u.astype(jnp.float32) * dsilu).astype(dtype),
                             (dh * silu).astype(dtype)], axis=1)
 
 
@@ -93,8 +93,7 @@ def _dot(a, b, precision, dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _block(block: Block, x, gate_up, down):
-    gu = _dot(x, gate_up, block.precision, x.dtype)
-    return _dot(_hidden(gu, block.hidden).astype(x.dtype), down, block.precision, x.dtype)
+    return _block_fwd(block, x, gate_up, down)[0]  # the residuals are dead code here
 
 
 def _block_fwd(block: Block, x, gate_up, down):
@@ -108,7 +107,8 @@ def _block_bwd(block: Block, saved, dy):
     dtype, p = dy.dtype, block.precision
     h = _hidden(gu, block.hidden).astype(dtype)
     ddown = _dot(h.T, dy, p, down.dtype)
-    dgu = _hidden_gradient(_dot(dy, down.T, p, dtype), gu, block.hidden, dtype)
+    f = block.hidden
+    dgu = _hidden_gradient(_dot(dy, down.T, p, dtype), gu[:, :f], gu[:, f:], dtype)
     return _dot(dgu, gate_up.T, p, x.dtype), _dot(x.T, dgu, p, gate_up.dtype), ddown
 
 
@@ -122,13 +122,15 @@ def _input(x):
 # --- FP8 -----------------------------------------------------------------------------------
 
 class Saved(NamedTuple):
-    """What the FP8 backward keeps: the FP8 input x8, `[g u]`8, h8 and kernels, their
+    """What the FP8 backward keeps: the FP8 input x8, g8, u8, h8 and kernels, their
     dequantization scales, and x's and h's amaxes (for the next state; None without one)."""
 
     x8: object
     x_scale: object
-    gu8: object
-    gu_scale: object
+    g8: object
+    g_scale: object
+    u8: object
+    u_scale: object
     h8: object
     h_scale: object
     w8: object
@@ -152,11 +154,16 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     y, _ = fp8_step._matmul8(h8, h_scale, down8, down_scale, x.dtype, "auto", fast)
     if not keep:
         return y, None
-    gu8, gu_scale, _ = quantize_scaled(gu, fmt, margin, amax_axes=axes)
+    # g and u on scales of their own: their amaxes reduce over (M, F) as h's does, which XLA
+    # can take in one pass over [g u]
+    (g8, g_scale, _), (u8, u_scale, _) = (
+        quantize_scaled(half, fmt, margin, amax_axes=axes)
+        for half in (gu[:, :block.hidden], gu[:, block.hidden:]))
     named = functools.partial(checkpoint_name, name=SWIGLU_HIDDEN_NAME)
     recorded = state is not None  # the amaxes are kept only for the next state
-    return y, Saved(_input(x8), x_scale, named(gu8), gu_scale, named(h8), h_scale, w8, w_scale,
-                    down8, down_scale, x_amax if recorded else None, h_amax if recorded else None)
+    return y, Saved(_input(x8), x_scale, named(g8), g_scale, named(u8), u_scale, named(h8),
+                    h_scale, w8, w_scale, down8, down_scale, x_amax if recorded else None,
+                    h_amax if recorded else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -184,9 +191,10 @@ def _fp8_block_bwd(block: Block, residuals, dy):
     dy8, ddown = fp8_step._barrier(dy8, ddown)
     dh, _ = matmul8(dy8, dy_scale, s.down8, s.down_scale, dtype, "auto", fast_data,
                     transpose_b=True)
-    gu = s.gu8.astype(jnp.float32) * s.gu_scale
-    dgu8, dgu_scale, dgu_amax = quantize_scaled(_hidden_gradient(dh, gu, block.hidden, jnp.float32),
-                                                fmt, margin, amax_axes=axes)
+    g, u = (v8.astype(jnp.float32) * scale for v8, scale in ((s.g8, s.g_scale),
+                                                             (s.u8, s.u_scale)))
+    dgu8, dgu_scale, dgu_amax = quantize_scaled(_hidden_gradient(dh, g, u, jnp.float32), fmt,
+                                                margin, amax_axes=axes)
     dgu8, x8 = fp8_step._barrier(dgu8, s.x8)
     dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T, dgu_scale, dtype, "auto", fast_weight,
                           transpose_b=True)
