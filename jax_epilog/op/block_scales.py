@@ -108,6 +108,18 @@ def check_values(key: str, scales: BlockScales, rows: int, k: int):
     return jnp.asarray(values)
 
 
+#: The CUDA lowering pads the rows of a 1x128-scaled a to a multiple of this (lowering.py).
+TILE_ROWS_MULTIPLE = 16
+
+
+def kernel_rows(blocks: tuple[str, str], m: int) -> int:
+    """The rows M the kernel runs for a call of M rows: padded to `TILE_ROWS_MULTIPLE` where
+    a has 1x128 scales."""
+    if blocks[0] != "1x128":
+        return m
+    return -(-m // TILE_ROWS_MULTIPLE) * TILE_ROWS_MULTIPLE
+
+
 def kernel_values(values, block: str):
     """`values` in cuBLASLt's layout: the inner dimension padded to a multiple of 4."""
     inner = values.shape[1]

@@ -92,9 +92,10 @@ def kernel_supports(avals_in, params: Params) -> tuple[bool, str]:
                      result_amax=bool(params.result_amax),
                      fast_accumulation=bool(params.fast_accumulation),
                      **({"block_rows": _block_rows(params)} if params.block_scaling else {}))
+    m = block_scales.kernel_rows(params.block_scaling, p.m) if params.block_scaling else p.m
     supported, message = cuda_library.query_support(
         params.epilog, np.dtype(a.dtype).name, params.transpose_a, params.transpose_b, p.batch,
-        b.shape[0], bias_batch, p.m, p.n, p.k, params.allow_tf32, settings.workspace_bytes(),
+        b.shape[0], bias_batch, m, p.n, p.k, params.allow_tf32, settings.workspace_bytes(),
         has_c=bool(params.has_c), **extra)
     return supported is not False, message
 
@@ -118,6 +119,9 @@ def _custom_call(params: Params):
         fast_accumulation=params.fast_accumulation, **(extra if params.block_scaling else {}))
 
     def call(*operands):
+        rows = None
+        if params.block_scaling and params.block_scaling[0] == "1x128":
+            operands, rows = _pad_tile_rows(params, list(operands))
         avals, _ = kernel_p.abstract_eval(*map(jax.typeof, operands), **params._asdict())
         shapes = [jax.ShapeDtypeStruct(r.shape, r.dtype) for r in avals] + [workspace]
         if params.block_scaling:  # the scales in cuBLASLt's padded layout
@@ -125,9 +129,28 @@ def _custom_call(params: Params):
             operands = list(operands)
             for i, block in zip((first, first + 1), params.block_scaling):
                 operands[i] = block_scales.kernel_values(operands[i], block)
-        return jax.ffi.ffi_call(target.name, shapes)(*operands, **attributes)[:-1]
+        y, *rest = jax.ffi.ffi_call(target.name, shapes)(*operands, **attributes)[:-1]
+        return [y if rows is None else y[:, :rows], *rest]
 
     return call
+
+
+def _pad_tile_rows(params: Params, operands: list):
+    """(operands, M) with a's rows (M) zero-padded to `block_scales.kernel_rows` and its 1x128
+    scales padded with ones, or (operands, None) where M is a multiple already: cuBLASLt 13.1 had no kernel for 1x128 scales on a with
+    M = 129 on the H200, where M = 256 ran."""
+    a = operands[0]
+    m_axis = 2 if params.transpose_a else 1
+    m = a.shape[m_axis]
+    padded = block_scales.kernel_rows(params.block_scaling, m)
+    if padded == m:
+        return operands, None
+    widths = [(0, 0)] * a.ndim
+    widths[m_axis] = (0, padded - m)
+    operands[0] = jnp.pad(a, widths)
+    i = 2 + len(params.epilog.input_names)  # scale_a: (K / 128, M)
+    operands[i] = jnp.pad(operands[i], ((0, 0), (0, padded - m)), constant_values=1.0)
+    return operands, m
 
 
 def around_kernel(kernel, params: Params, layout, padded):
