@@ -9,8 +9,9 @@ post-training quantization) quantizes the cached forward and the full one alike.
 
 The cached forward reuses every submodule of the model (embeddings, each block's
 `attention_norm`, `attention.project` (the `qkv` projection, and RoPE at the cache positions
-for "llama"), `attention.out`, `mlp_norm` and `mlp`, `final_norm`, the tied head or `head`), so its logits are the full forward's for the same tokens, whatever layers the
-model was built from (tested, teacher forced, to float tolerance). Only the attention is its
+for "llama"), `attention.out`, `mlp_norm` and `mlp`, `final_norm`, the tied head or `head`),
+so its logits are the full forward's for the same tokens, whatever layers the model was built
+from (tested, teacher forced, to float tolerance). Only the attention is its
 own: each query attends over the whole cache with positions after it masked out, so one
 compiled decode step serves every position.
 
@@ -35,7 +36,8 @@ from .model import GPT, ModelConfig
 
 class KVCache(NamedTuple):
     """Keys and values of every layer, `(layers, batch, max_len, n_kv_heads, head_dim)` each, in
-    the compute dtype (RoPE applied to the keys); the positions not yet written hold zeros and are masked."""
+    the compute dtype (RoPE applied to the keys); the positions not yet written hold zeros and
+    are masked."""
 
     keys: jax.Array
     values: jax.Array
