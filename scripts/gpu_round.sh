@@ -3,8 +3,8 @@
 # build the package without build isolation, run the GPU test suite, run the benchmarks.
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
-#           tune fp8table never_slower soak fp8 fp8profile peer gpt gptprofile serving generate
-#           blockfp8 swiglu
+#           tune fp8table never_slower soak fp8 fp8profile peer gpt llama gptprofile serving
+#           generate blockfp8 swiglu
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
@@ -23,6 +23,22 @@ mkdir -p "$OUT"
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
 note() { echo "$*" | tee -a "$SUMMARY"; }
+# `gpt_compare NAME CAP ARGS...`: examples/gpt/compare.py ARGS within CAP seconds, into
+# $OUT/NAME; its targets and, per variant, the GEMMs on FP8 operands (what decides whether its
+# FP8 targets apply) beside its cuBLASLt custom calls, into the summary.
+gpt_compare() {
+  local name="$1" cap="$2"; shift 2
+  (cd "$ROOT" && runs --cap "$cap" "$PY" examples/gpt/compare.py "$@" --out "$OUT/$name" 2>&1) \
+    > "$OUT/$name.log"
+  note "$name compare: rc=$? ($((SECONDS - start)) s)"
+  grep -A12 "^## Targets" "$OUT/$name/gpt_compare.md" 2>/dev/null | tee -a "$SUMMARY"
+  "$PY" -c "import json, sys
+for c, x in json.load(open(sys.argv[1]))['results'].items():
+    for n, v in x['variants'].items():
+        print(c, n, 'fp8_gemms', v.get('fp8_gemms'), 'custom calls', v['gemm_custom_calls'],
+              'time to first step s', v.get('time_to_first_step_s'))
+" "$OUT/$name/gpt_compare.json" 2>&1 | tee -a "$SUMMARY"
+}
 DEADLINE="${DEADLINE:-0}"
 # Where `tune` writes the decision table (outside $OUT, which the device tool empties between
 # calls, so a later call on the same machine can use it).
@@ -226,17 +242,17 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
     gpt)
       # The GPT example's four variants side by side (GPT_ARGS, default both configs; `large`
       # alone needs most of a call: its FP8 step compiled in 132 s on the H200).
-      (cd "$ROOT" && runs --cap "${GPT_CAP:-480}" "$PY" examples/gpt/compare.py \
-        ${GPT_ARGS:---config small large --budget-s 400} --out "$OUT/gpt" 2>&1) > "$OUT/gpt.log"
-      note "gpt compare: rc=$? ($((SECONDS - start)) s)"
-      grep -A12 "^## Targets" "$OUT/gpt/gpt_compare.md" 2>/dev/null | tee -a "$SUMMARY"
-      # The GEMMs on FP8 operands each variant's step holds (what decides whether its FP8
-      # targets apply), beside its cuBLASLt custom calls.
-      "$PY" -c "import json, sys
-for c, x in json.load(open(sys.argv[1]))['results'].items():
-    for n, v in x['variants'].items():
-        print('gpt', c, n, 'fp8_gemms', v.get('fp8_gemms'), 'custom calls', v['gemm_custom_calls'])
-" "$OUT/gpt/gpt_compare.json" 2>&1 | tee -a "$SUMMARY" ;;
+      gpt_compare gpt "${GPT_CAP:-480}" ${GPT_ARGS:---config small large --budget-s 400} ;;
+    llama)
+      # The same on the Llama arch (LLAMA_ARGS, default `llama_large`, 300 steps): the step
+      # count shrinks, the same for every variant, where compiling leaves too little of the
+      # budget (the issue measured Flax FP8's first step of one SwiGLU block at 200 s);
+      # LLAMA_ARGS="... --layers 2" compiles a smaller step.
+      gpt_compare llama "${LLAMA_CAP:-580}" \
+        ${LLAMA_ARGS:---config llama_large --steps 300 --budget-s 540}
+      # tokens/s, step ms, temporaries, compile and first-step seconds, validation loss
+      grep -E "^(## llama|\| (stock|flax_fp8|epilog|epilog_fp8) \|)" \
+        "$OUT/llama/gpt_compare.md" 2>/dev/null | tee -a "$SUMMARY" ;;
     swiglu)
       # The SwiGLU block (issue 38): its GPU tests (SWIGLU_TESTS=0 skips them), then
       # benchmarks/swiglu_bench.py (RMSNorm + SwiGLU + residual step against stock bf16, Flax's

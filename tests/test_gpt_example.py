@@ -29,6 +29,7 @@ import jax_epilog  # noqa: E402
 from gpt import configs, data, model, train  # noqa: E402
 
 TINY = configs.get("tiny").replace(n_layers=1)  # one block: compiles in half the time
+LLAMA_TINY = configs.get("llama_tiny").replace(n_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +196,140 @@ def test_the_fp8_step_has_no_host_round_trip(corpus, monkeypatch):
     assert " conditional(" not in hlo and " while(" not in hlo
 
 
+# --- the Llama arch -----------------------------------------------------------------------------
+
+def perturbed(params, seed=0):
+    """`params` moved off their initialisation (norm scales not 1), as trained ones are."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda p: jnp.asarray(p + 0.05 * rng.standard_normal(p.shape), p.dtype),
+                        params)
+
+
+def test_llama_arch_has_its_layers_and_no_bias():
+    config = LLAMA_TINY.model
+    m = model.GPT(config, rngs=nnx.Rngs(0))
+    assert m.position_embedding is None and m.head is not None
+    assert isinstance(m.final_norm, nnx.RMSNorm)
+    block = m.blocks[0]
+    assert isinstance(block.attention_norm, nnx.RMSNorm) and isinstance(block.mlp, model.SwiGLU)
+    shapes = {jax.tree_util.keystr(path).removesuffix(".value"): leaf.shape
+              for path, leaf in jax.tree_util.tree_leaves_with_path(params_of(m))}
+    assert not any("bias" in path for path in shapes), shapes
+    head_dim, width = config.head_dim, config.d_model
+    assert shapes["['blocks'][0]['attention']['qkv']['kernel']"] == \
+        (width, (4 + 2 * 2) * head_dim)  # 4 query heads, 2 key and 2 value heads
+    assert shapes["['blocks'][0]['mlp']['gate']['kernel']"] == (width, 172)
+    assert shapes["['blocks'][0]['mlp']['down']['kernel']"] == (172, width)
+    assert shapes["['head']['kernel']"] == (width, 256)
+    logits = m(jnp.asarray(np.random.default_rng(0).integers(0, 256, (3, 37))))
+    assert logits.shape == (3, 37, 256) and bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_llama_config_rejects_what_it_cannot_build():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        dataclasses.replace(LLAMA_TINY.model, n_kv_heads=3)
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        dataclasses.replace(TINY.model, n_kv_heads=2)  # GPT-2 has no grouped-query attention
+    with pytest.raises(ValueError, match="tie_head"):
+        dataclasses.replace(LLAMA_TINY.model, tie_head=True)
+    with pytest.raises(ValueError, match="arch"):
+        dataclasses.replace(LLAMA_TINY.model, arch="mamba")
+    with pytest.raises(ValueError, match="mlp_hidden"):
+        dataclasses.replace(LLAMA_TINY.model, mlp_hidden=0)
+    with pytest.raises(ValueError, match="n_heads"):  # an odd head_dim cannot rotate in pairs
+        model.ModelConfig(d_model=60, n_layers=1, n_heads=4, seq_len=8, arch="llama",
+                          tie_head=False)
+
+
+@pytest.mark.parametrize("shift", [1, 29])
+def test_rope_scores_depend_on_the_relative_position_only(shift):
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.standard_normal((2, 7, 3, 18)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 7, 3, 18)), jnp.float32)
+    positions = jnp.asarray([0, 1, 2, 5, 11, 40, 127])
+    scores = lambda p: jnp.einsum("bqhd,bkhd->bhqk", model.rope(q, p), model.rope(k, p))
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(scores(positions + shift), scores(positions), rtol=1e-4,
+                                   atol=1e-4)
+        # a rotation: norms kept, position 0 untouched, other positions moved
+        np.testing.assert_allclose(jnp.linalg.norm(model.rope(q, positions), axis=-1),
+                                   jnp.linalg.norm(q, axis=-1), rtol=1e-5)
+    np.testing.assert_array_equal(model.rope(q, positions)[:, 0], q[:, 0])
+    assert not np.allclose(model.rope(q, positions)[:, 1:], q[:, 1:], atol=1e-3)
+
+
+def test_grouped_query_attention_equals_multi_head_with_the_key_value_heads_repeated():
+    """Each key/value head serves `n_heads / n_kv_heads` query heads in turn: the same as
+    multi-head attention whose key and value heads are those repeated."""
+    gqa_config = dataclasses.replace(LLAMA_TINY.model, d_model=48, n_heads=6, n_kv_heads=2,
+                                     seq_len=33)
+    mha_config = dataclasses.replace(gqa_config, n_kv_heads=None)
+    layers = model.Layers("stock", jnp.float32)
+    gqa = model.CausalSelfAttention(gqa_config, layers, "xla", rngs=nnx.Rngs(0))
+    mha = model.CausalSelfAttention(mha_config, layers, "xla", rngs=nnx.Rngs(1))
+    nnx.update(gqa, perturbed(params_of(gqa)))
+    heads, head_dim, width = 6, 8, 48
+    kernel = gqa.qkv.kernel[...]
+    q, k, v = jnp.split(kernel, [heads * head_dim, (heads + 2) * head_dim], axis=1)
+    repeat = lambda w: jnp.repeat(w.reshape(width, 2, head_dim), 3, axis=1).reshape(width, -1)
+    mha.qkv.kernel[...] = jnp.concatenate([q, repeat(k), repeat(v)], axis=1)
+    mha.out.kernel[...] = gqa.out.kernel[...]
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 31, width)), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(gqa(x), mha(x), rtol=1e-5, atol=1e-5)
+        # and the grouping matters: the heads paired the other way round differ
+        mha.qkv.kernel[...] = jnp.concatenate([q, jnp.tile(k, (1, 3)), jnp.tile(v, (1, 3))], 1)
+        assert not np.allclose(gqa(x), mha(x), atol=1e-3)
+
+
+def test_swiglu_is_down_of_silu_gate_times_up():
+    config = LLAMA_TINY.model
+    mlp = model.Layers("stock", jnp.float32).mlp(config.d_model, 129, rngs=nnx.Rngs(0),
+                                                  arch="llama")
+    nnx.update(mlp, perturbed(params_of(mlp)))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 5, config.d_model)), jnp.float32)
+    w = lambda layer: layer.kernel[...]
+    with jax.default_matmul_precision("highest"):
+        expected = (jax.nn.silu(x @ w(mlp.gate)) * (x @ w(mlp.up))) @ w(mlp.down)
+        np.testing.assert_allclose(mlp(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_llama_every_impl_starts_from_the_same_weights_and_epilog_matches_stock():
+    config = LLAMA_TINY
+    stock = train.build_model(config, "stock")
+    weights = perturbed(params_of(stock))
+    nnx.update(stock, weights)
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, (2, 29)))
+    logits_and_grads = nnx.jit(lambda m, tokens: (m(tokens), nnx.grad(
+        lambda m: jnp.mean(m(tokens) ** 2))(m)))
+    with jax.default_matmul_precision("highest"):
+        expected, stock_grads = logits_and_grads(stock, tokens)
+    for impl, fp8 in [("epilog", False), ("epilog", True), ("flax_fp8", False)]:
+        other = train.build_model(config, impl, fp8=fp8)
+        initial = params_of(train.build_model(config, "stock"))
+        assert jax.tree.structure(params_of(other)) == jax.tree.structure(initial)
+        for a, b in zip(jax.tree.leaves(params_of(other)), jax.tree.leaves(initial)):
+            np.testing.assert_array_equal(a, b)
+        if impl == "epilog" and not fp8:
+            nnx.update(other, weights)
+            with jax.default_matmul_precision("highest"):
+                got, grads = logits_and_grads(other, tokens)
+            np.testing.assert_allclose(got, expected, rtol=2e-5, atol=2e-5)
+            for a, b in zip(jax.tree.leaves(params_of(grads)),
+                            jax.tree.leaves(params_of(stock_grads))):
+                np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-6)
+
+
+def test_llama_tiny_trains_with_a_falling_loss(corpus):
+    config = configs.get("llama_tiny").replace(steps=24, warmup_steps=4, eval_every=12,
+                                               log_every=4)
+    summary = train.train(config, "epilog", corpus=corpus, progress=False)
+    losses = [loss for _, loss in summary["train_loss"]]
+    assert losses[-1] < losses[0] - 1.0, losses
+    (_, first), (_, last) = summary["validation_loss"]
+    assert last < first < np.log(256)
+
+
 # --- training ----------------------------------------------------------------------------------
 
 def test_tiny_config_trains_with_a_falling_loss(corpus):
@@ -209,11 +344,12 @@ def test_tiny_config_trains_with_a_falling_loss(corpus):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl, fp8", [("epilog", True)])
-def test_resume_from_a_checkpoint_takes_the_same_steps_bit_for_bit(corpus, tmp_path, impl,
-                                                                     fp8):
+@pytest.mark.parametrize("base, impl, fp8", [(TINY, "epilog", True),
+                                             (LLAMA_TINY, "epilog", True)])
+def test_resume_from_a_checkpoint_takes_the_same_steps_bit_for_bit(corpus, tmp_path, base,
+                                                                     impl, fp8):
     pytest.importorskip("orbax.checkpoint")
-    config = TINY.replace(steps=5, warmup_steps=2, eval_every=5, log_every=1)
+    config = base.replace(steps=5, warmup_steps=2, eval_every=5, log_every=1)
     straight = train.train(config, impl, fp8=fp8, corpus=corpus, progress=False)
     stopped = train.train(config, impl, fp8=fp8, corpus=corpus, progress=False,
                           checkpoint_dir=tmp_path, stop_after=3)
@@ -246,21 +382,24 @@ def test_train_script_writes_its_summary(tmp_path):
 
 
 @pytest.mark.slow
-def test_compare_runs_the_four_variants_side_by_side(tmp_path):
-    subprocess.run([sys.executable, str(EXAMPLES / "gpt" / "compare.py"), "--config", "tiny",
+@pytest.mark.parametrize("name", ["tiny", "llama_tiny"])
+def test_compare_runs_the_four_variants_side_by_side(tmp_path, name):
+    subprocess.run([sys.executable, str(EXAMPLES / "gpt" / "compare.py"), "--config", name,
                     "--layers", "1", "--steps", "4", "--eval-every", "2", "--budget-s", "20",
                     "--out", str(tmp_path)], check=True, timeout=300)
     report = json.loads((tmp_path / "gpt_compare.json").read_text())
-    variants = report["results"]["tiny"]["variants"]
+    variants = report["results"][name]["variants"]
     assert list(variants) == ["stock", "flax_fp8", "epilog", "epilog_fp8"]
     # The learning-rate schedule spans the measured run (it ends decayed).
-    assert report["results"]["tiny"]["config"]["steps"] == 4
+    assert report["results"][name]["config"]["steps"] == 4
     assert len({v["initial_params_sha256"] for v in variants.values()}) == 1
     for v in variants.values():
-        assert len(v["train_loss"]) == report["results"]["tiny"]["steps"]
+        assert len(v["train_loss"]) == report["results"][name]["steps"]
         assert v["careful_harness"]["step_s"] > 0 and v["user_harness"]["step_s"] > 0
+        assert v["first_step_s"] > 0
+        assert v["time_to_first_step_s"] == v["build_and_compile_s"] + v["first_step_s"]
         assert [step for step, _ in v["validation_loss"]][-1] == \
-            report["results"]["tiny"]["steps"]
+            report["results"][name]["steps"]
     # bf16 and FP8 start from the same weights on the same batches: the first losses agree
     # to FP8's rounding, the stock and jax-epilog ones closely.
     first = {name: v["train_loss"][0] for name, v in variants.items()}
@@ -277,9 +416,9 @@ def test_compare_runs_the_four_variants_side_by_side(tmp_path):
     assert {v["fp8_gemms"] for v in variants.values()} == {0}
     assert "no FP8 GEMM ran in flax_fp8 (" in text and " nor in epilog_fp8 (" in text
     assert "FP8 emulated" not in text
-    for name in ("epilog_fp8", "flax_fp8"):
-        rows = [line for line in text.splitlines() if line.startswith(f"| tiny: {name}")]
-        assert rows and all(line.endswith(f"| not applicable (no FP8 GEMM ran in {name}) |")
+    for fp8_name in ("epilog_fp8", "flax_fp8"):
+        rows = [line for line in text.splitlines() if line.startswith(f"| {name}: {fp8_name}")]
+        assert rows and all(line.endswith(f"| not applicable (no FP8 GEMM ran in {fp8_name}) |")
                             for line in rows)
 
 
@@ -366,6 +505,29 @@ def test_targets_about_an_fp8_variant_that_ran_no_fp8_gemm_are_not_applicable():
     peerless = compare.targets(fp8_records(h200, flax_fp8=0, epilog_fp8=72)["results"])
     for row in peerless:
         assert (row["met"] is None) == ("flax_fp8" in row["target"]), row
+
+
+def test_the_llama_targets_judge_the_time_to_the_first_step():
+    compare = compare_module()
+    report = json.loads((RESULTS / "h200" / "gpt_compare.json").read_text())
+    result = report["results"].pop("large")  # from before times to the first step: n/a
+    assert "| n/a |" in compare.render({**report, "targets": compare.targets(report["results"])})
+    result["config"]["model"].update(arch="llama", n_kv_heads=8, mlp_hidden=14336)
+    for name, seconds in {"stock": 6.0, "flax_fp8": 200.0, "epilog": 2.0,
+                          "epilog_fp8": 41.0}.items():
+        result["variants"][name]["time_to_first_step_s"] = seconds
+    report["results"] = {"llama_large": result}
+    report["targets"] = compare.targets(report["results"])
+    first_step = [row for row in report["targets"] if "first step" in row["target"]]
+    assert [(row["fraction"], row["met"]) for row in first_step] == [(41.0 / 200.0, False)]
+    text = compare.render(report)
+    assert "llama: d_model 4096, 4 layers, 32 query / 8 key-value heads, SwiGLU hidden 14336" \
+        in text
+    assert re.search(r"^\| llama_large: epilog_fp8's time to the first step <= 0.2x flax_fp8's "
+                     r"\| 0.205x \| no \|$", text, re.M)
+    assert [row["target"] for row in report["targets"] if "tokens/s" in row["target"]] == [
+        "llama_large: epilog_fp8 >= 1.5x stock tokens/s",
+        "llama_large: epilog_fp8 >= 1.08x flax_fp8 tokens/s"]
 
 
 def test_a_short_run_clamps_its_warm_up_and_says_why_it_has_no_speed():

@@ -23,6 +23,7 @@ import jax_epilog  # noqa: E402
 from gpt import configs, data, decode, generate, train  # noqa: E402
 
 TINY = configs.get("tiny").replace(n_layers=1)  # one block: compiles in half the time
+LLAMA_TINY = configs.get("llama_tiny").replace(n_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +31,10 @@ def corpus():
     return data.load_corpus()
 
 
-def tiny_weights(tie_head=True, seed=0):
-    """`tiny`'s seed weights moved off their initialisation (nonzero biases, norms not 1), as
-    trained ones are."""
-    config = TINY.replace(tie_head=tie_head)
+def tiny_weights(tie_head=True, seed=0, config=TINY):
+    """`config`'s (`tiny`'s) seed weights moved off their initialisation (nonzero biases, norms
+    not 1), as trained ones are."""
+    config = config.replace(tie_head=tie_head)
     rng = np.random.default_rng(seed)
     weights = generate.serving_weights(config, None, jnp.float32)
     return config, jax.tree.map(lambda p: jnp.asarray(
@@ -65,10 +66,11 @@ def cached_logits(cached, tokens, pieces):
     return jnp.concatenate(out, axis=1)
 
 
-@pytest.mark.parametrize("impl, tie_head", [("stock", True), ("stock", False),
-                                            ("epilog", True)])
-def test_cached_forward_equals_the_full_forward_teacher_forced(corpus, impl, tie_head):
-    config, weights = tiny_weights(tie_head)
+@pytest.mark.parametrize("impl, tie_head, base", [
+    ("stock", True, TINY), ("stock", False, TINY), ("epilog", True, TINY),
+    ("stock", False, LLAMA_TINY)])  # Llama: RoPE at the cache positions, 2 key/value heads
+def test_cached_forward_equals_the_full_forward_teacher_forced(corpus, impl, tie_head, base):
+    config, weights = tiny_weights(tie_head, config=base)
     cached = decode.CachedGPT(generate.model_with(config, impl, weights, jnp.float32))
     tokens = jnp.asarray(generate.prompts_from(corpus.validation, 3, 40))
     with jax.default_matmul_precision("highest"):

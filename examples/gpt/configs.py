@@ -1,7 +1,12 @@
-"""Run configurations: `tiny` (CPU, tests), `small` (d_model 2048) and `large` (d_model 4096).
+"""Run configurations: `tiny` (CPU, tests), `small` (d_model 2048) and `large` (d_model 4096),
+GPT-2-shaped; `llama_tiny`, `llama_small` and `llama_large` the same sizes Llama-shaped
+(`model.py`'s arch "llama").
 
 `small` and `large` are sized for one H200: 16 x 1024 = 16384 tokens per step (the rows of
 every projection GEMM) and a layer count that keeps a few hundred steps to a few minutes.
+`llama_small` has Llama 3.2 1B's layer (d_model 2048, 32 query / 8 key-value heads, SwiGLU
+hidden 8192) and `llama_large` Llama 3 8B's (d_model 4096, 32 / 8 heads, hidden 14336), four
+layers of which hold about as many parameters as `large`'s four.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class TrainConfig:
                                                          if k not in model_fields})
 
 
+_LLAMA = dict(arch="llama", tie_head=False)
+
 CONFIGS = {
     "tiny": TrainConfig(ModelConfig(d_model=64, n_layers=2, n_heads=4, seq_len=64),
                         batch_size=8, steps=60, learning_rate=3e-3, warmup_steps=10,
@@ -63,6 +70,18 @@ CONFIGS = {
     "large": TrainConfig(ModelConfig(d_model=4096, n_layers=4, n_heads=32, seq_len=1024),
                          batch_size=16, steps=400, learning_rate=2e-4, warmup_steps=40,
                          eval_every=100, eval_batches=8),
+    "llama_tiny": TrainConfig(ModelConfig(d_model=64, n_layers=2, n_heads=4, seq_len=64,
+                                          **_LLAMA, n_kv_heads=2, mlp_hidden=172),
+                              batch_size=8, steps=60, learning_rate=3e-3, warmup_steps=10,
+                              eval_every=20, eval_batches=2, log_every=5),
+    "llama_small": TrainConfig(ModelConfig(d_model=2048, n_layers=6, n_heads=32, seq_len=1024,
+                                           **_LLAMA, n_kv_heads=8, mlp_hidden=8192),
+                               batch_size=16, steps=600, learning_rate=3e-4, warmup_steps=60,
+                               eval_every=100, eval_batches=8),
+    "llama_large": TrainConfig(ModelConfig(d_model=4096, n_layers=4, n_heads=32, seq_len=1024,
+                                           **_LLAMA, n_kv_heads=8, mlp_hidden=14336),
+                               batch_size=16, steps=400, learning_rate=2e-4, warmup_steps=40,
+                               eval_every=100, eval_batches=8),
 }
 
 

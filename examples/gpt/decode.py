@@ -1,4 +1,5 @@
-"""Batched prefill and KV-cache decoding for the GPT of `model.py`, from the model's own layers.
+"""Batched prefill and KV-cache decoding for the model of `model.py` (either arch), from the
+model's own layers.
 
 `CachedGPT(model)` wraps a `GPT`: `CachedGPT(model)(tokens)` is the model's full forward, and
 `CachedGPT(model)(tokens, cache, start)` runs `tokens` at positions `start, start + 1, ...`
@@ -7,9 +8,10 @@ wrapper's one `__call__` so that a library that intercepts a model's `__call__` 
 post-training quantization) quantizes the cached forward and the full one alike.
 
 The cached forward reuses every submodule of the model (embeddings, each block's
-`attention_norm`, `attention.qkv`, `attention.out`, `mlp_norm` and `mlp`, `final_norm`, the tied
-head or `head`), so its logits are the full forward's for the same tokens, whatever layers the
-model was built from (tested, teacher forced, to float tolerance). Only the attention is its
+`attention_norm`, `attention.project` (the `qkv` projection, and RoPE at the cache positions
+for "llama"), `attention.out`, `mlp_norm` and `mlp`, `final_norm`, the tied head or `head`),
+so its logits are the full forward's for the same tokens, whatever layers the model was built
+from (tested, teacher forced, to float tolerance). Only the attention is its
 own: each query attends over the whole cache with positions after it masked out, so one
 compiled decode step serves every position.
 
@@ -33,8 +35,9 @@ from .model import GPT, ModelConfig
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer, `(layers, batch, max_len, heads, head_dim)` each, in the
-    compute dtype; the positions not yet written hold zeros and are masked."""
+    """Keys and values of every layer, `(layers, batch, max_len, n_kv_heads, head_dim)` each, in
+    the compute dtype (RoPE applied to the keys); the positions not yet written hold zeros and
+    are masked."""
 
     keys: jax.Array
     values: jax.Array
@@ -48,26 +51,24 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
     if max_len > config.seq_len:
         raise ValueError(f"max_len: {max_len} is more than the model's seq_len "
                          f"{config.seq_len} (its learned positions)")
-    shape = (config.n_layers, batch, max_len, config.n_heads, config.head_dim)
+    shape = (config.n_layers, batch, max_len, config.kv_heads, config.head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
 def _attend_to_cache(block, x, keys, values, start):
     """One block's attention for `x` `(B, T, width)` at positions `start...`, the layer's cache
-    `keys`/`values` `(B, L, heads, head_dim)` updated with this step's keys and values."""
+    `keys`/`values` `(B, L, n_kv_heads, head_dim)` updated with this step's keys and values."""
     batch, length, width = x.shape
-    heads = keys.shape[2]
-    qkv = block.attention.qkv(x).reshape(batch, length, 3, heads, width // heads)
-    at = (0, start, 0, 0)
-    keys = jax.lax.dynamic_update_slice(keys, qkv[:, :, 1].astype(keys.dtype), at)
-    values = jax.lax.dynamic_update_slice(values, qkv[:, :, 2].astype(values.dtype), at)
-    # Query i (position start + i) sees cache positions up to its own; later ones are empty.
     query_positions = start + jnp.arange(length)
+    q, k, v = block.attention.project(x, query_positions)
+    at = (0, start, 0, 0)
+    keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), at)
+    values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), at)
+    # Query i (position start + i) sees cache positions up to its own; later ones are empty.
     mask = jnp.arange(keys.shape[1])[None, :] <= query_positions[:, None]
     # XLA's attention: cuDNN's fused attention takes no arbitrary mask.
-    y = jax.nn.dot_product_attention(qkv[:, :, 0], keys.astype(qkv.dtype),
-                                     values.astype(qkv.dtype), mask=mask[None, None],
-                                     implementation="xla")
+    y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
+                                     mask=mask[None, None], implementation="xla")
     return block.attention.out(y.reshape(batch, length, width)), keys, values
 
 
@@ -75,8 +76,7 @@ def forward_with_cache(model: GPT, tokens, cache: KVCache, start, *, last_only: 
     """(logits, updated cache) for `tokens` `(B, T)` at positions `start ... start + T - 1`;
     `last_only`: the logits of the last position only `(B, 1, vocab)` (the head's GEMM for the
     others is skipped: generation needs only the next token)."""
-    positions = start + jnp.arange(tokens.shape[1])
-    x = model.token_embedding(tokens) + model.position_embedding(positions)
+    x = model.embed(tokens, start + jnp.arange(tokens.shape[1]))
     keys, values = [], []
     for layer, block in enumerate(model.blocks):
         attended, k, v = _attend_to_cache(block, block.attention_norm(x), cache.keys[layer],
@@ -87,9 +87,7 @@ def forward_with_cache(model: GPT, tokens, cache: KVCache, start, *, last_only: 
         values.append(v)
     if last_only:
         x = x[:, -1:]
-    x = model.final_norm(x)
-    logits = model.token_embedding.attend(x) if model.head is None else model.head(x)
-    return logits, KVCache(jnp.stack(keys), jnp.stack(values))
+    return model.logits(x), KVCache(jnp.stack(keys), jnp.stack(values))
 
 
 class CachedGPT(nnx.Module):

@@ -56,7 +56,7 @@ from gpt.model import GPT
 VARIANTS = ("stock", "epilog_fp8", "qwix_fp8")
 #: The projections Qwix quantizes, by module path under `CachedGPT`: those jax-epilog's FP8
 #: would (the embeddings and the tied head stay 16-bit in both).
-QWIX_PROJECTIONS = r"model/blocks/\d+/(attention/(qkv|out)|mlp/layers/\d+)"
+QWIX_PROJECTIONS = r"model/blocks/\d+/(attention/(qkv|out)|mlp/(layers/\d+|gate|up|down))"
 
 
 # --- weights -----------------------------------------------------------------------------------

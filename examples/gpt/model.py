@@ -1,14 +1,25 @@
-"""A GPT-style decoder-only transformer in Flax NNX, built from one of three sets of layers.
+"""A decoder-only transformer in Flax NNX, GPT-2- or Llama-shaped, built from one of three sets
+of layers.
 
-`GPT(config, impl=..., rngs=...)`: token and learned position embeddings, `n_layers` pre-LayerNorm
-blocks (causal self-attention, then a GELU MLP, each with its residual), a final LayerNorm and
-the head (tied to the token embedding, or its own projection). The projections come from `impl`:
+`GPT(config, impl=..., rngs=...)`, by `config.arch`:
+
+- "gpt": token and learned position embeddings, `n_layers` pre-LayerNorm blocks (causal
+  self-attention, then a GELU MLP, each with its residual, every projection with a bias), a
+  final LayerNorm and the head (tied to the token embedding, or its own projection).
+- "llama": token embedding only, pre-RMSNorm blocks (causal self-attention with rotary
+  position embeddings on queries and keys and `n_kv_heads` key/value heads shared by groups of
+  the `n_heads` query heads, then a SwiGLU MLP `down(silu(gate(x)) * up(x))`), a final RMSNorm
+  and an untied head; no biases anywhere.
+
+The projections come from `impl`:
 
 - "stock": `nnx.Linear`, `jax.nn.gelu` between the MLP's two layers.
 - "epilog": `jax_epilog.nnx.Dense` (QKV and output projections) and `jax_epilog.nnx.MLP` (both MLP
   layers as one fused call, GELU in the first GEMM's epilog); `fp8=` trains them in FP8.
 - "flax_fp8": Flax's own FP8, `linen.Dense(dot_general_cls=Fp8DirectDotGeneralOp)` wrapped for
   NNX by `nnx.bridge.ToNNX`.
+
+The Llama MLP (`SwiGLU`) is three of `impl`'s dense layers without bias in every impl.
 
 Every impl draws the same parameters from the same `nnx.Rngs`, in the same order, under the same
 names (`blocks/0/attention/qkv/kernel`, `blocks/0/mlp/layers/1/bias`, ...), so one seed gives one
@@ -34,6 +45,7 @@ import jax_epilog.nnx
 
 IMPLS = ("stock", "epilog", "flax_fp8")
 ATTENTION = ("auto", "cudnn", "xla")
+ARCHS = ("gpt", "llama")
 
 # Flax >= 0.12 wants lists of modules wrapped so it can see their state; older Flax takes lists.
 _ModuleList = getattr(nnx, "List", list)
@@ -73,7 +85,9 @@ class TokenEmbedding(nnx.Embed):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The architecture. `vocab_size` 256: bytes."""
+    """The architecture (`arch`: module docstring). `vocab_size` 256: bytes. `n_kv_heads`
+    (None: `n_heads`) key/value heads, "llama" only; `mlp_hidden` (None: `mlp_ratio * d_model`)
+    the MLP's hidden width; `rope_theta` the rotary embeddings' base ("llama")."""
 
     d_model: int
     n_layers: int
@@ -82,23 +96,53 @@ class ModelConfig:
     vocab_size: int = 256
     mlp_ratio: int = 4
     tie_head: bool = True
+    arch: str = "gpt"
+    n_kv_heads: Optional[int] = None
+    mlp_hidden: Optional[int] = None
+    rope_theta: float = 10000.0
 
     def __post_init__(self):
-        for name in ("d_model", "n_layers", "n_heads", "seq_len", "vocab_size", "mlp_ratio"):
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch: expected one of {ARCHS}, got {self.arch!r}")
+        for name in ("d_model", "n_layers", "n_heads", "seq_len", "vocab_size", "mlp_ratio",
+                     "n_kv_heads", "mlp_hidden"):
             value = getattr(self, name)
+            if value is None and name in ("n_kv_heads", "mlp_hidden"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive int, got {value!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"n_heads: expected a divisor of d_model={self.d_model}, got "
                              f"{self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_kv_heads: expected a divisor of n_heads={self.n_heads}, got "
+                             f"{self.n_kv_heads}")
+        if self.arch == "gpt" and self.kv_heads != self.n_heads:
+            raise ValueError(f"n_kv_heads: arch 'gpt' has n_heads={self.n_heads} key/value "
+                             f"heads, got {self.n_kv_heads} (grouped-query attention is "
+                             "arch='llama')")
+        if self.arch == "llama":
+            if self.tie_head:
+                raise ValueError("tie_head: arch 'llama' has an untied head; set "
+                                 "tie_head=False")
+            if self.head_dim % 2:
+                raise ValueError(f"n_heads: arch 'llama' rotates pairs of features, so "
+                                 f"d_model / n_heads must be even, got {self.head_dim}")
+            if not self.rope_theta > 0:
+                raise ValueError(f"rope_theta: expected > 0, got {self.rope_theta!r}")
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads: `n_kv_heads`, or `n_heads` where that is None."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
     def hidden(self) -> int:
-        return self.mlp_ratio * self.d_model
+        return self.mlp_hidden or self.mlp_ratio * self.d_model
 
 
 def attention_implementation(choice: str, dtype) -> str:
@@ -122,6 +166,30 @@ class StackedMLP(nnx.Module):
 
     def __call__(self, x):
         return self.layers[1](jax.nn.gelu(self.layers[0](x), approximate=True))
+
+
+class SwiGLU(nnx.Module):
+    """Llama's MLP, `down(silu(gate(x)) * up(x))`, from three dense layers without bias (one
+    module, so a fused SwiGLU block can replace it whole)."""
+
+    def __init__(self, gate: nnx.Module, up: nnx.Module, down: nnx.Module):
+        self.gate, self.up, self.down = gate, up, down
+
+    def __call__(self, x):
+        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+def rope(x, positions, theta: float = 10000.0):
+    """Rotary position embeddings on `x` `(B, T, heads, head_dim)` at `positions` `(T,)`: the
+    feature pairs (i, i + head_dim/2) rotated by `position * theta**(-2i/head_dim)` (Llama's
+    and MaxText's layout), in float32, returned in `x`'s dtype."""
+    half = x.shape[-1] // 2
+    frequencies = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.asarray(positions, jnp.float32)[:, None] * frequencies  # (T, half)
+    cos, sin = jnp.cos(angles)[:, None], jnp.sin(angles)[:, None]       # (T, 1, half)
+    first, second = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], -1)
+    return rotated.astype(x.dtype)
 
 
 def flax_fp8_linear(stock: nnx.Linear) -> nnx.Module:
@@ -165,7 +233,10 @@ class Layers:
                            rngs=rngs)
         return flax_fp8_linear(stock) if self.impl == "flax_fp8" and quantized else stock
 
-    def mlp(self, d_model: int, hidden: int, *, rngs: nnx.Rngs) -> nnx.Module:
+    def mlp(self, d_model: int, hidden: int, *, rngs: nnx.Rngs, arch: str = "gpt") -> nnx.Module:
+        if arch == "llama":
+            return SwiGLU(*(self.dense(i, o, use_bias=False, rngs=rngs) for i, o in
+                            ((d_model, hidden), (d_model, hidden), (hidden, d_model))))
         if self.impl == "epilog":
             return jax_epilog.nnx.MLP(d_model, [hidden, d_model], activation="gelu",
                                       dtype=self.dtype, fp8=self.fp8, rngs=rngs)
@@ -174,29 +245,53 @@ class Layers:
 
 
 class CausalSelfAttention(nnx.Module):
+    """Queries, keys and values from one projection `qkv` (its columns: the `n_heads` query
+    heads, then the key heads, then the value heads), RoPE on queries and keys for "llama",
+    `jax.nn.dot_product_attention` (grouped where there are fewer key/value heads), `out`."""
+
     def __init__(self, config: ModelConfig, layers: Layers, attention: str, *, rngs: nnx.Rngs):
-        self.n_heads = config.n_heads
+        self.n_heads, self.n_kv_heads = config.n_heads, config.kv_heads
+        self.head_dim = config.head_dim
+        self.rope_theta = config.rope_theta if config.arch == "llama" else None
         self.implementation = attention_implementation(attention, layers.dtype)
-        self.qkv = layers.dense(config.d_model, 3 * config.d_model, rngs=rngs)
-        self.out = layers.dense(config.d_model, config.d_model, rngs=rngs)
+        bias = config.arch == "gpt"
+        width = (config.n_heads + 2 * config.kv_heads) * config.head_dim
+        self.qkv = layers.dense(config.d_model, width, use_bias=bias, rngs=rngs)
+        self.out = layers.dense(config.d_model, config.d_model, use_bias=bias, rngs=rngs)
+
+    def project(self, x, positions):
+        """(queries `(B, T, n_heads, head_dim)`, keys, values `(B, T, n_kv_heads, head_dim)`)
+        of `x` `(B, T, d_model)` at `positions` `(T,)`."""
+        batch, length, _ = x.shape
+        heads = self.qkv(x).reshape(batch, length, self.n_heads + 2 * self.n_kv_heads,
+                                    self.head_dim)
+        q, k, v = jnp.split(heads, [self.n_heads, self.n_heads + self.n_kv_heads], axis=2)
+        if self.rope_theta is not None:
+            q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+        return q, k, v
 
     def __call__(self, x):
         batch, length, width = x.shape
-        qkv = self.qkv(x).reshape(batch, length, 3, self.n_heads, width // self.n_heads)
-        y = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2],
-                                         is_causal=True, implementation=self.implementation)
+        q, k, v = self.project(x, jnp.arange(length))
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                         implementation=self.implementation)
         return self.out(y.reshape(batch, length, width))
 
 
+def norm(config: ModelConfig, dtype, rngs: nnx.Rngs) -> nnx.Module:
+    """LayerNorm ("gpt") or RMSNorm, scale only ("llama")."""
+    kind = nnx.RMSNorm if config.arch == "llama" else nnx.LayerNorm
+    return kind(config.d_model, dtype=dtype, rngs=rngs)
+
+
 class Block(nnx.Module):
-    """Pre-LayerNorm: x + attention(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm: x + attention(norm(x)), then x + mlp(norm(x))."""
 
     def __init__(self, config: ModelConfig, layers: Layers, attention: str, *, rngs: nnx.Rngs):
-        norm = dict(dtype=layers.dtype, rngs=rngs)
-        self.attention_norm = nnx.LayerNorm(config.d_model, **norm)
+        self.attention_norm = norm(config, layers.dtype, rngs)
         self.attention = CausalSelfAttention(config, layers, attention, rngs=rngs)
-        self.mlp_norm = nnx.LayerNorm(config.d_model, **norm)
-        self.mlp = layers.mlp(config.d_model, config.hidden, rngs=rngs)
+        self.mlp_norm = norm(config, layers.dtype, rngs)
+        self.mlp = layers.mlp(config.d_model, config.hidden, rngs=rngs, arch=config.arch)
 
     def __call__(self, x):
         x = x + self.attention(self.attention_norm(x))
@@ -221,10 +316,11 @@ class GPT(nnx.Module):
         self.config = config
         embed = dict(embedding_init=EMBEDDING_INIT, dtype=dtype, rngs=rngs)
         self.token_embedding = TokenEmbedding(config.vocab_size, config.d_model, **embed)
-        self.position_embedding = nnx.Embed(config.seq_len, config.d_model, **embed)
+        self.position_embedding = nnx.Embed(config.seq_len, config.d_model, **embed) \
+            if config.arch == "gpt" else None  # "llama": RoPE in the attention
         self.blocks = _ModuleList([Block(config, layers, attention, rngs=rngs)
                                    for _ in range(config.n_layers)])
-        self.final_norm = nnx.LayerNorm(config.d_model, dtype=dtype, rngs=rngs)
+        self.final_norm = norm(config, dtype, rngs)
         self.head = None if config.tie_head else layers.dense(
             config.d_model, config.vocab_size, use_bias=False, quantized=False, rngs=rngs)
 
@@ -232,9 +328,18 @@ class GPT(nnx.Module):
         if tokens.ndim != 2 or tokens.shape[1] > self.config.seq_len:
             raise ValueError(f"tokens: expected shape (batch, length <= {self.config.seq_len}), "
                              f"got {tokens.shape}")
-        x = self.token_embedding(tokens) + self.position_embedding(jnp.arange(tokens.shape[1]))
+        x = self.embed(tokens, jnp.arange(tokens.shape[1]))
         for block in self.blocks:
             x = block(x)
+        return self.logits(x)
+
+    def embed(self, tokens, positions):
+        """The blocks' input for `tokens` `(B, T)` at `positions` `(T,)`."""
+        x = self.token_embedding(tokens)
+        return x if self.position_embedding is None else x + self.position_embedding(positions)
+
+    def logits(self, x):
+        """The final norm and the head on the blocks' output."""
         x = self.final_norm(x)
         return self.token_embedding.attend(x) if self.head is None else self.head(x)
 
