@@ -215,7 +215,7 @@ def test_delayed_scaling_records_the_amaxes_and_reads_its_histories():
     ("down", {}, ValueError, r"down: expected shape \(48, D_out\)"),
     ("x", {}, ValueError, r"gate_up \(gate\): expected shape \(7, F\)"),
     ("triple", {}, TypeError, r"gate_up: expected a \(D, 2F\) kernel or a \(gate, up\) pair"),
-    ("stored", {}, TypeError, r"does not run kernels stored in FP8"),
+    ("stored", {}, TypeError, r"gate_up \(gate\), gate_up \(up\): a 16-bit kernel in a block"),
     (None, {"fp8": "yes"}, TypeError, r"fp8: expected None, a bool"),
     (None, {"fp8": ALL, "fp8_state": Fp8().init_state(1)}, ValueError,
      r"fp8_state: expected 2 Fp8History"),

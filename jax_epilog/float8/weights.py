@@ -31,6 +31,11 @@ MIN_FEATURES = 512
 #: The parameter name the default rule quantizes: Flax's `Dense`, `nnx.Linear` and ours.
 KERNEL_NAME = "kernel"
 
+#: The submodules of a SwiGLU block (`jax_epilog.linen.SwiGLU`, `jax_epilog.nnx.SwiGLU`, and
+#: the three-`Dense` blocks whose checkpoints they load): `quantize_params` stores their
+#: kernels together or not at all, since the block serves them only together.
+SWIGLU_PARTS = ("gate", "up", "down")
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -121,9 +126,13 @@ def quantize_params(params, *, include: Optional[Callable[[Any, Any], bool]] = N
         key_names(p)`.
       dtype: the stored format, "float8_e4m3fn" (default) or "float8_e5m2".
 
+    A SwiGLU block's `gate`, `up` and `down` kernels (`SWIGLU_PARTS`) are stored together,
+    where the rule picks all three, or none stays stored: the block serves them together.
+
     Returns:
       The same structure; chosen leaves are `Fp8Weight`s, the rest unchanged. Only
-      `jax_epilog`'s layers (`dense`, `mlp`, `jax_epilog.linen`, `jax_epilog.nnx`) run them.
+      `jax_epilog`'s layers (`dense`, `mlp`, `swiglu`, `jax_epilog.linen`, `jax_epilog.nnx`)
+      run them.
       A non-finite kernel raises a `ValueError` naming its path.
     """
     rule = default_rule if include is None else include
@@ -131,8 +140,10 @@ def quantize_params(params, *, include: Optional[Callable[[Any, Any], bool]] = N
         raise TypeError(f"include: expected a function (path, leaf) -> bool, got {include!r}")
     dtype = _format("dtype", dtype)
 
+    chosen = _together(params, rule)
+
     def visit(path, leaf):
-        if isinstance(leaf, Fp8Weight) or not rule(path, leaf):
+        if isinstance(leaf, Fp8Weight) or not chosen[key_names(path)]:
             return leaf
         return quantize_weight(leaf, dtype, name="/".join(key_names(path)) or "params")
 
@@ -140,18 +151,34 @@ def quantize_params(params, *, include: Optional[Callable[[Any, Any], bool]] = N
         visit, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
 
 
-def check_weight(name: str, weight: Fp8Weight, in_features: int) -> None:
-    """An `Fp8Weight` given to a layer whose input has `in_features`: its data FP8 of shape
-    (N, in_features), its scales float32 scalars; concrete scales must be finite and
-    positive."""
+def _together(params, rule) -> dict[tuple[str, ...], bool]:
+    """`rule`'s choice for each leaf of `params` (by its names), a SwiGLU block's three
+    kernels (`SWIGLU_PARTS`, the same leaf name under each) stored only if each is chosen."""
+    leaves = jax.tree_util.tree_leaves_with_path(
+        params, is_leaf=lambda x: isinstance(x, Fp8Weight))
+    chosen = {key_names(path): isinstance(leaf, Fp8Weight) or bool(rule(path, leaf))
+              for path, leaf in leaves}  # an Fp8Weight stays as it is (`visit`)
+    for names in chosen:
+        if len(names) >= 2 and names[-2] == SWIGLU_PARTS[0]:
+            block = [names[:-2] + (part, names[-1]) for part in SWIGLU_PARTS]
+            if all(part in chosen for part in block):
+                together = all(chosen[part] for part in block)
+                chosen.update((part, together) for part in block)
+    return chosen
+
+
+def check_weight(name: str, weight: Fp8Weight, in_features: int, source: str = "x") -> None:
+    """An `Fp8Weight` given to a layer whose input (`source`, for the error) has
+    `in_features`: its data FP8 of shape (N, in_features), its scales float32 scalars;
+    concrete scales must be finite and positive."""
     data = weight.data
     if jnp.ndim(data) != 2 or jnp.result_type(data).name not in FP8_DTYPES:
         raise ValueError(f"{name}: an Fp8Weight holds FP8 data of shape (N, K), got "
                          f"{jnp.result_type(data)} of shape {jnp.shape(data)}; make it with "
                          f"jax_epilog.quantize_params")
     if jnp.shape(data)[1] != in_features:
-        raise ValueError(f"{name}: the stored FP8 kernel is (K, N) = {weight.shape}, but x has "
-                         f"{in_features} features")
+        raise ValueError(f"{name}: the stored FP8 kernel is (K, N) = {weight.shape}, but {source} "
+                         f"has {in_features} features")
     for field in ("scale", "input_scale"):
         value = getattr(weight, field)
         if value is None:

@@ -66,9 +66,7 @@ def forward(activations: tuple, dtype, x, params):
     """`act_i(h @ kernel_i + bias_i)` layer by layer, stored-FP8 kernels as FP8 GEMMs; `x`
     `(rows, K)` in `dtype`, `params` checked pairs (16-bit ones cast to `dtype`). Not
     differentiable (`_NOT_DIFFERENTIABLE`)."""
-    if _calibration.get() is not None:  # eager, values seen directly
-        return _layers(activations, dtype, x, params)
-    return _inference_only(activations, dtype, x, params)
+    return _served_layers(activations, dtype, x, params)
 
 
 def _layers(activations: tuple, dtype, x, params):
@@ -80,9 +78,7 @@ def _layers(activations: tuple, dtype, x, params):
             h = matmul(h, kernel, epilog=epilog, epilog_inputs=inputs)
             continue
         check_weight(f"layers[{i}] kernel", kernel, (h if h8 is None else h8[0]).shape[-1])
-        recorded = _calibration.get()
-        if recorded is not None:
-            _record(recorded, h, kernel)
+        recorded = record_input(h, kernel)
         if serving_way(x.shape[0]).choice == "weight_only":  # the same way for every layer
             h = weight_only(h, kernel, bias, activation)
             continue
@@ -96,9 +92,8 @@ def _layers(activations: tuple, dtype, x, params):
         else:
             result, scales = dtype, {}
             inputs = None if bias is None else {"bias": bias.astype(dtype)}
-        y = matmul(h8, kernel.data, transpose_b=True, epilog=epilog, epilog_inputs=inputs,
-                   quantization_scales={"a": input_scale, "b": kernel.scale, **scales},
-                   preferred_element_type=result, fast_accumulation=FAST_ACCUMULATION)
+        y = fp8_matmul(h8, input_scale, kernel, result, epilog=epilog, epilog_inputs=inputs,
+                       scales=scales)
         h, h8 = (y, None) if result == dtype else (None, (y, following.input_scale))
     return h
 
@@ -130,14 +125,30 @@ def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str]):
     return z.astype(h.dtype)
 
 
-_inference_only = jax.custom_vjp(_layers, nondiff_argnums=(0, 1))
+def fp8_matmul(h8, h_scale, weight: Fp8Weight, result, *, epilog=Epilog.DEFAULT,
+               epilog_inputs=None, scales=None):
+    """The FP8 GEMM of an e4m3 input `h8` (dequantized by `h_scale`) and a stored weight, as
+    it reads it (`(N, K)`, K-major), with `epilog` and a `result`-typed output; `scales` adds
+    the output's `"d"` scale."""
+    return matmul(h8, weight.data, transpose_b=True, epilog=epilog, epilog_inputs=epilog_inputs,
+                  quantization_scales={"a": h_scale, "b": weight.scale, **(scales or {})},
+                  preferred_element_type=result, fast_accumulation=FAST_ACCUMULATION)
 
 
 def _raise_not_differentiable(*args):
     raise TypeError(_NOT_DIFFERENTIABLE)
 
 
-_inference_only.defvjp(_raise_not_differentiable, _raise_not_differentiable)
+def inference_only(fn: Callable, static: tuple[int, ...]) -> Callable:
+    """`fn` (a served forward, `static` its non-array arguments) that raises
+    `_NOT_DIFFERENTIABLE` where it is differentiated, and runs as it is while `calibrate`
+    records (eagerly: the values are read directly)."""
+    checked = jax.custom_vjp(fn, nondiff_argnums=static)
+    checked.defvjp(_raise_not_differentiable, _raise_not_differentiable)
+    return lambda *args: (fn if _calibration.get() is not None else checked)(*args)
+
+
+_served_layers = inference_only(_layers, (0, 1))
 
 
 def quantize_input(h, weight: Fp8Weight):
@@ -156,13 +167,19 @@ _calibration: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
     "jax_epilog_serving_calibration", default=None)
 
 
-def _record(recorded: dict, h, weight: Fp8Weight) -> None:
+def record_input(h, weight: Fp8Weight) -> Optional[dict]:
+    """While `calibrate` runs: `h`, the input of `weight`'s GEMM, counts towards its static
+    scale. Returns the amaxes being recorded (None: not calibrating)."""
+    recorded = _calibration.get()
+    if recorded is None:
+        return None
     if isinstance(h, jax.core.Tracer):
         raise TypeError("calibrate: apply_fn ran under a JAX transform (jax.jit, ...), where "
                         "the inputs' amaxes cannot be read; pass a function that applies the "
                         "model directly (calibrate runs it eagerly, a few batches)")
     key = id(weight.data)
     recorded[key] = max(recorded.get(key, 0.0), float(scaling.amax(h)))
+    return recorded
 
 
 @contextlib.contextmanager

@@ -26,6 +26,17 @@ With `fp8=` (SPEC §5's recipe, `Fp8`; docs/fp8.md, "SwiGLU"):
 `Fp8(layers="auto")` runs the block FP8 where both GEMMs pass `stack_plan.fp8_pays` (large
 enough, widths multiples of 16), else in the compute dtype (an `fp8_state` then passes
 through unchanged); `layers="all"` always.
+
+Kernels stored in FP8 (`Fp8Weight`s, `quantize_params`; docs/serving.md) run the inference
+forward of `layers.serving`, the way chosen by the rows as for a served `dense`:
+
+- "fp8": x quantized to e4m3 once (the gate weight's static `input_scale`, else x's amax),
+  one FP8 GEMM per stored gate/up weight (one for a `(D, 2F)` `[gate up]`, two for a pair:
+  joining stored weights would copy them every call), results in the compute dtype; one
+  fusion reads `[g u]` and writes h = silu(g)·u in e4m3 (the down weight's static scale, else
+  h's amax), then the FP8 down GEMM.
+- "weight_only": each GEMM of the 16-bit activation and the converted FP8 weight
+  (`serving.weight_only`), h = silu(g)·u in between.
 """
 
 from __future__ import annotations
@@ -41,10 +52,11 @@ from jax.ad_checkpoint import checkpoint_name
 from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
 from jax_epilog.float8.scaling import quantize_scaled, record
 from jax_epilog.float8.weights import Fp8Weight
-from jax_epilog.layers import fp8_step
+from jax_epilog.layers import fp8_step, serving
 from jax_epilog.layers.functional import _compute_dtype, _described
 from jax_epilog.layers.gemms import LAYER_INPUT_NAME
 from jax_epilog.op import manual_axes
+from jax_epilog.planning.serving_plan import serving_way
 from jax_epilog.planning.stack_plan import quantized_layers
 
 #: `checkpoint_name` of the block's saved hidden activations (`[g u]`; g8, u8, h8 under FP8), for
@@ -210,16 +222,67 @@ def _fp8_block_bwd(block: Block, residuals, dy):
 _fp8_block.defvjp(_fp8_block_fwd, _fp8_block_bwd)
 
 
+# --- kernels stored in FP8 (inference) ----------------------------------------------------
+
+def _served_block(hidden: int, dtype, x, gate_up: tuple, down: Fp8Weight):
+    """The block's forward over `x` `(rows, D)` in `dtype` with stored weights: `gate_up` one
+    `(D, 2F)` `Fp8Weight` or a (gate, up) pair of `(D, F)` ones (module docstring)."""
+    for weight in gate_up:
+        serving.record_input(x, weight)
+    if serving_way(x.shape[0]).choice == "weight_only":
+        gu = jnp.concatenate([serving.weight_only(x, w, None, None) for w in gate_up], axis=1)
+        h = _hidden(gu, hidden).astype(dtype)
+        serving.record_input(h, down)
+        return serving.weight_only(h, down, None, None)
+    x8, x_scale = serving.quantize_input(x, gate_up[0])
+    gu = jnp.concatenate([serving.fp8_matmul(x8, x_scale, w, dtype) for w in gate_up], axis=1)
+    h = _hidden(gu, hidden)
+    serving.record_input(h, down)
+    h8, h_scale = serving.quantize_input(h, down)
+    return serving.fp8_matmul(h8, h_scale, down, dtype)
+
+
+_serve = serving.inference_only(_served_block, (0, 1))
+
+
+def _stored_kernels(x, gate_up, down) -> Optional[tuple[tuple, Fp8Weight, int]]:
+    """(the gate/up `Fp8Weight`s, down, F) where the block's kernels are stored in FP8, each
+    checked; None where none is; a block of both kinds raises an error naming the 16-bit
+    kernels."""
+    pair = isinstance(gate_up, (tuple, list))
+    if pair and len(gate_up) != 2:
+        return None  # `_kernels` says what is expected
+    named = (*((("gate_up (gate)", gate_up[0]), ("gate_up (up)", gate_up[1])) if pair
+               else (("gate_up", gate_up),)), ("down", down))
+    plain = [name for name, kernel in named if not isinstance(kernel, Fp8Weight)]
+    if len(plain) == len(named):
+        return None
+    if plain:
+        raise TypeError(f"{', '.join(plain)}: a 16-bit kernel in a block whose other kernels "
+                        f"are stored in FP8 (jax_epilog.Fp8Weight); swiglu serves the three "
+                        f"stored together: quantize them together (quantize_params does, "
+                        f"whatever its include= rule picks of a block) or none")
+    d = jnp.shape(x)[-1] if jnp.ndim(x) else None
+    if d is None:
+        raise ValueError(f"x: expected an array of shape (..., D), got shape {jnp.shape(x)}")
+    for name, kernel in named[:-1]:
+        serving.check_weight(name, kernel, d)
+    widths = [kernel.shape[1] for _, kernel in named[:-1]]
+    if len(widths) == 2 and widths[0] != widths[1]:
+        raise ValueError(f"gate_up: gate and up must have the same shape (D, F), got "
+                         f"{named[0][1].shape} and {named[1][1].shape}")
+    if len(widths) == 1 and widths[0] % 2:
+        raise ValueError(f"gate_up: expected shape ({d}, 2F) ([gate up] side by side), got "
+                         f"{named[0][1].shape}")
+    hidden = widths[0] if len(widths) == 2 else widths[0] // 2
+    serving.check_weight("down", down, hidden, "h = silu(g)·u")
+    return tuple(kernel for _, kernel in named[:-1]), down, hidden
+
+
 # --- the public block ------------------------------------------------------------------------
 
 def _kernels(x, gate_up, down):
     """(the `(D, 2F)` kernel `[gate up]`, down, F), checked against x `(..., D)`."""
-    stored = [a for a in (*(gate_up if isinstance(gate_up, (tuple, list)) else (gate_up,)), down)
-              if isinstance(a, Fp8Weight)]
-    if stored:
-        raise TypeError("gate_up, down: swiglu trains 16/32-bit kernels and does not run "
-                        "kernels stored in FP8 (jax_epilog.Fp8Weight); keep the block's "
-                        "kernels out of quantize_params (its include= rule)")
     d = jnp.shape(x)[-1] if jnp.ndim(x) else None
     if d is None:
         raise ValueError(f"x: expected an array of shape (..., D), got shape {jnp.shape(x)}")
@@ -266,6 +329,11 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
         Either way they run as one GEMM (a pair is concatenated in the step, a copy XLA fuses
         into the cast or FP8 quantization that reads the kernels anyway).
       down: `(F, D_out)`.
+        The kernels may instead be stored in FP8 (`jax_epilog.Fp8Weight`s, all three, or the
+        `(D, 2F)` one and down; `jax_epilog.quantize_params`): then the block runs the
+        inference forward with FP8 GEMMs (or weight-only over few rows) and a result in the
+        computation dtype, as a served `dense` does (docs/serving.md); `fp8=` and
+        `fp8_state=` do not apply to it, and it is not differentiable.
       dtype: the computation dtype; None: `jnp.result_type` of x and the kernels, like Flax.
       precision: the GEMMs' precision in the compute dtype (float32 only), as `dense`'s.
       fp8: None or False (compute dtype), True (`jax_epilog.Fp8()`) or `jax_epilog.Fp8(...)`:
@@ -280,6 +348,9 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
       `(..., D_out)` in the computation dtype. Differentiable in reverse mode w.r.t. x, the
       kernels and `fp8_state`.
     """
+    stored = _stored_kernels(x, gate_up, down)
+    if stored is not None:  # inference; the training arguments do not apply
+        return _served(x, *stored, dtype)
     fp8 = as_fp8(fp8)
     fp8_state = check_state(fp8, fp8_state, len(FP8_GEMMS))
     gate_up, down, hidden = _kernels(x, gate_up, down)
@@ -297,3 +368,11 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
         if fp8_state is not None:
             y = fp8_step.carry_state(y, fp8_state)
     return y.reshape(*lead, d_out)
+
+
+def _served(x, gate_up: tuple, down: Fp8Weight, hidden: int, dtype):
+    dtype = _compute_dtype(dtype, [x])
+    x = jnp.asarray(x, dtype)
+    lead, d = x.shape[:-1], x.shape[-1]
+    y = _serve(hidden, dtype, x.reshape(math.prod(lead), d), gate_up, down)
+    return y.reshape(*lead, y.shape[-1])
