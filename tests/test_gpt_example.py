@@ -180,6 +180,10 @@ def test_the_fp8_variants_carry_their_scaling_state():
     assert len(jax.tree.leaves(flax_state)) == 6 * n_projections    # 3 scales, 3 histories
     assert not jax.tree.leaves(rest)
     assert not jax.tree.leaves(model.split(train.build_model(TINY, "stock"))[2])
+    # Llama: qkv and out, then the SwiGLU block's two GEMMs (gate/up as one, and down)
+    llama = train.build_model(LLAMA_TINY, "epilog", fp8=True)
+    assert isinstance(llama.blocks[0].mlp, jax_epilog.nnx.SwiGLU)
+    assert len(jax.tree.leaves(model.split(llama)[2])) == 2 * 4 * LLAMA_TINY.model.n_layers
 
 
 def test_the_fp8_step_has_no_host_round_trip(corpus, monkeypatch):

@@ -68,7 +68,8 @@ def cached_logits(cached, tokens, pieces):
 
 @pytest.mark.parametrize("impl, tie_head, base", [
     ("stock", True, TINY), ("stock", False, TINY), ("epilog", True, TINY),
-    ("stock", False, LLAMA_TINY)])  # Llama: RoPE at the cache positions, 2 key/value heads
+    ("stock", False, LLAMA_TINY),  # Llama: RoPE at the cache positions, 2 key/value heads
+    ("epilog", False, LLAMA_TINY)])  # and jax_epilog's SwiGLU block
 def test_cached_forward_equals_the_full_forward_teacher_forced(corpus, impl, tie_head, base):
     config, weights = tiny_weights(tie_head, config=base)
     cached = decode.CachedGPT(generate.model_with(config, impl, weights, jnp.float32))
@@ -133,12 +134,15 @@ def test_sample_keeps_to_the_top_k():
     assert len(np.unique(drawn)) > 3  # more than one of the three is drawn per row
 
 
+@pytest.mark.parametrize("base, projections", [
+    (TINY, 4),  # qkv, out, MLP up and down
+    (LLAMA_TINY, 5)])  # qkv, out, the SwiGLU block's gate, up and down (the head stays 16-bit)
 def test_epilog_fp8_stores_fp8_kernels_and_with_static_scales_decodes_as_its_full_forward(
-        corpus, monkeypatch):
+        corpus, monkeypatch, base, projections):
     # One way for every call: the full forward's rows and a decode step's rows would
     # otherwise fall on either side of serving_plan.WEIGHT_ONLY_MAX_ROWS.
     monkeypatch.setenv("JAX_EPILOG_SERVING", "fp8")
-    config, weights = tiny_weights()
+    config, weights = tiny_weights(tie_head=base.model.tie_head, config=base)
     validation = data.validation_batches(corpus.validation, 4, config.model.seq_len, 1)
     cached = generate.epilog_fp8(config, weights, jnp.float32, attention="auto",
                                  fp8_min_features=64,
@@ -146,11 +150,13 @@ def test_epilog_fp8_stores_fp8_kernels_and_with_static_scales_decodes_as_its_ful
     kernels = [leaf for leaf in jax.tree.leaves(
         nnx.state(cached, nnx.Param), is_leaf=lambda x: isinstance(x, jax_epilog.Fp8Weight))
         if isinstance(leaf, jax_epilog.Fp8Weight)]
-    assert len(kernels) == 4 * config.model.n_layers  # qkv, out, MLP up and down
+    assert len(kernels) == projections * config.model.n_layers
     assert all(k.input_scale is not None and k.data.dtype == jnp.float8_e4m3fn
                for k in kernels)
     stock = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
-    assert generate.weight_bytes(cached) < 0.5 * generate.weight_bytes(stock)
+    # each stored kernel: a byte per float32 value, plus its two float32 scales
+    assert generate.weight_bytes(stock) - generate.weight_bytes(cached) == \
+        sum(3 * k.data.size - 8 for k in kernels)
     # Static scales quantize each row alike whatever else is in the call: the cached
     # forward is the full one.
     tokens = jnp.asarray(validation[0][0][:, :24])
@@ -182,10 +188,14 @@ def test_qwix_fp8_quantizes_the_projections_only(corpus):
     np.testing.assert_allclose(logits, full, atol=0.2 * float(jnp.max(jnp.abs(full))))
 
 
-def test_restores_the_parameters_train_py_saved(corpus, tmp_path):
+@pytest.mark.parametrize("base, impl, fp8", [
+    (TINY, "stock", False),
+    # a checkpoint of jax_epilog's FP8 SwiGLU block serves in every variant
+    pytest.param(LLAMA_TINY, "epilog", True, marks=pytest.mark.slow)])
+def test_restores_the_parameters_train_py_saved(corpus, tmp_path, base, impl, fp8):
     pytest.importorskip("orbax.checkpoint")
-    config = TINY.replace(steps=2, warmup_steps=1, eval_every=2, log_every=1, n_layers=1)
-    trained = train.train(config, "stock", corpus=corpus, progress=False,
+    config = base.replace(steps=2, warmup_steps=1, eval_every=2, log_every=1, n_layers=1)
+    trained = train.train(config, impl, fp8=fp8, corpus=corpus, progress=False,
                           checkpoint_dir=tmp_path)
     restored_config, saved, step = generate.restore_parameters(tmp_path)
     assert restored_config == config and step == 2
@@ -200,6 +210,13 @@ def test_restores_the_parameters_train_py_saved(corpus, tmp_path):
     for got, want in zip(jax.tree.leaves(in_bf16), jax.tree.leaves(expected)):
         assert got.dtype == jnp.bfloat16
         np.testing.assert_array_equal(got, want.astype(jnp.bfloat16))
+    # Both served variants hold them: the FP8 one's logits are the stock one's to FP8 rounding.
+    tokens = jnp.asarray(generate.prompts_from(corpus.validation, 2, 12))
+    stock, fp8_logits = (jitted(generate.build_variant(
+        variant, restored_config, weights, jnp.float32, fp8_min_features=16))[0](tokens)
+        for variant in ("stock", "epilog_fp8"))
+    difference = float(jnp.max(jnp.abs(fp8_logits - stock)))
+    assert 0 < difference < 0.2 * float(jnp.max(jnp.abs(stock)))
 
 
 def run_main(*args):
@@ -207,10 +224,14 @@ def run_main(*args):
 
 
 @pytest.mark.slow
-def test_compare_writes_every_variant_with_quality(tmp_path):
-    report = run_main("--random-init", "--compare", "--batch", "1", "3", "--prompt-len", "8",
-                      "--new-tokens", "4", "--repeats", "1", "--eval-batches", "1",
-                      "--fp8-min-features", "64", "--out", str(tmp_path))
+@pytest.mark.parametrize("name, projections", [
+    ("tiny", 4),  # qkv, out, MLP up and down
+    ("llama_tiny", 5)])  # qkv, out, the SwiGLU block's gate, up and down
+def test_compare_writes_every_variant_with_quality(tmp_path, name, projections):
+    report = run_main("--random-init", "--config", name, "--compare", "--batch", "1", "3",
+                      "--prompt-len", "8", "--new-tokens", "4", "--repeats", "1",
+                      "--eval-batches", "1", "--fp8-min-features", "64", "--out",
+                      str(tmp_path))
     written = json.loads((tmp_path / "gpt_generate.json").read_text())
     assert written["result"] == json.loads(json.dumps(report["result"]))
     variants, failed = written["result"]["variants"], written["result"]["failed"]
@@ -218,7 +239,7 @@ def test_compare_writes_every_variant_with_quality(tmp_path):
     missing = set() if importlib.util.find_spec("qwix") else {"qwix_fp8"}
     assert set(failed) == missing and all("Qwix" in failed[name] for name in missing)
     assert list(variants) == [name for name in generate.VARIANTS if name not in missing]
-    for name, record in variants.items():
+    for record in variants.values():
         assert set(record["by_batch"]) == {"1", "3"}
         for batch, measured in record["by_batch"].items():
             assert measured["decode_tokens_per_s"] > 0 and measured["prefill_tokens_per_s"] > 0
@@ -230,10 +251,11 @@ def test_compare_writes_every_variant_with_quality(tmp_path):
     assert variants["stock"]["top1_agreement_with_stock"] == 1
     assert variants["stock"]["validation_loss_vs_stock"] == 0
     assert variants["epilog_fp8"]["weight_bytes"] < variants["stock"]["weight_bytes"]
-    assert [variants[name]["fp8_kernels"] for name in variants] == \
-        [0, 8, 8][:len(variants)]  # tiny's 2 blocks: qkv, out, MLP up and down
+    assert [variants[variant]["fp8_kernels"] for variant in variants] == \
+        [0, 2 * projections, 2 * projections][:len(variants)]  # 2 blocks
     text = (tmp_path / "gpt_generate.md").read_text()
-    assert all(f"| {name} | 3 |" in text for name in variants)
+    assert all(f"| {variant} | 3 |" in text for variant in variants)
+    assert written["config"]["model"]["arch"] == configs.get(name).model.arch
     assert written["metadata"]["platform"] == jax.default_backend()
 
 

@@ -155,14 +155,16 @@ def model_with(config: configs.TrainConfig, impl: str, weights: nnx.State, dtype
 
 
 def fp8_include(min_features: Optional[int]) -> Optional[Callable]:
-    """`quantize_params`' rule: None (the package's default, both dims >= 512) or kernels whose
-    dims are both at least `min_features` (tests quantize `tiny`'s small layers so)."""
+    """`quantize_params`' rule: None (the package's default, both dims >= 512) or the blocks'
+    kernels whose dims are both at least `min_features` (tests quantize `tiny`'s small layers
+    so); an untied head stays 16-bit, as in `QWIX_PROJECTIONS`."""
     if min_features is None:
         return None
 
     def include(path, leaf) -> bool:
-        return key_names(path)[-1:] == ("kernel",) and jnp.ndim(leaf) == 2 and \
-            min(jnp.shape(leaf)) >= min_features
+        names = key_names(path)
+        return names[:1] == ("blocks",) and names[-1:] == ("kernel",) and \
+            jnp.ndim(leaf) == 2 and min(jnp.shape(leaf)) >= min_features
     return include
 
 

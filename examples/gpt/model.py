@@ -19,7 +19,11 @@ The projections come from `impl`:
 - "flax_fp8": Flax's own FP8, `linen.Dense(dot_general_cls=Fp8DirectDotGeneralOp)` wrapped for
   NNX by `nnx.bridge.ToNNX`.
 
-The Llama MLP (`SwiGLU`) is three of `impl`'s dense layers without bias in every impl.
+The Llama MLP, `down(silu(gate(x)) * up(x))` without biases, is `SwiGLU` (three of `impl`'s
+dense layers) for "stock" and "flax_fp8", and `jax_epilog.nnx.SwiGLU` for "epilog": the
+block as one call, whose FP8 form runs gate and up as one FP8 GEMM and keeps only FP8
+activations for its backward. Its parameters are the three layers' (`gate`, `up`, `down`,
+each a `kernel`), drawn in the same order.
 
 Every impl draws the same parameters from the same `nnx.Rngs`, in the same order, under the same
 names (`blocks/0/attention/qkv/kernel`, `blocks/0/mlp/layers/1/bias`, ...), so one seed gives one
@@ -169,8 +173,8 @@ class StackedMLP(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """Llama's MLP, `down(silu(gate(x)) * up(x))`, from three dense layers without bias (one
-    module, so a fused SwiGLU block can replace it whole)."""
+    """Llama's MLP, `down(silu(gate(x)) * up(x))`, from three dense layers without bias: the
+    state of `jax_epilog.nnx.SwiGLU`, which replaces it whole for impl "epilog"."""
 
     def __init__(self, gate: nnx.Module, up: nnx.Module, down: nnx.Module):
         self.gate, self.up, self.down = gate, up, down
@@ -234,6 +238,9 @@ class Layers:
         return flax_fp8_linear(stock) if self.impl == "flax_fp8" and quantized else stock
 
     def mlp(self, d_model: int, hidden: int, *, rngs: nnx.Rngs, arch: str = "gpt") -> nnx.Module:
+        if arch == "llama" and self.impl == "epilog":
+            return jax_epilog.nnx.SwiGLU(d_model, hidden, dtype=self.dtype, fp8=self.fp8,
+                                         rngs=rngs)
         if arch == "llama":
             return SwiGLU(*(self.dense(i, o, use_bias=False, rngs=rngs) for i, o in
                             ((d_model, hidden), (d_model, hidden), (hidden, d_model))))
