@@ -22,6 +22,9 @@ Two parts, each a ratio measured in one process against XLA's bf16 (`xla_bf16`):
    (`jax_epilog.linen.MLP` on `quantize_params` of them), ours_fp8_static (the same,
    `calibrate`d: the first GEMM writes the second's FP8 input) and qwix_fp8 (Qwix's PTQ, e4m3
    weights and activations for every layer, the rule of its README).
+3. **A Llama SwiGLU block** `down(silu(x gate) * (x up))`, no biases, the same D and F
+   (Llama 3 8B's) and variants, ours `jax_epilog.linen.SwiGLU` (`--parts swiglu`; not in the
+   default parts).
 
 Every timed call runs `LAYERS` layers (or blocks), each with its own weights, on the same
 input, as a decode step runs a whole model per call: timing one small layer per call measures
@@ -65,7 +68,8 @@ LAYERS = 8
 SMOKE = dict(shapes={"K64xN96": (64, 96)}, rows=(1, 17), block=(64, 128), block_rows=(3,),
              layers=2)
 
-#: Issue 37's targets: (part, variant, baseline, rows predicate, minimum ratio).
+#: Issue 37's targets: (part, variant, baseline, rows predicate, minimum ratio); the SwiGLU
+#: block is held to the MLP block's.
 TARGETS = (
     ("gemm", "ours_fp8", "xla_bf16", "M >= 2048", lambda m: m >= 2048, 1.8),
     ("gemm", "ours_fp8", "xla_bf16", "M <= 64", lambda m: m <= 64, 1.7),
@@ -74,6 +78,9 @@ TARGETS = (
     ("block", "ours_fp8", "flax_bf16", "M >= 2048", lambda m: m >= 2048, 1.6),
     ("block", "ours_fp8", "flax_bf16", "M <= 64", lambda m: m <= 64, 1.5),
     ("block", "ours_fp8", "qwix_fp8", "every M", lambda m: True, 1.3),
+    ("swiglu", "ours_fp8", "flax_bf16", "M >= 2048", lambda m: m >= 2048, 1.6),
+    ("swiglu", "ours_fp8", "flax_bf16", "M <= 64", lambda m: m <= 64, 1.5),
+    ("swiglu", "ours_fp8", "qwix_fp8", "every M", lambda m: True, 1.3),
 )
 
 
@@ -170,23 +177,30 @@ def gemm_kinds(fn, args) -> dict[str, int]:
     return kinds
 
 
-def block_variants(d: int, f: int, count: int) -> tuple[dict, dict[str, int]]:
-    """name: (jitted apply, its variables) for `count` MLP blocks, each from its own `init`
-    and given to every variant, and one block's weight bytes."""
+def block_variants(d: int, f: int, count: int, part: str = "block"
+                   ) -> tuple[dict, dict[str, int]]:
+    """name: (jitted apply, its variables) for `count` blocks of `part` ("block": the GELU
+    MLP, "swiglu": Llama's), each from its own `init` and given to every variant, and one
+    block's weight bytes."""
     from flax import linen as nn
 
     class Block(nn.Module):
         @nn.compact
         def __call__(self, x):
             dense = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+            if part == "swiglu":  # the parameters of jax_epilog.linen.SwiGLU
+                layer = lambda name, n: nn.Dense(n, use_bias=False, name=name, **dense)
+                return layer("down", d)(nn.silu(layer("gate", f)(x)) * layer("up", f)(x))
             h = nn.gelu(nn.Dense(f, name="layers_0", **dense)(x), approximate=True)
             return nn.Dense(d, name="layers_1", **dense)(h)
 
     flax_model = Block()
     keys = [jax.random.key(i) for i in range(count)]
     params = [flax_model.init(key, normal(4, (8, d)))["params"] for key in keys]
-    ours = jax_epilog.linen.MLP([f, d], activation="gelu", dtype=jnp.bfloat16,
-                                param_dtype=jnp.bfloat16)
+    ours = jax_epilog.linen.SwiGLU(f, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16) \
+        if part == "swiglu" else jax_epilog.linen.MLP([f, d], activation="gelu",
+                                                      dtype=jnp.bfloat16,
+                                                      param_dtype=jnp.bfloat16)
     ours_params = [jax_epilog.quantize_params(  # the default rule, minus its size floor
         p, include=lambda path, leaf: jnp.ndim(leaf) == 2) for p in params]
     variants = {
@@ -194,7 +208,7 @@ def block_variants(d: int, f: int, count: int) -> tuple[dict, dict[str, int]]:
                       ([(p,) for p in params],)),
         "ours_fp8": (stacked(lambda p, x: ours.apply({"params": p}, x), False),
                      ([(p,) for p in ours_params],)),
-        # Static input scales: the first GEMM writes the second's FP8 input itself.
+        # Static input scales (the GELU block's first GEMM writes the second's FP8 input).
         "ours_fp8_static": (stacked(lambda p, x: ours.apply({"params": p}, x), False),
                             ([(jax_epilog.calibrate(lambda p, x: ours.apply({"params": p}, x),
                                                     p, [normal(5, (256, d))]),)
@@ -259,7 +273,7 @@ def targets(report: dict) -> list[dict]:
     for part, variant, baseline, label, where, minimum in TARGETS:
         ratios = [min(r[baseline]["careful_ms"] / r[variant]["careful_ms"],
                       r[baseline]["user_ms"] / r[variant]["user_ms"])
-                  for r in report[part] if where(r["M"]) and variant in r and baseline in r]
+                  for r in report.get(part, ()) if where(r["M"]) and variant in r and baseline in r]
         if ratios:
             rows.append({"target": f"{part}: {variant} >= {minimum}x {baseline} at {label}",
                          "worst": min(ratios), "met": min(ratios) >= minimum})
@@ -272,8 +286,9 @@ def render(report: dict) -> str:
              "Ratios are the baseline's time over the variant's, careful harness (user harness "
              "in brackets); error: max |y - y_bf16| / max |y_bf16|.", ""]
     for part, title in (("gemm", "One GEMM, gelu(x @ w + b)"),
-                        ("block", "MLP block gelu(x W1 + b1) W2 + b2")):
-        if not report[part]:
+                        ("block", "MLP block gelu(x W1 + b1) W2 + b2"),
+                        ("swiglu", "SwiGLU block down(silu(x gate) * (x up))")):
+        if not report.get(part):
             continue
         names = [n for n in report[part][0] if isinstance(report[part][0][n], dict)]
         lines += [f"## {title}", "", "| shape | M | " + " | ".join(names) + " |",
@@ -295,7 +310,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any CPU")
-    parser.add_argument("--parts", default="gemm,block")
+    parser.add_argument("--parts", default="gemm,block",
+                        help="comma-separated: gemm, block, swiglu")
     parser.add_argument("--rounds", type=int, default=7)
     rows = lambda text: tuple(int(r) for r in text.split(","))
     parser.add_argument("--rows", type=rows, help="the GEMM's rows, e.g. 1,16,2048 "
@@ -323,14 +339,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 report["gemm"].append({"shape": shape, "M": m, "baseline": "xla_bf16", **row})
                 print(shape, m, {n: round(v["careful_ratio"], 2) for n, v in row.items()},
                       flush=True)
-    if "block" in parts:
+    for part in ("block", "swiglu"):
+        if part not in parts:
+            continue
         d, f = grid["block"]
-        variants, report["weight_bytes"]["block"] = block_variants(d, f, grid["layers"])
+        report[part] = []
+        variants, report["weight_bytes"][part] = block_variants(d, f, grid["layers"], part)
         for m in grid["block_rows"]:
             row = measure_row(variants, (m, d), "flax_bf16", False, args.rounds)
-            report["block"].append({"shape": f"D{d} F{f}", "M": m, "baseline": "flax_bf16",
-                                    **row})
-            print("block", m, {n: round(v["careful_ratio"], 2) for n, v in row.items()},
+            report[part].append({"shape": f"D{d} F{f}", "M": m, "baseline": "flax_bf16",
+                                 **row})
+            print(part, m, {n: round(v["careful_ratio"], 2) for n, v in row.items()},
                   flush=True)
     report["targets"] = targets(report)
     timing.write_report(report, args.out, "serving", render)

@@ -254,13 +254,15 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       grep -E "^(## llama|\| (stock|flax_fp8|epilog|epilog_fp8) \|)" \
         "$OUT/llama/gpt_compare.md" 2>/dev/null | tee -a "$SUMMARY" ;;
     swiglu)
-      # The SwiGLU block (issue 38): its GPU tests (SWIGLU_TESTS=0 skips them), then
+      # The SwiGLU block (issue 38): its GPU tests, training and served from FP8 weights
+      # (SWIGLU_TESTS=0 skips them), then
       # benchmarks/swiglu_bench.py (RMSNorm + SwiGLU + residual step against stock bf16, Flax's
       # FP8 and three FP8 Dense; SWIGLU_ARGS, e.g. "--rows S2": Flax's FP8 step alone took
       # 200 s to compile and tune there, so give S2 a call of its own). Results rewritten after
       # every row, so a cut run keeps what it has.
       if [ "${SWIGLU_TESTS:-1}" = 1 ]; then
-        (cd /tmp && runs --cap 240 "$PY" -m pytest "$ROOT/tests/test_swiglu_gpu.py" -q -ra \
+        (cd /tmp && runs --cap 240 "$PY" -m pytest "$ROOT/tests/test_swiglu_gpu.py" \
+          "$ROOT/tests/test_swiglu_serving.py" -q -ra \
           -p no:cacheprovider -m gpu 2>&1) > "$OUT/swiglu_tests.log"
         note "swiglu gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/swiglu_tests.log")"
         grep -E "FAILED|Error" "$OUT/swiglu_tests.log" | head -20
@@ -273,21 +275,25 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       grep -E "^skipped|^FALLBACK|failed" "$OUT/swiglu.log" | tee -a "$SUMMARY" ;;
     serving)
       # Stored FP8 weights against XLA's bf16 and Qwix's PTQ (benchmarks/serving_bench.py;
-      # SERVING_ARGS, e.g. "--parts block"). Qwix comes from the carried .whl.
+      # SERVING_ARGS, e.g. "--parts block", or "--parts swiglu" for the served SwiGLU block).
+      # Qwix comes from the carried .whl.
       (cd "$ROOT/benchmarks" && runs --cap "${SERVING_CAP:-400}" "$PY" serving_bench.py \
         ${SERVING_ARGS:-} --out "$OUT/serving" 2>&1) > "$OUT/serving.log"
       note "serving benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -A12 "^## Targets" "$OUT/serving/serving.md" 2>/dev/null | tee -a "$SUMMARY"
       tail -n 20 "$OUT/serving.log" ;;
     generate)
-      # Serving the GPT (examples/gpt/generate.py): train GENERATE_CONFIG (`large`) with stock layers for
+      # Serving the GPT (examples/gpt/generate.py): train GENERATE_CONFIG (`large`, or e.g.
+      # `llama_large`) with GENERATE_TRAIN_ARGS (`--impl stock`; `--impl epilog --fp8` trains
+      # jax-epilog's FP8 layers, the fused SwiGLU block on a Llama config) for
       # GENERATE_TRAIN_STEPS into a checkpoint (a temporary folder, or GENERATE_CHECKPOINT_DIR
       # to keep it for a later call: train.py then resumes there and trains no more), then
       # stock, epilog_fp8 and qwix_fp8 from its weights side by side (GENERATE_ARGS). Qwix
       # comes from the carried .whl/.
       ckpt="${GENERATE_CHECKPOINT_DIR:-$(mktemp -d)}"
       (cd "$ROOT" && runs --cap "${GENERATE_TRAIN_CAP:-240}" "$PY" examples/gpt/train.py \
-        --config "${GENERATE_CONFIG:-large}" --impl stock --steps "${GENERATE_TRAIN_STEPS:-300}" --no-progress \
+        --config "${GENERATE_CONFIG:-large}" ${GENERATE_TRAIN_ARGS:---impl stock} \
+        --steps "${GENERATE_TRAIN_STEPS:-300}" --no-progress \
         --checkpoint-dir "$ckpt" 2>&1) > "$OUT/generate_train.log"
       note "generate: trained ${GENERATE_CONFIG:-large} for ${GENERATE_TRAIN_STEPS:-300} steps: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/generate_train.log")"
       (cd "$ROOT" && runs --cap "${GENERATE_CAP:-420}" "$PY" examples/gpt/generate.py \

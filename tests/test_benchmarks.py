@@ -156,7 +156,8 @@ def test_ratio_spread_pairs_rounds_by_index():
 def test_serving_smoke_report(tmp_path):
     import serving_bench
 
-    report = serving_bench.main(["--smoke", "--rounds", "2", "--out", str(tmp_path)])
+    report = serving_bench.main(["--smoke", "--rounds", "2", "--parts", "gemm,block,swiglu",
+                                 "--out", str(tmp_path)])
     assert [(r["shape"], r["M"]) for r in report["gemm"]] == [("K64xN96", 1), ("K64xN96", 17)]
     for row in report["gemm"]:
         for name in ("xla_bf16", "ours_bf16", "ours_fp8", "ours_fp8_gemm", "ours_fp8_static",
@@ -168,4 +169,7 @@ def test_serving_smoke_report(tmp_path):
     assert report["weight_bytes"]["gemm"]["fp8"] * 2 <= report["weight_bytes"]["gemm"]["bf16"] + 64
     assert [r["M"] for r in report["block"]] == [3]
     assert 0 < report["block"][0]["ours_fp8"]["error"] < 0.1
-    assert "## Targets" in (tmp_path / "serving.md").read_text()
+    assert [r["M"] for r in report["swiglu"]] == [3]
+    assert 0 < report["swiglu"][0]["ours_fp8"]["error"] < 0.1
+    text = (tmp_path / "serving.md").read_text()
+    assert "## Targets" in text and "## SwiGLU block" in text
