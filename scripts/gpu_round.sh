@@ -83,6 +83,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
     tests)
       # From /tmp so the installed package (with its library) is imported, not the sources.
       # PYTEST_WORKERS=N: N pytest-xdist processes share the GPU(s), each with a slice of memory.
+      # TEST_FILES="test_a.py test_b.py": only those files of tests/ (default: all of them).
       # Each worker's memory fraction defaults to 0.75 / workers: four workers at 0.75 each
       # ran out of memory in 1224 of 1252 tests.
       workers=(); fraction=0.75
@@ -90,7 +91,8 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
         workers=(-n "$PYTEST_WORKERS"); fraction=$(python3 -c "print(round(0.75 / $PYTEST_WORKERS, 3))")
       fi
       (cd /tmp && XLA_PYTHON_CLIENT_MEM_FRACTION="${PYTEST_MEM_FRACTION:-$fraction}" \
-        runs "$PY" -m pytest "$ROOT/tests" -q -ra -m gpu -p no:cacheprovider "${workers[@]}" \
+        runs "$PY" -m pytest $(for f in ${TEST_FILES:-.}; do echo "$ROOT/tests/$f"; done) \
+        -q -ra -m gpu -p no:cacheprovider "${workers[@]}" \
         --junitxml="$OUT/gpu_tests.xml" 2>&1) > "$OUT/gpu_tests.log"
       note "gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/gpu_tests.log")"
       grep -E "has no kernel|FAILED|Error" "$OUT/gpu_tests.log" | head -40 ;;

@@ -161,10 +161,10 @@ def test_serving_smoke_report(tmp_path):
     assert [(r["shape"], r["M"]) for r in report["gemm"]] == [("K64xN96", 1), ("K64xN96", 17)]
     for row in report["gemm"]:
         for name in ("xla_bf16", "ours_bf16", "ours_fp8", "ours_fp8_gemm", "ours_fp8_static",
-                     "ours_weight_only", "xla_fp8"):
+                     "ours_xla_fp8", "ours_weight_only", "xla_fp8"):
             assert row[name]["careful_ms"] > 0 and row[name]["user_ms"] > 0, name
         assert row["ours_bf16"]["error"] < 0.02
-        for name in ("ours_fp8", "ours_fp8_gemm", "ours_weight_only"):
+        for name in ("ours_fp8", "ours_fp8_gemm", "ours_xla_fp8", "ours_weight_only"):
             assert 0 < row[name]["error"] < 0.1, (name, row[name]["error"])
     assert report["weight_bytes"]["gemm"]["fp8"] * 2 <= report["weight_bytes"]["gemm"]["bf16"] + 64
     assert [r["M"] for r in report["block"]] == [3]

@@ -342,8 +342,9 @@ def test_gpu_kernel_matches_the_model(pair, epilog, out):
                 text = f.lower(*args).as_text()
             assert "jax_epilog_matmul_block" in text, (m, n, k, ta, tb)
         p, size = model(a, b, sa, sb, ta, tb, bias)
-        # Hopper's FP8 tensor cores sum a 128-K block in reduced precision, then promote.
-        check(f(*args), p, size, out, slack=2.0**-12)
+        # Hopper's FP8 tensor cores sum a 128-K block in reduced precision (about 14 bits),
+        # then promote: float32 results measured up to 1.25 x 2**-12 of the terms' size.
+        check(f(*args), p, size, out, slack=2.0**-11)
 
 
 # --- the benchmark --------------------------------------------------------------------------

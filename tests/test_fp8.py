@@ -22,6 +22,7 @@ import pytest
 
 import fp8_reference
 import jax_epilog
+from jaxprs import traced_equations
 from fp8_reference import PAIRS, RESULTS, make, mismatches
 from jax_epilog import Epilog
 from jax_epilog.planning import context
@@ -219,22 +220,7 @@ def test_traced_scales_do_not_retrace():
 
 
 def _count_binds(fn, *args) -> list:
-    found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive is epilog_matmul_p:
-                found.append(eqn)
-            for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
-                walk(sub)
-            for value in eqn.params.values():
-                if hasattr(value, "jaxpr") and hasattr(value.jaxpr, "eqns"):
-                    walk(value.jaxpr)
-                elif hasattr(value, "eqns"):
-                    walk(value)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return [e for e in traced_equations(fn, *args) if e.primitive is epilog_matmul_p]
 
 
 def _per_example(fn, *batched):

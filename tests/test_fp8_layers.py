@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import jax_epilog
+from jaxprs import traced_equations
 import numpy_reference
 from jax_epilog import Fp8
 from jax_epilog.float8 import recipe
@@ -314,22 +315,11 @@ def test_relu_derivative_at_zero_is_zero_without_the_mask():
 def gemm_calls(fn, *args):
     """(epilog, backend, result_amax, operand dtype, result dtype) of every `matmul` in fn's
     jaxpr."""
-    calls = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if "result_amax" in eqn.params and "backend" in eqn.params:
-                calls.append((jax_epilog.Epilog(eqn.params["epilog"]), eqn.params["backend"],
-                              eqn.params["result_amax"], eqn.invars[0].aval.dtype.name,
-                              eqn.outvars[0].aval.dtype.name))
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else [value]:
-                    sub = getattr(sub, "jaxpr", sub)
-                    if hasattr(sub, "eqns"):
-                        walk(sub)
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return calls
+    return [(jax_epilog.Epilog(eqn.params["epilog"]), eqn.params["backend"],
+             eqn.params["result_amax"], eqn.invars[0].aval.dtype.name,
+             eqn.outvars[0].aval.dtype.name)
+            for eqn in traced_equations(fn, *args)
+            if "result_amax" in eqn.params and "backend" in eqn.params]
 
 
 @pytest.mark.parametrize("dtype, backward", [(jnp.bfloat16, "fused"), (jnp.float32, "auto")])

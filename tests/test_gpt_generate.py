@@ -140,7 +140,7 @@ def test_sample_keeps_to_the_top_k():
 def test_epilog_fp8_stores_fp8_kernels_and_with_static_scales_decodes_as_its_full_forward(
         corpus, monkeypatch, base, projections):
     # One way for every call: the full forward's rows and a decode step's rows would
-    # otherwise fall on either side of serving_plan.WEIGHT_ONLY_MAX_ROWS.
+    # otherwise take different ways (serving_plan.serving_way).
     monkeypatch.setenv("JAX_EPILOG_SERVING", "fp8")
     config, weights = tiny_weights(tie_head=base.model.tie_head, config=base)
     validation = data.validation_batches(corpus.validation, 4, config.model.seq_len, 1)

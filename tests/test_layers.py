@@ -11,13 +11,13 @@ import contextlib
 import io
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
 
 import jax_epilog
+from jaxprs import equations
 import numpy_reference
 from jax_epilog import Epilog
 from jax_epilog.runtime import library as cuda_library
@@ -351,17 +351,9 @@ def test_bad_arguments_name_themselves():
 def backends_by_epilog(closed_jaxpr) -> dict:
     """{epilog: {backend, ...}} of every epilog_matmul in a jaxpr, nested jaxprs included."""
     found: dict = {}
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "epilog_matmul":
-                found.setdefault(Epilog(eqn.params["epilog"]), set()).add(eqn.params["backend"])
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else [value]:
-                    if isinstance(sub, (jax.extend.core.ClosedJaxpr, jax.extend.core.Jaxpr)):
-                        walk(getattr(sub, "jaxpr", sub))
-
-    walk(closed_jaxpr.jaxpr)
+    for eqn in equations(closed_jaxpr):
+        if eqn.primitive.name == "epilog_matmul":
+            found.setdefault(Epilog(eqn.params["epilog"]), set()).add(eqn.params["backend"])
     return found
 
 

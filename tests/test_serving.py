@@ -10,7 +10,6 @@ must agree within its accumulation's rounding (`test_served_gemm_runs_the_kernel
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import jax
@@ -21,6 +20,7 @@ import pytest
 
 import jax_epilog
 from conftest import HAS_CUDA
+from jaxprs import traced_equations
 from jax_epilog.float8 import weights
 from jax_epilog.float8.weights import Fp8Weight, quantize_weight
 from jax_epilog.layers import serving
@@ -153,25 +153,33 @@ def test_quantize_params_is_idempotent_and_refuses_fp8_kernels():
 
 # --- the served layers ------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows", [1, 64, 65])
-def test_few_rows_run_weight_only_by_default(rows, monkeypatch):
+@pytest.mark.parametrize("rows,way", [(1, "weight_only"), (16, "weight_only"),
+                                      (17, "xla_fp8"), (64, "xla_fp8"), (65, "fp8")])
+def test_served_layers_choose_their_way_by_the_rows(rows, way, monkeypatch):
+    """Up to 16 rows weight-only, up to 64 XLA's FP8 dot, then our FP8 GEMM: each way's
+    values, and the call holding that way's GEMM."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
     kernel = quantize_weight(random(1, (136, 72), scale=0.2))
     bias = random(2, (72,), jnp.float32)
     x = random(3, (rows, 136), jnp.float32)
-    y = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation="gelu"))(x, kernel, bias)
-    model = weight_only_model if rows <= 64 else served_model
+    f = lambda x, w, b: jax_epilog.dense(x, w, b, activation="gelu")
+    y = jax.jit(f)(x, kernel, bias)
+    model = weight_only_model if way == "weight_only" else served_model
     assert_served(y, model(np.asarray(x), kernel, np.asarray(bias), "gelu"), jnp.float32)
+    dots = [e for e in traced_equations(f, x, kernel, bias) if e.primitive.name == "dot_general"]
+    fp8_dots = [e for e in dots if all(v.aval.dtype == jnp.float8_e4m3fn for v in e.invars)]
+    assert (len(dots), len(fp8_dots)) == {"weight_only": (1, 0), "xla_fp8": (1, 1),
+                                          "fp8": (0, 0)}[way]
 
 
 @pytest.mark.parametrize("rows", [1, 127, 129, 300])
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("way", ["fp8", "weight_only"])
+@pytest.mark.parametrize("way", ["fp8", "xla_fp8", "weight_only"])
 def test_dense_with_a_stored_weight_is_its_way_s_formula(way, rows, activation, dtype,
                                                           monkeypatch):
-    """`fp8`: the FP8 GEMM of the quantized input; `weight_only`: x times the dequantized
-    weight."""
+    """`fp8` and `xla_fp8`: the FP8 GEMM of the quantized input; `weight_only`: x times the
+    dequantized weight."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", way)
     kernel = quantize_weight(random(1, (136, 72), scale=0.2))
     bias = random(2, (72,), dtype)
@@ -179,7 +187,7 @@ def test_dense_with_a_stored_weight_is_its_way_s_formula(way, rows, activation, 
     y = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation=activation))(
         x, kernel, bias)
     assert y.shape == (rows, 72) and y.dtype == dtype
-    model = served_model if way == "fp8" else weight_only_model
+    model = weight_only_model if way == "weight_only" else served_model
     assert_served(y, model(np.asarray(x.astype(jnp.float32)), kernel,
                            np.asarray(bias.astype(jnp.float32)), activation), dtype)
 

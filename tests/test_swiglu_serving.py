@@ -19,6 +19,7 @@ import pytest
 
 import jax_epilog
 from conftest import HAS_CUDA
+from jaxprs import traced_equations
 from jax_epilog.float8.weights import Fp8Weight, key_names, quantize_weight
 from test_serving import E4M3, random, served_model, weight_only_model
 
@@ -44,7 +45,7 @@ def plain_block(x, gate, up, down):
 def served_block(way, x, gate_up, down, dtype):
     """(the float64 model of the served block, max |h|): `gate_up` one or two stored
     weights, each GEMM's result rounded to `dtype` as the block's is."""
-    layer = served_model if way == "fp8" else weight_only_model
+    layer = weight_only_model if way == "weight_only" else served_model
     rounded = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(dtype).astype(jnp.float32),
                                    np.float64)
     x = np.asarray(jnp.asarray(x, jnp.float32)).reshape(-1, np.shape(x)[-1])
@@ -61,7 +62,7 @@ def assert_block(y, want, h_max, down: Fp8Weight, dtype, way):
     y = np.asarray(jnp.asarray(y, jnp.float32), np.float64).reshape(want.shape)
     w_max = float(jnp.max(jnp.abs(down.data.astype(jnp.float32)))) * float(down.scale)
     rounding = (2 ** -7 if dtype == jnp.bfloat16 else 2 ** -20) * np.max(np.abs(want))
-    flips = 2 * 2 ** -3 * h_max * w_max if way == "fp8" else 0  # two e4m3 steps of h
+    flips = 0 if way == "weight_only" else 2 * 2 ** -3 * h_max * w_max  # two e4m3 steps of h
     np.testing.assert_allclose(y, want, rtol=0, atol=(rounding + flips) * (8 if HAS_CUDA else 1)
                                + 1e-6)
 
@@ -77,7 +78,7 @@ def relative_error(y, want) -> float:
 @pytest.mark.parametrize("rows,d,f,d_out", [(1, 33, 50, 35), (127, 40, 72, 40),
                                             (129, 16, 24, 21)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("way", ["fp8", "weight_only"])
+@pytest.mark.parametrize("way", ["fp8", "xla_fp8", "weight_only"])
 @pytest.mark.parametrize("concatenated", [False, True])
 def test_stored_block_is_its_way_s_formula_and_the_16_bit_block_to_fp8_rounding(
         rows, d, f, d_out, dtype, way, concatenated, monkeypatch):
@@ -97,13 +98,21 @@ def test_stored_block_is_its_way_s_formula_and_the_16_bit_block_to_fp8_rounding(
     assert relative_error(y, jax_epilog.swiglu(x, (gate, up), down, dtype=jnp.float32)) < 0.08
 
 
-def test_few_rows_run_weight_only_by_default(monkeypatch):
+@pytest.mark.parametrize("rows,way", [(16, "weight_only"), (17, "xla_fp8"), (64, "xla_fp8"),
+                                      (65, "fp8")])
+def test_the_block_chooses_its_way_by_the_rows(rows, way, monkeypatch):
+    """The served `dense`'s ways: the values of the way, and its three GEMMs in the call."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
     gate, up, down = (quantize_weight(w) for w in make_block(1, 24, 40, 24))
-    for rows, way in ((64, "weight_only"), (65, "fp8")):
-        x = random(2, (rows, 24))
-        want, h_max = served_block(way, x, (gate, up), down, jnp.float32)
-        assert_block(jax_epilog.swiglu(x, (gate, up), down), want, h_max, down, jnp.float32, way)
+    x = random(2, (rows, 24))
+    f = lambda x, gate, up, down: jax_epilog.swiglu(x, (gate, up), down)  # noqa: E731
+    want, h_max = served_block(way, x, (gate, up), down, jnp.float32)
+    assert_block(jax.jit(f)(x, gate, up, down), want, h_max, down, jnp.float32, way)
+    dots = [e for e in traced_equations(f, x, gate, up, down)
+            if e.primitive.name == "dot_general"]
+    fp8_dots = [e for e in dots if all(v.aval.dtype == jnp.float8_e4m3fn for v in e.invars)]
+    assert (len(dots), len(fp8_dots)) == {"weight_only": (3, 0), "xla_fp8": (3, 3),
+                                          "fp8": (0, 0)}[way]
 
 
 def test_bad_stored_blocks_raise_the_served_layers_errors():
@@ -224,14 +233,14 @@ def test_served_block_runs_the_kernels_on_a_gpu(rows, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16, 64])
-def test_served_block_runs_weight_only_on_a_gpu(rows, monkeypatch):
+@pytest.mark.parametrize("rows,way", [(1, "weight_only"), (16, "weight_only"),
+                                      (17, "xla_fp8"), (64, "xla_fp8")])
+def test_served_block_runs_xla_s_gemms_on_a_gpu_over_few_rows(rows, way, monkeypatch):
     monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
     stored = [quantize_weight(w) for w in make_block(1, 1024, 1536, 1024)]
     x = random(3, (rows, 1024), jnp.bfloat16)
     fn = jax.jit(lambda x, gu, w: jax_epilog.swiglu(x, gu, w))
     assert 'custom_call_target="jax_epilog_matmul' not in fn.lower(
         x, stored[:2], stored[2]).compile().as_text()
-    want, h_max = served_block("weight_only", x, stored[:2], stored[2], jnp.bfloat16)
-    assert_block(fn(x, stored[:2], stored[2]), want, h_max, stored[2], jnp.bfloat16,
-                 "weight_only")
+    want, h_max = served_block(way, x, stored[:2], stored[2], jnp.bfloat16)
+    assert_block(fn(x, stored[:2], stored[2]), want, h_max, stored[2], jnp.bfloat16, way)

@@ -6,7 +6,8 @@ A stored-FP8 layer over many rows is one FP8 GEMM: the input quantized to e4m3 (
 amax, in one XLA fusion with whatever produced it, or with the weight's static
 `input_scale`), the stored `(N, K)` data read as it is (K-major, what the kernel wants), bias
 and ReLU/GELU in the GEMM's epilog, the result in the compute dtype. Over few rows (decoding)
-it runs weight-only (`weight_only`); `planning.serving_plan` chooses. 16-bit layers of the
+it runs weight-only (`weight_only`) or through XLA's own FP8 dot (`xla_fp8`);
+`planning.serving_plan` chooses. 16-bit layers of the
 same stack run their ordinary forward GEMM. Nothing here is differentiable: a gradient through a stored-FP8 stack
 raises an error that says to train the 16-bit parameters.
 """
@@ -79,10 +80,14 @@ def _layers(activations: tuple, dtype, x, params):
             continue
         check_weight(f"layers[{i}] kernel", kernel, (h if h8 is None else h8[0]).shape[-1])
         recorded = record_input(h, kernel)
-        if serving_way(x.shape[0]).choice == "weight_only":  # the same way for every layer
+        way = serving_way(x.shape[0]).choice  # the same way for every layer
+        if way == "weight_only":
             h = weight_only(h, kernel, bias, activation)
             continue
         h8, input_scale = quantize_input(h, kernel) if h8 is None else h8
+        if way == "xla_fp8":
+            h, h8 = xla_fp8(h8, input_scale, kernel, bias, activation, dtype), None
+            continue
         following = params[i + 1][0] if i + 1 < len(params) else None
         if writes_fp8_input(following, recorded, dtype):
             # The next layer's static scale is known: this GEMM writes its e4m3 input
@@ -117,12 +122,26 @@ def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str]):
     padded = jnp.pad(h, ((0, max(0, WEIGHT_ONLY_MIN_ROWS - rows)), (0, 0)))
     z = jax.lax.dot_general(padded, weight.data.astype(h.dtype), (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)[:rows]
-    z = z * weight.scale
+    return _scaled_epilogue(z, weight.scale, bias, activation, h.dtype)
+
+
+def xla_fp8(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str], dtype):
+    """`act(input_scale · scale · (h8 @ dataᵀ) + bias)` by XLA's own FP8 dot (its autotuner
+    picks the kernel), the product rounded to `dtype` as XLA's FP8 GEMMs write it, then
+    scale, bias and activation in float32 in one fusion, the result in `dtype`."""
+    z = jax.lax.dot_general(h8, weight.data, (((1,), (1,)), ((), ())),
+                            preferred_element_type=dtype)
+    return _scaled_epilogue(z, input_scale * weight.scale, bias, activation, dtype)
+
+
+def _scaled_epilogue(z, scale, bias, activation: Optional[str], dtype):
+    """`act(z · scale + bias)` in float32, in `dtype`: the XLA ways' epilog."""
+    z = z.astype(jnp.float32) * scale
     if bias is not None:
         z = z + bias.astype(jnp.float32)
     if activation is not None:
         z = ACTIVATIONS[activation].plain(z)
-    return z.astype(h.dtype)
+    return z.astype(dtype)
 
 
 def fp8_matmul(h8, h_scale, weight: Fp8Weight, result, *, epilog=Epilog.DEFAULT,

@@ -35,6 +35,7 @@ forward of `layers.serving`, the way chosen by the rows as for a served `dense`:
   joining stored weights would copy them every call), results in the compute dtype; one
   fusion reads `[g u]` and writes h = silu(g)·u in e4m3 (the down weight's static scale, else
   h's amax), then the FP8 down GEMM.
+- "xla_fp8": the same, each GEMM XLA's own FP8 dot (`serving.xla_fp8`).
 - "weight_only": each GEMM of the 16-bit activation and the converted FP8 weight
   (`serving.weight_only`), h = silu(g)·u in between.
 """
@@ -171,6 +172,11 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     (g8, g_scale, _), (u8, u_scale, _) = (
         quantize_scaled(half, fmt, margin, amax_axes=axes)
         for half in (gu[:, :block.hidden], gu[:, block.hidden:]))
+    # Without the barrier XLA fused g8's and u8's casts into the backward's fusions, which
+    # then read the 16-bit [g u] instead: kept from forward to backward, it was the largest
+    # temporary of the step (256 of 864 MiB at 8192 x 2048 x 8192 on the H200). With y in
+    # it, the casts run before the forward goes on.
+    y, g8, u8 = fp8_step._barrier(y, g8, u8)
     named = functools.partial(checkpoint_name, name=SWIGLU_HIDDEN_NAME)
     recorded = state is not None  # the amaxes are kept only for the next state
     return y, Saved(_input(x8), x_scale, named(g8), g_scale, named(u8), u_scale, named(h8),
@@ -205,7 +211,9 @@ def _fp8_block_bwd(block: Block, residuals, dy):
                     transpose_b=True)
     g, u = (v8.astype(jnp.float32) * scale for v8, scale in ((s.g8, s.g_scale),
                                                              (s.u8, s.u_scale)))
-    dgu8, dgu_scale, dgu_amax = quantize_scaled(_hidden_gradient(dh, g, u, jnp.float32), fmt,
+    # [dg du] in the compute dtype: XLA materializes part of it between the amax pass and the
+    # cast (a float32 half was 256 MiB at 8192 x 2048 x 8192), and FP8 rounds far coarser.
+    dgu8, dgu_scale, dgu_amax = quantize_scaled(_hidden_gradient(dh, g, u, dtype), fmt,
                                                 margin, amax_axes=axes)
     dgu8, x8 = fp8_step._barrier(dgu8, s.x8)
     dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T, dgu_scale, dtype, "auto", fast_weight,
@@ -229,17 +237,25 @@ def _served_block(hidden: int, dtype, x, gate_up: tuple, down: Fp8Weight):
     `(D, 2F)` `Fp8Weight` or a (gate, up) pair of `(D, F)` ones (module docstring)."""
     for weight in gate_up:
         serving.record_input(x, weight)
-    if serving_way(x.shape[0]).choice == "weight_only":
+    way = serving_way(x.shape[0]).choice
+    if way == "weight_only":
         gu = jnp.concatenate([serving.weight_only(x, w, None, None) for w in gate_up], axis=1)
         h = _hidden(gu, hidden).astype(dtype)
         serving.record_input(h, down)
         return serving.weight_only(h, down, None, None)
+    gemm = functools.partial(_quantized_gemm, way, dtype=dtype)
     x8, x_scale = serving.quantize_input(x, gate_up[0])
-    gu = jnp.concatenate([serving.fp8_matmul(x8, x_scale, w, dtype) for w in gate_up], axis=1)
+    gu = jnp.concatenate([gemm(x8, x_scale, w) for w in gate_up], axis=1)
     h = _hidden(gu, hidden)
     serving.record_input(h, down)
-    h8, h_scale = serving.quantize_input(h, down)
-    return serving.fp8_matmul(h8, h_scale, down, dtype)
+    return gemm(*serving.quantize_input(h, down), down)
+
+
+def _quantized_gemm(way: str, h8, h_scale, weight: Fp8Weight, dtype):
+    """h8 @ weight in `dtype` by `way`: our FP8 GEMM ("fp8") or XLA's FP8 dot ("xla_fp8")."""
+    if way == "xla_fp8":
+        return serving.xla_fp8(h8, h_scale, weight, None, None, dtype)
+    return serving.fp8_matmul(h8, h_scale, weight, dtype)
 
 
 _serve = serving.inference_only(_served_block, (0, 1))
