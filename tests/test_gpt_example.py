@@ -186,15 +186,16 @@ def test_the_fp8_variants_carry_their_scaling_state():
     assert len(jax.tree.leaves(model.split(llama)[2])) == 2 * 4 * LLAMA_TINY.model.n_layers
 
 
-def test_the_fp8_step_has_no_host_round_trip(corpus, monkeypatch):
-    """Every projection in FP8 (forced: `tiny` is too small for `fp8=True` to choose it), the
-    compiled training step has no conditional and no loop: on a GPU XLA copies their
-    predicates to the host and waits, which stalled the H200 once per FP8 stack per step
-    (examples/gpt/results/h200/gpt_profile.md)."""
+@pytest.mark.parametrize("config", [TINY, LLAMA_TINY], ids=["tiny", "llama_tiny"])
+def test_the_fp8_step_has_no_host_round_trip(corpus, monkeypatch, config):
+    """Every projection in FP8 (forced: `tiny` is too small for `fp8=True` to choose it; for
+    Llama, the SwiGLU block's), the compiled training step has no conditional and no loop: on
+    a GPU XLA copies their predicates to the host and waits, which stalled the H200 once per
+    FP8 stack per step (examples/gpt/results/h200/gpt_profile.md)."""
     monkeypatch.setattr(train, "FP8_RECIPE", jax_epilog.Fp8(layers="all"))
-    trainer = train.Trainer(train.build_model(TINY, "epilog", fp8=True),
-                            train.make_optimizer(TINY))
-    batches = data.Batches(corpus.train, TINY.batch_size, TINY.model.seq_len, TINY.seed)
+    trainer = train.Trainer(train.build_model(config, "epilog", fp8=True),
+                            train.make_optimizer(config))
+    batches = data.Batches(corpus.train, config.batch_size, config.model.seq_len, config.seed)
     hlo = trainer.step.lower(trainer.initial, *next(batches)).compile().as_text()
     assert "f8e4m3fn" in hlo and "f8e5m2" in hlo
     assert " conditional(" not in hlo and " while(" not in hlo
