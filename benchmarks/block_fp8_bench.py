@@ -349,7 +349,8 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
     parser.add_argument("--error-shape", type=_shape, default=None,
-                        help=f"M,N,K of the error study (default {','.join(map(str, ERROR_SHAPE))})")
+                        help="M,N,K of the error study (default "
+                             f"{','.join(map(str, ERROR_SHAPE))})")
     args = parser.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     if sorted(set(parts) - set(PARTS)):

@@ -338,7 +338,9 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="aut
       fp8: None or False (no FP8), True (`jax_epilog.Fp8()`) or a `jax_epilog.Fp8(...)`: train
         with FP8 GEMMs, per-tensor scaling (`Fp8()`: delayed with `fp8_state=`, current
         without), e4m3 activations and weights, e5m2 gradients, results in the computation
-        dtype (`jax_epilog.fp8`, docs/fp8.md).
+        dtype (`jax_epilog.fp8`, docs/fp8.md). `Fp8(scaling="block")` is block-scaled FP8
+        instead (`layers.block_step`: 1×128 tiles, 128×128 weight blocks, e4m3 gradients, no
+        state, widths multiples of 128).
         `Fp8()` runs FP8 where a measured stack entry (`tune --fp8`) says it gains, else
         only where the GEMM is large enough to (`fp8.fp8_pays`); `Fp8(layers="all")` always.
       fp8_state: the layer's `jax_epilog.Fp8History` of amaxes (`Fp8(...).init_state(1)`
