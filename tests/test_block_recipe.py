@@ -330,3 +330,14 @@ def test_gpu_layer_runs_the_kernels_and_matches_the_cpu(rows, activation):
     for what, g, r in zip(("y", "dx", "dW", "db"), got, want):
         error = _relative(g, r)
         assert error < 2e-2, (what, error)  # FP8 flips on ReLU's kink included
+
+
+def test_layer_without_bias_equals_a_zero_bias():
+    x, w, _ = _layer(np.random.default_rng(6), 129, 128, 256)
+    dy = jnp.asarray(np.random.default_rng(7).standard_normal((129, 256)), jnp.float32)
+    plain = jax.vjp(lambda x, w: jax_epilog.dense(x, w, activation="relu", fp8=BLOCK), x, w)
+    zero = jax.vjp(lambda x, w: jax_epilog.dense(x, w, jnp.zeros(256), activation="relu",
+                                                 fp8=BLOCK), x, w)
+    np.testing.assert_array_equal(plain[0], zero[0])
+    for got, want in zip(plain[1](dy), zero[1](dy)):
+        np.testing.assert_array_equal(got, want)

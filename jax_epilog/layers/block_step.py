@@ -44,9 +44,11 @@ FORMAT = "float8_e4m3fn"
 
 
 class Layer(NamedTuple):
-    """What is static about one block-scaled layer: its activation and result dtype."""
+    """What is static about one block-scaled layer: its activation, whether it has a bias,
+    and its result dtype."""
 
     activation: Optional[str]
+    has_bias: bool
     dtype: str
 
 
@@ -112,14 +114,14 @@ def _layer_fwd(layer: Layer, x, kernel, bias):
     residual = None
     if layer.activation is not None:
         residual = ACTIVATIONS[layer.activation].keep(z.astype(jnp.float32), z.dtype)
-    return _activated(layer, z), (transposed, (w8, sw), residual, bias is not None)
+    return _activated(layer, z), (transposed, (w8, sw), residual)
 
 
 def _layer_bwd(layer: Layer, saved, dy):
-    (xt8, sxt), (w8, sw), residual, has_bias = saved
+    (xt8, sxt), (w8, sw), residual = saved
     rows = dy.shape[0]
     dz = activation_gradient(dy, residual, layer.activation)
-    dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) if has_bias else None
+    dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) if layer.has_bias else None
     (dz8, sdz), (dzt8, sdzt) = quantize_1x128_both(_padded_rows(dz), FORMAT)
     # dW = xᵀ dZ (K, N): both operands 1×128 along the tokens, dZᵀ read as op(b) (N, tokens).
     dkernel = matmul(xt8, dzt8, transpose_b=True, quantization_scales={"a": sxt, "b": sdzt},
@@ -142,7 +144,8 @@ def stack(fp8, rows, params, activations, dtype, plain_layer):
     for quantized, (kernel, bias), activation in zip(
             quantized_layers(fp8, rows.shape[0], widths), params, activations):
         if quantized:
-            h = _layer(Layer(activation, jnp.dtype(dtype).name), h, kernel, bias)
+            h = _layer(Layer(activation, bias is not None, jnp.dtype(dtype).name), h, kernel,
+                       bias)
         else:
             h = plain_layer(h, kernel, bias, activation)
     return h
