@@ -513,7 +513,7 @@ def test_on_a_cpu_flax_fp8_rounds_to_fp8_but_runs_no_fp8_gemm(corpus):
         pytest.skip("a CPU fact")
     compare = compare_module()
     batch = data.Batches(corpus.train, TINY.batch_size, TINY.model.seq_len, TINY.seed).batch(0)
-    variant = compare.build(TINY, "flax_fp8", "flax_fp8", False, jnp.float32, "xla", batch)
+    variant = compare.build(TINY, "flax_fp8", "flax_fp8", None, jnp.float32, "xla", batch)
     assert variant.record["fp8_in_program"] and variant.record["fp8_gemms"] == 0
 
 

@@ -132,13 +132,14 @@ class Variant:
     record: dict
 
 
-def build(config: configs.TrainConfig, name: str, impl: str, fp8: Optional[str], dtype,
+def build(config: configs.TrainConfig, name: str, impl: str, fp8, dtype,
           attention: str, batch) -> Variant:
     """One variant's model and compiled step; `fp8`: its recipe's `train.FP8_SCALINGS` name,
-    or None."""
+    or None (True and False, as `train.build_model` takes them, also work)."""
     start = time.perf_counter()
-    model = train.build_model(config, impl, fp8=fp8 is not None, dtype=dtype,
-                              attention=attention, fp8_scaling=fp8 or "per-tensor")
+    scaling = fp8 if isinstance(fp8, str) else "per-tensor"
+    model = train.build_model(config, impl, fp8=bool(fp8), dtype=dtype, attention=attention,
+                              fp8_scaling=scaling)
     trainer = train.Trainer(model, train.make_optimizer(config))
     compiled, memory = trainer.compile(trainer.initial, batch)
     compile_s = time.perf_counter() - start
@@ -149,8 +150,8 @@ def build(config: configs.TrainConfig, name: str, impl: str, fp8: Optional[str],
     first_step_s = time.perf_counter() - first
     hlo = compiled.as_text() or ""
     record = {
-        "impl": impl, "fp8": fp8 is not None,
-        "fp8_recipe": repr(train.fp8_recipe(fp8)) if fp8 else None,
+        "impl": impl, "fp8": bool(fp8),
+        "fp8_recipe": repr(train.fp8_recipe(scaling)) if fp8 else None,
         "attention": model.blocks[0].attention.implementation,
         "initial_params_sha256": fingerprint(trainer.initial.params),
         "build_and_compile_s": compile_s, "first_step_s": first_step_s,
