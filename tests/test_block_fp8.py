@@ -371,5 +371,5 @@ def test_benchmark_smoke_report(tmp_path):
     assert set(report["step"]["variants"]) == set(block_fp8_bench.STEP_VARIANTS)
     # FP8 ran (no custom calls to count on a CPU): the step differs from XLA's by FP8 rounding
     assert 1e-3 < report["step"]["variants"]["ours_fp8_block"]["relative_diff_vs_xla_bf16"] < 0.5
-    assert len(report["targets"]) == 4 + 3
+    assert len(report["targets"]) == 4 + 4
     assert "## Targets" in (tmp_path / "block_fp8.md").read_text()
