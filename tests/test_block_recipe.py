@@ -341,3 +341,18 @@ def test_layer_without_bias_equals_a_zero_bias():
     np.testing.assert_array_equal(plain[0], zero[0])
     for got, want in zip(plain[1](dy), zero[1](dy)):
         np.testing.assert_array_equal(got, want)
+
+
+def test_remat_policy_keeps_the_named_residuals():
+    """Under `jax.checkpoint` with a names policy, the block layer's mask and FP8 input copy
+    are saved by their names (as the other layers' are), and the gradient is unchanged."""
+    from jax_epilog.layers.gemms import LAYER_INPUT_NAME, RELU_MASK_NAME
+
+    x, w, b = _layer(np.random.default_rng(8), 256, 128, 256)
+    layer = lambda x, w, b: jnp.sum(jax_epilog.dense(x, w, b, activation="relu", fp8=BLOCK))
+    policy = jax.checkpoint_policies.save_only_these_names(RELU_MASK_NAME, LAYER_INPUT_NAME)
+    saved = saved_residuals(jax.checkpoint(layer, policy=policy), x, w, b)
+    assert ("u8", (256, 32)) in saved and ("f8_e4m3fn", (128, 256)) in saved, saved
+    got = jax.grad(jax.checkpoint(layer, policy=policy), argnums=(0, 1, 2))(x, w, b)
+    for g, want in zip(got, jax.grad(layer, argnums=(0, 1, 2))(x, w, b)):
+        np.testing.assert_array_equal(g, want)

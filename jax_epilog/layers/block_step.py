@@ -32,8 +32,10 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from jax_epilog.float8.blocks import quantize_1x128, quantize_1x128_both, quantize_128x128
+from jax_epilog.layers.gemms import LAYER_INPUT_NAME, residual_name
 from jax_epilog.op.block_scales import BLOCK, BlockScales
 from jax_epilog.op.epilogs import ACTIVATIONS, Epilog
 from jax_epilog.op.matmul import activation_gradient, matmul
@@ -108,13 +110,15 @@ def _layer(layer: Layer, x, kernel, bias):
 
 def _layer_fwd(layer: Layer, x, kernel, bias):
     rows = x.shape[0]
-    (x8, sx), transposed = quantize_1x128_both(_padded_rows(x), FORMAT)
+    (x8, sx), (xt8, sxt) = quantize_1x128_both(_padded_rows(x), FORMAT)
     w8, sw = quantize_128x128(kernel, FORMAT)
     z = _forward(layer, x8, sx, w8, sw, bias)[:rows]
     residual = None
-    if layer.activation is not None:
-        residual = ACTIVATIONS[layer.activation].keep(z.astype(jnp.float32), z.dtype)
-    return _activated(layer, z), (transposed, (w8, sw), residual)
+    if layer.activation is not None:  # named as the other layers' are, for remat policies
+        residual = checkpoint_name(ACTIVATIONS[layer.activation].keep(
+            z.astype(jnp.float32), z.dtype), residual_name(layer.activation))
+    xt8 = checkpoint_name(xt8, LAYER_INPUT_NAME)
+    return _activated(layer, z), ((xt8, sxt), (w8, sw), residual)
 
 
 def _layer_bwd(layer: Layer, saved, dy):
