@@ -14,7 +14,8 @@ GEMMs (`jax_epilog.matmul` with `BlockScales`), every scale current, from its ow
   once into both copies (`quantize_1x128_both`). Tokens are zero-padded to a multiple of 128
   for these copies (zero rows add nothing to either product); any token count works.
 - The residuals are FP8: xᵀ's e4m3 copy and its scales, W's e4m3 blocks and their scales,
-  and the activation's (the 1-bit ReLU mask, GELU's pre-activation), never a 16-bit x.
+  and the activation's (the 1-bit ReLU mask, GELU's pre-activation), never a 16-bit x;
+  named as `layers.functional`'s are (`LAYER_INPUT_NAME`, `residual_name`) for remat.
 - The bias gradient (a sum of dZ) and the activation's derivative are XLA fusions, which XLA
   fuses with dZ's quantization (both read dZ).
 
