@@ -12,16 +12,31 @@ y bfloat16, in one process on the same inputs, both harnesses of benchmarks/READ
 - tensor_fp8_q, block_fp8_q: the same with the quantization of x (from bf16) in the timed
   call, as a training step pays it (W's stays outside: a step quantizes it once).
 
+Training step (row M1: 4 ReLU layers 4096 wide, batch 65536; `jax.value_and_grad` of a
+squared error, as benchmarks/fp8_bench.py times it, whose `measure` this reuses: both
+harnesses, temporaries from XLA's memory analysis, GEMM counts, the difference from XLA):
+
+- xla_bf16: the plain JAX stack under XLA (what users have);
+- ours_fp8: `mlp(..., fp8=True)`, our per-tensor recipe (current scaling, functional);
+- ours_fp8_stateful: the same with `fp8_state=`, as the Flax modules run `fp8=True` (delayed
+  scaling, timed warm);
+- ours_fp8_block: `mlp(..., fp8=Fp8(scaling="block", layers="all"))`, the block-scaled
+  recipe.
+
 Error, against the float32 product (HIGHEST precision) of the unquantized operands: the output
 y = x Wᵀ, and the weight gradient dW = dYᵀ x (dY a random gradient): per-tensor (e4m3 x and
 W, e5m2 dY, as the per-tensor recipe quantizes gradients) against block-scaled (e4m3 all:
 x and dY in 1×128 tiles along the contraction, W in 128×128 blocks; for dW, xᵀ and dYᵀ in
 1×128 tiles along the tokens: `quantize_1x128(..., transposed=True)`), on ordinary data
-(standard normal) and on outlier data (0.1% of x's channels ×1000). Relative Frobenius
-errors; the issue's targets (block ≤ 0.25× per-tensor on outliers, ≤ 1× on ordinary data)
-are printed met/MISSED.
+(standard normal) and on outlier data (0.1% of x's channels ×1000), and a sweep of the
+outliers' factor (×1 ... ×1e5). Relative Frobenius errors; the issue's targets (block ≤ 0.25×
+per-tensor on outliers, ≤ 1× on ordinary data) are printed met/MISSED. The errors are the
+same math on any platform (the CPU runs the exact reference), so `--parts errors` on a CPU
+gives them too (with `--error-shape`, smaller).
 
     python benchmarks/block_fp8_bench.py --out benchmarks/results/block_fp8   # H200
+    python benchmarks/block_fp8_bench.py --parts step --out /tmp/m1           # M1 only
+    python benchmarks/block_fp8_bench.py --parts errors --error-shape 1024,1024,4096 --out /tmp/e
     python benchmarks/block_fp8_bench.py --smoke --out /tmp/smoke              # any CPU
 
 Writes `<out>/block_fp8.json` and `<out>/block_fp8.md`. A variant whose compilation warned
@@ -40,10 +55,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import fp8_bench
 import timing
 import jax_epilog
-from jax_epilog import quantize_1x128, quantize_128x128
+from jax_epilog import Fp8, quantize_1x128, quantize_128x128
+from jax_epilog.float8.blocks import dequantize
 from jax_epilog.runtime.targets import MATMUL, MATMUL_BLOCK
+from jax_epilog.tools.grid import NETWORKS, Workload
 
 ROUNDS = 7
 HARNESSES = ("careful", "user")
@@ -52,6 +70,22 @@ ERROR_SHAPE = (8192, 4096, 4096)
 SMOKE_SHAPES = [(256, 128, 256)]
 SMOKE_ERROR_SHAPE = (256, 128, 1024)
 OUTLIER_SHARE, OUTLIER_FACTOR = 0.001, 1000.0
+OUTLIER_FACTORS = (1.0, 1e2, 1e3, 1e4, 1e5)  # the sweep; OUTLIER_FACTOR is the targets' one
+PARTS = ("speed", "step", "errors")
+
+# The training step, in fp8_bench's form (`fp8_bench.measure`).
+STEP_VARIANTS = {"xla_bf16": fp8_bench.VARIANTS["xla_bf16"],
+                 "ours_fp8": fp8_bench.VARIANTS["ours_fp8"],
+                 # fp8=True as the Flax modules run it: with a state, so delayed scaling
+                 "ours_fp8_stateful": fp8_bench.VARIANTS["ours_fp8_stateful"],
+                 # every layer: on M1 the same as "auto", and the smoke row is FP8 too
+                 "ours_fp8_block": fp8_bench.epilog_stack(Fp8(scaling="block", layers="all"))}
+STEP_ROW = Workload("M1", *NETWORKS["M1"], "relu", None, False)
+SMOKE_STEP_ROW = Workload("S1", 256, (128, 256, 128), "relu", None, False)
+# (variant, against, at least) on the step's speed in both harnesses; temporaries at most.
+STEP_TARGETS = (("ours_fp8_block", "xla_bf16", 1.35), ("ours_fp8_block", "ours_fp8", 0.9),
+                ("ours_fp8_block", "ours_fp8_stateful", 0.9))
+STEP_TEMP_TARGET = ("ours_fp8_block", "xla_bf16", 1.0)
 
 
 def _fp8(x_quantized, w_quantized):
@@ -126,33 +160,48 @@ def _relative_error(y, exact):
     return diff / jnp.linalg.norm(exact.ravel())
 
 
-@jax.jit
-def _errors(x, w, dy):
-    """Relative errors of y = x Wᵀ and dW = dYᵀ x, per-tensor and block-scaled FP8."""
-    def exact(a, b):  # a @ bᵀ in float32
-        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                                   precision=jax.lax.Precision.HIGHEST)
+def _exact(a, b):
+    """a @ bᵀ in float32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST)
 
+
+@jax.jit
+def _errors(x, w, dy, ordinary):
+    """Relative errors of y = x Wᵀ and dW = dYᵀ x, per-tensor and block-scaled FP8; and of
+    the ordinary channels' share (`ordinary`: 1 for each of x's ordinary channels, 0 for an
+    outlier's): y's part from those channels, (x·ordinary) Wᵀ, from the dequantized operands,
+    and dW's columns of those channels. The whole tensors' errors are dominated by the
+    outliers' terms, which both recipes round alike; the shares say whether the other
+    channels survive."""
     def f32(a8, b8, sa, sb, **kw):
         return jax_epilog.matmul(a8, b8, quantization_scales={"a": sa, "b": sb},
                                  preferred_element_type=jnp.float32, **kw)
 
-    y, dw = exact(x, w), exact(dy.T, x.T)  # dW (N, K)
+    y, dw = _exact(x, w), _exact(dy.T, x.T)  # dW (N, K)
+    y_share = _exact(x * ordinary, w)
     x8, sx = jax_epilog.quantize(x)
     w8, sw = jax_epilog.quantize(w)
     g8, sg = jax_epilog.quantize(dy, "float8_e5m2")
-    tensor = (f32(x8, w8, sx, sw, transpose_b=True), f32(g8, x8, sg, sx, transpose_a=True))
+    tensor = (f32(x8, w8, sx, sw, transpose_b=True), f32(g8, x8, sg, sx, transpose_a=True),
+              _exact(x8.astype(jnp.float32) * sx * ordinary, w8.astype(jnp.float32) * sw))
     xb8, sxb = quantize_1x128(x)
     wb8, swb = quantize_128x128(w)
     gt8, sgt = quantize_1x128(dy, transposed=True)  # dYᵀ (N, M), tiles along M
     xt8, sxt = quantize_1x128(x, transposed=True)   # xᵀ (K, M), tiles along M
-    block = (f32(xb8, wb8, sxb, swb, transpose_b=True), f32(gt8, xt8, sgt, sxt, transpose_b=True))
-    return {f"{what}_{kind}": _relative_error(v, ref)
-            for kind, values in (("tensor", tensor), ("block", block))
-            for what, v, ref in zip(("y", "dw"), values, (y, dw))}
+    block = (f32(xb8, wb8, sxb, swb, transpose_b=True), f32(gt8, xt8, sgt, sxt, transpose_b=True),
+             _exact(dequantize(xb8, sxb) * ordinary, dequantize(wb8, swb)))
+    errors = {}
+    for kind, (y_q, dw_q, share_q) in (("tensor", tensor), ("block", block)):
+        errors[f"y_{kind}"] = _relative_error(y_q, y)
+        errors[f"dw_{kind}"] = _relative_error(dw_q, dw)
+        errors[f"y_ordinary_{kind}"] = _relative_error(share_q, y_share)
+        errors[f"dw_ordinary_{kind}"] = _relative_error(dw_q * ordinary, dw * ordinary)
+    return errors
 
 
-def measure_errors(shape: tuple[int, int, int]) -> dict[str, Any]:
+def _error_data(shape: tuple[int, int, int]):
+    """(ordinary x, W, dY, the outlier channels of x)."""
     m, n, k = shape
     keys = jax.random.split(jax.random.key(1), 3)
     w = jax.random.normal(keys[1], (n, k), jnp.float32) / np.sqrt(k)
@@ -160,11 +209,51 @@ def measure_errors(shape: tuple[int, int, int]) -> dict[str, Any]:
     ordinary = jax.random.normal(keys[0], (m, k), jnp.float32)
     count = max(1, round(OUTLIER_SHARE * k))
     channels = np.random.default_rng(0).choice(k, count, replace=False)
-    outliers = ordinary.at[:, channels].multiply(OUTLIER_FACTOR)
-    report = {"shape": list(shape), "outlier_channels": count}
-    for name, x in (("ordinary", ordinary), ("outliers", outliers)):
-        report[name] = {key: float(v) for key, v in _errors(x, w, dy).items()}
-    return report
+    return ordinary, w, dy, channels
+
+
+def measure_errors(shape: tuple[int, int, int]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the errors on ordinary data and with the outliers ×`OUTLIER_FACTOR`, the sweep: the
+    errors with the outlier channels × each of `OUTLIER_FACTORS`)."""
+    ordinary, w, dy, channels = _error_data(shape)
+    share = jnp.ones((shape[2],), jnp.float32).at[channels].set(0.0)
+
+    def errors(factor):
+        x = ordinary if factor is None else ordinary.at[:, channels].multiply(factor)
+        return {key: float(v) for key, v in _errors(x, w, dy, share).items()}
+
+    sweep = [{"factor": f, **errors(f)} for f in OUTLIER_FACTORS]
+    at_target = next((e for e in sweep if e["factor"] == OUTLIER_FACTOR), None)
+    report = {"shape": list(shape), "outlier_channels": len(channels),
+              "ordinary": errors(None),
+              "outliers": {k: v for k, v in (at_target or errors(OUTLIER_FACTOR)).items()
+                           if k != "factor"}}
+    return report, sweep
+
+
+def measure_step(w: Workload, budget: timing.Budget) -> dict[str, Any]:
+    """The training step's row (`fp8_bench.measure` over `STEP_VARIANTS`)."""
+    return {"row": w.name, "batch": w.batch, "widths": list(w.widths),
+            **fp8_bench.measure(w, tuple(STEP_VARIANTS), budget, STEP_VARIANTS)}
+
+
+def step_targets(step: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's speed and memory targets on the step, where it was measured: speed met
+    when reached in both harnesses and neither side fell back to the reference."""
+    rows, v = [], step["variants"]
+    for variant, against, least in STEP_TARGETS:
+        careful, user = (v[against][h]["seconds"] / v[variant][h]["seconds"] for h in HARNESSES)
+        fell_back = bool(v[variant]["fallbacks"] or v[against]["fallbacks"])
+        rows.append({"what": f"{step['row']} step {variant} / {against} speed (careful, user)",
+                     "ratio": min(careful, user), "careful": careful, "user": user,
+                     "at_least": least, "met": min(careful, user) >= least and not fell_back})
+    variant, against, most = STEP_TEMP_TARGET
+    temps = (v[variant]["temp_mib"], v[against]["temp_mib"])
+    if None not in temps and temps[1]:
+        rows.append({"what": f"{step['row']} step {variant} / {against} temporaries",
+                     "ratio": temps[0] / temps[1], "at_most": most,
+                     "met": temps[0] / temps[1] <= most})
+    return rows
 
 
 def targets(errors: dict[str, Any]) -> list[dict[str, Any]]:
@@ -178,11 +267,14 @@ def targets(errors: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def markdown(report: dict[str, Any]) -> str:
-    meta = report["metadata"]
-    lines = ["# Block-scaled FP8 GEMMs against per-tensor FP8 and bf16", "",
-             timing.provenance(meta), "",
-             "| M×N×K | variant | ran | careful ms | TFLOP/s | ×bf16 | ×tensor_fp8 | user ms "
+def _target_line(t: dict[str, Any]) -> str:
+    bound = f"at least {t['at_least']}" if "at_least" in t else f"at most {t['at_most']}"
+    both = f" ({t['careful']:.3f}, {t['user']:.3f})" if "careful" in t else ""
+    return f"{t['what']}: {t['ratio']:.3f}{both} ({bound}): {'met' if t['met'] else 'MISSED'}"
+
+
+def _speed_lines(report: dict[str, Any]) -> list[str]:
+    lines = ["| M×N×K | variant | ran | careful ms | TFLOP/s | ×bf16 | ×tensor_fp8 | user ms "
              "| ×bf16 | ×tensor_fp8 |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["speed"]:
         for name, v in row["variants"].items():
@@ -194,18 +286,64 @@ def markdown(report: dict[str, Any]) -> str:
                 f"{c.get('ratio_vs_bf16', 0):.3f} | {c.get('ratio_vs_tensor_fp8', 0):.3f} | "
                 f"{u.get('seconds', 0) * 1e3:.3f} | {u.get('ratio_vs_bf16', 0):.3f} | "
                 f"{u.get('ratio_vs_tensor_fp8', 0):.3f} |")
-    e = report["errors"]
-    lines += ["", f"## Error against float32 ({'×'.join(map(str, e['shape']))}, "
-              f"{e['outlier_channels']} outlier channels ×{OUTLIER_FACTOR:g})", "",
-              "| data | y per-tensor | y block | dW per-tensor | dW block |", "|---|---|---|---|---|"]
+    return lines
+
+
+def _step_lines(step: dict[str, Any]) -> list[str]:
+    lines = ["", f"## Training step {step['row']} (batch {step['batch']}, widths "
+             f"{'→'.join(map(str, step['widths']))}, ReLU)", "",
+             "| variant | careful ms | ×xla_bf16 | user ms | ×xla_bf16 | temporaries MiB | "
+             "GEMMs cuBLASLt FP8/other · XLA FP8/other | max diff vs xla_bf16 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, v in step["variants"].items():
+        c, u = v.get("careful", {}), v.get("user", {})
+        temp = "–" if v["temp_mib"] is None else f"{v['temp_mib']:.0f}"
+        lines.append(f"| {name} | {c.get('seconds', 0) * 1e3:.2f} | "
+                     f"{c.get('ratio_vs_xla_bf16', 0):.3f} | {u.get('seconds', 0) * 1e3:.2f} | "
+                     f"{u.get('ratio_vs_xla_bf16', 0):.3f} | {temp} | "
+                     f"{fp8_bench._gemm_cell(v)} | {v['relative_diff_vs_xla_bf16']:.3g} |")
+    return lines
+
+
+def _error_lines(e: dict[str, Any], sweep: list[dict[str, Any]]) -> list[str]:
+    lines = ["", f"## Error against float32 ({'×'.join(map(str, e['shape']))}, "
+             f"{e['outlier_channels']} outlier channels ×{OUTLIER_FACTOR:g})", "",
+             "| data | y per-tensor | y block | dW per-tensor | dW block |", "|---|---|---|---|---|"]
     for data in ("ordinary", "outliers"):
         d = e[data]
         lines.append(f"| {data} | {d['y_tensor']:.3e} | {d['y_block']:.3e} | "
                      f"{d['dw_tensor']:.3e} | {d['dw_block']:.3e} |")
+    lines += ["", "### The outliers' factor swept", "",
+              "Whole tensors, then the ordinary channels' share (y from the ordinary channels, "
+              "dW's ordinary columns); each cell per-tensor / block (block ÷ per-tensor).", "",
+              "| factor | y | dW | y, ordinary share | dW, ordinary columns |",
+              "|---|---|---|---|---|"]
+    for d in sweep:
+        cells = [f"{d[what + '_tensor']:.3g} / {d[what + '_block']:.3g} "
+                 f"({d[what + '_block'] / d[what + '_tensor']:.3f})"
+                 for what in ("y", "dw", "y_ordinary", "dw_ordinary")]
+        lines.append(f"| ×{d['factor']:g} | {' | '.join(cells)} |")
+    return lines
+
+
+def markdown(report: dict[str, Any]) -> str:
+    meta = report["metadata"]
+    lines = ["# Block-scaled FP8 against per-tensor FP8 and bf16", "",
+             timing.provenance(meta), ""]
+    if report.get("speed"):
+        lines += _speed_lines(report)
+    if report.get("step"):
+        lines += _step_lines(report["step"])
+    if report.get("errors"):
+        lines += _error_lines(report["errors"], report["sweep"])
     lines += ["", "## Targets", ""]
-    lines += [f"- {t['what']}: {t['ratio']:.3f} (at most {t['at_most']}): "
-              f"{'met' if t['met'] else 'MISSED'}" for t in report["targets"]]
+    lines += [f"- {_target_line(t)}" for t in report["targets"]]
     return "\n".join(lines + timing.footnotes(meta, [])) + "\n"
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    m, n, k = (int(v) for v in text.split(","))
+    return m, n, k
 
 
 def main(argv=None) -> dict[str, Any]:
@@ -213,21 +351,38 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any CPU")
     parser.add_argument("--max-s", type=float, default=240.0)
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--error-shape", type=_shape, default=None,
+                        help="M,N,K of the error study (default "
+                             f"{','.join(map(str, ERROR_SHAPE))})")
     args = parser.parse_args(argv)
-    shapes, error_shape = (SMOKE_SHAPES, SMOKE_ERROR_SHAPE) if args.smoke else \
-        (SHAPES, ERROR_SHAPE)
-    budget = timing.Budget(args.max_s, len(HARNESSES) * len(shapes), rounds=len(VARIANTS) * ROUNDS)
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    if sorted(set(parts) - set(PARTS)):
+        parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; expected some of "
+                     f"{', '.join(PARTS)}")
+    shapes, error_shape, step_row = (SMOKE_SHAPES, SMOKE_ERROR_SHAPE, SMOKE_STEP_ROW) \
+        if args.smoke else (SHAPES, ERROR_SHAPE, STEP_ROW)
+    error_shape = args.error_shape or error_shape
+    shapes = shapes if "speed" in parts else []
+    measurements = len(HARNESSES) * (len(shapes) + ("step" in parts))
+    budget = timing.Budget(args.max_s, max(1, measurements),
+                           rounds=len(VARIANTS) * ROUNDS)
     report: dict[str, Any] = {"benchmark": "block_fp8", "metadata": timing.run_metadata(),
-                              "speed": []}
-    report["errors"] = measure_errors(error_shape)
-    report["targets"] = targets(report["errors"])
+                              "speed": [], "targets": []}
+    if "errors" in parts:
+        report["errors"], report["sweep"] = measure_errors(error_shape)
+        report["targets"] += targets(report["errors"])
+        timing.write_report(report, args.out, "block_fp8", markdown)
     for shape in shapes:
         report["speed"].append(measure_speed(shape, budget))
         timing.write_report(report, args.out, "block_fp8", markdown)
+    if "step" in parts:
+        report["step"] = measure_step(step_row, budget)
+        report["targets"] += step_targets(report["step"])
     timing.write_report(report, args.out, "block_fp8", markdown)
     for t in report["targets"]:
-        print(f"target {t['what']}: {t['ratio']:.3f} <= {t['at_most']}: "
-              f"{'met' if t['met'] else 'MISSED'}")
+        print(f"target {_target_line(t)}")
     return report
 
 

@@ -214,10 +214,10 @@ def uncalibrated(step):
     return traced
 
 
-def variant_step(w: Workload, name: str, args) -> tuple[Any, tuple]:
+def variant_step(w: Workload, name: str, args, table=None) -> tuple[Any, tuple]:
     """(the variant's step, the arguments it takes after `args`: the state of a stateful
-    one)."""
-    variant = VARIANTS[name]
+    one); `table`: where the variant is defined (default `VARIANTS`)."""
+    variant = (VARIANTS if table is None else table)[name]
     if not isinstance(variant, Fp8):
         return step_fn(w, variant), ()
     step, state = stateful_step(w, variant, args)
@@ -271,13 +271,14 @@ def compile_without_fallbacks(fn, args) -> tuple[Any, list[str]]:
                              and FALLBACK_MESSAGE in str(w.message)})
 
 
-def measure(w: Workload, variants, budget: timing.Budget) -> dict[str, Any]:
-    """One row: every variant's step compiled, checked against xla_bf16, timed."""
+def measure(w: Workload, variants, budget: timing.Budget, table=None) -> dict[str, Any]:
+    """One row: every variant's step compiled, checked against xla_bf16, timed; `table` as
+    for `variant_step` (another benchmark's variants in the same form)."""
     arg_sets = [never_slower.random_inputs(w, seed)
                 for seed in range(never_slower.input_copies(w))]
     compiled, sets, record = {}, {}, {"variants": {}}
     for name in variants:
-        step, extra = variant_step(w, name, arg_sets[0])
+        step, extra = variant_step(w, name, arg_sets[0], table)
         sets[name] = [(*args, *extra) for args in arg_sets]
         compiled[name], fallbacks = compile_without_fallbacks(step, sets[name][0])
         for message in fallbacks:  # loud: this variant is not measuring the real path

@@ -4,7 +4,7 @@
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt llama gptprofile serving
-#           generate blockfp8 swiglu
+#           generate blockfp8 blockstep swiglu
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
@@ -221,6 +221,22 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       note "blockfp8 benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -E "^target|FALLBACK" "$OUT/block_fp8.log" | tee -a "$SUMMARY"
       cat "$OUT/block_fp8/block_fp8.md" 2>/dev/null | head -40 ;;
+    blockstep)
+      # The block-scaled FP8 recipe (issue 39, Fp8(scaling="block")): its GPU tests (every GEMM
+      # of a layer's step on the block-scaled kernel, against the CPU), then M1's training step
+      # (block vs per-tensor fp8=True vs XLA bf16, both harnesses, temporaries) and the
+      # outlier errors with their factor swept (BLOCKSTEP_ARGS, e.g. "--parts step").
+      (cd /tmp && runs --cap "${BLOCKSTEP_TEST_CAP:-200}" "$PY" -m pytest \
+        "$ROOT/tests/test_block_recipe.py" -q -ra -m gpu -p no:cacheprovider 2>&1) \
+        > "$OUT/blockstep_tests.log"
+      note "blockstep gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/blockstep_tests.log")"
+      grep -E "FAILED|Error" "$OUT/blockstep_tests.log" | head -20
+      (cd "$ROOT/benchmarks" && runs --cap "${BLOCKSTEP_CAP:-360}" "$PY" block_fp8_bench.py \
+        --parts "step,errors" ${BLOCKSTEP_ARGS:-} --out "$OUT/block_step" 2>&1) \
+        > "$OUT/block_step.log"
+      note "blockstep benchmark: rc=$? ($((SECONDS - start)) s)"
+      grep -E "^target|FALLBACK" "$OUT/block_step.log" | tee -a "$SUMMARY"
+      cat "$OUT/block_step/block_fp8.md" 2>/dev/null | head -60 ;;
     fp8profile)
       # Where the FP8 step's time goes: GPU kernels of traced M1 steps per variant
       # (FP8_PROFILE_ARGS, e.g. "--variants ours_fp8,xla_fp8", or "--peer --row W2,TMLP":

@@ -64,6 +64,7 @@ def test_the_bf16_call_path_is_short():
 
 @pytest.mark.parametrize("title", ["The path of a bf16 epilog call",
                                    "The path of an FP8 layer training step",
+                                   "The path of a block-scaled FP8 layer training step",
                                    "The path of a `tune` run"])
 def test_each_path_is_a_numbered_list_of_functions(title):
     items = numbered_items(section(title))

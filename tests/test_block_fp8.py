@@ -351,8 +351,9 @@ def test_gpu_kernel_matches_the_model(pair, epilog, out):
 
 @pytest.mark.slow
 def test_benchmark_smoke_report(tmp_path):
-    """benchmarks/block_fp8_bench.py end to end on tiny shapes: every variant reported, the
-    errors finite and the targets judged (timings are never asserted)."""
+    """benchmarks/block_fp8_bench.py end to end on tiny shapes: every variant reported (the
+    GEMMs, the training step's), the errors and their sweep finite and the targets judged
+    (timings are never asserted)."""
     import json
     import sys
     from pathlib import Path
@@ -367,5 +368,9 @@ def test_benchmark_smoke_report(tmp_path):
         assert variant["careful"]["seconds"] > 0 and variant["user"]["seconds"] > 0
     for data in ("ordinary", "outliers"):
         assert all(0 < e < 0.2 for e in report["errors"][data].values()), report["errors"]
-    assert len(report["targets"]) == 4
+    assert [e["factor"] for e in report["sweep"]] == list(block_fp8_bench.OUTLIER_FACTORS)
+    assert set(report["step"]["variants"]) == set(block_fp8_bench.STEP_VARIANTS)
+    # FP8 ran (no custom calls to count on a CPU): the step differs from XLA's by FP8 rounding
+    assert 1e-3 < report["step"]["variants"]["ours_fp8_block"]["relative_diff_vs_xla_bf16"] < 0.5
+    assert len(report["targets"]) == 4 + 4
     assert "## Targets" in (tmp_path / "block_fp8.md").read_text()

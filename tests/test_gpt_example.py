@@ -201,6 +201,47 @@ def test_the_fp8_step_has_no_host_round_trip(corpus, monkeypatch, config):
     assert " conditional(" not in hlo and " while(" not in hlo
 
 
+def test_the_block_recipe_trains_in_fp8_with_no_scaling_state(corpus, monkeypatch):
+    """`--fp8-scaling block`: no scaling state in the model; with every projection
+    block-scaled (forced: `tiny` is too small for "auto", widened to 128 so every width is a
+    multiple of 128), the step is e4m3 throughout (no e5m2 gradient) and the loss falls."""
+    assert not jax.tree.leaves(model.split(
+        train.build_model(TINY, "epilog", fp8=True, fp8_scaling="block"))[2])
+    monkeypatch.setattr(train, "FP8_BLOCK_RECIPE", jax_epilog.Fp8(scaling="block", layers="all"))
+    config = TINY.replace(d_model=128, steps=6, warmup_steps=2, eval_every=6, log_every=1)
+    trainer = train.Trainer(train.build_model(config, "epilog", fp8=True, fp8_scaling="block"),
+                            train.make_optimizer(config))
+    batches = data.Batches(corpus.train, config.batch_size, config.model.seq_len, config.seed)
+    hlo = trainer.step.lower(trainer.initial, *next(batches)).compile().as_text()
+    assert "f8e4m3fn" in hlo and "f8e5m2" not in hlo
+    summary = train.train(config, "epilog", fp8=True, fp8_scaling="block", corpus=corpus,
+                          progress=False)
+    assert "scaling='block'" in summary["fp8_recipe"]
+    losses = [loss for _, loss in summary["train_loss"]]
+    assert losses[-1] < losses[0], losses
+    with pytest.raises(ValueError, match="fp8_scaling: expected one of"):
+        train.fp8_recipe("blocks")
+
+
+def test_compare_judges_only_the_variants_it_ran():
+    """The block variant runs only when `--variants` names it; a target about a variant that
+    was not asked for is left out, not judged missed."""
+    compare = compare_module()
+    assert "epilog_fp8_block" not in compare.DEFAULT_VARIANTS
+    report = json.loads((RESULTS / "h200" / "gpt_compare.json").read_text())
+    assert not [row for row in compare.targets(report["results"])
+                if "epilog_fp8_block" in row["target"]]
+    large = report["results"]["large"]
+    large["variants"]["epilog_fp8_block"] = dict(large["variants"]["epilog_fp8"])
+    rows = [row for row in compare.targets(report["results"])
+            if "epilog_fp8_block" in row["target"]]
+    assert [row["target"] for row in rows] == [
+        "large: epilog_fp8_block >= 1.3x stock tokens/s",
+        "large: epilog_fp8_block validation loss within 1% of epilog's"]
+    with pytest.raises(SystemExit):
+        compare.main(["--variants", "epilog_fp8_blocks", "--out", "/tmp/unused"])
+
+
 # --- the Llama arch -----------------------------------------------------------------------------
 
 def perturbed(params, seed=0):
@@ -349,29 +390,31 @@ def test_tiny_config_trains_with_a_falling_loss(corpus):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base, impl, fp8", [(TINY, "epilog", True),
-                                             (LLAMA_TINY, "epilog", True)])
+@pytest.mark.parametrize("base, impl, fp8, scaling", [
+    (TINY, "epilog", True, "per-tensor"), (LLAMA_TINY, "epilog", True, "per-tensor"),
+    (TINY.replace(d_model=128), "epilog", True, "block")])
 def test_resume_from_a_checkpoint_takes_the_same_steps_bit_for_bit(corpus, tmp_path, base,
-                                                                     impl, fp8):
+                                                                     impl, fp8, scaling,
+                                                                     monkeypatch):
     pytest.importorskip("orbax.checkpoint")
+    # every projection block-scaled (tiny's are too small for "auto"); no state to checkpoint
+    monkeypatch.setattr(train, "FP8_BLOCK_RECIPE", jax_epilog.Fp8(scaling="block", layers="all"))
     config = base.replace(steps=5, warmup_steps=2, eval_every=5, log_every=1)
-    straight = train.train(config, impl, fp8=fp8, corpus=corpus, progress=False)
-    stopped = train.train(config, impl, fp8=fp8, corpus=corpus, progress=False,
-                          checkpoint_dir=tmp_path, stop_after=3)
-    resumed = train.train(config, impl, fp8=fp8, corpus=corpus, progress=False,
-                          checkpoint_dir=tmp_path)
+    run = dict(fp8=fp8, fp8_scaling=scaling, corpus=corpus, progress=False)
+    straight = train.train(config, impl, **run)
+    stopped = train.train(config, impl, **run, checkpoint_dir=tmp_path, stop_after=3)
+    resumed = train.train(config, impl, **run, checkpoint_dir=tmp_path)
     assert stopped["steps"] == [0, 3] and resumed["resumed_from"] == 3
     assert resumed["steps"] == [3, 5]
     assert resumed["train_loss"] == straight["train_loss"][3:]
     assert resumed["validation_loss"] == straight["validation_loss"]
     leaves = jax.tree.leaves(straight["state"])
-    assert len(jax.tree.leaves(straight["state"].fp8)) > 0
+    assert (len(jax.tree.leaves(straight["state"].fp8)) > 0) == (scaling == "per-tensor")
     assert jax.tree.structure(resumed["state"]) == jax.tree.structure(straight["state"])
     for a, b in zip(jax.tree.leaves(resumed["state"]), leaves):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="checkpoint_dir"):
-        train.train(config.replace(learning_rate=1e-3), impl, fp8=fp8, corpus=corpus,
-                    progress=False, checkpoint_dir=tmp_path)
+        train.train(config.replace(learning_rate=1e-3), impl, **run, checkpoint_dir=tmp_path)
 
 
 @pytest.mark.slow
@@ -475,7 +518,7 @@ def test_on_a_cpu_flax_fp8_rounds_to_fp8_but_runs_no_fp8_gemm(corpus):
         pytest.skip("a CPU fact")
     compare = compare_module()
     batch = data.Batches(corpus.train, TINY.batch_size, TINY.model.seq_len, TINY.seed).batch(0)
-    variant = compare.build(TINY, "flax_fp8", "flax_fp8", False, jnp.float32, "xla", batch)
+    variant = compare.build(TINY, "flax_fp8", "flax_fp8", None, jnp.float32, "xla", batch)
     assert variant.record["fp8_in_program"] and variant.record["fp8_gemms"] == 0
 
 

@@ -10,6 +10,11 @@ Variants, in the compute dtype (bfloat16 on a GPU, float32 elsewhere): `stock` (
 `flax_fp8` (Flax's own FP8, `Fp8DirectDotGeneralOp`), `epilog` (jax-epilog's layers) and
 `epilog_fp8` (with `train.FP8_RECIPE`), all from the same initial weights (checked by a
 fingerprint of the parameters) and trained on the same batches in the same order.
+`--variants` picks among them and `epilog_fp8_block` (jax-epilog's layers with the
+block-scaled recipe, `train.FP8_BLOCK_RECIPE`), which runs only when named:
+
+    python examples/gpt/compare.py --config large --variants epilog,epilog_fp8,epilog_fp8_block \
+        --steps 300 --budget-s 540 --out /tmp/block
 
 Per config:
 1. Build and compile each variant's train step (compile time; `memory_analysis()`), and run
@@ -22,7 +27,7 @@ Per config:
    over back-to-back steps (one `block_until_ready` per stretch between evaluations), the
    first steps left out as warm-up.
 3. The *careful* harness on the trained states: warm-up, then rounds of back-to-back steps
-   with one `block_until_ready` per round, the four variants' rounds interleaved so drift on a
+   with one `block_until_ready` per round, the variants' rounds interleaved so drift on a
    shared machine hits them alike; the median round (`benchmarks/timing.py`).
 
 Writes `gpt_compare.json` (everything, with versions) and `gpt_compare.md` to `--out`.
@@ -50,9 +55,13 @@ import numpy as np
 import timing
 from gpt import configs, data, model, train
 
-#: (name, impl, jax-epilog FP8): the first is the baseline every ratio divides by.
-VARIANTS = (("stock", "stock", False), ("flax_fp8", "flax_fp8", False),
-            ("epilog", "epilog", False), ("epilog_fp8", "epilog", True))
+#: (name, impl, jax-epilog's FP8 recipe: None or a `train.FP8_SCALINGS` name): the first is
+#: the baseline every ratio divides by.
+VARIANTS = (("stock", "stock", None), ("flax_fp8", "flax_fp8", None),
+            ("epilog", "epilog", None), ("epilog_fp8", "epilog", "per-tensor"),
+            ("epilog_fp8_block", "epilog", "block"))
+#: What runs without `--variants`: all but the block-scaled recipe (`--variants` adds it).
+DEFAULT_VARIANTS = ("stock", "flax_fp8", "epilog", "epilog_fp8")
 #: Issue 25's targets: (config, variant, baseline, minimum speed-up).
 SPEED_TARGETS = (("large", "epilog_fp8", "stock", 1.25),
                  ("small", "epilog_fp8", "stock", 1.15),
@@ -62,14 +71,17 @@ SPEED_TARGETS = (("large", "epilog_fp8", "stock", 1.25),
                  ("small", "epilog", "stock", 0.98),
                  # issue 38's, on the Llama arch
                  ("llama_large", "epilog_fp8", "stock", 1.5),
-                 ("llama_large", "epilog_fp8", "flax_fp8", 1.08))
+                 ("llama_large", "epilog_fp8", "flax_fp8", 1.08),
+                 # issue 39's, the block-scaled recipe
+                 ("large", "epilog_fp8_block", "stock", 1.3))
 #: Issue 38's: (config, variant, peer, the most the variant's time to the first step may be as
 #: a fraction of the peer's).
 FIRST_STEP_TARGETS = (("llama_large", "epilog_fp8", "flax_fp8", 0.2),)
 LOSS_TOLERANCE = 0.01  # FP8's final validation loss within 1% of the same layers' without FP8
 WARMUP_STEPS = 2       # left out of the user harness
 CAREFUL_ROUNDS = 5
-GEMM_CALLS = {"jax_epilog": "jax_epilog_matmul", "xla_fp8": "__cublas$lt$matmul$f8"}
+GEMM_CALLS = {"jax_epilog": "jax_epilog_matmul", "jax_epilog_block": "jax_epilog_matmul_block",
+              "xla_fp8": "__cublas$lt$matmul$f8"}
 
 
 def fingerprint(params) -> str:
@@ -120,10 +132,14 @@ class Variant:
     record: dict
 
 
-def build(config: configs.TrainConfig, name: str, impl: str, fp8: bool, dtype, attention: str,
-          batch) -> Variant:
+def build(config: configs.TrainConfig, name: str, impl: str, fp8, dtype,
+          attention: str, batch) -> Variant:
+    """One variant's model and compiled step; `fp8`: its recipe's `train.FP8_SCALINGS` name,
+    or None (True and False, as `train.build_model` takes them, also work)."""
     start = time.perf_counter()
-    model = train.build_model(config, impl, fp8=fp8, dtype=dtype, attention=attention)
+    scaling = fp8 if isinstance(fp8, str) else "per-tensor"
+    model = train.build_model(config, impl, fp8=bool(fp8), dtype=dtype, attention=attention,
+                              fp8_scaling=scaling)
     trainer = train.Trainer(model, train.make_optimizer(config))
     compiled, memory = trainer.compile(trainer.initial, batch)
     compile_s = time.perf_counter() - start
@@ -134,7 +150,8 @@ def build(config: configs.TrainConfig, name: str, impl: str, fp8: bool, dtype, a
     first_step_s = time.perf_counter() - first
     hlo = compiled.as_text() or ""
     record = {
-        "impl": impl, "fp8": fp8, "fp8_recipe": repr(train.FP8_RECIPE) if fp8 else None,
+        "impl": impl, "fp8": bool(fp8),
+        "fp8_recipe": repr(train.fp8_recipe(scaling)) if fp8 else None,
         "attention": model.blocks[0].attention.implementation,
         "initial_params_sha256": fingerprint(trainer.initial.params),
         "build_and_compile_s": compile_s, "first_step_s": first_step_s,
@@ -214,7 +231,8 @@ def _failure(config_name: str, name: str, stage: str, error: Exception) -> str:
 
 
 def compare_config(config_name: str, config: configs.TrainConfig, corpus: data.Corpus,
-                   steps: int, budget_s: float, dtype, attention: str) -> dict[str, Any]:
+                   steps: int, budget_s: float, dtype, attention: str,
+                   names=DEFAULT_VARIANTS) -> dict[str, Any]:
     deadline = time.perf_counter() + budget_s
     # The learning-rate schedule spans the measured steps, so the run ends decayed, where one
     # validation loss is a fair comparison: cut at the config's 400-step schedule's step 150,
@@ -226,7 +244,7 @@ def compare_config(config_name: str, config: configs.TrainConfig, corpus: data.C
     first_batch = data.Batches(corpus.train, config.batch_size, config.model.seq_len,
                                config.seed).batch(0)
     variants, failed = [], {}
-    for name, impl, fp8 in VARIANTS:
+    for name, impl, fp8 in (v for v in VARIANTS if v[0] in names):
         try:
             variants.append(build(config, name, impl, fp8, dtype, attention, first_batch))
         except Exception as error:  # noqa: BLE001 -- recorded; the other variants still run
@@ -290,8 +308,9 @@ def targets(results: dict[str, dict]) -> list[dict]:
     applicable: `met` None, `not_applicable` says why."""
     rows = []
     for config_name, variant, baseline, minimum in SPEED_TARGETS:
-        if config_name not in results:
-            continue
+        ran = results.get(config_name, {"variants": {}})
+        if not {variant, baseline} <= {*ran["variants"], *ran.get("failed", {})}:
+            continue  # not asked for (`--variants`)
         ratio = speedups(results[config_name], baseline).get(
             variant, {"careful_harness": None, "user_harness": None})
         rows.append(_unless_idle_fp8(results[config_name], (variant, baseline), {
@@ -307,7 +326,8 @@ def targets(results: dict[str, dict]) -> list[dict]:
                                f"{peer}'s", "fraction": fraction, "met": fraction <= most})
     for config_name, result in results.items():
         final = {n: r["validation_loss"][-1][1] for n, r in result["variants"].items()}
-        for fp8_name, bf16_name in (("epilog_fp8", "epilog"), ("flax_fp8", "stock")):
+        for fp8_name, bf16_name in (("epilog_fp8", "epilog"), ("epilog_fp8_block", "epilog"),
+                                    ("flax_fp8", "stock")):
             if fp8_name not in final or bf16_name not in final:
                 continue
             relative = final[fp8_name] / final[bf16_name] - 1
@@ -346,7 +366,7 @@ def _mib(memory: Optional[dict]) -> str:
 
 def render(report: dict) -> str:
     meta = report["metadata"]
-    lines = ["# GPT training step: four variants side by side", "",
+    lines = ["# GPT training step: the variants side by side", "",
              f"{meta['date']}, {meta['device']} ({meta['platform']}), jax {meta['jax']}, "
              f"flax {report['versions']['flax']}, optax {report['versions']['optax']}, "
              f"cuBLASLt {meta['cublaslt_version']}, driver {meta['driver_version']}. "
@@ -382,8 +402,8 @@ def render(report: dict) -> str:
                 f"{_mib(r['memory'])} | {r['build_and_compile_s']:.1f} | "
                 f"{_seconds(r.get('time_to_first_step_s'))} | "
                 f"{r['validation_loss'][-1][1]:.4f} | "
-                f"{statistics.fmean(r['train_loss'][-10:]):.4f} | {calls['jax_epilog']} / "
-                f"{calls['xla_fp8']} |")
+                f"{statistics.fmean(r['train_loss'][-10:]):.4f} | "
+                f"{calls['jax_epilog'] + calls.get('jax_epilog_block', 0)} / {calls['xla_fp8']} |")
         lines += [f"| {name} | failed: {error} | | | | | | | | | |"
                   for name, error in result["failed"].items()]
         lines.append("")
@@ -435,7 +455,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--dtype", default="auto", choices=tuple(train.DTYPES))
     parser.add_argument("--attention", default="auto", choices=model.ATTENTION)
     parser.add_argument("--out", type=Path, required=True, help="folder for the JSON and .md")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, of: {', '.join(v[0] for v in VARIANTS)} "
+                             f"(default: {','.join(DEFAULT_VARIANTS)}; stock always runs, the "
+                             "ratios' baseline)")
     args = parser.parse_args(argv)
+    names = {"stock", *(n.strip() for n in args.variants.split(",") if n.strip())}
+    unknown = sorted(names - {v[0] for v in VARIANTS})
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; expected names of "
+                     f"{[v[0] for v in VARIANTS]}")
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps: expected more than the {WARMUP_STEPS} warm-up steps")
     corpus = data.load_corpus()
@@ -453,7 +482,7 @@ def main(argv=None) -> dict:
         overrides = {"eval_every": args.eval_every, "n_layers": args.layers}
         config = configs.get(name).replace(**{k: v for k, v in overrides.items() if v})
         report["results"][name] = compare_config(name, config, corpus, args.steps, budget,
-                                                 dtype, args.attention)
+                                                 dtype, args.attention, names)
         report["targets"] = targets(report["results"])
         # Written after every config, so a run stopped later keeps what it finished.
         timing.write_report(report, args.out, "gpt_compare", render)

@@ -2,6 +2,7 @@
 
     python examples/gpt/train.py --config tiny                       # CPU, a minute
     python examples/gpt/train.py --config small --impl epilog --fp8  # one H200
+    python examples/gpt/train.py --config large --impl epilog --fp8 --fp8-scaling block
     python examples/gpt/train.py --config large --impl stock --checkpoint-dir /tmp/gpt --out run.json
     python examples/gpt/train.py --distributed ...   # one copy per process (README.md)
 
@@ -57,6 +58,18 @@ from gpt.model import GPT, IMPLS, split
 #: its GEMM reaches `fp8_pays`'s measured crossover (2·rows·K·N >= 2**36: every projection of
 #: `small` and `large` at 16384 tokens a step).
 FP8_RECIPE = jax_epilog.Fp8()
+#: `--fp8-scaling block`: DeepSeek-V3's block scaling (`Fp8(scaling="block")`: one scale per
+#: 1×128 tile of activations and gradients, per 128×128 block of weights, e4m3 throughout, no
+#: state); a projection whose widths are not multiples of 128, or too small to pay, stays 16-bit.
+FP8_BLOCK_RECIPE = jax_epilog.Fp8(scaling="block")
+FP8_SCALINGS = ("per-tensor", "block")
+
+
+def fp8_recipe(scaling: str = "per-tensor") -> jax_epilog.Fp8:
+    """The recipe `--fp8-scaling` names: `FP8_RECIPE` ("per-tensor") or `FP8_BLOCK_RECIPE`."""
+    if scaling not in FP8_SCALINGS:
+        raise ValueError(f"fp8_scaling: expected one of {FP8_SCALINGS}, got {scaling!r}")
+    return FP8_RECIPE if scaling == "per-tensor" else FP8_BLOCK_RECIPE
 DTYPES = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -70,13 +83,16 @@ def compute_dtype(name: str = "auto"):
 
 
 def build_model(config: configs.TrainConfig, impl: str, *, fp8: bool = False,
-                dtype=jnp.float32, attention: str = "auto") -> GPT:
-    """The model for `impl` (with jax-epilog's FP8 where `fp8`), initialised from the config's
-    seed: the same weights for every impl."""
+                dtype=jnp.float32, attention: str = "auto",
+                fp8_scaling: str = "per-tensor") -> GPT:
+    """The model for `impl` (with jax-epilog's FP8 where `fp8`, the recipe `fp8_scaling`
+    names: `fp8_recipe`), initialised from the config's seed: the same weights for every
+    impl."""
     if fp8 and impl != "epilog":
         raise ValueError(f"fp8: jax-epilog's FP8 needs impl='epilog', got impl={impl!r} "
                          "(Flax's own FP8 is impl='flax_fp8')")
-    return GPT(config.model, impl=impl, dtype=dtype, fp8=FP8_RECIPE if fp8 else None,
+    return GPT(config.model, impl=impl, dtype=dtype,
+               fp8=fp8_recipe(fp8_scaling) if fp8 else None,
                attention=attention, rngs=nnx.Rngs(config.seed))
 
 
@@ -266,12 +282,13 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
           dtype_name: str = "auto", attention: str = "auto",
           checkpoint_dir: Optional[Path] = None, corpus: Optional[data.Corpus] = None,
           progress: bool = True, stop_after: Optional[int] = None,
-          fully_sharded: bool = False) -> dict[str, Any]:
+          fully_sharded: bool = False, fp8_scaling: str = "per-tensor") -> dict[str, Any]:
     """Trains (or resumes from `checkpoint_dir`) to `config.steps`, or stops after step
     `stop_after` (checkpointing there, as an interrupted run would have); returns the summary."""
     dtype = compute_dtype(dtype_name)
     corpus = corpus if corpus is not None else data.load_corpus()
-    model = build_model(config, impl, fp8=fp8, dtype=dtype, attention=attention)
+    model = build_model(config, impl, fp8=fp8, dtype=dtype, attention=attention,
+                        fp8_scaling=fp8_scaling)
     mesh = data_mesh()
     if fully_sharded and mesh is None:
         raise ValueError("fully_sharded: shards the state over several devices; JAX sees one")
@@ -296,7 +313,8 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
     compile_seconds = time.perf_counter() - compile_start
     start, end = int(state.step), min(config.steps, stop_after or config.steps)
     train_losses, val_losses, interval_step_times = [], [], []
-    bar = tqdm(range(start, end), desc=f"{impl}{' fp8' if fp8 else ''}", unit="step",
+    label = f" fp8{' block' if fp8_scaling == 'block' else ''}" if fp8 else ""
+    bar = tqdm(range(start, end), desc=f"{impl}{label}", unit="step",
                disable=not progress or jax.process_index() != 0, initial=start,
                total=config.steps)
     interval_start, interval_steps = time.perf_counter(), 0
@@ -325,7 +343,8 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
     step_time = statistics.median(interval_step_times) if interval_step_times else None
     return {
         "config": dataclasses.asdict(config), "impl": impl, "fp8": fp8,
-        "fp8_recipe": repr(FP8_RECIPE) if fp8 else None, "dtype": jnp.dtype(dtype).name,
+        "fp8_recipe": repr(fp8_recipe(fp8_scaling)) if fp8 else None,
+        "dtype": jnp.dtype(dtype).name,
         "attention": model.blocks[0].attention.implementation,
         "steps": [start, end], "resumed_from": resumed_from,
         "tokens_per_step": config.tokens_per_step,
@@ -352,6 +371,9 @@ def main(argv=None) -> dict[str, Any]:
                         help="stock nnx.Linear, jax-epilog's layers, or Flax's own FP8")
     parser.add_argument("--fp8", action="store_true",
                         help="jax-epilog's FP8 on every projection (with --impl epilog)")
+    parser.add_argument("--fp8-scaling", default="per-tensor", choices=FP8_SCALINGS,
+                        help="with --fp8: per-tensor (the default, Fp8()) or block "
+                             "(Fp8(scaling=\"block\"), DeepSeek-V3's 1x128/128x128 tiles)")
     parser.add_argument("--dtype", default="auto", choices=tuple(DTYPES),
                         help="compute dtype (auto: bfloat16 on a GPU, else float32)")
     parser.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"))
@@ -404,7 +426,10 @@ def main(argv=None) -> dict[str, Any]:
     if args.fp8 and args.impl != "epilog":
         parser.error(f"--fp8 is jax-epilog's FP8 and needs --impl epilog (got --impl "
                      f"{args.impl}); Flax's own FP8 is --impl flax_fp8")
-    summary = train(config, args.impl, fp8=args.fp8, dtype_name=args.dtype,
+    if args.fp8_scaling != "per-tensor" and not args.fp8:
+        parser.error(f"--fp8-scaling {args.fp8_scaling} chooses the recipe of --fp8; add --fp8")
+    summary = train(config, args.impl, fp8=args.fp8, fp8_scaling=args.fp8_scaling,
+                    dtype_name=args.dtype,
                     attention=args.attention, checkpoint_dir=args.checkpoint_dir,
                     progress=not args.no_progress, stop_after=args.stop_after,
                     fully_sharded=args.fsdp)

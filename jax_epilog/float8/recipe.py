@@ -20,7 +20,11 @@ from jax_epilog.planning.stack_plan import quantized_layers
 LAYER_CHOICES = ("auto", "all")
 #: The layers' GEMMs, as `Fp8(fast_accumulation=)` names them.
 FAST_ACCUMULATION_GEMMS = ("forward", "data gradient", "weight gradient")
-SCALING_CHOICES = ("auto", "current", "delayed")
+SCALING_CHOICES = ("auto", "current", "delayed", "block")
+#: The gradient format of each scaling where `Fp8(gradient=)` is not given: e5m2's range for
+#: one scale per tensor; e4m3 for block scaling, whose per-tile scales need no such range
+#: (DeepSeek-V3's and TransformerEngine's `Float8BlockScaling` recipe).
+DEFAULT_GRADIENT = {"block": "float8_e4m3fn"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,8 +35,9 @@ class Fp8:
       forward: the format of the activations and weights (the forward GEMM's two operands):
         "float8_e4m3fn" (or `jnp.float8_e4m3fn`). e5m2 is refused: the forward GEMM would be
         e5m2 × e5m2, which cuBLASLt lacks.
-      gradient: the format of the gradients dZ: "float8_e5m2" (default, the wider range
-        gradients need) or "float8_e4m3fn".
+      gradient: the format of the gradients dZ: None (default) is "float8_e5m2" (the wider
+        range per-tensor gradients need), and "float8_e4m3fn" under `scaling="block"`; or
+        either format by name, except e5m2 with block scaling (refused: its GEMMs are e4m3).
       margin: a non-negative int; scales are `largest / 2**margin / amax` (TransformerEngine's
         margin), leaving headroom of `2**margin` below the format's largest value.
       layers: "auto" (the stack's measured entry, else FP8 where `fp8_pays` says the
@@ -70,6 +75,13 @@ class Fp8:
         the GEMM's result (|h W + b| <= amax(h)·max column sum |W| + max |b|, and likewise
         for a data gradient), rounded up to a power of two; its own amax is recorded as
         usual, so the next step is warm. No separate calibrating step is needed.
+        "block": DeepSeek-V3's block scaling (`jax_epilog.layers.block_step`; docs/fp8.md,
+        "Block-scaled training"): current scaling per 1×128 tile of the activations and
+        gradients (along each GEMM's contraction) and per 128×128 block of the weights, e4m3
+        throughout. It keeps no state (`fp8_state=` is refused), so the Flax modules hold no
+        amax histories; `margin` must be 0 and `amax_reduction_axes` None (a tile's amax is
+        its own), and `fast_accumulation` does not apply (cuBLASLt's block-scaled GEMMs take
+        no such choice).
       amax_history_length: the steps of amax history under delayed scaling (1024, as in
         TransformerEngine and Flax); the scale follows the largest.
       amax_reduction_axes: None (default), a mesh axis name or a tuple of names: inside
@@ -85,7 +97,7 @@ class Fp8:
     """
 
     forward: Any = "float8_e4m3fn"
-    gradient: Any = "float8_e5m2"
+    gradient: Any = None
     margin: int = 0
     layers: str = "auto"
     fast_accumulation: Any = ("forward", "data gradient")
@@ -94,6 +106,9 @@ class Fp8:
     amax_reduction_axes: Any = None
 
     def __post_init__(self):
+        if self.gradient is None:
+            object.__setattr__(self, "gradient",
+                               DEFAULT_GRADIENT.get(self.scaling, "float8_e5m2"))
         for name in ("forward", "gradient"):
             object.__setattr__(self, name, _format(name, getattr(self, name)))
         if self.forward == "float8_e5m2":
@@ -106,11 +121,34 @@ class Fp8:
         object.__setattr__(self, "fast_accumulation", _fast_gemms(self.fast_accumulation))
         if self.scaling not in SCALING_CHOICES:
             raise ValueError(f"scaling: expected one of {SCALING_CHOICES}, got {self.scaling!r}")
+        if self.scaling == "block":
+            self._check_block()
         length = self.amax_history_length
         if isinstance(length, bool) or not isinstance(length, int) or length < 1:
             raise ValueError(f"amax_history_length: expected a positive int, got {length!r}")
         object.__setattr__(self, "amax_reduction_axes",
                            _axis_names("amax_reduction_axes", self.amax_reduction_axes))
+
+    def _check_block(self) -> None:
+        """Refuses, naming the field, what block scaling has no use for."""
+        if self.gradient != "float8_e4m3fn":
+            raise ValueError(f"gradient: scaling=\"block\" quantizes gradients to "
+                             f"float8_e4m3fn (one scale per 1×128 tile needs no e5m2 range, as "
+                             f"in DeepSeek-V3 and TransformerEngine), got {self.gradient!r}; "
+                             f"leave gradient= unset")
+        if self.margin:
+            raise ValueError(f"margin: scaling=\"block\" maps each tile's own amax to the "
+                             f"format's largest value (no stale scale to leave headroom for); "
+                             f"expected 0, got {self.margin!r}")
+        if self.amax_reduction_axes is not None:
+            raise ValueError(f"amax_reduction_axes: scaling=\"block\" takes each tile's amax "
+                             f"from the tile alone, which no device shares; expected None, got "
+                             f"{self.amax_reduction_axes!r}")
+
+    @property
+    def block(self) -> bool:
+        """Whether this is block scaling (`scaling="block"`: no state, per-tile scales)."""
+        return self.scaling == "block"
 
     @property
     def delayed(self) -> bool:
@@ -124,7 +162,7 @@ class Fp8:
     def keeps_state(self) -> bool:
         """Whether layers under this config keep amax histories: the Flax modules create
         them for "auto" (which then runs delayed scaling) and "delayed"."""
-        return self.scaling != "current"
+        return self.scaling in ("auto", "delayed")
 
     def resolved(self, has_state: bool) -> "Fp8":
         """This config with `scaling="auto"` made concrete for layers given a state
@@ -234,10 +272,14 @@ class Fp8History(NamedTuple):
 def check_state(fp8: Optional[Fp8], state, n_layers: int, name: str = "fp8_state"):
     """`state` (the layers' `fp8_state=`) as a tuple of `n_layers` `Fp8History`, checked
     against `fp8`: required by `scaling="delayed"`, optional with "auto" (which it makes
-    delayed) and with "current" (which then records its amaxes), refused without FP8."""
+    delayed) and with "current" (which then records its amaxes), refused without FP8 and
+    with "block" (which keeps no state)."""
     if fp8 is None and state is not None:
         raise ValueError(f"{name}: the amax histories of FP8 layers, only with fp8="
                          f"jax_epilog.Fp8(...); got fp8={fp8!r}")
+    if fp8 is not None and fp8.block and state is not None:
+        raise ValueError(f"{name}: fp8=Fp8(scaling=\"block\") scales every tile from its own "
+                         f"amax and keeps no state; pass no {name}")
     make = f"jax_epilog.Fp8(...).init_state({n_layers})"
     if state is None:
         if fp8 is None or fp8.scaling != "delayed":

@@ -1,6 +1,7 @@
 """The layers: `functional` (`dense`, `mlp`: one custom VJP over a stack that fuses each
 activation's derivative and bias gradient into the next GEMM), `fp8_step` (an FP8 stack's
-training step: scale, quantize, GEMM with epilog, update the histories), `gemms` (a layer's
+training step: scale, quantize, GEMM with epilog, update the histories), `block_step` (the
+block-scaled FP8 recipe, `Fp8(scaling="block")`: one custom VJP per layer), `gemms` (a layer's
 forward GEMM with its named residual, shared by both), and the Flax modules `linen` and
 `nnx` (public as `jax_epilog.linen` and `jax_epilog.nnx`).
 

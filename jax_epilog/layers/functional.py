@@ -53,7 +53,7 @@ from jax_epilog.op import manual_axes
 
 from jax_epilog.planning import context, stack_plan
 from jax_epilog.float8.recipe import as_fp8, check_state
-from jax_epilog.layers import fp8_step  # FP8 training (SPEC §5)
+from jax_epilog.layers import block_step, fp8_step  # FP8 training (SPEC §5)
 from jax_epilog.layers import serving  # stored FP8 weights (docs/serving.md)
 from jax_epilog.layers.gemms import (GELU_PRE_ACTIVATION_NAME, LAYER_INPUT_NAME,  # noqa: F401
                           RELU_MASK_NAME, layer_forward)
@@ -279,6 +279,12 @@ def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=Non
     rows = manual_axes.vary(rows, axes)  # inside shard_map (see manual_axes)
     params = tuple((manual_axes.vary(kernel, axes), manual_axes.vary(bias, axes))
                    for kernel, bias in params)
+    if fp8 is not None and fp8.block:
+        def plain_layer(h, kernel, bias, activation):
+            return _run(h, [(kernel, bias)], [activation], precision=precision, forward=forward,
+                        backward=backward, dtype=dtype)
+        y = block_step.stack(fp8, rows, params, activations, dtype, plain_layer)
+        return y.reshape(*lead, y.shape[-1])
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
     ctx = context.current()
     planned = stack_plan.plan_stack(ctx, Stack(layers, precision, *stack_backends), rows.shape[0],
@@ -332,7 +338,9 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="aut
       fp8: None or False (no FP8), True (`jax_epilog.Fp8()`) or a `jax_epilog.Fp8(...)`: train
         with FP8 GEMMs, per-tensor scaling (`Fp8()`: delayed with `fp8_state=`, current
         without), e4m3 activations and weights, e5m2 gradients, results in the computation
-        dtype (`jax_epilog.fp8`, docs/fp8.md).
+        dtype (`jax_epilog.fp8`, docs/fp8.md). `Fp8(scaling="block")` is block-scaled FP8
+        instead (`layers.block_step`: 1×128 tiles, 128×128 weight blocks, e4m3 gradients, no
+        state, widths multiples of 128).
         `Fp8()` runs FP8 where a measured stack entry (`tune --fp8`) says it gains, else
         only where the GEMM is large enough to (`fp8.fp8_pays`); `Fp8(layers="all")` always.
       fp8_state: the layer's `jax_epilog.Fp8History` of amaxes (`Fp8(...).init_state(1)`

@@ -52,8 +52,8 @@ class Dense(linen.Module):
         `kernel_init=linen.with_partitioning(init, names)` annotates the kernel for sharding.
       fp8: None, True or `jax_epilog.Fp8(...)`: FP8 training as `jax_epilog.dense`'s `fp8=`;
         checked on construction. The parameters are the same with or without it. Unless
-        `Fp8(scaling="current")`, the layer also keeps `input_amax_history` and
-        `gradient_amax_history` in the `FP8_COLLECTION` variable collection
+        `Fp8(scaling="current")` or `"block"` (`Fp8.keeps_state`), the layer also keeps
+        `input_amax_history` and `gradient_amax_history` in the `FP8_COLLECTION` collection
         (`"_overwrite_with_gradient"`, as Flax's own fp8 ops) and runs delayed scaling from
         them (`fp8=True` included: "auto" scaling): differentiate w.r.t. that collection too,
         and replace it by its gradient (`TrainState.apply_gradients` does). Applied without

@@ -54,7 +54,8 @@ def update_amax_histories(model: nnx.Module, grads) -> None:
 
 
 def _amax_histories(fp8) -> tuple[Optional[AmaxHistory], Optional[AmaxHistory]]:
-    """A layer's (input, gradient) `AmaxHistory` variables unless current scaling, else None."""
+    """A layer's (input, gradient) `AmaxHistory` variables where the recipe keeps state
+    (`Fp8.keeps_state`: not current or block scaling), else None."""
     if fp8 is None or not fp8.keeps_state:
         return None, None
     state = fp8.init_state(1)[0]
@@ -80,10 +81,10 @@ class Dense(nnx.Module):
         `kernel_init=nnx.with_partitioning(init, ("data", "model"))` carry over to the params.
       fp8: None, True or `jax_epilog.Fp8(...)`: FP8 training as `jax_epilog.dense`'s `fp8=`.
         The parameters are the same with or without it, so checkpoints interchange. Unless
-        `Fp8(scaling="current")`, the layer also holds its amax histories as `AmaxHistory`
-        variables (`input_amax_history`, `gradient_amax_history`) and runs delayed scaling
-        from them (`fp8=True` included: "auto" scaling), calibrating itself from a fresh
-        state (`jax_epilog.Fp8`).
+        `Fp8(scaling="current")` or `"block"` (`Fp8.keeps_state`), the layer also holds its
+        amax histories as `AmaxHistory` variables (`input_amax_history`,
+        `gradient_amax_history`) and runs delayed scaling from them (`fp8=True` included:
+        "auto" scaling), calibrating itself from a fresh state (`jax_epilog.Fp8`).
     """
 
     def __init__(self, in_features: int, out_features: int, *,

@@ -368,6 +368,10 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
     if stored is not None:  # inference; the training arguments do not apply
         return _served(x, *stored, dtype)
     fp8 = as_fp8(fp8)
+    if fp8 is not None and fp8.block:
+        raise ValueError("fp8: swiglu runs per-tensor FP8 (Fp8(scaling=\"auto\" | \"current\" | "
+                         "\"delayed\")); Fp8(scaling=\"block\") is not built for it (dense and mlp "
+                         "take it)")
     fp8_state = check_state(fp8, fp8_state, len(FP8_GEMMS))
     gate_up, down, hidden = _kernels(x, gate_up, down)
     dtype = _compute_dtype(dtype, [x, gate_up, down])

@@ -1,0 +1,156 @@
+"""Block-scaled FP8 training (`Fp8(scaling="block")`, issue 39; docs/fp8.md, "Block-scaled
+training"): DeepSeek-V3's recipe, as TransformerEngine's `Float8BlockScaling` runs it.
+
+Each layer `act(x W + b)` of a stack is one `jax.custom_vjp` with three block-scaled e4m3
+GEMMs (`jax_epilog.matmul` with `BlockScales`), every scale current, from its own tile:
+
+- Forward, y = x W: x in 1×128 tiles along K (`quantize_1x128`), W in 128×128 blocks
+  (`quantize_128x128`), the bias in the GEMM's BIAS epilog. Block-scaled GEMMs run DEFAULT
+  and BIAS only, so ReLU/GELU is an XLA fusion on the 16-bit result.
+- Data gradient, dx = dZ Wᵀ: dZ in 1×128 tiles along N, W's same 128×128 blocks read
+  transposed (a block of W is a block of Wᵀ: no requantization).
+- Weight gradient, dW = xᵀ dZ: it contracts the tokens, so both operands need 1×128 tiles
+  along the tokens: xᵀ and dZᵀ quantized with `transposed=True`. x and dZ are each quantized
+  once into both copies (`quantize_1x128_both`). Tokens are zero-padded to a multiple of 128
+  for these copies (zero rows add nothing to either product); any token count works.
+- The residuals are FP8: xᵀ's e4m3 copy and its scales, W's e4m3 blocks and their scales,
+  and the activation's (the 1-bit ReLU mask, GELU's pre-activation), never a 16-bit x;
+  named as `layers.functional`'s are (`LAYER_INPUT_NAME`, `residual_name`) for remat.
+- The bias gradient (a sum of dZ) and the activation's derivative are XLA fusions, which XLA
+  fuses with dZ's quantization (both read dZ).
+
+The layers' feature widths must be multiples of 128 (every GEMM contracts one of them):
+`Fp8(layers="all")` refuses others with an error naming the argument; `layers="auto"` runs
+such a layer, and one too small for FP8 to pay (`stack_plan.fp8_pays`), in the compute dtype
+(`layers.functional`'s layer). There is no state: the Flax modules hold no amax histories.
+On a CPU every GEMM is the exact reference (block dequantization, float32 product).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from jax_epilog.float8.blocks import quantize_1x128, quantize_1x128_both, quantize_128x128
+from jax_epilog.layers.gemms import LAYER_INPUT_NAME, residual_name
+from jax_epilog.op.block_scales import BLOCK, BlockScales
+from jax_epilog.op.epilogs import ACTIVATIONS, Epilog
+from jax_epilog.op.matmul import activation_gradient, matmul
+from jax_epilog.planning.stack_plan import fp8_pays
+
+#: The format of every operand: activations, weights and gradients (`Fp8.gradient`).
+FORMAT = "float8_e4m3fn"
+
+
+class Layer(NamedTuple):
+    """What is static about one block-scaled layer: its activation, whether it has a bias,
+    and its result dtype."""
+
+    activation: Optional[str]
+    has_bias: bool
+    dtype: str
+
+
+def quantized_layers(fp8, rows: int, widths) -> tuple[bool, ...]:
+    """Which layers of a stack (`widths`: K_0, ..., K_last) run block-scaled FP8 under `fp8`:
+    every one with `layers="all"` (a width that is not a multiple of 128 is then refused,
+    naming the argument); with "auto", those whose widths are multiples of 128 and whose GEMM
+    is large enough (`stack_plan.fp8_pays`)."""
+    chosen = []
+    for i, (k, n) in enumerate(zip(widths, widths[1:])):
+        aligned = k % BLOCK == 0 and n % BLOCK == 0
+        if fp8.layers == "all" and not aligned:
+            name, width = ("x", k) if k % BLOCK else (f"layers[{i}] kernel", n)
+            axis = "features (last axis)" if name == "x" else "columns N"
+            raise ValueError(f"{name}: Fp8(scaling=\"block\") needs every width a multiple of "
+                             f"{BLOCK} (each is the contraction of one GEMM's 1×128 tiles), "
+                             f"got {axis} {width}; zero-pad it to {-(-width // BLOCK) * BLOCK}, "
+                             f"or pass Fp8(scaling=\"block\", layers=\"auto\") to run such a "
+                             f"layer in the compute dtype")
+        chosen.append(aligned and (fp8.layers == "all" or fp8_pays(rows, k, n)))
+    return tuple(chosen)
+
+
+def _padded_rows(x):
+    """x (rows, K) with zero rows up to a multiple of 128: the weight gradient's transposed
+    1×128 copies tile the tokens."""
+    pad = -x.shape[0] % BLOCK
+    return x if not pad else jnp.pad(x, ((0, pad), (0, 0)))
+
+
+def _transposed(scales: BlockScales) -> BlockScales:
+    """A weight's 128×128 scales as the forward reads it, W (K, N) as op(b) = Wᵀ (N, K)."""
+    return BlockScales(scales.values.T, scales.block)
+
+
+def _forward(layer: Layer, x8, sx, w8, sw, bias):
+    """Z = x W + b (the pre-activation) in the compute dtype, one block-scaled GEMM."""
+    return matmul(x8, w8, epilog=Epilog.DEFAULT if bias is None else Epilog.BIAS,
+                  epilog_inputs=None if bias is None else {"bias": bias},
+                  quantization_scales={"a": sx, "b": _transposed(sw)},
+                  preferred_element_type=layer.dtype)
+
+
+def _activated(layer: Layer, z):
+    if layer.activation is None:
+        return z
+    return ACTIVATIONS[layer.activation].fn(z.astype(jnp.float32)).astype(z.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _layer(layer: Layer, x, kernel, bias):
+    # The primal runs where nothing differentiates the layer: no transposed copy, no padding.
+    x8, sx = quantize_1x128(x, FORMAT)
+    w8, sw = quantize_128x128(kernel, FORMAT)
+    return _activated(layer, _forward(layer, x8, sx, w8, sw, bias))
+
+
+def _layer_fwd(layer: Layer, x, kernel, bias):
+    rows = x.shape[0]
+    (x8, sx), (xt8, sxt) = quantize_1x128_both(_padded_rows(x), FORMAT)
+    w8, sw = quantize_128x128(kernel, FORMAT)
+    z = _forward(layer, x8, sx, w8, sw, bias)[:rows]
+    residual = None
+    if layer.activation is not None:  # named as the other layers' are, for remat policies
+        residual = checkpoint_name(ACTIVATIONS[layer.activation].keep(
+            z.astype(jnp.float32), z.dtype), residual_name(layer.activation))
+    xt8 = checkpoint_name(xt8, LAYER_INPUT_NAME)
+    return _activated(layer, z), ((xt8, sxt), (w8, sw), residual)
+
+
+def _layer_bwd(layer: Layer, saved, dy):
+    (xt8, sxt), (w8, sw), residual = saved
+    rows = dy.shape[0]
+    dz = activation_gradient(dy, residual, layer.activation)
+    dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) if layer.has_bias else None
+    (dz8, sdz), (dzt8, sdzt) = quantize_1x128_both(_padded_rows(dz), FORMAT)
+    # dW = xᵀ dZ (K, N): both operands 1×128 along the tokens, dZᵀ read as op(b) (N, tokens).
+    dkernel = matmul(xt8, dzt8, transpose_b=True, quantization_scales={"a": sxt, "b": sdzt},
+                     preferred_element_type=layer.dtype)
+    # dx = dZ Wᵀ (tokens, K): W's blocks, W (K, N) read as op(b) (K, N).
+    dx = matmul(dz8, w8, transpose_b=True, quantization_scales={"a": sdz, "b": sw},
+                preferred_element_type=layer.dtype)[:rows]
+    return dx, dkernel, dbias
+
+
+_layer.defvjp(_layer_fwd, _layer_bwd)
+
+
+def stack(fp8, rows, params, activations, dtype, plain_layer):
+    """The stack on `rows` (M, K) under `fp8` (`scaling="block"`), called by `layers._run`:
+    each layer block-scaled (`quantized_layers`) or, where "auto" leaves it out,
+    `plain_layer(h, kernel, bias, activation)`, the compute-dtype layer."""
+    widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
+    h = rows
+    for quantized, (kernel, bias), activation in zip(
+            quantized_layers(fp8, rows.shape[0], widths), params, activations):
+        if quantized:
+            h = _layer(Layer(activation, bias is not None, jnp.dtype(dtype).name), h, kernel,
+                       bias)
+        else:
+            h = plain_layer(h, kernel, bias, activation)
+    return h
