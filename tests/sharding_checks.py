@@ -635,6 +635,18 @@ def test_fp8_step_gathers_nothing_the_bf16_step_does_not(scaling):
 
 # --- FP8 collectives: tensor, sequence and fully sharded parallelism (tests/collectives.py) ---
 
+# The amax all-reduces of the block's step (2 FP8 layers), from the dataflow: the amaxes that
+# wait for nothing else are taken together, one all-reduce, and each that waits for a GEMM
+# is one more. Current scaling: forward, the input's with both kernels' (1), then the hidden
+# activation's (1); backward, each layer's gradient dZ (2), the lower one written from the
+# upper one's. Delayed: forward, the input's with the kernels' and the weight-only terms of
+# the hidden activation's cold bound (1), then the amax of the hidden activation the first
+# GEMM writes (1); backward, the top gradient's with the weight-only term of its written
+# gradient's bound (1), then that gradient's amax (1). Before the layers took them together
+# these steps had 3 to 7 (an all-reduce per tensor and per mesh axis splitting it).
+AMAX_REDUCTIONS = {"current": 4, "delayed": 4}
+
+
 @pytest.mark.skipif(len(DEVICES) < 8, reason="the (data=2, model=4) mesh needs 8 devices")
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
 @pytest.mark.parametrize("layout", list(collectives.LAYOUTS))
@@ -661,9 +673,24 @@ def test_fp8_block_has_the_collectives_of_bf16(layout, scaling):
     # the amaxes are reduced (whole-tensor scales); bf16's only scalar is the loss's sum,
     # which the CPU sends with the gradients
     assert fp8.scalar_all_reduces > bf16.scalar_all_reduces, (fp8, bf16)
+    assert fp8.scalar_all_reduces <= AMAX_REDUCTIONS[scaling], fp8
     if layout == "fully sharded":
         assert bf16.bytes["all-gather"] > 0
         assert fp8.bytes["all-gather"] <= 0.55 * bf16.bytes["all-gather"], (fp8, bf16)
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fp8_shard_map_step_reduces_amaxes_together(scaling):
+    """Inside shard_map with `amax_reduction_axes=("data", "model")`: the same amax
+    all-reduces as under `jit` (`AMAX_REDUCTIONS`), each a pmax over both axes at once, plus
+    the loss's psum over "data"."""
+    x, params, target = _fp8_data(27)
+    config = _fp8_config(scaling, _fp8_axes("data_megatron"))
+    state = config.init_state(2) if scaling == "delayed" else None
+    text = _fp8_shard_map_step("data_megatron", config).lower(params, state, x,
+                                                              target).compile().as_text()
+    found = collectives.summarize(collectives.collectives(text))
+    assert 1 < found.scalar_all_reduces <= AMAX_REDUCTIONS[scaling] + 1, found
 
 
 @pytest.mark.skipif(len(DEVICES) < 8, reason="the (data=2, model=4) mesh needs 8 devices")
