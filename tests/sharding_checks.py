@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 import collectives
 import jax_epilog
 from jax_epilog import Epilog
+from jax_epilog.op.amaxes import amaxes
 from jax_epilog.runtime import targets
 from jax_epilog.runtime import library as cuda_library
 
@@ -677,6 +678,26 @@ def test_fp8_block_has_the_collectives_of_bf16(layout, scaling):
     if layout == "fully sharded":
         assert bf16.bytes["all-gather"] > 0
         assert fp8.bytes["all-gather"] <= 0.55 * bf16.bytes["all-gather"], (fp8, bf16)
+
+
+@pytest.mark.parametrize("arrays", [  # (shape, spec) of each; odd sizes where not split
+    (((8, 127), P("data", None)), ((129, 8), P(None, "model")), ((1, 8), P())),
+    (((2, 4), P("data", "model")), ((127,), P()), ((4, 129), P("model", None))),
+    (((127, 3), P()), ((1,), P()), ((129,), P())),  # nothing split: nothing to reduce
+])
+def test_amaxes_are_one_all_reduce(arrays):
+    """`op.amaxes` under `jit`: every array's amax, in one all-reduce over the axes that
+    split any of them, where a `jnp.max` each took one per array and mesh axis."""
+    mesh = MESHES["data_model"]
+    rng = np.random.default_rng(28)
+    values = [jnp.asarray(rng.normal(size=shape) * (i + 1), jnp.bfloat16 if i else jnp.float32)
+              for i, (shape, _) in enumerate(arrays)]
+    f = jax.jit(amaxes, in_shardings=tuple(NamedSharding(mesh, spec) for _, spec in arrays))
+    want = [float(np.max(np.abs(np.asarray(v, np.float32)))) for v in values]
+    np.testing.assert_array_equal(f(*values), want)
+    found = collectives.collectives(f.lower(*values).compile().as_text())
+    split = any(spec != P() for _, spec in arrays)
+    assert [c.kind for c in found] == (["all-reduce"] if split else []), found
 
 
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
