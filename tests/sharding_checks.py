@@ -626,6 +626,9 @@ def test_fp8_step_gathers_nothing_the_bf16_step_does_not(scaling):
 
     fp8_step = compiled(config, state)
     assert _all_gathers(fp8_step.as_text()) == _all_gathers(compiled(None, None).as_text())
+    # at most 2 amax all-reduces per FP8 layer (`AMAX_REDUCTIONS` says why)
+    amax_reductions = collectives.summarize(collectives.collectives(fp8_step.as_text()))
+    assert amax_reductions.scalar_all_reduces <= 2 * len(layers), amax_reductions
     got = fp8_step(layers, state, x, target)
     want = jax.jit(functools.partial(step, config))(layers, state, x, target)
     assert _fp8_error(got[0], want[0]) <= FP8_TOL and _fp8_error(got[1][0], want[1][0]) \
@@ -636,15 +639,16 @@ def test_fp8_step_gathers_nothing_the_bf16_step_does_not(scaling):
 
 # --- FP8 collectives: tensor, sequence and fully sharded parallelism (tests/collectives.py) ---
 
-# The amax all-reduces of the block's step (2 FP8 layers), from the dataflow: the amaxes that
-# wait for nothing else are taken together, one all-reduce, and each that waits for a GEMM
-# is one more. Current scaling: forward, the input's with both kernels' (1), then the hidden
-# activation's (1); backward, each layer's gradient dZ (2), the lower one written from the
-# upper one's. Delayed: forward, the input's with the kernels' and the weight-only terms of
-# the hidden activation's cold bound (1), then the amax of the hidden activation the first
-# GEMM writes (1); backward, the top gradient's with the weight-only term of its written
-# gradient's bound (1), then that gradient's amax (1). Before the layers took them together
-# these steps had 3 to 7 (an all-reduce per tensor and per mesh axis splitting it).
+# The amax all-reduces of the block's step (2 FP8 GELU layers), from the dataflow: the amaxes
+# that wait for nothing else are taken together, one all-reduce, and each that waits for a
+# GEMM is one more. Current scaling: forward, the input's with both kernels' (1), then the
+# hidden activation's (1); backward, the top gradient's (1), then the lower layer's, which
+# waits for the data-gradient GEMM (1). Delayed: the same four, the forward's first with the
+# weight terms of the hidden activation's cold bound, and the hidden activation's amax the one
+# the first GEMM writes (only recorded, so XLA may merge it with a later one). Before the
+# layers took them together these steps had 3 to 7 (an all-reduce per tensor and per mesh
+# axis splitting it). For L FP8 layers, 1 + (L - 1) forward and L backward: 2 per layer
+# (a ReLU stack's GEMM-written gradients take the places of the ones XLA quantizes).
 AMAX_REDUCTIONS = {"current": 4, "delayed": 4}
 
 
