@@ -12,8 +12,10 @@ One `jax.custom_vjp` covers the whole stack, as `layers._stack` does:
 - Forward, layer i: the input h and the kernel W are quantized to the forward format (e4m3),
   `q = largest / 2**margin / amax`, a saturating cast of `q·x`. The amax is one XLA reduction
   of the tensor in the compute dtype, in the same jitted expression as the cast, so XLA fuses
-  it with what already reads the tensor (`quantize_scaled`). Then ONE `matmul` with FP8
-  operands, the bias/ReLU/GELU epilog, the dequantization scales `1/q` and the result in the
+  it with what already reads the tensor (`quantize_scaled`). Sharded, an amax is an
+  all-reduce, so the amaxes that wait for no GEMM (the input's, every kernel's, the weight
+  terms of the cold bounds) are taken first, as one vector (`_early_amaxes`), one
+  collective. Then ONE `matmul` with FP8 operands, the bias/ReLU/GELU epilog, the dequantization scales `1/q` and the result in the
   compute dtype. No GEMM is asked for `result_amax`: cuBLASLt gives the amax only with an FP8
   result (measured on the H200, cuBLASLt 13.1; docs/fp8.md has the table), and the layers'
   results are 16/32-bit.

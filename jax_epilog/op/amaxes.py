@@ -56,6 +56,8 @@ def _partition(mesh, arg_shapes, result_shape):
     shardings = tuple(a.sharding for a in arg_shapes)
     axes = []  # the mesh axes that split any operand, each once, in the mesh's order
     for sharding in shardings:
+        if not hasattr(sharding, "spec") and not sharding.is_fully_replicated:
+            axes.extend(mesh.axis_names)  # no spec to read: every axis (a max is idempotent)
         for entry in getattr(sharding, "spec", ()):
             for name in (entry,) if isinstance(entry, str) else (entry or ()):
                 axes.append(name)
