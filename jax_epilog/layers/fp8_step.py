@@ -15,10 +15,10 @@ One `jax.custom_vjp` covers the whole stack, as `layers._stack` does:
   it with what already reads the tensor (`quantize_scaled`). Sharded, an amax is an
   all-reduce, so the amaxes that wait for no GEMM (the input's, every kernel's, the weight
   terms of the cold bounds) are taken first, as one vector (`_early_amaxes`), one
-  collective. Then ONE `matmul` with FP8 operands, the bias/ReLU/GELU epilog, the dequantization scales `1/q` and the result in the
-  compute dtype. No GEMM is asked for `result_amax`: cuBLASLt gives the amax only with an FP8
-  result (measured on the H200, cuBLASLt 13.1; docs/fp8.md has the table), and the layers'
-  results are 16/32-bit.
+  collective. Then ONE `matmul` with FP8 operands, the bias/ReLU/GELU epilog, the
+  dequantization scales `1/q` and the result in the compute dtype. No GEMM is asked for
+  `result_amax`: cuBLASLt gives the amax only with an FP8 result (measured on the H200,
+  cuBLASLt 13.1; docs/fp8.md has the table), and the layers' results are 16/32-bit.
 - Residuals: h in FP8 (`(M, K)`; the weight gradient's K-major h8ᵀ is made in the
   backward) and its scale, W
   in FP8 and its scale, the 1-bit ReLU mask (the GELU pre-activation); never a 16/32-bit copy
