@@ -33,18 +33,30 @@ _OP = re.compile(r"= (.+?) (" + "|".join(KINDS) + r")(-start)?\(")
 _SHAPE = re.compile(r"\b([a-z]+[0-9a-z]*)\[([0-9,]*)\]")
 
 
+#: The most float32 values an amax reduction moves: the layers reduce independent amaxes as
+#: one vector (`jax_epilog.op.amaxes`), a few per layer; every other collective of these steps
+#: moves hundreds of values or more.
+AMAX_VALUES = 64
+
+
+def _amaxes(dtype: str, dims: tuple) -> bool:
+    return dtype == "f32" and math.prod(dims) <= AMAX_VALUES
+
+
 class Collective(NamedTuple):
     kind: str
     shapes: tuple  # (dtype, dims) of each array it moves (its results)
 
     @property
     def scalar(self) -> bool:
-        return all(math.prod(dims) == 1 for _, dims in self.shapes)
+        """Whether it moves amaxes only: float32 scalars or short vectors (`AMAX_VALUES`)."""
+        return all(_amaxes(d, dims) for d, dims in self.shapes)
 
     @property
     def bytes(self) -> int:
-        """The bytes of its non-scalar arrays (a scalar amax riding along is not counted)."""
-        return sum(_BYTES[d] * math.prod(dims) for d, dims in self.shapes if math.prod(dims) > 1)
+        """The bytes of its other arrays (amaxes riding along are not counted)."""
+        return sum(_BYTES[d] * math.prod(dims) for d, dims in self.shapes
+                   if not _amaxes(d, dims))
 
 
 def collectives(text: str) -> list[Collective]:
@@ -65,8 +77,8 @@ def collectives(text: str) -> list[Collective]:
 class Summary(NamedTuple):
     counts: dict          # kind -> number of non-scalar collectives
     bytes: dict           # kind -> their bytes
-    scalar_all_reduces: int
-    other_scalars: int    # scalar collectives that are not all-reduces (should be none)
+    scalar_all_reduces: int  # all-reduces of amaxes (`Collective.scalar`)
+    other_scalars: int    # amax-sized collectives that are not all-reduces (should be none)
 
 
 def summarize(found: list[Collective]) -> Summary:
@@ -152,7 +164,7 @@ def measure(layout: str, recipe_name: str) -> Summary:
 def table() -> str:
     """The markdown table of every layout and recipe's collectives."""
     rows = ["| layout | recipe | all-gather | all-reduce | reduce-scatter | all-to-all, "
-            "collective-permute | scalar all-reduces |", "|---" * 7 + "|"]
+            "collective-permute | amax all-reduces |", "|---" * 7 + "|"]
     cell = lambda s, k: f"{s.counts[k]} ({s.bytes[k] / 1024:,.0f} KiB)" if s.counts[k] else "0"
     for layout in LAYOUTS:
         for name in RECIPES:

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 import collectives
 import jax_epilog
 from jax_epilog import Epilog
+from jax_epilog.op.amaxes import amaxes
 from jax_epilog.runtime import targets
 from jax_epilog.runtime import library as cuda_library
 
@@ -623,8 +624,14 @@ def test_fp8_step_gathers_nothing_the_bf16_step_does_not(scaling):
         return jax.jit(functools.partial(step, config), in_shardings=shardings).lower(
             layers, state, x, target).compile()
 
-    fp8_step = compiled(config, state)
-    assert _all_gathers(fp8_step.as_text()) == _all_gathers(compiled(None, None).as_text())
+    fp8_step, bf16_text = compiled(config, state), compiled(None, None).as_text()
+    assert _all_gathers(fp8_step.as_text()) == _all_gathers(bf16_text)
+    # at most 2 amax all-reduces per FP8 layer (`AMAX_REDUCTIONS` says why), beyond bf16's
+    # scalar ones (the loss's mean, where XLA does not send it with the gradients)
+    fp8_scalars, bf16_scalars = (collectives.summarize(collectives.collectives(text))
+                                 for text in (fp8_step.as_text(), bf16_text))
+    assert fp8_scalars.scalar_all_reduces <= 2 * len(layers) + \
+        bf16_scalars.scalar_all_reduces, (fp8_scalars, bf16_scalars)
     got = fp8_step(layers, state, x, target)
     want = jax.jit(functools.partial(step, config))(layers, state, x, target)
     assert _fp8_error(got[0], want[0]) <= FP8_TOL and _fp8_error(got[1][0], want[1][0]) \
@@ -634,6 +641,19 @@ def test_fp8_step_gathers_nothing_the_bf16_step_does_not(scaling):
 
 
 # --- FP8 collectives: tensor, sequence and fully sharded parallelism (tests/collectives.py) ---
+
+# The amax all-reduces of the block's step (2 FP8 GELU layers), from the dataflow: the amaxes
+# that wait for nothing else are taken together, one all-reduce, and each that waits for a
+# GEMM is one more. Current scaling: forward, the input's with both kernels' (1), then the
+# hidden activation's (1); backward, the top gradient's (1), then the lower layer's, which
+# waits for the data-gradient GEMM (1). Delayed: the same four, the forward's first with the
+# weight terms of the hidden activation's cold bound, and the hidden activation's amax the one
+# the first GEMM writes (only recorded, so XLA may merge it with a later one). Before the
+# layers took them together these steps had 3 to 7 (an all-reduce per tensor and per mesh
+# axis splitting it). For L FP8 layers, 1 + (L - 1) forward and L backward: 2 per layer
+# (a ReLU stack's GEMM-written gradients take the places of the ones XLA quantizes).
+AMAX_REDUCTIONS = {"current": 4, "delayed": 4}
+
 
 @pytest.mark.skipif(len(DEVICES) < 8, reason="the (data=2, model=4) mesh needs 8 devices")
 @pytest.mark.parametrize("scaling", ["current", "delayed"])
@@ -661,9 +681,44 @@ def test_fp8_block_has_the_collectives_of_bf16(layout, scaling):
     # the amaxes are reduced (whole-tensor scales); bf16's only scalar is the loss's sum,
     # which the CPU sends with the gradients
     assert fp8.scalar_all_reduces > bf16.scalar_all_reduces, (fp8, bf16)
+    assert fp8.scalar_all_reduces <= AMAX_REDUCTIONS[scaling] + bf16.scalar_all_reduces, fp8
     if layout == "fully sharded":
         assert bf16.bytes["all-gather"] > 0
         assert fp8.bytes["all-gather"] <= 0.55 * bf16.bytes["all-gather"], (fp8, bf16)
+
+
+@pytest.mark.parametrize("arrays", [  # (shape, spec) of each; odd sizes where not split
+    (((8, 127), P("data", None)), ((129, 8), P(None, "model")), ((1, 8), P())),
+    (((2, 4), P("data", "model")), ((127,), P()), ((4, 129), P("model", None))),
+    (((127, 3), P()), ((1,), P()), ((129,), P())),  # nothing split: nothing to reduce
+])
+def test_amaxes_are_one_all_reduce(arrays):
+    """`op.amaxes` under `jit`: every array's amax, in one all-reduce over the axes that
+    split any of them, where a `jnp.max` each took one per array and mesh axis."""
+    mesh = MESHES["data_model"]
+    rng = np.random.default_rng(28)
+    values = [jnp.asarray(rng.normal(size=shape) * (i + 1), jnp.bfloat16 if i else jnp.float32)
+              for i, (shape, _) in enumerate(arrays)]
+    f = jax.jit(amaxes, in_shardings=tuple(NamedSharding(mesh, spec) for _, spec in arrays))
+    want = [float(np.max(np.abs(np.asarray(v, np.float32)))) for v in values]
+    np.testing.assert_array_equal(f(*values), want)
+    found = collectives.collectives(f.lower(*values).compile().as_text())
+    split = any(spec != P() for _, spec in arrays)
+    assert [c.kind for c in found] == (["all-reduce"] if split else []), found
+
+
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_fp8_shard_map_step_reduces_amaxes_together(scaling):
+    """Inside shard_map with `amax_reduction_axes=("data", "model")`: the same amax
+    all-reduces as under `jit` (`AMAX_REDUCTIONS`), each a pmax over both axes at once, plus
+    the loss's psum over "data"."""
+    x, params, target = _fp8_data(27)
+    config = _fp8_config(scaling, _fp8_axes("data_megatron"))
+    state = config.init_state(2) if scaling == "delayed" else None
+    text = _fp8_shard_map_step("data_megatron", config).lower(params, state, x,
+                                                              target).compile().as_text()
+    found = collectives.summarize(collectives.collectives(text))
+    assert 1 < found.scalar_all_reduces <= AMAX_REDUCTIONS[scaling] + 1, found
 
 
 @pytest.mark.skipif(len(DEVICES) < 8, reason="the (data=2, model=4) mesh needs 8 devices")

@@ -24,6 +24,7 @@ import numpy_reference
 from jax_epilog import Fp8
 from jax_epilog.float8 import recipe
 from jax_epilog.layers import fp8_step
+from jax_epilog.op.amaxes import amaxes
 from jax_epilog.planning import stack_plan
 from test_layers import make_stack, saved_residuals
 
@@ -469,6 +470,25 @@ def test_backward_barriers_take_flat_arrays_on_one_device():
     for types in barriers:
         shapes = re.findall(r"tensor<([^>]*)>", types)
         assert shapes and all(s.count("x") == 1 for s in shapes), types  # rank 1 each
+
+
+def test_amaxes_together_are_each_arrays_amax():
+    """`op.amaxes` (the layers' amaxes taken together, one collective when sharded; the
+    collective count: tests/sharding_checks.py): each array's max |x| in float32, eagerly,
+    under jit, and under vmap (each example its own, an unmapped operand broadcast)."""
+    rng = np.random.default_rng(32)
+    arrays = [jnp.asarray(rng.normal(size=shape) * scale, dtype) for shape, scale, dtype in
+              [((1,), 3.0, jnp.float32), ((127, 3), 0.5, jnp.bfloat16), ((5, 129), 7.0,
+                                                                            jnp.float16)]]
+    want = np.array([np.max(np.abs(np.asarray(a, np.float32))) for a in arrays], np.float32)
+    for f in (amaxes, jax.jit(amaxes)):
+        got = f(*arrays)
+        assert got.dtype == jnp.float32 and got.shape == (3,)
+        np.testing.assert_array_equal(got, want)
+    batch = jnp.asarray(rng.normal(size=(4, 9, 129)), jnp.float32)
+    got = jax.vmap(amaxes, in_axes=(1, None))(batch, arrays[2])
+    np.testing.assert_array_equal(got[:, 0], np.max(np.abs(np.asarray(batch)), axis=(0, 2)))
+    np.testing.assert_array_equal(got[:, 1], np.full(9, want[2]))
 
 
 @pytest.mark.slow

@@ -15,11 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_epilog.float8.recipe import _check_margin, _format
+from jax_epilog.op.amaxes import amax, amaxes
 from jax_epilog.op.reference import saturating_cast
-
-def amax(x):
-    """max |x| in float32 (0 for an empty x)."""
-    return jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)
 
 
 def multiplier(x_amax, dtype: str, margin: int):
@@ -44,6 +41,13 @@ def reduce_amax(x_amax, axes):
     array) are skipped (`bound_axes`)."""
     bound = bound_axes(axes)
     return jax.lax.pmax(x_amax, bound) if bound else x_amax
+
+
+def reduced_amaxes(arrays, axes):
+    """float32 `(len(arrays),)`: the amax of each array, over `axes` as `reduce_amax`: one
+    collective for all of them where they are sharded (`op.amaxes`), so the layers take
+    together every amax that does not wait for another."""
+    return reduce_amax(amaxes(*arrays), axes)
 
 
 def bound_axes(axes) -> tuple[str, ...]:
@@ -79,7 +83,7 @@ def uncalibrated():
         _calibrates.reset(token)
 
 
-def quantize_delayed(x, history, dtype: str, margin: int, amax_axes=None):
+def quantize_delayed(x, history, dtype: str, margin: int, amax_axes=None, x_amax=None):
     """(x in FP8, its dequantization scale, amax(x)): delayed scaling, the scale from the
     largest amax of `history` (earlier steps), x's own amax (over `amax_axes`,
     `reduce_amax`) recorded for the next step. While `history` is cold (`cold`) and the
@@ -87,8 +91,10 @@ def quantize_delayed(x, history, dtype: str, margin: int, amax_axes=None):
     two scalars. Not a `jax.lax.cond`: on a GPU XLA copies a conditional's predicate to the
     host and waits for it, so every stack stalled the step once (a 4-block GPT on the H200
     ran 129 ms a step for 100 ms of kernels, docs/fp8.md). The price: the cast waits for the
-    amax, so x is read twice where XLA cannot fuse the amax into x's producer."""
-    x_amax = reduce_amax(amax(x), amax_axes)
+    amax, so x is read twice where XLA cannot fuse the amax into x's producer. `x_amax`, where
+    given, is x's amax already taken (`reduced_amaxes`, with others)."""
+    if x_amax is None:
+        x_amax = reduced_amaxes([x], amax_axes)[0]
     scale_amax = jnp.max(history)
     if _calibrates.get():
         scale_amax = jnp.where(cold(history), x_amax, scale_amax)
@@ -121,24 +127,32 @@ def delayed_amax(history, bound):
     return jnp.where(cold(history), power_of_two_above(bound), largest)
 
 
-def result_bound(operand_amax, other, axis: int, bias=None):
+def bound_terms(other, axis: int, bias=None) -> list:
+    """The arrays whose amaxes `result_bound` takes, for a GEMM result R = A @ B (+ bias):
+    B's values `other` summed in float32 along `axis` (its contracted one), and the bias.
+    They depend on the weights alone, so their amaxes join the weights' (`reduced_amaxes`)."""
+    terms = [jnp.sum(jnp.abs(other.astype(jnp.float32)), axis=axis)]
+    return terms if bias is None else [*terms, bias]
+
+
+def result_bound(operand_amax, term_amaxes):
     """An upper bound on |R| for a GEMM result R = A @ B (+ bias), from the amax of A's
-    values (`operand_amax`) and B's values `other` (float32, summed along `axis`, its
-    contracted one): |R| <= amax(A) · max_j sum_k |B[k, j]| + max |bias|."""
-    bound = operand_amax * jnp.max(jnp.sum(jnp.abs(other.astype(jnp.float32)), axis=axis))
-    if bias is not None:
-        bound = bound + jnp.max(jnp.abs(bias.astype(jnp.float32)))
-    return bound
+    values (`operand_amax`) and the amaxes of `bound_terms`: |R| <= amax(A) · max_j sum_k
+    |B[k, j]| + max |bias|."""
+    bound = operand_amax * term_amaxes[0]
+    return bound + term_amaxes[1] if len(term_amaxes) > 1 else bound
 
 
-def quantize_scaled(x, dtype: str, margin: int, history=None, amax_axes=None):
+def quantize_scaled(x, dtype: str, margin: int, history=None, amax_axes=None, x_amax=None):
     """(x in FP8, its dequantization scale, amax(x)): delayed scaling from `history`, or
     current scaling without one: the amax (over `amax_axes`, `reduce_amax`) and the cast in
     one expression (XLA fuses the reduction with the producer of x or the cast's read of it),
-    the amax the one the scale came from, so recording it in a state costs nothing."""
+    the amax the one the scale came from, so recording it in a state costs nothing. `x_amax`,
+    where given, is x's amax already taken (`reduced_amaxes`, with others)."""
     if history is not None:
-        return quantize_delayed(x, history, dtype, margin, amax_axes)
-    x_amax = reduce_amax(amax(x), amax_axes)
+        return quantize_delayed(x, history, dtype, margin, amax_axes, x_amax)
+    if x_amax is None:
+        x_amax = reduced_amaxes([x], amax_axes)[0]
     return (*quantize(x, x_amax, dtype, margin), x_amax)
 
 

@@ -12,11 +12,13 @@ One `jax.custom_vjp` covers the whole stack, as `layers._stack` does:
 - Forward, layer i: the input h and the kernel W are quantized to the forward format (e4m3),
   `q = largest / 2**margin / amax`, a saturating cast of `q·x`. The amax is one XLA reduction
   of the tensor in the compute dtype, in the same jitted expression as the cast, so XLA fuses
-  it with what already reads the tensor (`quantize_scaled`). Then ONE `matmul` with FP8
-  operands, the bias/ReLU/GELU epilog, the dequantization scales `1/q` and the result in the
-  compute dtype. No GEMM is asked for `result_amax`: cuBLASLt gives the amax only with an FP8
-  result (measured on the H200, cuBLASLt 13.1; docs/fp8.md has the table), and the layers'
-  results are 16/32-bit.
+  it with what already reads the tensor (`quantize_scaled`). Sharded, an amax is an
+  all-reduce, so the amaxes that wait for no GEMM (the input's, every kernel's, the weight
+  terms of the cold bounds) are taken first, as one vector (`_early_amaxes`), one
+  collective. Then ONE `matmul` with FP8 operands, the bias/ReLU/GELU epilog, the
+  dequantization scales `1/q` and the result in the compute dtype. No GEMM is asked for
+  `result_amax`: cuBLASLt gives the amax only with an FP8 result (measured on the H200,
+  cuBLASLt 13.1; docs/fp8.md has the table), and the layers' results are 16/32-bit.
 - Residuals: h in FP8 (`(M, K)`; the weight gradient's K-major h8ᵀ is made in the
   backward) and its scale, W
   in FP8 and its scale, the 1-bit ReLU mask (the GELU pre-activation); never a 16/32-bit copy
@@ -85,8 +87,9 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_epilog.float8.recipe import Fp8History
-from jax_epilog.float8.scaling import (_calibrates, bound_axes, delayed_amax, multiplier,
-                                       quantize_scaled, record, reduce_amax, result_bound)
+from jax_epilog.float8.scaling import (_calibrates, bound_axes, bound_terms, delayed_amax,
+                                       multiplier, quantize_scaled, record, reduce_amax,
+                                       reduced_amaxes, result_bound)
 from jax_epilog.layers import gemms as layer_gemms
 from jax_epilog.layers.gemms import LAYER_INPUT_NAME, layer_forward
 from jax_epilog.op import barrier, manual_axes
@@ -157,6 +160,7 @@ def _planned_forward(planned: StackPlan, x, params, state, keep_residuals: bool)
     config's `scaling` says (`_forward` chooses the plan)."""
     stack, fp8 = planned.stack, planned.fp8
     mode = "step" if keep_residuals else "forward"
+    early = _early_amaxes(planned, x, params)
     h, saved = x, []
     h8 = None  # the current layer's FP8 input (scale, amax), when the layer before wrote it
     for i, (layer, (kernel, bias)) in enumerate(zip(stack.layers, params)):
@@ -172,14 +176,13 @@ def _planned_forward(planned: StackPlan, x, params, state, keep_residuals: bool)
         else:
             h8, h_scale, h_amax = quantize_scaled(
                 h, fp8.forward, fp8.margin, state[i].input if fp8.delayed else None,
-                fp8.amax_reduction_axes)
+                fp8.amax_reduction_axes, early.get(("input", i)))
         w8, w_scale, _ = quantize_scaled(kernel, fp8.forward, fp8.margin,
-                                         amax_axes=fp8.amax_reduction_axes)
+                                         x_amax=early[("kernel", i)])
         gemm = planned.gemm(i, "forward", mode)
         epilog, fp8_result = gemm.epilog, own.writes_fp8_result
-        q_next = multiplier(delayed_amax(state[i + 1].input, reduce_amax(result_bound(
-            h_amax, kernel, 0, bias if layer.has_bias else None), fp8.amax_reduction_axes)),
-            fp8.forward, fp8.margin) if fp8_result else None
+        q_next = multiplier(delayed_amax(state[i + 1].input, result_bound(
+            h_amax, early[("bound", i)])), fp8.forward, fp8.margin) if fp8_result else None
         out, aux = _matmul8(h8, h_scale, w8, w_scale, fp8.forward if fp8_result else x.dtype,
                             gemm.requested, fp8.fast("forward"), epilog=epilog,
                             inputs={"bias": bias} if layer.has_bias else None,
@@ -195,6 +198,36 @@ def _planned_forward(planned: StackPlan, x, params, state, keep_residuals: bool)
         else:
             h, h8 = out, None
     return h, tuple(saved)
+
+
+def _together(axes, named: dict) -> dict:
+    """{key: amax} for `named` {key: array, or a list of arrays (their amaxes a vector)}, every
+    amax taken and reduced over `axes` in one collective (`reduced_amaxes`)."""
+    arrays = [a for value in named.values() for a in (value if isinstance(value, list)
+                                                      else [value])]
+    if not arrays:
+        return {}
+    vector, start, taken = reduced_amaxes(arrays, axes), 0, {}
+    for key, value in named.items():
+        n = len(value) if isinstance(value, list) else 1
+        taken[key] = vector[start:start + n] if isinstance(value, list) else vector[start]
+        start += n
+    return taken
+
+
+def _early_amaxes(planned: StackPlan, x, params) -> dict:
+    """The forward's amaxes that wait for no GEMM, in one collective where they are sharded:
+    the stack input's ("input", 0) if the first layer is FP8, each FP8 kernel's ("kernel", i),
+    and the weight-only terms of a GEMM-written input's cold-history bound ("bound", i):
+    TransformerEngine too reduces its amaxes together rather than one per tensor."""
+    named = {("input", 0): x} if planned.layers[0].fp8 else {}
+    for i, (own, layer, (kernel, bias)) in enumerate(zip(planned.layers, planned.stack.layers,
+                                                          params)):
+        if own.fp8:
+            named[("kernel", i)] = kernel
+        if own.writes_fp8_result:
+            named[("bound", i)] = bound_terms(kernel, 0, bias if layer.has_bias else None)
+    return _together(planned.fp8.amax_reduction_axes, named)
 
 
 def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
@@ -238,6 +271,13 @@ def _planned_backward(planned: StackPlan, saved, state, dy):
     dbias = None  # the current layer's bias gradient, when the step above has given it
     dz8 = None  # the current layer's (dZ8, scale), when the step above has written it
     grads, gradient_amaxes = [], {}
+    # The backward's amaxes that wait for no GEMM, in one collective: the top gradient's (if
+    # the top layer is FP8) and the weight-only term of each GEMM-written gradient's bound.
+    named = {("gradient", len(saved) - 1): dz} if planned.layers[-1].fp8 else {}
+    for i in range(1, len(saved)):
+        if planned.layers[i].fp8 and planned.layers[i - 1].writes_fp8_gradient:
+            named[("bound", i)] = bound_terms(saved[i].kernel, 1)
+    early = _together(fp8.amax_reduction_axes, named)
     for i in reversed(range(len(stack_layers))):
         s = saved[i]
         previous = stack_layers[i - 1] if i else None
@@ -256,7 +296,8 @@ def _planned_backward(planned: StackPlan, saved, state, dy):
             if dz8 is None:
                 # Current scaling for gradients in 16 bits (`Fp8.scaling`).
                 dz8, dz_scale, gradient_amaxes[i] = quantize_scaled(
-                    dz, fp8.gradient, fp8.margin, amax_axes=fp8.amax_reduction_axes)
+                    dz, fp8.gradient, fp8.margin, amax_axes=fp8.amax_reduction_axes,
+                    x_amax=early.get(("gradient", i)))
             else:  # written by the step above (`writes_fp8_gradient`); its bias gradient too
                 dz8, dz_scale = dz8
             # Memory (docs/fp8.md, "Memory"): dZ8ᵀ and h8ᵀ, the weight gradient's K-major
@@ -276,9 +317,9 @@ def _planned_backward(planned: StackPlan, saved, state, dy):
                 # The previous layer's dZ8 straight from the GEMM (delayed scale, its amax),
                 # ReLU's derivative h8 > 0 applied to its bits, the bias gradient its sum.
                 # |dZ Wᵀ| <= amax(dZ) · max row sum |W|: the bound a cold history takes
-                bound = result_bound(gradient_amaxes[i], s.kernel, 1) * s.kernel_scale
-                q = multiplier(delayed_amax(state[i - 1].gradient, reduce_amax(
-                    bound, fp8.amax_reduction_axes)), fp8.gradient, fp8.margin)
+                bound = result_bound(gradient_amaxes[i], early[("bound", i)]) * s.kernel_scale
+                q = multiplier(delayed_amax(state[i - 1].gradient, bound), fp8.gradient,
+                               fp8.margin)
                 p8, aux = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, fp8.gradient,
                                    data.requested, fast_data, transpose_b=True, result_scale=q)
                 gradient_amaxes[i - 1] = reduce_amax(aux["result_amax"],

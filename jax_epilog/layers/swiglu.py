@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
-from jax_epilog.float8.scaling import quantize_scaled, record
+from jax_epilog.float8.scaling import quantize_scaled, record, reduced_amaxes
 from jax_epilog.float8.weights import Fp8Weight
 from jax_epilog.layers import fp8_step, serving
 from jax_epilog.layers.functional import _compute_dtype, _described
@@ -159,19 +159,22 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     axes, fmt, margin = fp8.amax_reduction_axes, fp8.forward, fp8.margin
     history = (lambda i: state[i].input) if fp8.delayed and state is not None else (lambda i: None)
     fast = fp8.fast("forward")
-    x8, x_scale, x_amax = quantize_scaled(x, fmt, margin, history(0), axes)
-    w8, w_scale, _ = quantize_scaled(gate_up, fmt, margin, amax_axes=axes)
-    down8, down_scale, _ = quantize_scaled(down, fmt, margin, amax_axes=axes)
+    # amaxes that wait for nothing else are taken together, one collective where sharded
+    x_amax, w_amax, down_amax = reduced_amaxes([x, gate_up, down], axes)
+    x8, x_scale, x_amax = quantize_scaled(x, fmt, margin, history(0), axes, x_amax)
+    w8, w_scale, _ = quantize_scaled(gate_up, fmt, margin, x_amax=w_amax)
+    down8, down_scale, _ = quantize_scaled(down, fmt, margin, x_amax=down_amax)
     gu, _ = fp8_step._matmul8(x8, x_scale, w8, w_scale, x.dtype, "auto", fast)
-    h8, h_scale, h_amax = quantize_scaled(_hidden(gu, block.hidden), fmt, margin, history(1), axes)
+    hidden = _hidden(gu, block.hidden)
+    # g and u (kept for the backward) on scales of their own, their amaxes with h's
+    halves = (gu[:, :block.hidden], gu[:, block.hidden:]) if keep else ()
+    h_amax, *half_amaxes = reduced_amaxes([hidden, *halves], axes)
+    h8, h_scale, h_amax = quantize_scaled(hidden, fmt, margin, history(1), axes, h_amax)
     y, _ = fp8_step._matmul8(h8, h_scale, down8, down_scale, x.dtype, "auto", fast)
     if not keep:
         return y, None
-    # g and u on scales of their own: their amaxes reduce over (M, F) as h's does, which XLA
-    # can take in one pass over [g u]
-    (g8, g_scale, _), (u8, u_scale, _) = (
-        quantize_scaled(half, fmt, margin, amax_axes=axes)
-        for half in (gu[:, :block.hidden], gu[:, block.hidden:]))
+    (g8, g_scale, _), (u8, u_scale, _) = (quantize_scaled(half, fmt, margin, x_amax=a)
+                                          for half, a in zip(halves, half_amaxes))
     # Without the barrier XLA fused g8's and u8's casts into the backward's fusions, which
     # then read the 16-bit [g u] instead: kept from forward to backward, it was the largest
     # temporary of the step (256 of 864 MiB at 8192 x 2048 x 8192 on the H200). With y in
