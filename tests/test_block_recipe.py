@@ -325,11 +325,18 @@ def test_gpu_layer_runs_the_kernels_and_matches_the_cpu(rows, activation):
         warnings.simplefilter("error", RuntimeWarning)  # no fallback to the reference
         lowered = jax.jit(step).lower(*jax.device_put(args, gpu))
     assert "jax_epilog_matmul_block" in lowered.as_text()
-    got = jax.jit(step)(*jax.device_put(args, gpu))
-    want = jax.jit(step)(*jax.device_put(args, cpu))
+    run = lambda device, *a: jax.jit(step)(*jax.device_put(a, device))
+    if activation == "relu":
+        # Where the two forwards round a pre-activation to opposite sides of 0, the ReLU masks
+        # differ and so does dZ there (one such row moved dx by 3% on the H200): dy is zeroed
+        # there, so the gradients compare the GEMMs, not the kink.
+        same = ((np.asarray(run(gpu, *args)[0], np.float32) > 0)
+                == (np.asarray(run(cpu, *args)[0], np.float32) > 0))
+        args = (x, w, b, jnp.where(same, dy, 0).astype(dy.dtype))
+    got, want = run(gpu, *args), run(cpu, *args)
     for what, g, r in zip(("y", "dx", "dW", "db"), got, want):
         error = _relative(g, r)
-        assert error < 2e-2, (what, error)  # FP8 flips on ReLU's kink included
+        assert error < 2e-2, (what, error)
 
 
 def test_layer_without_bias_equals_a_zero_bias():
