@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +70,10 @@ def kernel_breakdown(kernels: list[gpu_trace.Kernel], steps: int) -> dict[str, A
     }
 
 
-def profile_variant(w, name: str, steps: int, folder: Path) -> dict[str, Any]:
-    """A variant of fp8_bench.py on its row `w`."""
+def profile_variant(w, name: str, steps: int, folder: Path, table=None) -> dict[str, Any]:
+    """A variant of fp8_bench.py (or of `table`, in its form) on its row `w`."""
     args = never_slower.random_inputs(w, 0)
-    step, extra = fp8_bench.variant_step(w, name, args)
+    step, extra = fp8_bench.variant_step(w, name, args, table)
     args = (*args, *extra)
     compiled, fallbacks = fp8_bench.compile_without_fallbacks(step, args)
     return {**profile_compiled(compiled, args, name, steps, folder), "fallbacks": fallbacks}
@@ -147,6 +148,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 PEER_VARIANTS = ("flax_fp8_direct", "ours_fp8")
+BLOCK_VARIANTS = ("ours_fp8", "ours_fp8_block")
 
 
 def main(argv=None) -> dict[str, Any]:
@@ -162,18 +164,28 @@ def main(argv=None) -> dict[str, Any]:
                         help=f"comma-separated, of: {', '.join(fp8_bench.VARIANTS)} (default "
                              f"{','.join(DEFAULT_VARIANTS)}); with --peer of "
                              f"{', '.join(fp8_peer.VARIANTS)}")
+    parser.add_argument("--block", action="store_true",
+                        help="block_fp8_bench.py's step variants (default "
+                             f"{','.join(BLOCK_VARIANTS)}): block-scaled training beside "
+                             "per-tensor")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on a CPU)")
     args = parser.parse_args(argv)
     source = fp8_peer if args.peer else fp8_bench
     table = source.SMOKE_ROWS if args.smoke else source.ROWS
     rows = [r.strip() for r in (args.row or ("S1" if args.smoke else "M1")).split(",")]
-    variants = [v.strip() for v in (args.variants or ",".join(
-        PEER_VARIANTS if args.peer else DEFAULT_VARIANTS)).split(",") if v.strip()]
-    unknown = sorted(set(variants) - set(source.VARIANTS)) + [r for r in rows if r not in table]
+    defaults = PEER_VARIANTS if args.peer else BLOCK_VARIANTS if args.block else DEFAULT_VARIANTS
+    variants = [v.strip() for v in (args.variants or ",".join(defaults)).split(",") if v.strip()]
+    known = source.VARIANTS
+    profile = profile_peer_variant if args.peer else profile_variant
+    if args.block:
+        import block_fp8_bench  # only here: it builds its variants when imported
+
+        known = block_fp8_bench.STEP_VARIANTS
+        profile = functools.partial(profile_variant, table=known)
+    unknown = sorted(set(variants) - set(known)) + [r for r in rows if r not in table]
     if unknown:
         parser.error(f"unknown rows or variants: {unknown}")
-    profile = profile_peer_variant if args.peer else profile_variant
     for row in rows:
         out = args.out / row if len(rows) > 1 else args.out
         report = {"benchmark": "fp8_profile", "metadata": timing.run_metadata(), "row": row,
