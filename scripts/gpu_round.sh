@@ -39,6 +39,16 @@ for c, x in json.load(open(sys.argv[1]))['results'].items():
               'time to first step s', v.get('time_to_first_step_s'))
 " "$OUT/$name/gpt_compare.json" 2>&1 | tee -a "$SUMMARY"
 }
+# `gpu_tests NAME CAP FILE...`: the gpu-marked tests of tests/FILE... (from /tmp, so the
+# installed package is imported) within CAP seconds, into $OUT/NAME_tests.log; the count into
+# the summary, the failures printed.
+gpu_tests() {
+  local name="$1" cap="$2"; shift 2
+  (cd /tmp && runs --cap "$cap" "$PY" -m pytest $(for f in "$@"; do echo "$ROOT/tests/$f"; done) \
+    -q -ra -m gpu -p no:cacheprovider 2>&1) > "$OUT/${name}_tests.log"
+  note "$name gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/${name}_tests.log")"
+  grep -E "FAILED|Error|has no kernel" "$OUT/${name}_tests.log" | head -20
+}
 DEADLINE="${DEADLINE:-0}"
 # Where `tune` writes the decision table (outside $OUT, which the device tool empties between
 # calls, so a later call on the same machine can use it).
@@ -211,11 +221,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
     blockfp8)
       # Block-scaled FP8 (issue 39): its GPU tests (the cuBLASLt kernel against the float64
       # model), then the GEMM benchmark (block vs per-tensor FP8 vs bf16) and the outlier errors.
-      (cd /tmp && runs --cap "${BLOCKFP8_TEST_CAP:-300}" "$PY" -m pytest \
-        "$ROOT/tests/test_block_fp8.py" -q -ra -m gpu -p no:cacheprovider 2>&1) \
-        > "$OUT/blockfp8_tests.log"
-      note "blockfp8 gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/blockfp8_tests.log")"
-      grep -E "FAILED|Error|has no kernel" "$OUT/blockfp8_tests.log" | head -20
+      gpu_tests blockfp8 "${BLOCKFP8_TEST_CAP:-300}" test_block_fp8.py
       (cd "$ROOT/benchmarks" && runs --cap "${BLOCKFP8_CAP:-300}" "$PY" block_fp8_bench.py \
         ${BLOCKFP8_ARGS:-} --out "$OUT/block_fp8" 2>&1) > "$OUT/block_fp8.log"
       note "blockfp8 benchmark: rc=$? ($((SECONDS - start)) s)"
@@ -226,11 +232,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # of a layer's step on the block-scaled kernel, against the CPU), then M1's training step
       # (block vs per-tensor fp8=True vs XLA bf16, both harnesses, temporaries) and the
       # outlier errors with their factor swept (BLOCKSTEP_ARGS, e.g. "--parts step").
-      (cd /tmp && runs --cap "${BLOCKSTEP_TEST_CAP:-200}" "$PY" -m pytest \
-        "$ROOT/tests/test_block_recipe.py" -q -ra -m gpu -p no:cacheprovider 2>&1) \
-        > "$OUT/blockstep_tests.log"
-      note "blockstep gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/blockstep_tests.log")"
-      grep -E "FAILED|Error" "$OUT/blockstep_tests.log" | head -20
+      gpu_tests blockstep "${BLOCKSTEP_TEST_CAP:-200}" test_block_recipe.py
       (cd "$ROOT/benchmarks" && runs --cap "${BLOCKSTEP_CAP:-360}" "$PY" block_fp8_bench.py \
         --parts "step,errors" ${BLOCKSTEP_ARGS:-} --out "$OUT/block_step" 2>&1) \
         > "$OUT/block_step.log"
@@ -278,13 +280,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # FP8 and three FP8 Dense; SWIGLU_ARGS, e.g. "--rows S2": Flax's FP8 step alone took
       # 200 s to compile and tune there, so give S2 a call of its own). Results rewritten after
       # every row, so a cut run keeps what it has.
-      if [ "${SWIGLU_TESTS:-1}" = 1 ]; then
-        (cd /tmp && runs --cap 240 "$PY" -m pytest "$ROOT/tests/test_swiglu_gpu.py" \
-          "$ROOT/tests/test_swiglu_serving.py" -q -ra \
-          -p no:cacheprovider -m gpu 2>&1) > "$OUT/swiglu_tests.log"
-        note "swiglu gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/swiglu_tests.log")"
-        grep -E "FAILED|Error" "$OUT/swiglu_tests.log" | head -20
-      fi
+      [ "${SWIGLU_TESTS:-1}" = 1 ] && gpu_tests swiglu 240 test_swiglu_gpu.py test_swiglu_serving.py
       (cd "$ROOT/benchmarks" && runs --cap "${SWIGLU_CAP:-420}" "$PY" swiglu_bench.py \
         --max-s $(( ${SWIGLU_CAP:-420} - 30 )) ${SWIGLU_ARGS:-} --out "$OUT/swiglu" 2>&1) \
         > "$OUT/swiglu.log"
