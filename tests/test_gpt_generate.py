@@ -125,6 +125,21 @@ def test_top_k_1_sampling_is_greedy_and_sampling_follows_the_seed(corpus):
     assert not np.array_equal(drawn[0], greedy)
 
 
+def test_decode_calls_of_any_length_give_the_same_tokens(corpus):
+    # 7 decode steps in calls of 1, 3 (3 + 3 + 1) and 16 (one partial call), sampled, so a
+    # step's position and key must survive the device loop.
+    config, weights = tiny_weights()
+    cached = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
+    prompt = generate.prompts_from(corpus.validation, 3, 9)
+    drawn = [decode.Generator(cached, temperature=1.5, steps_per_call=steps)
+             .generate(prompt, 8, jax.random.key(2)).tokens for steps in (1, 3, 16)]
+    assert drawn[0].shape == (3, 8)
+    np.testing.assert_array_equal(drawn[1], drawn[0])
+    np.testing.assert_array_equal(drawn[2], drawn[0])
+    with pytest.raises(ValueError, match="steps_per_call"):
+        decode.Generator(cached, steps_per_call=0)
+
+
 def test_sample_keeps_to_the_top_k():
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256)), jnp.float32)
     top_3 = np.asarray(jax.lax.top_k(logits, 3)[1])

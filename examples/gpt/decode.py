@@ -15,8 +15,11 @@ from (tested, teacher forced, to float tolerance). Only the attention is its
 own: each query attends over the whole cache with positions after it masked out, so one
 compiled decode step serves every position.
 
-`Generator` jits a prefill and a decode step once per batch shape (the cache donated, so it is
-updated in place) and samples greedily or with temperature and top-k.
+`Generator` jits a prefill and a decode call once per batch shape (the cache donated, so it is
+updated in place) and samples greedily or with temperature and top-k. One decode call runs up
+to `steps_per_call` decode steps in a device loop: dispatching a step from Python (its
+arguments: every weight, the cache) takes about as long as the step itself on an H200 at
+small batches, so one dispatch per token would measure the host, not the model.
 """
 
 from __future__ import annotations
@@ -122,21 +125,28 @@ def sample(logits, key, *, temperature: float = 0.0, top_k: Optional[int] = None
 
 
 class Generator:
-    """The jitted prefill and decode steps of one `CachedGPT` (its state captured once).
+    """The jitted prefill step and decode call of one `CachedGPT` (its state captured once).
 
-    `prefill(cache, prompt, key)` and `decode(cache, tokens, position, key)` each return
-    (the next tokens `(B,)`, the updated cache); the cache argument is donated. A step's random
-    key is `fold_in(key, position)`, so a seed gives one sequence however it is stepped."""
+    `prefill(cache, prompt, key)` returns (the next tokens `(B,)`, the updated cache);
+    `decode(cache, tokens, position, count, key)` runs `count` (1 to `steps_per_call`) decode
+    steps from `tokens` `(B,)` at `position` and returns (the next `count` tokens
+    `(steps_per_call, B)`, rows past `count` unused; the updated cache). The cache argument is
+    donated. A step's random key is `fold_in(key, position)`, so a seed gives one sequence
+    however it is stepped."""
 
     def __init__(self, cached: CachedGPT, *, temperature: float = 0.0,
-                 top_k: Optional[int] = None):
+                 top_k: Optional[int] = None, steps_per_call: int = 16):
         sample(jnp.zeros((1, cached.model.config.vocab_size)), None if temperature == 0 else
                jax.random.key(0), temperature=temperature, top_k=top_k)  # checks the arguments
+        if not isinstance(steps_per_call, int) or steps_per_call < 1:
+            raise ValueError(f"steps_per_call: expected an int >= 1, got {steps_per_call!r}")
         self.config = cached.model.config
         self.dtype = cached.model.final_norm.dtype or jnp.float32  # the compute dtype: the cache's
+        self.steps_per_call = steps_per_call
         self.graphdef, self.state = nnx.split(cached)
         self._sample = functools.partial(sample, temperature=temperature, top_k=top_k)
         self._step = jax.jit(self._forward_and_sample, donate_argnums=1)
+        self._steps = jax.jit(self._decode_steps, donate_argnums=1)
 
     def _forward_and_sample(self, state, cache, tokens, start, key):
         cached = nnx.merge(self.graphdef, state)
@@ -144,31 +154,47 @@ class Generator:
         position = start + tokens.shape[1] - 1  # of the last token: the key depends on it
         return self._sample(logits[:, -1], jax.random.fold_in(key, position)), cache
 
+    def _decode_steps(self, state, cache, tokens, position, count, key):
+        def step(i, carry):
+            tokens, cache, out = carry
+            tokens, cache = self._forward_and_sample(state, cache, tokens[:, None],
+                                                     position + i, key)
+            return tokens, cache, out.at[i].set(tokens)
+
+        out = jnp.zeros((self.steps_per_call,) + tokens.shape, jnp.int32)
+        _, cache, out = jax.lax.fori_loop(0, count, step, (tokens, cache, out))
+        return out, cache
+
     def compile(self, batch: int, prompt_len: int, new_tokens: int, key) -> dict:
-        """The prefill and decode steps compiled for `batch` prompts of `prompt_len` tokens
-        and a cache for `new_tokens` more: {"prefill": ..., "decode": ...}."""
+        """The prefill step and the decode call compiled for `batch` prompts of `prompt_len`
+        tokens and a cache for `new_tokens` more: {"prefill": ..., "decode": ...}."""
         check_fits(self.config, prompt_len, new_tokens)
         cache = jax.eval_shape(lambda: init_cache(self.config, batch, prompt_len + new_tokens,
                                                   self.dtype))
-        lower = lambda length: self._step.lower(
-            self.state, cache, jax.ShapeDtypeStruct((batch, length), jnp.int32), jnp.int32(0),
-            key).compile()
-        return {"prefill": lower(prompt_len), "decode": lower(1)}
+        tokens = lambda length: jax.ShapeDtypeStruct((batch,) + length, jnp.int32)
+        return {"prefill": self._step.lower(self.state, cache, tokens((prompt_len,)),
+                                            jnp.int32(0), key).compile(),
+                "decode": self._steps.lower(self.state, cache, tokens(()), jnp.int32(0),
+                                            jnp.int32(1), key).compile()}
 
     def prefill(self, cache: KVCache, prompt, key, compiled=None):
         step = compiled or self._step
         return step(self.state, cache, jnp.asarray(prompt, jnp.int32), jnp.int32(0), key)
 
-    def decode(self, cache: KVCache, tokens, position: int, key, compiled=None):
-        step = compiled or self._step
-        return step(self.state, cache, tokens[:, None], jnp.int32(position), key)
+    def decode(self, cache: KVCache, tokens, position: int, count: int, key, compiled=None):
+        if not 1 <= count <= self.steps_per_call:
+            raise ValueError(f"count: expected 1 to steps_per_call ({self.steps_per_call}), "
+                             f"got {count!r}")
+        steps = compiled or self._steps
+        return steps(self.state, cache, tokens, jnp.int32(position), jnp.int32(count), key)
 
     def generate(self, prompt, new_tokens: int, key, *, compiled: Optional[dict] = None,
                  progress: bool = False) -> Generation:
-        """`new_tokens` tokens after `prompt` `(B, P)`: the first from the prefill, each other
-        from one decode step, with the `compiled` steps (`compile`) or jit's. Timed: the
-        prefill until its tokens are on the host (time to first token), then the decode steps
-        back to back until the last is ready. `progress`: a tqdm bar over the decode steps."""
+        """`new_tokens` tokens after `prompt` `(B, P)`: the first from the prefill, the others
+        from decode calls of up to `steps_per_call` steps each, with the `compiled` steps
+        (`compile`) or jit's. Timed: the prefill until its tokens are on the host (time to
+        first token), then the decode calls back to back until the last is ready.
+        `progress`: a tqdm bar over the decode steps."""
         batch, prompt_len = np.shape(prompt)
         check_fits(self.config, prompt_len, new_tokens)
         compiled = compiled or {}
@@ -179,16 +205,22 @@ class Generator:
         token, cache = self.prefill(cache, prompt, key, compiled.get("prefill"))
         first = np.asarray(token)  # a server would hand the first tokens on here
         prefill_s = time.perf_counter() - start
-        tokens = []
+        chunks, end = [], prompt_len + new_tokens - 1
         start = time.perf_counter()
-        for position in tqdm(range(prompt_len, prompt_len + new_tokens - 1), desc="decode",
-                             unit="step", disable=not progress):
-            token, cache = self.decode(cache, token, position, key, compiled.get("decode"))
-            tokens.append(token)
+        with tqdm(total=new_tokens - 1, desc="decode", unit="step",
+                  disable=not progress) as bar:
+            for position in range(prompt_len, end, self.steps_per_call):
+                count = min(self.steps_per_call, end - position)
+                out, cache = self.decode(cache, token, position, count, key,
+                                         compiled.get("decode"))
+                chunks.append((out, count))
+                token = out[count - 1]
+                bar.update(count)
         jax.block_until_ready(token)
         decode_s = time.perf_counter() - start
-        return Generation(np.stack([first] + [np.asarray(t) for t in tokens], axis=1),
-                          prefill_s, decode_s)
+        decoded = [np.asarray(out)[:count] for out, count in chunks]
+        return Generation(np.concatenate([first[None]] + decoded, axis=0).T, prefill_s,
+                          decode_s)
 
 
 class Generation(NamedTuple):

@@ -18,7 +18,8 @@ the compute dtype (bfloat16 on a GPU, float32 elsewhere); every variant starts f
 
 Prompts are `--prompt-len` bytes of the validation text for each of `--batch` sequences; the
 prefill samples the first new token, and each of `--new-tokens` - 1 decode steps the next
-(decode.py). Greedy by default, else `--temperature` and `--top-k` with `--seed`. Each
+(decode.py), `--steps-per-call` of them per dispatch. Greedy by default, else `--temperature`
+and `--top-k` with `--seed`. Each
 variant and batch size is compiled first (compile time), run once with a progress bar (its
 text is printed), then timed `--repeats` times (medians): time to first token (the prefill,
 its token on the host), prefill and decode tokens/s. `--compare` runs all three and adds
@@ -301,6 +302,7 @@ class Settings:
     fp8_min_features: Optional[int] = None
     static_scales: bool = False
     progress: bool = True
+    steps_per_call: int = 16
 
 
 def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dtype,
@@ -322,7 +324,8 @@ def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dt
     if name != "stock" and not record["fp8_kernels"]:
         print(f"{name}: no kernel is stored in FP8 (quantize_params' default rule wants both "
               "dims >= 512; --fp8-min-features lowers it)", flush=True)
-    generator = Generator(cached, temperature=settings.temperature, top_k=settings.top_k)
+    generator = Generator(cached, temperature=settings.temperature, top_k=settings.top_k,
+                          steps_per_call=settings.steps_per_call)
     key = jax.random.key(settings.seed)
     for batch in settings.batches:
         prompts = prompts_from(corpus.validation, batch, settings.prompt_len)
@@ -407,7 +410,8 @@ def render(report: dict) -> str:
              f"Weights: {report['weights']}; compute dtype {report['dtype']}. "
              f"d_model {model['d_model']}, {model['n_layers']} layers, {model['n_heads']} "
              f"heads. Prompts of {s['prompt_len']} validation bytes, {s['new_tokens']} new "
-             f"tokens ({_sampling(s)}); epilog_fp8's input scales "
+             f"tokens ({_sampling(s)}), {s.get('steps_per_call', 1)} decode steps per call; "
+             "epilog_fp8's input scales "
              f"{'static (calibrated)' if s['static_scales'] else 'from each call (current)'}; "
              f"medians of {s['repeats']} runs after a warm-up. Method: "
              "examples/gpt/generate.py's docstring.", ""]
@@ -487,8 +491,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "(jax_epilog.calibrate)")
     parser.add_argument("--out", type=Path, help="folder for gpt_generate.json and .md")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--steps-per-call", type=int, default=16,
+                        help="decode steps per dispatch (a device loop; 1: one per token)")
     args = parser.parse_args(argv)
-    for name in ("batch", "repeats", "eval_batches"):
+    for name in ("batch", "repeats", "eval_batches", "steps_per_call"):
         values = getattr(args, name)
         if any(value < 1 for value in (values if isinstance(values, list) else [values])):
             parser.error(f"--{name.replace('_', '-')}: expected values >= 1, got {values}")
@@ -509,7 +515,8 @@ def settings_for(args: argparse.Namespace, config: configs.TrainConfig) -> Setti
         args.parser.error(f"--prompt-len/--new-tokens: {error}")
     return Settings(tuple(args.batch), prompt_len, new_tokens, args.temperature, args.top_k,
                     args.seed, args.repeats, args.eval_batches, args.attention,
-                    args.fp8_min_features, args.static_scales, not args.no_progress)
+                    args.fp8_min_features, args.static_scales, not args.no_progress,
+                    args.steps_per_call)
 
 
 def main(argv=None) -> dict[str, Any]:

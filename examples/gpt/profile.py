@@ -196,4 +196,10 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
+    # XLA's command buffers (CUDA graphs) launch a step's kernels as one graph, and the trace
+    # then names the graph, not the HLO op, as every kernel's launcher: off for the profile
+    # (read when jax starts its backend, in main), so each kernel is attributed.
+    if "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_gpu_enable_command_buffer=").strip()
     main()
