@@ -382,6 +382,8 @@ def test_compare_writes_every_variant_with_quality(tmp_path, name, projections):
             assert step_memory is None or step_memory["peak_bytes"] > 0
         assert 0.5 < record["top1_agreement_with_stock"] <= 1
     assert variants["stock"]["top1_agreement_with_stock"] == 1
+    assert [variants[variant]["kv_cache"] for variant in variants] == \
+        ["float32", "float8_e4m3fn", "float32"][:len(variants)]
     assert variants["stock"]["validation_loss_vs_stock"] == 0
     assert variants["epilog_fp8"]["weight_bytes"] < variants["stock"]["weight_bytes"]
     assert [variants[variant]["fp8_kernels"] for variant in variants] == \
@@ -390,6 +392,58 @@ def test_compare_writes_every_variant_with_quality(tmp_path, name, projections):
     assert all(f"| {variant} | 3 |" in text for variant in variants)
     assert written["config"]["model"]["arch"] == configs.get(name).model.arch
     assert written["metadata"]["platform"] == jax.default_backend()
+
+
+def test_kv_cache_and_profile_options_reach_the_report(tmp_path):
+    report = run_main("--random-init", "--variant", "epilog_fp8", "--batch", "2",
+                      "--prompt-len", "5", "--new-tokens", "4", "--repeats", "1",
+                      "--eval-batches", "1", "--fp8-min-features", "64", "--profile",
+                      str(tmp_path / "traces"), "--out", str(tmp_path))
+    record = report["result"]["variants"]["epilog_fp8"]
+    measured = record["by_batch"]["2"]
+    assert record["kv_cache"] == "float8_e4m3fn"  # "auto": FP8 for epilog_fp8
+    assert measured["kv_cache_bytes"] == decode.init_cache(
+        configs.get("tiny").model, 2, 9, jnp.float8_e4m3fn).nbytes
+    # On the CPU the trace holds no GPU kernel; on a GPU, kernel times by kind.
+    profiled = measured["profile"]
+    assert profiled["steps"] == 3 and list((tmp_path / "traces").rglob("*.xplane.pb"))
+    assert "no GPU kernels" in profiled["note"] if jax.default_backend() == "cpu" else \
+        profiled["kernel_ms"] > 0 and profiled["attention_ms"] > 0
+    text = (tmp_path / "gpt_generate.md").read_text()
+    assert "| epilog_fp8 | 2 | float8_e4m3fn |" in text  # the profile's row
+    assert "| float8_e4m3fn, " in text  # the main table's KV cache cell
+
+
+def test_cache_dtype_per_variant_and_choice():
+    assert generate.cache_dtype("epilog_fp8", "auto", jnp.bfloat16) == jnp.float8_e4m3fn
+    assert generate.cache_dtype("stock", "auto", jnp.bfloat16) == jnp.bfloat16
+    assert generate.cache_dtype("qwix_fp8", "auto", jnp.float32) == jnp.float32
+    assert generate.cache_dtype("stock", "fp8", jnp.float32) == jnp.float8_e4m3fn
+    assert generate.cache_dtype("epilog_fp8", "bf16", jnp.float32) == jnp.bfloat16
+    with pytest.raises(ValueError, match="kv_cache: expected 'auto' or one of"):
+        generate.cache_dtype("stock", "int8", jnp.float32)
+
+
+def test_decode_kernels_are_sorted_by_the_scope_that_launched_them():
+    kernel = lambda name, op: generate.profile.gpu_trace.Kernel(0, 1000, "Stream #1", name, op)
+    hlo = "\n".join([
+        "ENTRY %main (p: f32[4]) -> f32[4] {",
+        '  %dus = f8e4m3fn[4] fusion(%p), kind=kLoop, calls=%c, metadata={op_name="jit(f)/'
+        'kv_cache/dynamic_update_slice"}',
+        '  %scores = f32[4] fusion(%p), kind=kInput, calls=%c, metadata={op_name="jit(f)/'
+        'cached_attention/reduce_sum"}',
+        '  %dot = f32[4] custom-call(%p), metadata={op_name="jit(f)/dot_general"}',
+        '  %norm = f32[4] fusion(%p), kind=kLoop, calls=%c, metadata={op_name="jit(f)/rsqrt"}',
+        "}"])
+    kernels = [kernel("loop_dynamic_update_slice_fusion", "dus"),
+               kernel("input_reduce_fusion", "scores"), kernel("nvjet_hsh_64x8", "dot"),
+               kernel("nvjet_hsh_64x8", "dot"), kernel("loop_rsqrt_fusion", "norm")]
+    got = generate.profile.breakdown(kernels, 1, hlo, generate.decode_kind,
+                                     generate.DECODE_TOP_KERNELS)
+    assert [got[f"{kind}_ms"] for kind in ("gemm", "attention", "cache", "other")] == \
+        [0.002, 0.001, 0.001, 0.001]
+    assert {t["op"]: t["kind"] for t in got["top"]} == \
+        {"dot": "gemm", "scores": "attention", "dus": "cache", "norm": "other"}
 
 
 def test_bad_input_names_the_argument(tmp_path, capsys):
@@ -414,3 +468,6 @@ def test_bad_input_names_the_argument(tmp_path, capsys):
             temperature=-1.0)
     with pytest.raises(ValueError, match="variant"):
         generate.build_variant("int4", TINY, None, jnp.float32)
+    assert "--kv-cache: invalid choice" in error_of("--random-init", "--kv-cache", "int8")
+    with pytest.raises(ValueError, match="dtype: expected a floating-point cache dtype"):
+        decode.init_cache(TINY.model, 1, 8, jnp.int8)
