@@ -13,7 +13,16 @@ for "llama"), `attention.out`, `mlp_norm` and `mlp`, `final_norm`, the tied head
 so its logits are the full forward's for the same tokens, whatever layers the model was built
 from (tested, teacher forced, to float tolerance). Only the attention is its
 own: each query attends over the whole cache with positions after it masked out, so one
-compiled decode step serves every position.
+compiled decode step serves every position. Each layer's keys and values are written into the
+whole `(layers, ...)` cache arrays with one `dynamic_update_slice` each, so the donated cache
+is updated in place (no copy of it per step).
+
+The cache is in the compute dtype, or in FP8 (`init_cache(..., jnp.float8_e4m3fn)`, as
+TensorRT-LLM and vLLM offer for FP8 serving): each head's key or value vector stored with
+a float32 scale of its own, its amax over the format's largest value (current scaling, set
+when the vector is written). A decode step (one query per sequence) reads the FP8 bytes in
+multiply-reduces, the key scales multiplying the scores and the value scales the
+probabilities; a prefill dequantizes the layer's cache and runs XLA's attention.
 
 `Generator` jits a prefill and a decode step once per batch shape (the cache donated, so it is
 updated in place) and samples greedily or with temperature and top-k.
