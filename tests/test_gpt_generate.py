@@ -149,26 +149,47 @@ def test_greedy_generation_with_an_fp8_cache_is_the_argmax_of_its_cached_forward
     np.testing.assert_array_equal(np.argmax(logits[:, 8:], -1), generated)
 
 
-def entry_instructions(hlo: str) -> list[tuple[str, str, str]]:
-    """(result shape, opcode, the called computation's body) of each instruction of a compiled
-    program's entry computation: what is materialised (a fusion's inside is not)."""
+#: Entry instructions that write no memory of their own.
+_NOT_WRITTEN = ("parameter", "tuple", "get-tuple-element", "bitcast", "constant")
+
+
+def written_arrays(hlo: str) -> list[tuple[str, tuple[int, ...], str, str]]:
+    """(dtype, dims, opcode, the called computation's body) of each array an instruction of a
+    compiled program's entry computation writes: what is materialised (a fusion's inside is
+    not; a multi-output fusion writes each of its results)."""
     bodies = dict(re.findall(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)^\}", hlo, re.M | re.S))
     entry = hlo[hlo.index("\nENTRY"):].split("\n}", 1)[0].splitlines()[1:]
     found = []
     for line in entry:
-        match = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (\S+) ([\w\-]+)\(", line)
-        if match:
-            called = re.search(r"calls=%?([\w.\-]+)", line)
-            found.append((match.group(1), match.group(2),
-                          bodies.get(called.group(1), "") if called else ""))
+        match = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([\w\-]+)\(", line)
+        if not match or match.group(2) in _NOT_WRITTEN:
+            continue
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        body = bodies.get(called.group(1), "") if called else ""
+        found += [(dtype, tuple(int(d) for d in dims.split(",") if d), match.group(2), body)
+                  for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", match.group(1))]
     return found
 
 
 def decode_step(config, cache_dtype, compute_dtype=jnp.float32, batch=4):
+    """The compiled decode step of `config`'s stock model, prompts of 20 and 17 new tokens."""
     weights = generate.serving_weights(config, None, compute_dtype)
     cached = decode.CachedGPT(generate.model_with(config, "stock", weights, compute_dtype))
     generator = decode.Generator(cached, cache_dtype=cache_dtype)
-    return generator, generator.compile(batch, 20, 17, jax.random.key(0))["decode"]
+    return generator.compile(batch, 20, 17, jax.random.key(0))["decode"]
+
+
+def assert_writes_the_cache_in_place(compiled, config, batch):
+    """Every cache-sized array the step writes is a `dynamic_update_slice` (into the donated
+    cache, in place): none is a copy or a concatenation."""
+    m = config.model
+    whole = (m.n_layers, batch, 37, m.kv_heads, m.head_dim)
+    cache_sized = [(opcode, body) for _, dims, opcode, body in written_arrays(
+        compiled.as_text()) if dims == whole]
+    writes = [opcode for opcode, body in cache_sized
+              if opcode == "dynamic-update-slice" or "dynamic-update-slice(" in body]
+    assert len(writes) >= 2 * m.n_layers  # keys and values of each layer, where they are
+    assert len(writes) == len(cache_sized), cache_sized  # and nothing else of the cache's size
 
 
 @pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.float8_e4m3fn])
@@ -176,15 +197,7 @@ def test_a_decode_step_writes_the_cache_in_place(cache_dtype):
     # Two layers: the old step sliced each layer out, updated it and stacked them back, a
     # concatenation (a copy) of the whole cache every step.
     config = TINY.replace(n_layers=2)
-    _, compiled = decode_step(config, cache_dtype)
-    m = config.model
-    whole = f"[{m.n_layers},4,37,{m.kv_heads},{m.head_dim}]"
-    cache_sized = [(opcode, body) for shape, opcode, body in entry_instructions(
-        compiled.as_text()) if whole in shape and opcode != "parameter"]
-    writes = [opcode for opcode, body in cache_sized
-              if opcode == "dynamic-update-slice" or "dynamic-update-slice(" in body]
-    assert len(writes) >= 2 * m.n_layers  # keys and values of each layer, where they are
-    assert len(writes) == len(cache_sized)  # and nothing else of the cache's size
+    assert_writes_the_cache_in_place(decode_step(config, cache_dtype), config, 4)
 
 
 def test_an_fp8_decode_step_reads_the_cache_with_no_dot():
@@ -211,13 +224,13 @@ def test_a_decode_step_on_the_gpu_reads_the_fp8_cache_as_it_is():
     config = LLAMA_TINY.replace(n_layers=2)
     m = config.model
     with jax.default_device(jax.devices("cuda")[0]):
-        _, compiled = decode_step(config, jnp.float8_e4m3fn, jnp.bfloat16, batch=64)
+        compiled = decode_step(config, jnp.float8_e4m3fn, jnp.bfloat16, batch=64)
     layer = 64 * 37 * m.kv_heads * m.head_dim
     # no 16- or 32-bit array of a layer's cache, or more, is written between kernels
-    wide = [(shape, opcode) for shape, opcode, _ in entry_instructions(compiled.as_text())
-            if re.match(r"(bf16|f16|f32)\[", shape) and
-            np.prod([int(d) for d in re.findall(r"\d+", shape.split("]")[0][4:])]) >= layer]
+    wide = [(dtype, dims, opcode) for dtype, dims, opcode, _ in written_arrays(
+        compiled.as_text()) if dtype in ("bf16", "f16", "f32") and np.prod(dims) >= layer]
     assert not wide, wide
+    assert_writes_the_cache_in_place(compiled, config, 64)
 
 
 def greedy_by_full_forward(cached, prompt, new_tokens):
