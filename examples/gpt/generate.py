@@ -22,8 +22,8 @@ prefill samples the first new token, and each of `--new-tokens` - 1 decode steps
 variant and batch size is compiled first (compile time), run once with a progress bar (its
 text is printed), then timed `--repeats` times (medians): time to first token (the prefill,
 its token on the host), prefill and decode tokens/s. `--compare` runs all three and adds
-quality against stock, teacher forced on validation windows: the validation loss and the
-agreement of the next-token argmax; it writes `gpt_generate.json` and `gpt_generate.md` to
+quality against stock, teacher forced on validation windows (each window one prefill into
+the variant's KV cache): the validation loss and the agreement of the next-token argmax; it writes `gpt_generate.json` and `gpt_generate.md` to
 `--out`.
 
 The KV cache (`--kv-cache`) is the compute dtype, `bf16`, or `fp8` (float8_e4m3fn, a float32
@@ -57,7 +57,7 @@ import jax_epilog
 from jax_epilog.float8.weights import key_names
 
 from gpt import compare, configs, data, profile, train
-from gpt.decode import CachedGPT, Generator, check_fits
+from gpt.decode import CachedGPT, Generator, check_fits, init_cache
 from gpt.model import GPT
 
 VARIANTS = ("stock", "epilog_fp8", "qwix_fp8")
@@ -319,10 +319,14 @@ def profile_decode(generator: Generator, compiled: dict, prompts: np.ndarray, ne
                                 decode_kind, DECODE_TOP_KERNELS)}
 
 
-def teacher_forced(cached: CachedGPT, batches) -> tuple[float, list[np.ndarray]]:
-    """(the mean validation loss of the full forward, each batch's next-token argmax)."""
+def teacher_forced(cached: CachedGPT, batches, cache_dtype) -> tuple[float, list[np.ndarray]]:
+    """(the mean validation loss, each batch's next-token argmax) of the served path: each
+    batch one prefill into an empty KV cache in `cache_dtype`. A prefill attends to the
+    cache as a decode step does, so an FP8 cache's rounding is in the figures."""
     graphdef, state = nnx.split(cached)
-    logits_of = jax.jit(lambda s, tokens: nnx.merge(graphdef, s)(tokens))
+    config = cached.model.config
+    logits_of = jax.jit(lambda s, tokens: nnx.merge(graphdef, s)(
+        tokens, init_cache(config, *tokens.shape, cache_dtype), 0)[0])
     losses, predictions = [], []
     for inputs, targets in batches:
         logits = logits_of(state, jnp.asarray(inputs))
@@ -403,7 +407,8 @@ def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dt
         measured["sample"] = {"prompt": text_of(prompts[0]), "generated": text_of(tokens[0])}
         record["by_batch"][str(batch)] = measured
         print_measurement(name, measured)
-    record["validation_loss"], predictions = teacher_forced(cached, validation)
+    record["validation_loss"], predictions = teacher_forced(cached, validation,
+                                                            generator.cache_dtype)
     return record, predictions
 
 
