@@ -23,8 +23,8 @@ variant and batch size is compiled first (compile time), run once with a progres
 text is printed), then timed `--repeats` times (medians): time to first token (the prefill,
 its token on the host), prefill and decode tokens/s. `--compare` runs all three and adds
 quality against stock, teacher forced on validation windows (each window one prefill into
-the variant's KV cache): the validation loss and the agreement of the next-token argmax; it writes `gpt_generate.json` and `gpt_generate.md` to
-`--out`.
+the variant's KV cache): the validation loss and the agreement of the next-token argmax; it
+writes `gpt_generate.json` and `gpt_generate.md` to `--out`.
 
 The KV cache (`--kv-cache`) is the compute dtype, `bf16`, or `fp8` (float8_e4m3fn, a float32
 scale per head vector; decode.py); `auto` gives `epilog_fp8` the FP8 cache and the others the
@@ -298,8 +298,8 @@ def decode_kind(kernel, line: str) -> str:
 
 def profile_decode(generator: Generator, compiled: dict, prompts: np.ndarray, new_tokens: int,
                    key, folder: Path) -> dict[str, Any]:
-    """The GPU kernels of `PROFILE_STEPS` decode steps traced into `folder`, per step by
-    kind (`decode_kind`), after a prefill and one untraced decode step."""
+    """The GPU kernels of up to `PROFILE_STEPS` decode steps traced into `folder`, per step
+    by kind (`decode_kind`), after a prefill and one untraced decode step."""
     steps = min(PROFILE_STEPS, new_tokens - 1)
     if steps < 1:
         return {"note": "no decode step to trace (--new-tokens 1)"}
