@@ -421,7 +421,7 @@ def test_kv_cache_and_profile_options_reach_the_report(tmp_path):
     profiled = measured["profile"]
     assert profiled["steps"] == 3 and list((tmp_path / "traces").rglob("*.xplane.pb"))
     assert "no GPU kernels" in profiled["note"] if jax.default_backend() == "cpu" else \
-        profiled["kernel_ms"] > 0 and profiled["attention_ms"] > 0
+        profiled["kernel_ms"] > 0
     text = (tmp_path / "gpt_generate.md").read_text()
     assert "| epilog_fp8 | 2 | float8_e4m3fn |" in text  # the profile's row
     assert "| float8_e4m3fn, " in text  # the main table's KV cache cell
