@@ -302,8 +302,14 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # jax-epilog's FP8 layers, the fused SwiGLU block on a Llama config) for
       # GENERATE_TRAIN_STEPS into a checkpoint (a temporary folder, or GENERATE_CHECKPOINT_DIR
       # to keep it for a later call: train.py then resumes there and trains no more), then
-      # stock, epilog_fp8 and qwix_fp8 from its weights side by side (GENERATE_ARGS). Qwix
-      # comes from the carried .whl/.
+      # stock, epilog_fp8 and qwix_fp8 from its weights side by side (GENERATE_ARGS, e.g.
+      # "--kv-cache bf16" to give epilog_fp8 the 16-bit cache too). GENERATE_PROFILE=1 traces
+      # a few decode steps of each into $OUT/generate_profile and adds where a step's GPU time
+      # goes to the report. Qwix comes from the carried .whl/. First the decode step's GPU
+      # test (the FP8 cache read as it is).
+      gpu_tests generate "${GENERATE_TEST_CAP:-120}" test_gpt_generate.py
+      profile_args=""
+      [ -n "${GENERATE_PROFILE:-}" ] && profile_args="--profile $OUT/generate_profile"
       ckpt="${GENERATE_CHECKPOINT_DIR:-$(mktemp -d)}"
       (cd "$ROOT" && runs --cap "${GENERATE_TRAIN_CAP:-240}" "$PY" examples/gpt/train.py \
         --config "${GENERATE_CONFIG:-large}" ${GENERATE_TRAIN_ARGS:---impl stock} \
@@ -312,10 +318,11 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       note "generate: trained ${GENERATE_CONFIG:-large} for ${GENERATE_TRAIN_STEPS:-300} steps: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/generate_train.log")"
       (cd "$ROOT" && runs --cap "${GENERATE_CAP:-420}" "$PY" examples/gpt/generate.py \
         --checkpoint-dir "$ckpt" --compare \
-        ${GENERATE_ARGS:---batch 1 16 64 --prompt-len 128 --new-tokens 256} --no-progress \
-        --out "$OUT/generate" 2>&1) > "$OUT/generate.log"
+        ${GENERATE_ARGS:---batch 1 16 64 --prompt-len 128 --new-tokens 256} $profile_args \
+        --no-progress --out "$OUT/generate" 2>&1) > "$OUT/generate.log"
       note "generate: rc=$? ($((SECONDS - start)) s)"
-      # The speed and quality tables' rows, then each variant's sample text.
+      # The speed (with each KV cache), quality and profile tables' rows, then each variant's
+      # sample text.
       grep -E "^(\| |- )(stock|epilog_fp8|qwix_fp8)( \||: )" "$OUT/generate/gpt_generate.md" 2>/dev/null | tee -a "$SUMMARY"
       grep -E "FAILED|Error" "$OUT/generate.log" | head -20 | tee -a "$SUMMARY"
       [ -z "${GENERATE_CHECKPOINT_DIR:-}" ] && rm -rf "$ckpt" ;;

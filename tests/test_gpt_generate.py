@@ -4,11 +4,13 @@ variants, restoring a checkpoint train.py wrote, and the errors for bad input.""
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -21,6 +23,7 @@ from flax import nnx  # noqa: E402
 import jax_epilog  # noqa: E402
 
 from gpt import configs, data, decode, generate, train  # noqa: E402
+from jaxprs import traced_equations  # noqa: E402
 
 TINY = configs.get("tiny").replace(n_layers=1)  # one block: compiles in half the time
 LLAMA_TINY = configs.get("llama_tiny").replace(n_layers=1)
@@ -51,12 +54,12 @@ def jitted(cached):
             lambda tokens, cache, start: step(state, tokens, cache, jnp.int32(start)))
 
 
-def cached_logits(cached, tokens, pieces):
+def cached_logits(cached, tokens, pieces, cache_dtype=jnp.float32):
     """The logits of `tokens` fed to the cached forward in `pieces` (lengths), teacher
     forced: a prefill, then shorter steps."""
     _, step = jitted(cached)
     cache = decode.init_cache(cached.model.config, tokens.shape[0], tokens.shape[1],
-                              jnp.float32)
+                              cache_dtype)
     out, start = [], 0
     for length in pieces:
         logits, cache = step(tokens[:, start:start + length], cache, start)
@@ -85,6 +88,154 @@ def test_cached_forward_equals_the_full_forward_teacher_forced(corpus, impl, tie
     with jax.default_matmul_precision("highest"):
         logits, _ = jitted(cached)[1](tokens, cache, 0)
     np.testing.assert_allclose(logits, full, rtol=1e-5, atol=1e-5)
+
+
+def test_quantize_vectors_is_the_reference_per_head_vector():
+    rng = np.random.default_rng(1)
+    # head vectors of very different sizes, one all zero
+    x = rng.standard_normal((3, 5, 2, 16)) * 10.0 ** rng.integers(-3, 3, (3, 5, 2, 1))
+    x[1, 2, 0] = 0
+    x = x.astype(np.float32)
+    stored, scales = decode.quantize_vectors(jnp.asarray(x), jnp.float8_e4m3fn)
+    assert stored.dtype == jnp.float8_e4m3fn and scales.shape == (3, 5, 2)
+    largest = np.float32(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
+    amax = np.abs(x).max(-1)
+    expected_scales = np.where(amax > 0, amax * (1 / largest), np.float32(1))
+    np.testing.assert_array_equal(scales, expected_scales)
+    expected = (x / expected_scales[..., None]).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(stored).astype(np.float32),
+                                  expected.astype(np.float32))
+    # each vector's largest magnitude is the format's largest value; the zero vector stays 0
+    assert np.all(np.abs(np.asarray(stored).astype(np.float32)).max(-1)[amax > 0] == largest)
+    assert not np.any(np.asarray(stored[1, 2, 0]).astype(np.float32))
+
+
+@pytest.mark.parametrize("base, pieces", [
+    (TINY, [1, 1, 29, 1, 1, 30, 1]),  # a one-token prompt; prefills of odd lengths after it
+    (LLAMA_TINY, [27, 1, 1, 1, 33])])  # grouped-query attention: 4 query heads, 2 key heads
+def test_fp8_cache_decodes_as_the_full_forward_to_fp8_rounding(corpus, base, pieces):
+    config, weights = tiny_weights(tie_head=base.model.tie_head, config=base)
+    cached = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
+    tokens = jnp.asarray(generate.prompts_from(corpus.validation, 3, sum(pieces)))
+    with jax.default_matmul_precision("highest"):
+        full = jitted(cached)[0](tokens)
+        exact = cached_logits(cached, tokens, pieces)
+        fp8 = cached_logits(cached, tokens, pieces, jnp.float8_e4m3fn)
+        # one prefill: attention over the dequantized cache, the reference of the decode
+        # steps' multiply-reduces over the FP8 bytes (each vector is stored alike either way)
+        prefilled = cached_logits(cached, tokens, [sum(pieces)], jnp.float8_e4m3fn)
+    np.testing.assert_allclose(exact, full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fp8, prefilled, rtol=1e-5, atol=1e-5)
+    # FP8 keys and values change the logits, a little (3 mantissa bits, a scale a vector):
+    # 2.6% and 3.8% here (root mean square, relative).
+    error = float(jnp.sqrt(jnp.mean((fp8 - full) ** 2) / jnp.mean(full ** 2)))
+    assert 0 < error < 0.06
+    assert np.mean(np.argmax(fp8, -1) == np.argmax(full, -1)) > 0.85
+    # a byte a value and a float32 scale per head vector, against 4 bytes a value
+    cache = decode.init_cache(config.model, 3, 64, jnp.float8_e4m3fn)
+    assert cache.nbytes == decode.init_cache(config.model, 3, 64, jnp.float32).nbytes * \
+        (1 + 4 / config.model.head_dim) / 4
+
+
+def test_greedy_generation_with_an_fp8_cache_is_the_argmax_of_its_cached_forward(corpus):
+    config, weights = tiny_weights(config=LLAMA_TINY, tie_head=False)
+    cached = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
+    prompt = generate.prompts_from(corpus.validation, 4, 9)
+    generator = decode.Generator(cached, cache_dtype=jnp.float8_e4m3fn)
+    assert generator.cache_dtype == jnp.float8_e4m3fn
+    generated = generator.generate(prompt, 6, jax.random.key(0)).tokens
+    tokens = jnp.concatenate([jnp.asarray(prompt), jnp.asarray(generated[:, :-1])], axis=1)
+    logits = cached_logits(cached, tokens, [9] + [1] * 5, jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(np.argmax(logits[:, 8:], -1), generated)
+
+
+#: Entry instructions that write no memory of their own.
+_NOT_WRITTEN = ("parameter", "tuple", "get-tuple-element", "bitcast", "constant")
+
+
+def written_arrays(hlo: str) -> list[tuple[str, tuple[int, ...], str, str]]:
+    """(dtype, dims, opcode, the called computation's body) of each array an instruction of a
+    compiled program's entry computation writes: what is materialised (a fusion's inside is
+    not; a multi-output fusion writes each of its results)."""
+    bodies = dict(re.findall(r"^%?([\w.\-]+) [^\n]*\{\n(.*?)^\}", hlo, re.M | re.S))
+    entry = hlo[hlo.index("\nENTRY"):].split("\n}", 1)[0].splitlines()[1:]
+    found = []
+    for line in entry:
+        match = re.match(r"\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([\w\-]+)\(", line)
+        if not match or match.group(2) in _NOT_WRITTEN:
+            continue
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        body = bodies.get(called.group(1), "") if called else ""
+        found += [(dtype, tuple(int(d) for d in dims.split(",") if d), match.group(2), body)
+                  for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", match.group(1))]
+    return found
+
+
+def decode_step(config, cache_dtype, compute_dtype=jnp.float32, batch=4):
+    """One compiled decode step of `config`'s stock model, a cache for prompts of 20 and 17
+    new tokens (the body of a decode call's device loop, on its own: its writes are the
+    entry computation's)."""
+    weights = generate.serving_weights(config, None, compute_dtype)
+    cached = decode.CachedGPT(generate.model_with(config, "stock", weights, compute_dtype))
+    generator = decode.Generator(cached, cache_dtype=cache_dtype)
+    cache = jax.eval_shape(lambda: generator.new_cache(batch, 37))
+    return generator._step.lower(generator.state, cache,
+                                 jax.ShapeDtypeStruct((batch, 1), jnp.int32), jnp.int32(20),
+                                 jax.random.key(0)).compile()
+
+
+def assert_writes_the_cache_in_place(compiled, config, batch):
+    """Every cache-sized array the step writes is a `dynamic_update_slice` (into the donated
+    cache, in place): none is a copy or a concatenation."""
+    m = config.model
+    whole = (m.n_layers, batch, 37, m.kv_heads, m.head_dim)
+    cache_sized = [(opcode, body) for _, dims, opcode, body in written_arrays(
+        compiled.as_text()) if dims == whole]
+    writes = [opcode for opcode, body in cache_sized
+              if opcode == "dynamic-update-slice" or "dynamic-update-slice(" in body]
+    assert len(writes) >= 2 * m.n_layers  # keys and values of each layer, where they are
+    assert len(writes) == len(cache_sized), cache_sized  # and nothing else of the cache's size
+
+
+@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.float8_e4m3fn])
+def test_a_decode_step_writes_the_cache_in_place(cache_dtype):
+    # Two layers: the old step sliced each layer out, updated it and stacked them back, a
+    # concatenation (a copy) of the whole cache every step.
+    config = TINY.replace(n_layers=2)
+    assert_writes_the_cache_in_place(decode_step(config, cache_dtype), config, 4)
+
+
+def test_an_fp8_decode_step_reads_the_cache_with_no_dot():
+    # A dot of the FP8 cache would want a 16-bit copy of it (a GPU's GEMMs read no mixed
+    # operands); the decode attention is multiply-reduces instead, which XLA fuses with the
+    # conversion (test_a_decode_step_on_the_gpu_reads_the_fp8_cache_as_it_is).
+    config = LLAMA_TINY
+    generator = decode.Generator(decode.CachedGPT(generate.model_with(
+        config, "stock", generate.serving_weights(config, None, jnp.float32), jnp.float32)),
+        cache_dtype=jnp.float8_e4m3fn)
+    cache = generator.new_cache(2, 37)
+    dots = [eqn for eqn in traced_equations(
+        generator._forward_and_sample, generator.state, cache, jnp.zeros((2, 1), jnp.int32),
+        jnp.int32(5), jax.random.key(0)) if eqn.primitive.name == "dot_general"]
+    assert dots and all(37 not in var.aval.shape for eqn in dots for var in eqn.invars)
+    prefill = [eqn for eqn in traced_equations(
+        generator._forward_and_sample, generator.state, cache, jnp.zeros((2, 9), jnp.int32),
+        jnp.int32(0), jax.random.key(0)) if eqn.primitive.name == "dot_general"]
+    assert any(37 in var.aval.shape for eqn in prefill for var in eqn.invars)  # its GEMMs
+
+
+@pytest.mark.gpu
+def test_a_decode_step_on_the_gpu_reads_the_fp8_cache_as_it_is():
+    config = LLAMA_TINY.replace(n_layers=2)
+    m = config.model
+    with jax.default_device(jax.devices("cuda")[0]):
+        compiled = decode_step(config, jnp.float8_e4m3fn, jnp.bfloat16, batch=64)
+    layer = 64 * 37 * m.kv_heads * m.head_dim
+    # no 16- or 32-bit array of a layer's cache, or more, is written between kernels
+    wide = [(dtype, dims, opcode) for dtype, dims, opcode, _ in written_arrays(
+        compiled.as_text()) if dtype in ("bf16", "f16", "f32") and np.prod(dims) >= layer]
+    assert not wide, wide
+    assert_writes_the_cache_in_place(compiled, config, 64)
 
 
 def greedy_by_full_forward(cached, prompt, new_tokens):
@@ -264,6 +415,8 @@ def test_compare_writes_every_variant_with_quality(tmp_path, name, projections):
             assert step_memory is None or step_memory["peak_bytes"] > 0
         assert 0.5 < record["top1_agreement_with_stock"] <= 1
     assert variants["stock"]["top1_agreement_with_stock"] == 1
+    assert [variants[variant]["kv_cache"] for variant in variants] == \
+        ["float32", "float8_e4m3fn", "float32"][:len(variants)]
     assert variants["stock"]["validation_loss_vs_stock"] == 0
     assert variants["epilog_fp8"]["weight_bytes"] < variants["stock"]["weight_bytes"]
     assert [variants[variant]["fp8_kernels"] for variant in variants] == \
@@ -272,6 +425,58 @@ def test_compare_writes_every_variant_with_quality(tmp_path, name, projections):
     assert all(f"| {variant} | 3 |" in text for variant in variants)
     assert written["config"]["model"]["arch"] == configs.get(name).model.arch
     assert written["metadata"]["platform"] == jax.default_backend()
+
+
+def test_kv_cache_and_profile_options_reach_the_report(tmp_path):
+    report = run_main("--random-init", "--variant", "epilog_fp8", "--batch", "2",
+                      "--prompt-len", "5", "--new-tokens", "4", "--repeats", "1",
+                      "--eval-batches", "1", "--fp8-min-features", "64", "--profile",
+                      str(tmp_path / "traces"), "--out", str(tmp_path))
+    record = report["result"]["variants"]["epilog_fp8"]
+    measured = record["by_batch"]["2"]
+    assert record["kv_cache"] == "float8_e4m3fn"  # "auto": FP8 for epilog_fp8
+    assert measured["kv_cache_bytes"] == decode.init_cache(
+        configs.get("tiny").model, 2, 9, jnp.float8_e4m3fn).nbytes
+    # On the CPU the trace holds no GPU kernel; on a GPU, kernel times by kind.
+    profiled = measured["profile"]
+    assert profiled["steps"] == 3 and list((tmp_path / "traces").rglob("*.xplane.pb"))
+    assert "no GPU kernels" in profiled["note"] if jax.default_backend() == "cpu" else \
+        profiled["kernel_ms"] > 0
+    text = (tmp_path / "gpt_generate.md").read_text()
+    assert "| epilog_fp8 | 2 | float8_e4m3fn |" in text  # the profile's row
+    assert "| float8_e4m3fn, " in text  # the main table's KV cache cell
+
+
+def test_cache_dtype_per_variant_and_choice():
+    assert generate.cache_dtype("epilog_fp8", "auto", jnp.bfloat16) == jnp.float8_e4m3fn
+    assert generate.cache_dtype("stock", "auto", jnp.bfloat16) == jnp.bfloat16
+    assert generate.cache_dtype("qwix_fp8", "auto", jnp.float32) == jnp.float32
+    assert generate.cache_dtype("stock", "fp8", jnp.float32) == jnp.float8_e4m3fn
+    assert generate.cache_dtype("epilog_fp8", "bf16", jnp.float32) == jnp.bfloat16
+    with pytest.raises(ValueError, match="kv_cache: expected 'auto' or one of"):
+        generate.cache_dtype("stock", "int8", jnp.float32)
+
+
+def test_decode_kernels_are_sorted_by_the_scope_that_launched_them():
+    kernel = lambda name, op: generate.profile.gpu_trace.Kernel(0, 1000, "Stream #1", name, op)
+    hlo = "\n".join([
+        "ENTRY %main (p: f32[4]) -> f32[4] {",
+        '  %dus = f8e4m3fn[4] fusion(%p), kind=kLoop, calls=%c, metadata={op_name="jit(f)/'
+        'kv_cache/dynamic_update_slice"}',
+        '  %scores = f32[4] fusion(%p), kind=kInput, calls=%c, metadata={op_name="jit(f)/'
+        'cached_attention/reduce_sum"}',
+        '  %dot = f32[4] custom-call(%p), metadata={op_name="jit(f)/dot_general"}',
+        '  %norm = f32[4] fusion(%p), kind=kLoop, calls=%c, metadata={op_name="jit(f)/rsqrt"}',
+        "}"])
+    kernels = [kernel("loop_dynamic_update_slice_fusion", "dus"),
+               kernel("input_reduce_fusion", "scores"), kernel("nvjet_hsh_64x8", "dot"),
+               kernel("nvjet_hsh_64x8", "dot"), kernel("loop_rsqrt_fusion", "norm")]
+    got = generate.profile.breakdown(kernels, 1, hlo, generate.decode_kind,
+                                     generate.DECODE_TOP_KERNELS)
+    assert [got[f"{kind}_ms"] for kind in ("gemm", "attention", "cache", "other")] == \
+        [0.002, 0.001, 0.001, 0.001]
+    assert {t["op"]: t["kind"] for t in got["top"]} == \
+        {"dot": "gemm", "scores": "attention", "dus": "cache", "norm": "other"}
 
 
 def test_bad_input_names_the_argument(tmp_path, capsys):
@@ -296,3 +501,6 @@ def test_bad_input_names_the_argument(tmp_path, capsys):
             temperature=-1.0)
     with pytest.raises(ValueError, match="variant"):
         generate.build_variant("int4", TINY, None, jnp.float32)
+    assert "--kv-cache: invalid choice" in error_of("--random-init", "--kv-cache", "int8")
+    with pytest.raises(ValueError, match="dtype: expected a floating-point cache dtype"):
+        decode.init_cache(TINY.model, 1, 8, jnp.int8)

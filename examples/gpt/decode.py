@@ -13,7 +13,16 @@ for "llama"), `attention.out`, `mlp_norm` and `mlp`, `final_norm`, the tied head
 so its logits are the full forward's for the same tokens, whatever layers the model was built
 from (tested, teacher forced, to float tolerance). Only the attention is its
 own: each query attends over the whole cache with positions after it masked out, so one
-compiled decode step serves every position.
+compiled decode step serves every position. Each layer's keys and values are written into the
+whole `(layers, ...)` cache arrays with one `dynamic_update_slice` each, so the donated cache
+is updated in place (no copy of it per step).
+
+The cache is in the compute dtype, or in FP8 (`init_cache(..., jnp.float8_e4m3fn)`, as
+TensorRT-LLM and vLLM offer for FP8 serving): each head's key or value vector stored with
+a float32 scale of its own, its amax over the format's largest value (current scaling, set
+when the vector is written). A decode step (one query per sequence) reads the FP8 bytes in
+multiply-reduces, the key scales multiplying the scores and the value scales the
+probabilities; a prefill dequantizes the layer's cache and runs XLA's attention.
 
 `Generator` jits a prefill and a decode call once per batch shape (the cache donated, so it is
 updated in place) and samples greedily or with temperature and top-k. One decode call runs up
@@ -38,41 +47,119 @@ from .model import GPT, ModelConfig
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer, `(layers, batch, max_len, n_kv_heads, head_dim)` each, in
-    the compute dtype (RoPE applied to the keys); the positions not yet written hold zeros and
-    are masked."""
+    """Keys and values of every layer, `(layers, batch, max_len, n_kv_heads, head_dim)` each
+    (RoPE applied to the keys), in the compute dtype, or in FP8 with `key_scales` and
+    `value_scales` `(layers, batch, max_len, n_kv_heads)` float32: a stored head vector times
+    its scale is its value. The positions not yet written hold zeros and are masked."""
 
     keys: jax.Array
     values: jax.Array
+    key_scales: Optional[jax.Array] = None
+    value_scales: Optional[jax.Array] = None
 
     @property
     def max_len(self) -> int:
         return self.keys.shape[2]
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes in memory, the scales included."""
+        return sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
+                   for leaf in jax.tree.leaves(self))
+
+
+def is_fp8(dtype) -> bool:
+    """Whether a cache in `dtype` is stored scaled (one byte a value)."""
+    return jnp.dtype(dtype).itemsize == 1
+
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
+    """An empty cache in `dtype`: the compute dtype, or an FP8 dtype (scaled per head vector)."""
     if max_len > config.seq_len:
         raise ValueError(f"max_len: {max_len} is more than the model's seq_len "
                          f"{config.seq_len} (its learned positions)")
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype: expected a floating-point cache dtype, got {dtype!r}")
     shape = (config.n_layers, batch, max_len, config.kv_heads, config.head_dim)
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    if not is_fp8(dtype):
+        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    # four arrays, not one array twice: the cache is donated
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32))
 
 
-def _attend_to_cache(block, x, keys, values, start):
-    """One block's attention for `x` `(B, T, width)` at positions `start...`, the layer's cache
-    `keys`/`values` `(B, L, n_kv_heads, head_dim)` updated with this step's keys and values."""
+def quantize_vectors(x, dtype):
+    """(`x` in FP8 `dtype`, float32 scales `x.shape[:-1]`): each last-axis vector (a head's
+    key or value) scaled so that its amax is the format's largest value (current scaling:
+    nothing to calibrate, nothing to drift); an all-zero vector gets scale 1."""
+    largest = float(jnp.finfo(dtype).max)
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1)
+    scales = jnp.where(amax > 0, amax * (1 / largest), 1.0)  # XLA multiplies either way
+    return jnp.clip(x / scales[..., None], -largest, largest).astype(dtype), scales
+
+
+def _write(cache: KVCache, layer: int, start, k, v) -> KVCache:
+    """`cache` with `k` and `v` `(B, T, n_kv_heads, head_dim)` of `layer` at positions
+    `start...`: one update of each whole array, in place (the cache is donated), rather than
+    a new per-layer slice stacked back, which copied the whole cache every step."""
+    def put(whole, part):
+        return jax.lax.dynamic_update_slice(whole, part[None].astype(whole.dtype),
+                                            (layer, 0, start) + (0,) * (whole.ndim - 3))
+    with jax.named_scope("kv_cache"):
+        if cache.key_scales is None:
+            return KVCache(put(cache.keys, k), put(cache.values, v))
+        (k, k_scales), (v, v_scales) = (quantize_vectors(x, cache.keys.dtype) for x in (k, v))
+        return KVCache(put(cache.keys, k), put(cache.values, v),
+                       put(cache.key_scales, k_scales), put(cache.value_scales, v_scales))
+
+
+def _attend_fp8_one_query(q, keys, values, key_scales, value_scales, visible):
+    """Attention of one query per sequence `q` `(B, 1, n_heads, head_dim)` over an FP8 layer
+    cache, as multiply-reduces that read the FP8 bytes (a dot would want a converted 16-bit
+    copy of the cache first): the key scales multiply the scores, the value scales the
+    probabilities. `visible` `(L,)`: the positions the query sees."""
+    batch, _, n_heads, head_dim = q.shape
+    kv_heads, dtype = keys.shape[2], q.dtype
+    q = q.astype(jnp.float32).reshape(batch, 1, kv_heads, n_heads // kv_heads, head_dim)
+    # (B, L, n_kv_heads, group): each query head with its group's key head
+    scores = jnp.sum(q * keys[:, :, :, None, :].astype(jnp.float32), axis=-1)
+    scores = scores * (key_scales[..., None] / np.sqrt(head_dim))
+    scores = jnp.where(visible[None, :, None, None], scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=1) * value_scales[..., None]
+    y = jnp.sum(weights[..., None] * values[:, :, :, None, :].astype(jnp.float32), axis=1)
+    return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
+
+
+def _attention(q, cache: KVCache, layer: int, mask):
+    """`q` `(B, T, n_heads, head_dim)` attending to `layer`'s cache; `mask` `(T, L)`."""
+    keys, values = cache.keys[layer], cache.values[layer]
+    if cache.key_scales is None:
+        # XLA's attention: cuDNN's fused attention takes no arbitrary mask.
+        return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
+                                            mask=mask[None, None], implementation="xla")
+    key_scales, value_scales = cache.key_scales[layer], cache.value_scales[layer]
+    if q.shape[1] == 1:  # a decode step
+        return _attend_fp8_one_query(q, keys, values, key_scales, value_scales, mask[0])
+    # A prefill's many queries: its GEMMs want 16-bit operands, so dequantize this layer once.
+    dequantized = lambda x, scales: (x.astype(jnp.float32) * scales[..., None]).astype(q.dtype)
+    return jax.nn.dot_product_attention(q, dequantized(keys, key_scales),
+                                        dequantized(values, value_scales),
+                                        mask=mask[None, None], implementation="xla")
+
+
+def _attend_to_cache(block, x, cache: KVCache, layer: int, start):
+    """One block's attention for `x` `(B, T, width)` at positions `start...`, and the cache
+    with this step's keys and values written into `layer`."""
     batch, length, width = x.shape
     query_positions = start + jnp.arange(length)
     q, k, v = block.attention.project(x, query_positions)
-    at = (0, start, 0, 0)
-    keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype), at)
-    values = jax.lax.dynamic_update_slice(values, v.astype(values.dtype), at)
+    cache = _write(cache, layer, start, k, v)
     # Query i (position start + i) sees cache positions up to its own; later ones are empty.
-    mask = jnp.arange(keys.shape[1])[None, :] <= query_positions[:, None]
-    # XLA's attention: cuDNN's fused attention takes no arbitrary mask.
-    y = jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
-                                     mask=mask[None, None], implementation="xla")
-    return block.attention.out(y.reshape(batch, length, width)), keys, values
+    mask = jnp.arange(cache.max_len)[None, :] <= query_positions[:, None]
+    with jax.named_scope("cached_attention"):
+        y = _attention(q, cache, layer, mask)
+    return block.attention.out(y.reshape(batch, length, width)), cache
 
 
 def forward_with_cache(model: GPT, tokens, cache: KVCache, start, *, last_only: bool = False):
@@ -80,17 +167,13 @@ def forward_with_cache(model: GPT, tokens, cache: KVCache, start, *, last_only: 
     `last_only`: the logits of the last position only `(B, 1, vocab)` (the head's GEMM for the
     others is skipped: generation needs only the next token)."""
     x = model.embed(tokens, start + jnp.arange(tokens.shape[1]))
-    keys, values = [], []
     for layer, block in enumerate(model.blocks):
-        attended, k, v = _attend_to_cache(block, block.attention_norm(x), cache.keys[layer],
-                                          cache.values[layer], start)
+        attended, cache = _attend_to_cache(block, block.attention_norm(x), cache, layer, start)
         x = x + attended
         x = x + block.mlp(block.mlp_norm(x))
-        keys.append(k)
-        values.append(v)
     if last_only:
         x = x[:, -1:]
-    return model.logits(x), KVCache(jnp.stack(keys), jnp.stack(values))
+    return model.logits(x), cache
 
 
 class CachedGPT(nnx.Module):
@@ -132,16 +215,19 @@ class Generator:
     steps from `tokens` `(B,)` at `position` and returns (the next `count` tokens
     `(steps_per_call, B)`, rows past `count` unused; the updated cache). The cache argument is
     donated. A step's random key is `fold_in(key, position)`, so a seed gives one sequence
-    however it is stepped."""
+    however it is stepped. `cache_dtype`: the KV cache's (`init_cache`), None for the compute
+    dtype."""
 
     def __init__(self, cached: CachedGPT, *, temperature: float = 0.0,
-                 top_k: Optional[int] = None, steps_per_call: int = 16):
+                 top_k: Optional[int] = None, cache_dtype=None, steps_per_call: int = 16):
         sample(jnp.zeros((1, cached.model.config.vocab_size)), None if temperature == 0 else
                jax.random.key(0), temperature=temperature, top_k=top_k)  # checks the arguments
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
             raise ValueError(f"steps_per_call: expected an int >= 1, got {steps_per_call!r}")
         self.config = cached.model.config
-        self.dtype = cached.model.final_norm.dtype or jnp.float32  # the compute dtype: the cache's
+        self.cache_dtype = jnp.dtype(cache_dtype or cached.model.final_norm.dtype
+                                     or jnp.float32)
+        jax.eval_shape(lambda: self.new_cache(1, 1))  # checks the dtype
         self.steps_per_call = steps_per_call
         self.graphdef, self.state = nnx.split(cached)
         self._sample = functools.partial(sample, temperature=temperature, top_k=top_k)
@@ -169,13 +255,15 @@ class Generator:
         """The prefill step and the decode call compiled for `batch` prompts of `prompt_len`
         tokens and a cache for `new_tokens` more: {"prefill": ..., "decode": ...}."""
         check_fits(self.config, prompt_len, new_tokens)
-        cache = jax.eval_shape(lambda: init_cache(self.config, batch, prompt_len + new_tokens,
-                                                  self.dtype))
+        cache = jax.eval_shape(lambda: self.new_cache(batch, prompt_len + new_tokens))
         tokens = lambda length: jax.ShapeDtypeStruct((batch,) + length, jnp.int32)
         return {"prefill": self._step.lower(self.state, cache, tokens((prompt_len,)),
                                             jnp.int32(0), key).compile(),
                 "decode": self._steps.lower(self.state, cache, tokens(()), jnp.int32(0),
                                             jnp.int32(1), key).compile()}
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return init_cache(self.config, batch, max_len, self.cache_dtype)
 
     def prefill(self, cache: KVCache, prompt, key, compiled=None):
         step = compiled or self._step
@@ -198,8 +286,7 @@ class Generator:
         batch, prompt_len = np.shape(prompt)
         check_fits(self.config, prompt_len, new_tokens)
         compiled = compiled or {}
-        cache = jax.block_until_ready(init_cache(self.config, batch, prompt_len + new_tokens,
-                                                 self.dtype))
+        cache = jax.block_until_ready(self.new_cache(batch, prompt_len + new_tokens))
         prompt = jax.block_until_ready(jnp.asarray(prompt, jnp.int32))
         start = time.perf_counter()
         token, cache = self.prefill(cache, prompt, key, compiled.get("prefill"))

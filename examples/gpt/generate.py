@@ -23,15 +23,22 @@ and `--top-k` with `--seed`. Each
 variant and batch size is compiled first (compile time), run once with a progress bar (its
 text is printed), then timed `--repeats` times (medians): time to first token (the prefill,
 its token on the host), prefill and decode tokens/s. `--compare` runs all three and adds
-quality against stock, teacher forced on validation windows: the validation loss and the
-agreement of the next-token argmax; it writes `gpt_generate.json` and `gpt_generate.md` to
-`--out`.
+quality against stock, teacher forced on validation windows (each window one prefill into
+the variant's KV cache): the validation loss and the agreement of the next-token argmax; it
+writes `gpt_generate.json` and `gpt_generate.md` to `--out`.
+
+The KV cache (`--kv-cache`) is the compute dtype, `bf16`, or `fp8` (float8_e4m3fn, a float32
+scale per head vector; decode.py); `auto` gives `epilog_fp8` the FP8 cache and the others the
+compute dtype. `--profile DIR` traces a few decode steps of each variant and batch size with
+`jax.profiler` (the traces kept in DIR) and sorts the step's GPU kernels into GEMMs, the
+attention over the cache, the cache writes and the rest (profile.py's `breakdown`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import statistics
 import sys
 import time
@@ -50,11 +57,13 @@ from flax import nnx
 import jax_epilog
 from jax_epilog.float8.weights import key_names
 
-from gpt import compare, configs, data, train
-from gpt.decode import CachedGPT, Generator, check_fits
+from gpt import compare, configs, data, profile, train
+from gpt.decode import CachedGPT, Generator, check_fits, init_cache
 from gpt.model import GPT
 
 VARIANTS = ("stock", "epilog_fp8", "qwix_fp8")
+#: `--kv-cache`'s dtypes; "auto" is `cache_dtype`'s choice per variant.
+KV_CACHES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 #: The projections Qwix quantizes, by module path under `CachedGPT`: those jax-epilog's FP8
 #: would (the embeddings and the tied head stay 16-bit in both).
 QWIX_PROJECTIONS = r"model/blocks/\d+/(attention/(qkv|out)|mlp/(layers/\d+|gate|up|down))"
@@ -253,9 +262,10 @@ def measure(generator: Generator, prompts: np.ndarray, new_tokens: int, key, *,
     prefill_s = statistics.median(r.prefill_s for r in runs)
     decode_s = statistics.median(r.decode_s for r in runs)
     decode_steps = new_tokens - 1
+    cache = jax.eval_shape(lambda: generator.new_cache(batch, prompt_len + new_tokens))
     return {
         "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
-        "compile_s": compile_s, "repeats": repeats,
+        "compile_s": compile_s, "repeats": repeats, "kv_cache_bytes": cache.nbytes,
         "time_to_first_token_s": prefill_s,
         "prefill_tokens_per_s": batch * prompt_len / prefill_s,
         "decode_step_s": decode_s / decode_steps if decode_steps else None,
@@ -264,14 +274,62 @@ def measure(generator: Generator, prompts: np.ndarray, new_tokens: int, key, *,
         # This variant's own: the compiled decode step's arguments (weights, cache), outputs
         # and temporaries, less the donated cache. The device's figures are process-wide.
         "decode_step_memory": compare.timing.memory_analysis(compiled["decode"]),
-        "memory": memory_in_use(), "tokens": first.tokens,
+        "memory": memory_in_use(), "tokens": first.tokens, "compiled": compiled,
     }
 
 
-def teacher_forced(cached: CachedGPT, batches) -> tuple[float, list[np.ndarray]]:
-    """(the mean validation loss of the full forward, each batch's next-token argmax)."""
+#: Decode steps `--profile` traces per variant and batch size (after one untraced).
+PROFILE_STEPS = 5
+#: How many of the longest kernels of each kind a decode step's profile lists.
+DECODE_TOP_KERNELS = {"gemm": 6, "attention": 4, "cache": 4, "other": 8}
+
+
+def decode_kind(kernel, line: str) -> str:
+    """A decode step's kinds: by the named scope of the launching HLO instruction (decode.py's
+    "kv_cache" writes and "cached_attention", whose dots are GEMM kernels), then GEMMs by
+    kernel name, then the rest (norms, activations, quantization, sampling)."""
+    scope = re.search(r'op_name="([^"]*)"', line)
+    scope = scope.group(1) if scope else ""
+    if "/kv_cache/" in scope:
+        return "cache"
+    if "/cached_attention/" in scope:
+        return "attention"
+    return "gemm" if profile.gpu_trace.GEMM_KERNEL.search(kernel.name) else "other"
+
+
+def profile_decode(generator: Generator, compiled: dict, prompts: np.ndarray, new_tokens: int,
+                   key, folder: Path) -> dict[str, Any]:
+    """The GPU kernels of up to `PROFILE_STEPS` decode steps traced into `folder`, per step
+    by kind (`decode_kind`), after a prefill and one untraced decode step."""
+    steps = min(PROFILE_STEPS, new_tokens - 1)
+    if steps < 1:
+        return {"note": "no decode step to trace (--new-tokens 1)"}
+    batch, prompt_len = prompts.shape
+    cache = generator.new_cache(batch, prompt_len + new_tokens)
+    token, cache = generator.prefill(cache, prompts, key, compiled["prefill"])
+    out, cache = generator.decode(cache, token, prompt_len, 1, key, compiled["decode"])
+    token = jax.block_until_ready(out[0])
+    with jax.profiler.trace(str(folder)):
+        for position in range(prompt_len + 1, prompt_len + 1 + steps, generator.steps_per_call):
+            count = min(generator.steps_per_call, prompt_len + 1 + steps - position)
+            out, cache = generator.decode(cache, token, position, count, key, compiled["decode"])
+            token = out[count - 1]
+        jax.block_until_ready(token)
+    trace = profile.gpu_trace.latest_trace(folder)
+    kernels = next(iter(profile.gpu_trace.gpu_kernels(trace).values()), []) if trace else []
+    return {"steps": steps, "trace": str(trace) if trace else None,
+            **profile.breakdown(kernels, steps, compiled["decode"].as_text() or "",
+                                decode_kind, DECODE_TOP_KERNELS)}
+
+
+def teacher_forced(cached: CachedGPT, batches, cache_dtype) -> tuple[float, list[np.ndarray]]:
+    """(the mean validation loss, each batch's next-token argmax) of the served path: each
+    batch one prefill into an empty KV cache in `cache_dtype`. A prefill attends to the
+    cache as a decode step does, so an FP8 cache's rounding is in the figures."""
     graphdef, state = nnx.split(cached)
-    logits_of = jax.jit(lambda s, tokens: nnx.merge(graphdef, s)(tokens))
+    config = cached.model.config
+    logits_of = jax.jit(lambda s, tokens: nnx.merge(graphdef, s)(
+        tokens, init_cache(config, *tokens.shape, cache_dtype), 0)[0])
     losses, predictions = [], []
     for inputs, targets in batches:
         logits = logits_of(state, jnp.asarray(inputs))
@@ -302,7 +360,20 @@ class Settings:
     fp8_min_features: Optional[int] = None
     static_scales: bool = False
     progress: bool = True
+    kv_cache: str = "auto"
+    profile: Optional[str] = None  # a folder for the decode steps' traces
     steps_per_call: int = 16
+
+
+def cache_dtype(name: str, choice: str, dtype):
+    """The KV cache's dtype for variant `name` under `--kv-cache` `choice`: "auto" is FP8 for
+    `epilog_fp8` (FP8 serving end to end) and the compute `dtype` for the others."""
+    if choice == "auto":
+        return KV_CACHES["fp8"] if name == "epilog_fp8" else dtype
+    if choice not in KV_CACHES:
+        raise ValueError(f"kv_cache: expected 'auto' or one of {tuple(KV_CACHES)}, got "
+                         f"{choice!r}")
+    return KV_CACHES[choice]
 
 
 def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dtype,
@@ -325,17 +396,24 @@ def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dt
         print(f"{name}: no kernel is stored in FP8 (quantize_params' default rule wants both "
               "dims >= 512; --fp8-min-features lowers it)", flush=True)
     generator = Generator(cached, temperature=settings.temperature, top_k=settings.top_k,
+                          cache_dtype=cache_dtype(name, settings.kv_cache, dtype),
                           steps_per_call=settings.steps_per_call)
+    record["kv_cache"] = generator.cache_dtype.name
     key = jax.random.key(settings.seed)
     for batch in settings.batches:
         prompts = prompts_from(corpus.validation, batch, settings.prompt_len)
         measured = measure(generator, prompts, settings.new_tokens, key,
                            repeats=settings.repeats, progress=settings.progress)
-        tokens = measured.pop("tokens")
+        tokens, compiled = measured.pop("tokens"), measured.pop("compiled")
+        if settings.profile is not None:
+            measured["profile"] = profile_decode(
+                generator, compiled, prompts, settings.new_tokens, key,
+                Path(settings.profile) / f"{name}_batch{batch}")
         measured["sample"] = {"prompt": text_of(prompts[0]), "generated": text_of(tokens[0])}
         record["by_batch"][str(batch)] = measured
         print_measurement(name, measured)
-    record["validation_loss"], predictions = teacher_forced(cached, validation)
+    record["validation_loss"], predictions = teacher_forced(cached, validation,
+                                                            generator.cache_dtype)
     return record, predictions
 
 
@@ -347,7 +425,10 @@ def print_measurement(name: str, m: dict) -> None:
               else "no decode step")
     print(f"{name} batch {m['batch']}: prefill {m['prefill_tokens_per_s']:,.0f} tokens/s, "
           f"{decode}, time to first token {m['time_to_first_token_s'] * 1e3:.1f} ms, "
-          f"compile {m['compile_s']:.1f} s, {peak}", flush=True)
+          f"compile {m['compile_s']:.1f} s, KV cache {_mib(m['kv_cache_bytes'])} MiB, {peak}",
+          flush=True)
+    if "profile" in m:
+        print(f"  decode step profile: {_profile_cells(m['profile'])}", flush=True)
     print(f"  {m['sample']['prompt'][-60:]!r} -> {m['sample']['generated'][:120]!r}", flush=True)
 
 
@@ -421,16 +502,17 @@ def render(report: dict) -> str:
                   "machine; the quality columns are the comparison.", ""]
     lines += [_row("variant", "batch", "prefill tokens/s", "decode tokens/s",
                    "time to first token ms", "compile s", "FP8 GEMMs (decode step)",
-                   "decode step MiB", "device peak MiB so far"), _row(*["---"] * 9)]
+                   "KV cache, MiB", "decode step MiB", "device peak MiB so far"),
+              _row(*["---"] * 10)]
     for name, r in result["variants"].items():
         lines += [_row(name, batch, _number(m["prefill_tokens_per_s"]),
                        _number(m["decode_tokens_per_s"]),
                        f"{m['time_to_first_token_s'] * 1e3:.1f}", f"{m['compile_s']:.1f}",
-                       m["fp8_gemms_decode"],
+                       m["fp8_gemms_decode"], f"{r['kv_cache']}, {_mib(m['kv_cache_bytes'])}",
                        _mib((m["decode_step_memory"] or {}).get("peak_bytes")),
                        _mib(m["memory"]["peak_bytes_in_use"]))
                   for batch, m in r["by_batch"].items()]
-    lines += [_row(name, f"failed: {error}", *[""] * 7)
+    lines += [_row(name, f"failed: {error}", *[""] * 8)
               for name, error in result["failed"].items()]
     lines += ["", _row("variant", "weights MiB", "validation loss", "vs stock",
                        "top-1 agreement with stock"), _row(*["---"] * 5)]
@@ -438,12 +520,51 @@ def render(report: dict) -> str:
                    _number(r.get("validation_loss_vs_stock"), "+.2%"),
                    _number(r.get("top1_agreement_with_stock"), ".2%"))
               for name, r in result["variants"].items()]
+    lines += _profile_section(result["variants"], s["profile"])
     lines += ["", "Samples (the first sequence of the first `--batch`: the prompt's last 80 "
               "bytes, then the generated ones):", ""]
     for name, r in result["variants"].items():
         sample = next(iter(r["by_batch"].values()))["sample"]
         lines += [f"- {name}: `{sample['prompt'][-80:]!r}` → `{sample['generated']!r}`"]
     return "\n".join(lines) + "\n"
+
+
+def _profile_cells(p: dict) -> str:
+    """A decode step's kernel time by kind, ms, or why there is none."""
+    if "kernel_ms" not in p:
+        return p["note"]
+    return (f"{p['kernel_ms']:.3f} ms of kernels: GEMM {p['gemm_ms']:.3f}, attention "
+            f"{p['attention_ms']:.3f}, cache writes {p['cache_ms']:.3f}, other "
+            f"{p['other_ms']:.3f}, {p['kernels_per_step']:.0f} kernels")
+
+
+def _profile_section(variants: dict, folder: Optional[str]) -> list[str]:
+    """`--profile`'s table (a decode step's GPU kernel time by kind) and, per variant at its
+    largest batch, the longest kernels."""
+    if folder is None:
+        return []
+    lines = ["", f"Where a decode step's time goes: GPU kernel time per step of "
+             f"up to {PROFILE_STEPS} traced steps (`--profile`, traces in `{folder}`), by kind "
+             "(`decode_kind` in generate.py).", "",
+             _row("variant", "batch", "KV cache", "kernels ms", "GEMM ms", "attention ms",
+                  "cache writes ms", "other ms", "kernels"), _row(*["---"] * 9)]
+    for name, r in variants.items():
+        for batch, m in r["by_batch"].items():
+            p = m["profile"]
+            cells = [p["note"], *[""] * 5] if "kernel_ms" not in p else [
+                f"{p[key]:.3f}" for key in ("kernel_ms", "gemm_ms", "attention_ms",
+                                            "cache_ms", "other_ms")] + \
+                [f"{p['kernels_per_step']:.0f}"]
+            lines.append(_row(name, batch, r["kv_cache"], *cells))
+    for name, r in variants.items():
+        batch, m = list(r["by_batch"].items())[-1]
+        if m["profile"].get("top"):
+            lines += ["", f"{name}, batch {batch}: the longest kernels of a decode step", "",
+                      _row("kind", "op", "calls", "ms per step", "what"), _row(*["---"] * 5)]
+            lines += [_row(t["kind"], f"`{t['op']}`", f"{t['calls_per_step']:.0f}",
+                           f"{t['ms_per_step']:.3f}", t["what"])
+                      for t in m["profile"]["top"]]
+    return lines
 
 
 def versions() -> dict[str, Any]:
@@ -489,6 +610,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--static-scales", action="store_true",
                         help="epilog_fp8: static input scales from the validation batches "
                              "(jax_epilog.calibrate)")
+    parser.add_argument("--kv-cache", default="auto", choices=("auto", *KV_CACHES),
+                        help="the KV cache's dtype: auto is fp8 for epilog_fp8 and the compute "
+                             "dtype for the others")
+    parser.add_argument("--profile", type=Path,
+                        help="trace a few decode steps per variant and batch size into this "
+                             "folder and report where a step's GPU time goes")
     parser.add_argument("--out", type=Path, help="folder for gpt_generate.json and .md")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--steps-per-call", type=int, default=16,
@@ -516,6 +643,7 @@ def settings_for(args: argparse.Namespace, config: configs.TrainConfig) -> Setti
     return Settings(tuple(args.batch), prompt_len, new_tokens, args.temperature, args.top_k,
                     args.seed, args.repeats, args.eval_batches, args.attention,
                     args.fp8_min_features, args.static_scales, not args.no_progress,
+                    args.kv_cache, None if args.profile is None else str(args.profile),
                     args.steps_per_call)
 
 

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -78,24 +78,32 @@ def describe_op(hlo_op: str, lines: dict[str, str], bodies: dict[str, list[str]]
     return f"{shape}: " + ", ".join(f"{op}×{n}" if n > 1 else op for op, n in ops.most_common(8))
 
 
-def breakdown(kernels: list[gpu_trace.Kernel], steps: int, hlo: str) -> dict[str, Any]:
+def training_kind(kernel: gpu_trace.Kernel, line: str) -> str:
+    """A training step's kinds, by kernel name: GEMMs, cuDNN's attention, the rest."""
+    return ("gemm" if gpu_trace.GEMM_KERNEL.search(kernel.name) else
+            "attention" if ATTENTION_KERNEL.search(kernel.name) else "other")
+
+
+def breakdown(kernels: list[gpu_trace.Kernel], steps: int, hlo: str,
+              kind_of: Callable[[gpu_trace.Kernel, str], str] = training_kind,
+              top_kernels: dict[str, int] = TOP_KERNELS) -> dict[str, Any]:
+    """Per step: the kernel time of each kind (`kind_of(kernel, its launching HLO line)`, one
+    of `top_kernels`' keys) and the longest kernels of each, `top_kernels[kind]` of them."""
     if not kernels:
         return {"note": "no GPU kernels in the trace (a CPU run, or no CUPTI)"}
     lines, bodies = hlo_index(hlo)
-    kind = lambda k: ("gemm" if gpu_trace.GEMM_KERNEL.search(k.name) else
-                      "attention" if ATTENTION_KERNEL.search(k.name) else "other")
+    kind = lambda k: kind_of(k, lines.get(k.hlo_op or "", ""))
     per_kind: dict[str, float] = collections.defaultdict(float)
     by_op: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     for k in kernels:
         per_kind[kind(k)] += k.duration_ns
         by_op[(kind(k), k.hlo_op or k.name)].append(k.duration_ns)
     longest = sorted(by_op.items(), key=lambda item: -sum(item[1]))
-    top = [item for name, n in TOP_KERNELS.items()
+    top = [item for name, n in top_kernels.items()
            for item in [item for item in longest if item[0][0] == name][:n]]
     return {
         "kernels_per_step": len(kernels) / steps,
-        **{f"{name}_ms": per_kind.get(name, 0.0) / steps / 1e6
-           for name in ("gemm", "attention", "other")},
+        **{f"{name}_ms": per_kind.get(name, 0.0) / steps / 1e6 for name in top_kernels},
         "kernel_ms": sum(per_kind.values()) / steps / 1e6,
         "top": [{"kind": k, "op": op[:80], "calls_per_step": len(d) / steps,
                  "ms_per_step": sum(d) / steps / 1e6, "what": describe_op(op, lines, bodies)}
