@@ -304,12 +304,13 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # to keep it for a later call: train.py then resumes there and trains no more), then
       # stock, epilog_fp8 and qwix_fp8 from its weights side by side (GENERATE_ARGS, e.g.
       # "--kv-cache bf16" to give epilog_fp8 the 16-bit cache too). GENERATE_PROFILE=1 traces
-      # a few decode steps of each into $OUT/generate_profile and adds where a step's GPU time
+      # a few decode steps of each (into /tmp/generate_profile) and adds where a step's GPU time
       # goes to the report. Qwix comes from the carried .whl/. First the decode step's GPU
       # test (the FP8 cache read as it is).
       gpu_tests generate "${GENERATE_TEST_CAP:-120}" test_gpt_generate.py
       profile_args=""
-      [ -n "${GENERATE_PROFILE:-}" ] && profile_args="--profile $OUT/generate_profile"
+      # (the traces stay on the machine: the report has what they say)
+      [ -n "${GENERATE_PROFILE:-}" ] && profile_args="--profile /tmp/generate_profile"
       ckpt="${GENERATE_CHECKPOINT_DIR:-$(mktemp -d)}"
       (cd "$ROOT" && runs --cap "${GENERATE_TRAIN_CAP:-240}" "$PY" examples/gpt/train.py \
         --config "${GENERATE_CONFIG:-large}" ${GENERATE_TRAIN_ARGS:---impl stock} \
