@@ -12,6 +12,11 @@ derivatives, the optimizer), and the kernels that took longest, each with the HL
 instruction that launched it and, for a fusion, the operations inside it (read from the
 optimized HLO), so a fusion can be told from a transpose or a cast. Writes `gpt_profile.json`
 and `gpt_profile.md`.
+
+Run as a script, it turns XLA's command buffers (CUDA graphs) off unless XLA_FLAGS sets
+them: inside a graph every kernel is named after the graph, not its HLO op. Kernel times
+stay comparable; the wall time then includes one launch per kernel, so it reads high for a
+step of many small kernels.
 """
 
 from __future__ import annotations
