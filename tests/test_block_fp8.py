@@ -21,7 +21,7 @@ import pytest
 
 import jax_epilog
 from jax_epilog import BlockScales, quantize_1x128, quantize_128x128
-from jax_epilog.float8 import blocks
+from jax_epilog.float8 import block_kernel, blocks
 
 E4M3 = ml_dtypes.float8_e4m3fn
 PAIRS = [("1x128", "128x128"), ("128x128", "1x128"), ("1x128", "1x128")]
@@ -143,13 +143,57 @@ def test_1x128_round_trip(rows):
     assert xt8.shape == (384, 128) and t_scales.values.shape == (1, 384)
 
 
-def test_1x128_both_is_the_two_copies():
-    x = _outliers(np.random.default_rng(1), 256, 128)
-    (x8, s), (xt8, st) = blocks.quantize_1x128_both(x)
-    np.testing.assert_array_equal(np.asarray(x8, np.float32),
-                                  np.asarray(quantize_1x128(x)[0], np.float32))
-    assert xt8.shape == (128, 256) and st.values.shape == (2, 128)
-    _round_trip_bound(x.T, xt8, st)
+def _hard_tiles(rng, rows, k, dtype):
+    """Random x (rows, K) zero-padded to a multiple of 128 rows, as the block layer pads it,
+    with what a tile can hold: outlier channels past e4m3's largest value, an all-zero
+    128×128 block, negative values and an infinity."""
+    x = np.array(_outliers(rng, rows, k, channels=(3, 200), factor=3e4))
+    x[:min(rows, 128), 128:256] = 0.0
+    x[rows // 2, k - 1] = -np.inf
+    x = np.pad(x, ((0, -rows % 128), (0, 0)))
+    return jnp.asarray(x, dtype)
+
+
+def _same_bytes(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
+def _both_copies_by_reference(x, dtype):
+    return quantize_1x128(x, dtype), quantize_1x128(x, dtype, transposed=True)
+
+
+BOTH_CASES = list(itertools.product([1, 127, 129, 256], [jnp.bfloat16, jnp.float32],
+                                    ["float8_e4m3fn", "float8_e5m2"]))
+
+
+@pytest.mark.parametrize("rows,dtype,fmt", BOTH_CASES,
+                         ids=[f"{r}-{d.__name__}-{f[7:]}" for r, d, f in BOTH_CASES])
+def test_1x128_both_is_the_two_copies_byte_for_byte(rows, dtype, fmt):
+    """The XLA formulation (amaxes from x as it lies, the 1-byte copy transposed) and the
+    Pallas kernel (run by the interpreter here) give exactly `quantize_1x128`'s bytes and
+    scales, both ways."""
+    x = _hard_tiles(np.random.default_rng(rows), rows, 384, dtype)
+    want = jax.jit(_both_copies_by_reference, static_argnums=1)(x, fmt)
+    (x8, s), (xt8, st) = jax.jit(blocks.quantize_1x128_both, static_argnums=1)(x, fmt)
+    _same_bytes(((x8, s.values), (xt8, st.values)), want)
+    assert s.block == st.block == "1x128"
+    _same_bytes(block_kernel.quantize_both(x, fmt, interpret=True),
+                (want[0][0], want[0][1].values, want[1][0], want[1][1].values))
+
+
+def test_1x128_both_chooses_pallas_on_cuda_only(monkeypatch):
+    """`BOTH_COPIES = "pallas"` runs the XLA formulation off CUDA (same bytes); an unknown
+    choice and rows that are not a multiple of 128 are refused, naming what to change."""
+    x = _hard_tiles(np.random.default_rng(3), 256, 256, jnp.bfloat16)
+    monkeypatch.setattr(blocks, "BOTH_COPIES", "pallas")
+    _same_bytes(jax.jit(blocks.quantize_1x128_both)(x), _both_copies_by_reference(x, "float8_e4m3fn"))
+    monkeypatch.setattr(blocks, "BOTH_COPIES", "triton")
+    with pytest.raises(ValueError, match="BOTH_COPIES: expected one of xla, pallas, got 'triton'"):
+        blocks.quantize_1x128_both(x)
+    with pytest.raises(ValueError, match="x: the quantized axis .rows.* got 129; zero-pad"):
+        blocks.quantize_1x128_both(x[:129])
 
 
 @pytest.mark.parametrize("rows", [128, 129, 384])
@@ -345,6 +389,22 @@ def test_gpu_kernel_matches_the_model(pair, epilog, out):
         # Hopper's FP8 tensor cores sum a 128-K block in reduced precision (about 14 bits),
         # then promote: float32 results measured up to 1.25 x 2**-12 of the terms' size.
         check(f(*args), p, size, out, slack=2.0**-11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(128, 128), (384, 256), (1024, 4096)], ids=str)
+def test_gpu_pallas_both_copies_match_xla_bytes(shape, monkeypatch):
+    """The Pallas kernel (Triton) on the GPU writes exactly the XLA formulation's bytes,
+    the transposed copy included (stored as uint8: Triton's transposed FP8 stores have
+    miscompiled), and really runs as a Triton kernel."""
+    gpu = jax.devices("cuda")[0]
+    x = jax.device_put(_hard_tiles(np.random.default_rng(5), *shape, jnp.bfloat16), gpu)
+    want = jax.jit(_both_copies_by_reference, static_argnums=1)(x, "float8_e4m3fn")
+    monkeypatch.setattr(blocks, "BOTH_COPIES", "pallas")
+    f = jax.jit(blocks.quantize_1x128_both)
+    assert "triton" in f.lower(x).as_text()
+    (x8, s), (xt8, st) = f(x)
+    _same_bytes(((x8, s.values), (xt8, st.values)), want)
 
 
 # --- the benchmark --------------------------------------------------------------------------
