@@ -171,26 +171,29 @@ BOTH_CASES = list(itertools.product([1, 127, 129, 256], [jnp.bfloat16, jnp.float
 @pytest.mark.parametrize("rows,dtype,fmt", BOTH_CASES,
                          ids=[f"{r}-{d.__name__}-{f[7:]}" for r, d, f in BOTH_CASES])
 def test_1x128_both_is_the_two_copies_byte_for_byte(rows, dtype, fmt):
-    """The XLA formulation (amaxes from x as it lies, the 1-byte copy transposed) and the
-    Pallas kernel (run by the interpreter here) give exactly `quantize_1x128`'s bytes and
+    """Every `BOTH_COPIES_CHOICES` kernel (on a CPU "pallas" is the XLA formulation) and the
+    Pallas kernel itself (run by the interpreter) give exactly `quantize_1x128`'s bytes and
     scales, both ways."""
     x = _hard_tiles(np.random.default_rng(rows), rows, 384, dtype)
     want = jax.jit(_both_copies_by_reference, static_argnums=1)(x, fmt)
-    (x8, s), (xt8, st) = jax.jit(blocks.quantize_1x128_both, static_argnums=1)(x, fmt)
-    _same_bytes(((x8, s.values), (xt8, st.values)), want)
-    assert s.block == st.block == "1x128"
+    for kernel in blocks.BOTH_COPIES_CHOICES:
+        (x8, s), (xt8, st) = jax.jit(blocks.quantize_1x128_both, static_argnums=1,
+                                     static_argnames="kernel")(x, fmt, kernel=kernel)
+        _same_bytes(((x8, s.values), (xt8, st.values)), want)
+        assert s.block == st.block == "1x128"
     _same_bytes(block_kernel.quantize_both(x, fmt, interpret=True),
                 (want[0][0], want[0][1].values, want[1][0], want[1][1].values))
 
 
-def test_1x128_both_chooses_pallas_on_cuda_only(monkeypatch):
-    """`BOTH_COPIES = "pallas"` runs the XLA formulation off CUDA (same bytes); an unknown
-    choice and rows that are not a multiple of 128 are refused, naming what to change."""
+def test_1x128_both_refuses_an_unknown_kernel_and_unpadded_rows(monkeypatch):
+    """An unknown `kernel` (or `BOTH_COPIES`) and rows that are not a multiple of 128 are
+    refused, naming what to change."""
     x = _hard_tiles(np.random.default_rng(3), 256, 256, jnp.bfloat16)
-    monkeypatch.setattr(blocks, "BOTH_COPIES", "pallas")
-    _same_bytes(jax.jit(blocks.quantize_1x128_both)(x), _both_copies_by_reference(x, "float8_e4m3fn"))
+    with pytest.raises(ValueError, match="kernel: expected one of xla, pallas, xla_separate, "
+                                         "got 'triton'"):
+        blocks.quantize_1x128_both(x, kernel="triton")
     monkeypatch.setattr(blocks, "BOTH_COPIES", "triton")
-    with pytest.raises(ValueError, match="BOTH_COPIES: expected one of xla, pallas, got 'triton'"):
+    with pytest.raises(ValueError, match="blocks.BOTH_COPIES: expected one of .*'triton'"):
         blocks.quantize_1x128_both(x)
     with pytest.raises(ValueError, match="x: the quantized axis .rows.* got 129; zero-pad"):
         blocks.quantize_1x128_both(x[:129])
