@@ -415,8 +415,8 @@ def test_gpu_pallas_both_copies_match_xla_bytes(shape, monkeypatch):
 @pytest.mark.slow
 def test_benchmark_smoke_report(tmp_path):
     """benchmarks/block_fp8_bench.py end to end on tiny shapes: every variant reported (the
-    GEMMs, the training step's), the errors and their sweep finite and the targets judged
-    (timings are never asserted)."""
+    GEMMs, the training step's, the quantization's: the same bytes every way), the errors
+    and their sweep finite and the targets judged (timings are never asserted)."""
     import json
     import sys
     from pathlib import Path
@@ -434,6 +434,15 @@ def test_benchmark_smoke_report(tmp_path):
     assert [e["factor"] for e in report["sweep"]] == list(block_fp8_bench.OUTLIER_FACTORS)
     assert set(report["step"]["variants"]) == set(block_fp8_bench.STEP_VARIANTS)
     # FP8 ran (no custom calls to count on a CPU): the step differs from XLA's by FP8 rounding
-    assert 1e-3 < report["step"]["variants"]["ours_fp8_block"]["relative_diff_vs_xla_bf16"] < 0.5
+    step = report["step"]["variants"]
+    assert 1e-3 < step["ours_fp8_block"]["relative_diff_vs_xla_bf16"] < 0.5
+    # the quantization kernels change no bit of the step
+    for variant in ("ours_fp8_block_separate", "ours_fp8_block_pallas"):
+        assert step[variant]["relative_diff_vs_xla_bf16"] == \
+            step["ours_fp8_block"]["relative_diff_vs_xla_bf16"]
+    quantize = report["quantize"]["variants"]
+    assert list(quantize) == ["xla_separate", "xla", "pallas"]
+    assert all(v["same_bytes_as_xla_separate"] and v["careful"]["seconds"] > 0
+               for v in quantize.values())
     assert len(report["targets"]) == 4 + 4
     assert "## Targets" in (tmp_path / "block_fp8.md").read_text()
