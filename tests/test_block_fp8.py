@@ -11,6 +11,7 @@ are in; P = op(a) op(b)ᵀ in float64, plus the bias; y is P rounded to the resu
 from __future__ import annotations
 
 import itertools
+import types
 import warnings
 
 import jax
@@ -356,6 +357,21 @@ def test_cuda_lowering_calls_the_block_target(pair, monkeypatch):
     assert ("1x144x256xf8E4M3FN" if pair[0] == "1x128" else "1x129x256xf8E4M3FN") in call
     want_b = "2x112xf32" if pair[1] == "1x128" else "1x4xf32"
     assert want_a in call and want_b in call, call
+
+
+def test_cuda_lowering_of_the_pallas_kernel(monkeypatch):
+    """`kernel="pallas"` lowered for CUDA from this host (JAX's Triton lowering told it is on
+    a Hopper GPU): every primitive of the kernel has a Triton lowering, and the module is one
+    Triton call with 8 warps."""
+    registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+    if not hasattr(registration, "gpu_info_lib"):
+        pytest.skip("this jax asks the GPU's compute capability another way")
+    monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
+                        lambda: types.SimpleNamespace(compute_capability=90))
+    x = _hard_tiles(np.random.default_rng(0), 256, 384, jnp.bfloat16)
+    f = jax.jit(lambda x: blocks.quantize_1x128_both(x, kernel="pallas"))
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "num_warps = 8" in text
 
 
 # --- the GPU --------------------------------------------------------------------------------

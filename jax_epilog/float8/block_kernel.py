@@ -20,6 +20,18 @@ from jax_epilog.float8.scaling import multiplier
 from jax_epilog.op.block_scales import BLOCK
 from jax_epilog.op.reference import saturating_cast
 
+#: Warps per program: a 128×128 float32 tile is 64 values a thread at 8 warps (128 at 4,
+#: Triton's default, where the two quantized tiles would spill registers). Not tuned yet.
+NUM_WARPS = 8
+
+
+def _compiler_params():
+    from jax.experimental.pallas import triton as plgpu
+    # `CompilerParams` in the jax versions this package supports; older ones named it
+    # `TritonCompilerParams`.
+    params = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
+    return params(num_warps=NUM_WARPS, num_stages=1)
+
 
 def _kernel(x_ref, x8_ref, xt8_ref, scale_ref, t_scale_ref, *, dtype: str):
     x = x_ref[...].astype(jnp.float32)
@@ -54,6 +66,7 @@ def quantize_both(x, dtype: str, interpret: bool = False):
     x8, xt8, scale, t_scale = pl.pallas_call(
         functools.partial(_kernel, dtype=dtype), out_shape=out_shape,
         grid=(rows // BLOCK, k // BLOCK), in_specs=[tile], out_specs=out_specs,
-        interpret=interpret, name="quantize_1x128_both")(x)
+        interpret=interpret, name="quantize_1x128_both",
+        compiler_params=None if interpret else _compiler_params())(x)
     return (jax.lax.bitcast_convert_type(x8, dtype), scale,
             jax.lax.bitcast_convert_type(xt8, dtype), t_scale)
