@@ -11,7 +11,8 @@ GEMMs (`jax_epilog.matmul` with `BlockScales`), every scale current, from its ow
   transposed (a block of W is a block of Wᵀ: no requantization).
 - Weight gradient, dW = xᵀ dZ: it contracts the tokens, so both operands need 1×128 tiles
   along the tokens: xᵀ and dZᵀ quantized with `transposed=True`. x and dZ are each quantized
-  once into both copies (`quantize_1x128_both`). Tokens are zero-padded to a multiple of 128
+  once into both copies (`quantize_1x128_both`; `blocks.BOTH_COPIES`, read when the stack
+  is traced, says how: XLA or a Pallas kernel). Tokens are zero-padded to a multiple of 128
   for these copies (zero rows add nothing to either product); any token count works.
 - The residuals are FP8: xᵀ's e4m3 copy and its scales, W's e4m3 blocks and their scales,
   and the activation's (the 1-bit ReLU mask, GELU's pre-activation), never a 16-bit x;
