@@ -21,7 +21,17 @@ harnesses, temporaries from XLA's memory analysis, GEMM counts, the difference f
 - ours_fp8_stateful: the same with `fp8_state=`, as the Flax modules run `fp8=True` (delayed
   scaling, timed warm);
 - ours_fp8_block: `mlp(..., fp8=Fp8(scaling="block", layers="all"))`, the block-scaled
-  recipe.
+  recipe (x and dZ quantized by `blocks.BOTH_COPIES`' default, "xla");
+- ours_fp8_block_separate, ours_fp8_block_pallas: the same with `BOTH_COPIES` "xla_separate"
+  (the previous formulation) and "pallas" (`--step-variants` picks a subset).
+
+Quantization (`--parts quantize`): M1's x (65536×4096 bf16) into both its 1×128 copies
+(`quantize_1x128_both`: x8 along K, xᵀ8 along the tokens, their scales), each kernel of
+`blocks.BOTH_COPIES_CHOICES` in one process, both harnesses: xla_separate (two
+`quantize_1x128` calls: XLA transposes the 16-bit x, the previous formulation), xla (amaxes
+from x as it lies, the 1-byte copy transposed) and pallas (one Pallas/Triton kernel, one read
+of x). Each row says whether its bytes equal xla_separate's, its GB/s (x read once, both
+copies and scales written once) and how many kernels its compiled module launches.
 
 Error, against the float32 product (HIGHEST precision) of the unquantized operands: the output
 y = x Wᵀ, and the weight gradient dW = dYᵀ x (dY a random gradient): per-tensor (e4m3 x and
@@ -36,6 +46,7 @@ gives them too (with `--error-shape`, smaller).
 
     python benchmarks/block_fp8_bench.py --out benchmarks/results/block_fp8   # H200
     python benchmarks/block_fp8_bench.py --parts step --out /tmp/m1           # M1 only
+    python benchmarks/block_fp8_bench.py --parts quantize --out /tmp/q        # x's copies only
     python benchmarks/block_fp8_bench.py --parts errors --error-shape 1024,1024,4096 --out /tmp/e
     python benchmarks/block_fp8_bench.py --smoke --out /tmp/smoke              # any CPU
 
@@ -46,6 +57,7 @@ that cuBLASLt runs no kernel (the reference ran) is marked FALLBACK.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import warnings
 from pathlib import Path
@@ -59,6 +71,7 @@ import fp8_bench
 import timing
 import jax_epilog
 from jax_epilog import Fp8, quantize_1x128, quantize_128x128
+from jax_epilog.float8 import blocks
 from jax_epilog.float8.blocks import dequantize
 from jax_epilog.runtime.targets import MATMUL, MATMUL_BLOCK
 from jax_epilog.tools.grid import NETWORKS, Workload
@@ -71,7 +84,24 @@ SMOKE_SHAPES = [(256, 128, 256)]
 SMOKE_ERROR_SHAPE = (256, 128, 1024)
 OUTLIER_SHARE, OUTLIER_FACTOR = 0.001, 1000.0
 OUTLIER_FACTORS = (1.0, 1e2, 1e3, 1e4, 1e5)  # the sweep; OUTLIER_FACTOR is the targets' one
-PARTS = ("speed", "step", "errors")
+QUANTIZE_SHAPE, SMOKE_QUANTIZE_SHAPE = (65536, 4096), (256, 256)  # x (tokens, K): M1's
+PARTS = ("speed", "step", "errors", "quantize")
+
+
+def _block_stack(both_copies: str):
+    """The block-scaled stack with x and dZ quantized by `both_copies` (a
+    `blocks.BOTH_COPIES_CHOICES` kernel): set while the stack is traced, which fixes it for
+    its backward too."""
+    stack = fp8_bench.epilog_stack(Fp8(scaling="block", layers="all"))
+
+    def run(*args):
+        saved, blocks.BOTH_COPIES = blocks.BOTH_COPIES, both_copies
+        try:
+            return stack(*args)
+        finally:
+            blocks.BOTH_COPIES = saved
+    return run
+
 
 # The training step, in fp8_bench's form (`fp8_bench.measure`).
 STEP_VARIANTS = {"xla_bf16": fp8_bench.VARIANTS["xla_bf16"],
@@ -79,7 +109,9 @@ STEP_VARIANTS = {"xla_bf16": fp8_bench.VARIANTS["xla_bf16"],
                  # fp8=True as the Flax modules run it: with a state, so delayed scaling
                  "ours_fp8_stateful": fp8_bench.VARIANTS["ours_fp8_stateful"],
                  # every layer: on M1 the same as "auto", and the smoke row is FP8 too
-                 "ours_fp8_block": fp8_bench.epilog_stack(Fp8(scaling="block", layers="all"))}
+                 "ours_fp8_block": _block_stack("xla"),
+                 "ours_fp8_block_separate": _block_stack("xla_separate"),
+                 "ours_fp8_block_pallas": _block_stack("pallas")}
 STEP_ROW = Workload("M1", *NETWORKS["M1"], "relu", None, False)
 SMOKE_STEP_ROW = Workload("S1", 256, (128, 256, 128), "relu", None, False)
 # (variant, against, at least) on the step's speed in both harnesses; temporaries at most.
@@ -153,6 +185,51 @@ def measure_speed(shape: tuple[int, int, int], budget: timing.Budget) -> dict[st
 def _temp_mib(compiled):
     stats = timing.memory_analysis(compiled)
     return None if stats is None else stats["temp_size_in_bytes"] / 2**20
+
+
+def _entry_kernels(hlo: str) -> int:
+    """How many kernels a compiled module's entry computation launches: its fusions, custom
+    calls (cuBLAS, Triton), copies and transposes."""
+    entry = hlo[hlo.index("ENTRY"):].split("\n}", 1)[0]
+    return sum(1 for line in entry.splitlines()
+               if any(f" {op}(" in line for op in ("fusion", "custom-call", "copy", "transpose")))
+
+
+def _same_bytes(a, b) -> bool:
+    return all(np.array_equal(np.asarray(u).view(np.uint8), np.asarray(v).view(np.uint8))
+               for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def measure_quantize(shape: tuple[int, int], budget: timing.Budget) -> dict[str, Any]:
+    """x (tokens, K) bf16 into both its 1×128 copies, each `blocks.BOTH_COPIES_CHOICES`
+    kernel (ratios against xla_separate, the previous formulation)."""
+    rows, k = shape
+    arg_sets = [(jax.random.normal(jax.random.key(seed), shape, jnp.bfloat16),)
+                for seed in range(timing.input_copies(rows * k * 2))]
+    moved = rows * k * (2 + 1 + 1) + 2 * 4 * rows * k // blocks.BLOCK  # read x; write the rest
+    record: dict[str, Any] = {"shape": list(shape), "bytes_moved": moved, "variants": {}}
+    compiled, base = {}, "xla_separate"
+    for kernel in sorted(blocks.BOTH_COPIES_CHOICES, key=lambda c: c != base):
+        lowered = jax.jit(functools.partial(blocks.quantize_1x128_both, kernel=kernel)).lower(
+            *arg_sets[0])
+        compiled[kernel] = lowered.compile()
+        outputs = jax.block_until_ready(compiled[kernel](*arg_sets[0]))
+        reference = outputs if kernel == base else reference
+        record["variants"][kernel] = {
+            "ran": "Pallas (Triton)" if "triton" in lowered.as_text() else "XLA",
+            "same_bytes_as_xla_separate": _same_bytes(outputs, reference),
+            "kernels": _entry_kernels(compiled[kernel].as_text()),
+            "temp_mib": _temp_mib(compiled[kernel])}
+        del outputs
+    for harness in HARNESSES:
+        runs = {name: (c, arg_sets if harness == "careful" else arg_sets[:1])
+                for name, c in compiled.items()}
+        times = timing.time_interleaved(runs, rounds=ROUNDS, round_seconds=budget.round_seconds())
+        for name, t in times.items():
+            result = record["variants"][name].setdefault(harness, t.as_dict())
+            result["gb_per_s"] = moved / t.seconds / 1e9
+            result[f"ratio_vs_{base}"] = times[base].seconds / t.seconds
+    return record
 
 
 def _relative_error(y, exact):
@@ -231,10 +308,13 @@ def measure_errors(shape: tuple[int, int, int]) -> tuple[dict[str, Any], list[di
     return report, sweep
 
 
-def measure_step(w: Workload, budget: timing.Budget) -> dict[str, Any]:
-    """The training step's row (`fp8_bench.measure` over `STEP_VARIANTS`)."""
+def measure_step(w: Workload, budget: timing.Budget, variants=tuple(STEP_VARIANTS)
+                 ) -> dict[str, Any]:
+    """The training step's row (`fp8_bench.measure` over `variants`, of `STEP_VARIANTS`;
+    xla_bf16, the base of the ratios, always)."""
+    variants = ("xla_bf16",) + tuple(v for v in variants if v != "xla_bf16")
     return {"row": w.name, "batch": w.batch, "widths": list(w.widths),
-            **fp8_bench.measure(w, tuple(STEP_VARIANTS), budget, STEP_VARIANTS)}
+            **fp8_bench.measure(w, variants, budget, STEP_VARIANTS)}
 
 
 def step_targets(step: dict[str, Any]) -> list[dict[str, Any]]:
@@ -242,13 +322,15 @@ def step_targets(step: dict[str, Any]) -> list[dict[str, Any]]:
     when reached in both harnesses and neither side fell back to the reference."""
     rows, v = [], step["variants"]
     for variant, against, least in STEP_TARGETS:
+        if variant not in v or against not in v:
+            continue
         careful, user = (v[against][h]["seconds"] / v[variant][h]["seconds"] for h in HARNESSES)
         fell_back = bool(v[variant]["fallbacks"] or v[against]["fallbacks"])
         rows.append({"what": f"{step['row']} step {variant} / {against} speed (careful, user)",
                      "ratio": min(careful, user), "careful": careful, "user": user,
                      "at_least": least, "met": min(careful, user) >= least and not fell_back})
     variant, against, most = STEP_TEMP_TARGET
-    temps = (v[variant]["temp_mib"], v[against]["temp_mib"])
+    temps = tuple(v[name]["temp_mib"] if name in v else None for name in (variant, against))
     if None not in temps and temps[1]:
         rows.append({"what": f"{step['row']} step {variant} / {against} temporaries",
                      "ratio": temps[0] / temps[1], "at_most": most,
@@ -305,6 +387,20 @@ def _step_lines(step: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _quantize_lines(q: dict[str, Any]) -> list[str]:
+    lines = ["", f"## Quantization of x ({'×'.join(map(str, q['shape']))} bf16) into both "
+             "1×128 copies", "",
+             "| kernel | ran | same bytes as xla_separate | kernels | careful ms | GB/s | "
+             "×xla_separate | user ms | ×xla_separate |", "|---|---|---|---|---|---|---|---|---|"]
+    for name, v in q["variants"].items():
+        c, u = v.get("careful", {}), v.get("user", {})
+        lines.append(f"| {name} | {v['ran']} | {'yes' if v['same_bytes_as_xla_separate'] else 'NO'} "
+                     f"| {v['kernels']} | {c.get('seconds', 0) * 1e3:.3f} | "
+                     f"{c.get('gb_per_s', 0):.0f} | {c.get('ratio_vs_xla_separate', 0):.3f} | "
+                     f"{u.get('seconds', 0) * 1e3:.3f} | {u.get('ratio_vs_xla_separate', 0):.3f} |")
+    return lines
+
+
 def _error_lines(e: dict[str, Any], sweep: list[dict[str, Any]]) -> list[str]:
     lines = ["", f"## Error against float32 ({'×'.join(map(str, e['shape']))}, "
              f"{e['outlier_channels']} outlier channels ×{OUTLIER_FACTOR:g})", "",
@@ -332,6 +428,8 @@ def markdown(report: dict[str, Any]) -> str:
              timing.provenance(meta), ""]
     if report.get("speed"):
         lines += _speed_lines(report)
+    if report.get("quantize"):
+        lines += _quantize_lines(report["quantize"])
     if report.get("step"):
         lines += _step_lines(report["step"])
     if report.get("errors"):
@@ -353,6 +451,8 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--max-s", type=float, default=240.0)
     parser.add_argument("--parts", default=",".join(PARTS),
                         help=f"comma-separated, of {', '.join(PARTS)} (default: all)")
+    parser.add_argument("--step-variants", default=",".join(STEP_VARIANTS),
+                        help=f"comma-separated, of {', '.join(STEP_VARIANTS)} (default: all)")
     parser.add_argument("--error-shape", type=_shape, default=None,
                         help="M,N,K of the error study (default "
                              f"{','.join(map(str, ERROR_SHAPE))})")
@@ -361,11 +461,16 @@ def main(argv=None) -> dict[str, Any]:
     if sorted(set(parts) - set(PARTS)):
         parser.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; expected some of "
                      f"{', '.join(PARTS)}")
-    shapes, error_shape, step_row = (SMOKE_SHAPES, SMOKE_ERROR_SHAPE, SMOKE_STEP_ROW) \
-        if args.smoke else (SHAPES, ERROR_SHAPE, STEP_ROW)
+    step_variants = [v.strip() for v in args.step_variants.split(",") if v.strip()]
+    if sorted(set(step_variants) - set(STEP_VARIANTS)):
+        parser.error(f"--step-variants: unknown {sorted(set(step_variants) - set(STEP_VARIANTS))}"
+                     f"; expected some of {', '.join(STEP_VARIANTS)}")
+    shapes, error_shape, step_row, quantize_shape = (
+        (SMOKE_SHAPES, SMOKE_ERROR_SHAPE, SMOKE_STEP_ROW, SMOKE_QUANTIZE_SHAPE) if args.smoke
+        else (SHAPES, ERROR_SHAPE, STEP_ROW, QUANTIZE_SHAPE))
     error_shape = args.error_shape or error_shape
     shapes = shapes if "speed" in parts else []
-    measurements = len(HARNESSES) * (len(shapes) + ("step" in parts))
+    measurements = len(HARNESSES) * (len(shapes) + ("step" in parts) + ("quantize" in parts))
     budget = timing.Budget(args.max_s, max(1, measurements),
                            rounds=len(VARIANTS) * ROUNDS)
     report: dict[str, Any] = {"benchmark": "block_fp8", "metadata": timing.run_metadata(),
@@ -377,8 +482,11 @@ def main(argv=None) -> dict[str, Any]:
     for shape in shapes:
         report["speed"].append(measure_speed(shape, budget))
         timing.write_report(report, args.out, "block_fp8", markdown)
+    if "quantize" in parts:
+        report["quantize"] = measure_quantize(quantize_shape, budget)
+        timing.write_report(report, args.out, "block_fp8", markdown)
     if "step" in parts:
-        report["step"] = measure_step(step_row, budget)
+        report["step"] = measure_step(step_row, budget, step_variants)
         report["targets"] += step_targets(report["step"])
     timing.write_report(report, args.out, "block_fp8", markdown)
     for t in report["targets"]:

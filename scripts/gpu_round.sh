@@ -231,13 +231,20 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # The block-scaled FP8 recipe (issue 39, Fp8(scaling="block")): its GPU tests (every GEMM
       # of a layer's step on the block-scaled kernel, against the CPU), then M1's training step
       # (block vs per-tensor fp8=True vs XLA bf16, both harnesses, temporaries) and the
-      # outlier errors with their factor swept (BLOCKSTEP_ARGS, e.g. "--parts step").
-      gpu_tests blockstep "${BLOCKSTEP_TEST_CAP:-200}" test_block_recipe.py
+      # outlier errors with their factor swept (BLOCKSTEP_ARGS, e.g. "--parts step"; "--parts
+      # quantize,step --step-variants xla_bf16,ours_fp8,ours_fp8_block,ours_fp8_block_separate,
+      # ours_fp8_block_pallas" times x's quantization into both copies per kernel of
+      # blocks.BOTH_COPIES_CHOICES, then the step with each). BLOCKSTEP_TESTS=0 skips the tests,
+      # which include the Pallas quantization kernel's bytes against XLA's.
+      [ "${BLOCKSTEP_TESTS:-1}" = 1 ] && gpu_tests blockstep "${BLOCKSTEP_TEST_CAP:-200}" \
+        test_block_recipe.py test_block_fp8.py::test_gpu_pallas_both_copies_match_xla_bytes
       (cd "$ROOT/benchmarks" && runs --cap "${BLOCKSTEP_CAP:-360}" "$PY" block_fp8_bench.py \
         --parts "step,errors" ${BLOCKSTEP_ARGS:-} --out "$OUT/block_step" 2>&1) \
         > "$OUT/block_step.log"
       note "blockstep benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -E "^target|FALLBACK" "$OUT/block_step.log" | tee -a "$SUMMARY"
+      grep -E "^\| (xla_separate|xla|pallas|ours_fp8_block[a-z_]*) \|" \
+        "$OUT/block_step/block_fp8.md" 2>/dev/null | tee -a "$SUMMARY"
       cat "$OUT/block_step/block_fp8.md" 2>/dev/null | head -60 ;;
     fp8profile)
       # Where the FP8 step's time goes: GPU kernels of traced M1 steps per variant

@@ -11,6 +11,7 @@ are in; P = op(a) op(b)ᵀ in float64, plus the bias; y is P rounded to the resu
 from __future__ import annotations
 
 import itertools
+import types
 import warnings
 
 import jax
@@ -21,7 +22,7 @@ import pytest
 
 import jax_epilog
 from jax_epilog import BlockScales, quantize_1x128, quantize_128x128
-from jax_epilog.float8 import blocks
+from jax_epilog.float8 import block_kernel, blocks
 
 E4M3 = ml_dtypes.float8_e4m3fn
 PAIRS = [("1x128", "128x128"), ("128x128", "1x128"), ("1x128", "1x128")]
@@ -143,13 +144,60 @@ def test_1x128_round_trip(rows):
     assert xt8.shape == (384, 128) and t_scales.values.shape == (1, 384)
 
 
-def test_1x128_both_is_the_two_copies():
-    x = _outliers(np.random.default_rng(1), 256, 128)
-    (x8, s), (xt8, st) = blocks.quantize_1x128_both(x)
-    np.testing.assert_array_equal(np.asarray(x8, np.float32),
-                                  np.asarray(quantize_1x128(x)[0], np.float32))
-    assert xt8.shape == (128, 256) and st.values.shape == (2, 128)
-    _round_trip_bound(x.T, xt8, st)
+def _hard_tiles(rng, rows, k, dtype):
+    """Random x (rows, K) zero-padded to a multiple of 128 rows, as the block layer pads it,
+    with what a tile can hold: outlier channels past e4m3's largest value, an all-zero
+    128×128 block, negative values and an infinity."""
+    x = np.array(_outliers(rng, rows, k, channels=(3, 200), factor=3e4))
+    x[:min(rows, 128), 128:256] = 0.0
+    x[rows // 2, k - 1] = -np.inf
+    x = np.pad(x, ((0, -rows % 128), (0, 0)))
+    return jnp.asarray(x, dtype)
+
+
+def _same_bytes(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+
+
+def _both_copies_by_reference(x, dtype):
+    return quantize_1x128(x, dtype), quantize_1x128(x, dtype, transposed=True)
+
+
+BOTH_CASES = list(itertools.product([1, 127, 129, 256], [jnp.bfloat16, jnp.float32],
+                                    ["float8_e4m3fn", "float8_e5m2"]))
+
+
+@pytest.mark.parametrize("rows,dtype,fmt", BOTH_CASES,
+                         ids=[f"{r}-{d.__name__}-{f[7:]}" for r, d, f in BOTH_CASES])
+def test_1x128_both_is_the_two_copies_byte_for_byte(rows, dtype, fmt):
+    """Every `BOTH_COPIES_CHOICES` kernel (on a CPU "pallas" is the XLA formulation) and the
+    Pallas kernel itself (run by the interpreter) give exactly `quantize_1x128`'s bytes and
+    scales, both ways."""
+    x = _hard_tiles(np.random.default_rng(rows), rows, 384, dtype)
+    want = jax.jit(_both_copies_by_reference, static_argnums=1)(x, fmt)
+    for kernel in blocks.BOTH_COPIES_CHOICES:
+        (x8, s), (xt8, st) = jax.jit(blocks.quantize_1x128_both, static_argnums=1,
+                                     static_argnames="kernel")(x, fmt, kernel=kernel)
+        _same_bytes(((x8, s.values), (xt8, st.values)), want)
+        assert s.block == st.block == "1x128"
+    _same_bytes(block_kernel.quantize_both(x, fmt, interpret=True),
+                (want[0][0], want[0][1].values, want[1][0], want[1][1].values))
+
+
+def test_1x128_both_refuses_an_unknown_kernel_and_unpadded_rows(monkeypatch):
+    """An unknown `kernel` (or `BOTH_COPIES`) and rows that are not a multiple of 128 are
+    refused, naming what to change."""
+    x = _hard_tiles(np.random.default_rng(3), 256, 256, jnp.bfloat16)
+    with pytest.raises(ValueError, match="kernel: expected one of xla, pallas, xla_separate, "
+                                         "got 'triton'"):
+        blocks.quantize_1x128_both(x, kernel="triton")
+    monkeypatch.setattr(blocks, "BOTH_COPIES", "triton")
+    with pytest.raises(ValueError, match="blocks.BOTH_COPIES: expected one of .*'triton'"):
+        blocks.quantize_1x128_both(x)
+    with pytest.raises(ValueError, match="x: the quantized axis .rows.* got 129; zero-pad"):
+        blocks.quantize_1x128_both(x[:129])
 
 
 @pytest.mark.parametrize("rows", [128, 129, 384])
@@ -311,6 +359,21 @@ def test_cuda_lowering_calls_the_block_target(pair, monkeypatch):
     assert want_a in call and want_b in call, call
 
 
+def test_cuda_lowering_of_the_pallas_kernel(monkeypatch):
+    """`kernel="pallas"` lowered for CUDA from this host (JAX's Triton lowering told it is on
+    a Hopper GPU): every primitive of the kernel has a Triton lowering, and the module is one
+    Triton call with 8 warps."""
+    registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
+    if not hasattr(registration, "gpu_info_lib"):
+        pytest.skip("this jax asks the GPU's compute capability another way")
+    monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
+                        lambda: types.SimpleNamespace(compute_capability=90))
+    x = _hard_tiles(np.random.default_rng(0), 256, 384, jnp.bfloat16)
+    f = jax.jit(lambda x: blocks.quantize_1x128_both(x, kernel="pallas"))
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "num_warps = 8" in text
+
+
 # --- the GPU --------------------------------------------------------------------------------
 
 GPU_SHAPES = [(256, 256, 512), (129, 384, 256), (1, 128, 128), (127, 130, 384)]
@@ -347,13 +410,29 @@ def test_gpu_kernel_matches_the_model(pair, epilog, out):
         check(f(*args), p, size, out, slack=2.0**-11)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(128, 128), (384, 256), (1024, 4096)], ids=str)
+def test_gpu_pallas_both_copies_match_xla_bytes(shape, monkeypatch):
+    """The Pallas kernel (Triton) on the GPU writes exactly the XLA formulation's bytes,
+    the transposed copy included (stored as uint8: Triton's transposed FP8 stores have
+    miscompiled), and really runs as a Triton kernel."""
+    gpu = jax.devices("cuda")[0]
+    x = jax.device_put(_hard_tiles(np.random.default_rng(5), *shape, jnp.bfloat16), gpu)
+    want = jax.jit(_both_copies_by_reference, static_argnums=1)(x, "float8_e4m3fn")
+    monkeypatch.setattr(blocks, "BOTH_COPIES", "pallas")
+    f = jax.jit(blocks.quantize_1x128_both)
+    assert "triton" in f.lower(x).as_text()
+    (x8, s), (xt8, st) = f(x)
+    _same_bytes(((x8, s.values), (xt8, st.values)), want)
+
+
 # --- the benchmark --------------------------------------------------------------------------
 
 @pytest.mark.slow
 def test_benchmark_smoke_report(tmp_path):
     """benchmarks/block_fp8_bench.py end to end on tiny shapes: every variant reported (the
-    GEMMs, the training step's), the errors and their sweep finite and the targets judged
-    (timings are never asserted)."""
+    GEMMs, the training step's, the quantization's: the same bytes every way), the errors
+    and their sweep finite and the targets judged (timings are never asserted)."""
     import json
     import sys
     from pathlib import Path
@@ -371,6 +450,15 @@ def test_benchmark_smoke_report(tmp_path):
     assert [e["factor"] for e in report["sweep"]] == list(block_fp8_bench.OUTLIER_FACTORS)
     assert set(report["step"]["variants"]) == set(block_fp8_bench.STEP_VARIANTS)
     # FP8 ran (no custom calls to count on a CPU): the step differs from XLA's by FP8 rounding
-    assert 1e-3 < report["step"]["variants"]["ours_fp8_block"]["relative_diff_vs_xla_bf16"] < 0.5
+    step = report["step"]["variants"]
+    assert 1e-3 < step["ours_fp8_block"]["relative_diff_vs_xla_bf16"] < 0.5
+    # the quantization kernels change no bit of the step
+    for variant in ("ours_fp8_block_separate", "ours_fp8_block_pallas"):
+        assert step[variant]["relative_diff_vs_xla_bf16"] == \
+            step["ours_fp8_block"]["relative_diff_vs_xla_bf16"]
+    quantize = report["quantize"]["variants"]
+    assert list(quantize) == ["xla_separate", "xla", "pallas"]
+    assert all(v["same_bytes_as_xla_separate"] and v["careful"]["seconds"] > 0
+               for v in quantize.values())
     assert len(report["targets"]) == 4 + 4
     assert "## Targets" in (tmp_path / "block_fp8.md").read_text()

@@ -20,7 +20,9 @@ import pytest
 
 import jax_epilog
 from jax_epilog import Fp8
+from jax_epilog.float8 import blocks as quantization
 from jax_epilog.op import activations
+from jaxprs import equations
 from test_layers import saved_residuals
 
 BLOCK = Fp8(scaling="block", layers="all")
@@ -185,6 +187,36 @@ def test_residuals_are_fp8():
     assert ("u8", (256, 16)) in saved          # the ReLU mask, 1 bit per value
     wide = [s for s in saved if s[0] in ("bf16", "f32") and np.prod(s[1]) >= 256 * 128]
     assert not wide, saved
+
+
+@pytest.mark.parametrize("both_copies", ["xla", "xla_separate", "pallas"])
+def test_quantization_choice_holds_forward_and_backward(both_copies, monkeypatch):
+    """`blocks.BOTH_COPIES` is read once when the stack is traced, and the backward's dZ runs
+    the same way even where it is traced after the setting changed back (as the benchmark
+    sets it around the forward alone): only "xla_separate" transposes a 16-bit x (forward)
+    and dZ (backward), the others transpose 1-byte copies; the gradients are the same bits
+    every way (on a CPU "pallas" is the XLA formulation)."""
+    x, w, b = _layer(np.random.default_rng(4), 129, 256, 128)
+    x, w, b = (jnp.asarray(a, jnp.bfloat16) for a in (x, w, b))
+
+    def loss(x, w, b, both_copies):
+        monkeypatch.setattr(quantization, "BOTH_COPIES", both_copies)
+        y = jax_epilog.dense(x, w, b, activation="relu", fp8=BLOCK)
+        monkeypatch.setattr(quantization, "BOTH_COPIES", "xla")
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    jaxpr = jax.make_jaxpr(grad, static_argnums=3)(x, w, b, both_copies)
+    transposed = [str(e.invars[0].aval.dtype) for e in equations(jaxpr)  # x (tokens, K), dZ
+                  if e.primitive.name == "transpose"
+                  and e.invars[0].aval.shape in ((256, 256), (256, 128))]
+    wide = [t for t in transposed if t in ("bfloat16", "float32")]
+    assert len(wide) == (2 if both_copies == "xla_separate" else 0), transposed
+    assert transposed.count("float8_e4m3fn") == (0 if both_copies == "xla_separate" else 2)
+    got = jax.jit(grad, static_argnums=3)(x, w, b, both_copies)
+    want = jax.jit(grad, static_argnums=3)(x, w, b, "xla")
+    for g, v in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(v, np.float32))
 
 
 def test_bfloat16_layer_is_block_scaled_fp8():

@@ -5,19 +5,31 @@ plain JAX that XLA fuses with whatever produces the tensor: current scaling, one
 
 A tensor x (rows, K) is quantized along K, the axis its GEMM contracts. The weight gradient
 contracts the other axis (the tokens), so it needs x's transposed copy quantized along the
-rows: `quantize_1x128(x, transposed=True)`, or `quantize_1x128_both` for both copies from one
-read of x. A 128×128 block is the same block of the transposed matrix, so a weight's
+rows: `quantize_1x128(x, transposed=True)`, or `quantize_1x128_both` for both copies, amaxes
+taken from x as it lies and only the 1-byte copy transposed. A 128×128 block is the same block of the transposed matrix, so a weight's
 transposed copy is its transposed data and scales (`transpose_128x128`), no requantization.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
+from jax_epilog.float8 import block_kernel
 from jax_epilog.float8.recipe import _format
 from jax_epilog.float8.scaling import multiplier
 from jax_epilog.op.block_scales import BLOCK, BlockScales
 from jax_epilog.op.reference import block_dequantize, saturating_cast
+
+#: How `quantize_1x128_both` runs where its `kernel` is not given (read when it is traced;
+#: the block layers read it once per stack): "xla", the XLA formulation (the default);
+#: "pallas", one Pallas kernel on CUDA (`block_kernel`), the XLA formulation elsewhere;
+#: "xla_separate", `quantize_1x128` twice (XLA transposes the 16-bit x first: the previous
+#: formulation, kept to measure against). The bytes are the same every way.
+BOTH_COPIES = "xla"
+BOTH_COPIES_CHOICES = ("xla", "pallas", "xla_separate")
 
 
 def _check(x, name: str = "x"):
@@ -57,11 +69,46 @@ def quantize_1x128(x, dtype="float8_e4m3fn", *, transposed: bool = False):
     return x8, BlockScales(scale.T, "1x128")
 
 
-def quantize_1x128_both(x, dtype="float8_e4m3fn"):
-    """`(quantize_1x128(x), quantize_1x128(x, transposed=True))`: the forward's and the weight
-    gradient's copies of an activation (or gradient) x (rows, K), in one jitted expression
-    that reads x once where XLA fuses the two."""
-    return quantize_1x128(x, dtype), quantize_1x128(x, dtype, transposed=True)
+def both_copies_kernel(kernel=None) -> str:
+    """`kernel`, or `BOTH_COPIES` where it is None, checked against `BOTH_COPIES_CHOICES`."""
+    name, kernel = ("kernel", kernel) if kernel is not None else (
+        "jax_epilog.float8.blocks.BOTH_COPIES", BOTH_COPIES)
+    if kernel not in BOTH_COPIES_CHOICES:
+        raise ValueError(f"{name}: expected one of {', '.join(BOTH_COPIES_CHOICES)}, got "
+                         f"{kernel!r}")
+    return kernel
+
+
+def quantize_1x128_both(x, dtype="float8_e4m3fn", *, kernel=None):
+    """`(quantize_1x128(x), quantize_1x128(x, transposed=True))`, the same bytes: the forward's
+    and the weight gradient's copies of an activation (or gradient) x (rows, K), rows a
+    multiple of 128. Both copies' amaxes come from x as it lies (the transposed copy's 128×1
+    tiles are a column reduction over 128 rows) and only the 1-byte result is transposed, so
+    no 16-bit transpose of x is ever made: what XLA would run as separate transpose kernels.
+    `kernel`: one of `BOTH_COPIES_CHOICES` (default `BOTH_COPIES`)."""
+    _check(x)
+    dtype = _format("dtype", dtype)
+    rows, k = x.shape
+    _check_k(k, "x", "K, its last axis")
+    _check_k(rows, "x", "rows, the transposed copy's tiles")
+    kernel = both_copies_kernel(kernel)
+
+    def xla(x):
+        xf = x.astype(jnp.float32)
+        along_k = jnp.max(jnp.abs(xf.reshape(rows, k // BLOCK, BLOCK)), axis=2)  # (rows, K/128)
+        along_rows = jnp.max(jnp.abs(xf.reshape(rows // BLOCK, BLOCK, k)), axis=1)  # (rows/128, K)
+        x8, scale = _quantize(x, along_k, lambda q: jnp.repeat(q, BLOCK, axis=1), dtype)
+        xt8, t_scale = _quantize(x, along_rows, lambda q: jnp.repeat(q, BLOCK, axis=0), dtype)
+        return x8, scale.T, xt8.T, t_scale
+
+    if kernel == "xla_separate":
+        return quantize_1x128(x, dtype), quantize_1x128(x, dtype, transposed=True)
+    if kernel == "pallas":
+        x8, scale, xt8, t_scale = jax.lax.platform_dependent(
+            x, cuda=functools.partial(block_kernel.quantize_both, dtype=dtype), default=xla)
+    else:
+        x8, scale, xt8, t_scale = xla(x)
+    return (x8, BlockScales(scale, "1x128")), (xt8, BlockScales(t_scale, "1x128"))
 
 
 def quantize_128x128(x, dtype="float8_e4m3fn"):

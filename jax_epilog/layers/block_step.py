@@ -11,7 +11,8 @@ GEMMs (`jax_epilog.matmul` with `BlockScales`), every scale current, from its ow
   transposed (a block of W is a block of Wᵀ: no requantization).
 - Weight gradient, dW = xᵀ dZ: it contracts the tokens, so both operands need 1×128 tiles
   along the tokens: xᵀ and dZᵀ quantized with `transposed=True`. x and dZ are each quantized
-  once into both copies (`quantize_1x128_both`). Tokens are zero-padded to a multiple of 128
+  once into both copies (`quantize_1x128_both`; `blocks.BOTH_COPIES`, read when the stack
+  is traced, says how: XLA or a Pallas kernel). Tokens are zero-padded to a multiple of 128
   for these copies (zero rows add nothing to either product); any token count works.
 - The residuals are FP8: xᵀ's e4m3 copy and its scales, W's e4m3 blocks and their scales,
   and the activation's (the 1-bit ReLU mask, GELU's pre-activation), never a 16-bit x;
@@ -35,7 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_epilog.float8.blocks import quantize_1x128, quantize_1x128_both, quantize_128x128
+from jax_epilog.float8.blocks import (both_copies_kernel, quantize_1x128, quantize_1x128_both,
+                                     quantize_128x128)
 from jax_epilog.layers.gemms import LAYER_INPUT_NAME, residual_name
 from jax_epilog.op.block_scales import BLOCK, BlockScales
 from jax_epilog.op.epilogs import ACTIVATIONS, Epilog
@@ -48,11 +50,13 @@ FORMAT = "float8_e4m3fn"
 
 class Layer(NamedTuple):
     """What is static about one block-scaled layer: its activation, whether it has a bias,
-    and its result dtype."""
+    its result dtype, and how x and dZ are quantized into both their copies
+    (`blocks.BOTH_COPIES`, read when the stack is traced, so the backward runs the same)."""
 
     activation: Optional[str]
     has_bias: bool
     dtype: str
+    both_copies: str
 
 
 def quantized_layers(fp8, rows: int, widths) -> tuple[bool, ...]:
@@ -111,7 +115,8 @@ def _layer(layer: Layer, x, kernel, bias):
 
 def _layer_fwd(layer: Layer, x, kernel, bias):
     rows = x.shape[0]
-    (x8, sx), (xt8, sxt) = quantize_1x128_both(_padded_rows(x), FORMAT)
+    (x8, sx), (xt8, sxt) = quantize_1x128_both(_padded_rows(x), FORMAT,
+                                               kernel=layer.both_copies)
     w8, sw = quantize_128x128(kernel, FORMAT)
     z = _forward(layer, x8, sx, w8, sw, bias)[:rows]
     residual = None
@@ -127,7 +132,8 @@ def _layer_bwd(layer: Layer, saved, dy):
     rows = dy.shape[0]
     dz = activation_gradient(dy, residual, layer.activation)
     dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) if layer.has_bias else None
-    (dz8, sdz), (dzt8, sdzt) = quantize_1x128_both(_padded_rows(dz), FORMAT)
+    (dz8, sdz), (dzt8, sdzt) = quantize_1x128_both(_padded_rows(dz), FORMAT,
+                                                   kernel=layer.both_copies)
     # dW = xᵀ dZ (K, N): both operands 1×128 along the tokens, dZᵀ read as op(b) (N, tokens).
     dkernel = matmul(xt8, dzt8, transpose_b=True, quantization_scales={"a": sxt, "b": sdzt},
                      preferred_element_type=layer.dtype)
@@ -145,12 +151,12 @@ def stack(fp8, rows, params, activations, dtype, plain_layer):
     each layer block-scaled (`quantized_layers`) or, where "auto" leaves it out,
     `plain_layer(h, kernel, bias, activation)`, the compute-dtype layer."""
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
-    h = rows
+    h, both_copies = rows, both_copies_kernel()
     for quantized, (kernel, bias), activation in zip(
             quantized_layers(fp8, rows.shape[0], widths), params, activations):
         if quantized:
-            h = _layer(Layer(activation, bias is not None, jnp.dtype(dtype).name), h, kernel,
-                       bias)
+            h = _layer(Layer(activation, bias is not None, jnp.dtype(dtype).name, both_copies),
+                       h, kernel, bias)
         else:
             h = plain_layer(h, kernel, bias, activation)
     return h
