@@ -479,6 +479,12 @@ def test_decode_kernels_are_sorted_by_the_scope_that_launched_them():
         {"dot": "gemm", "scores": "attention", "dus": "cache", "norm": "other"}
 
 
+def test_compare_runs_the_named_variants_stock_first():
+    args = generate.parse_args(["--random-init", "--compare", "--variants",
+                                "qwix_fp8, stock,qwix_fp8"])
+    assert generate.compared_variants(args) == ("stock", "qwix_fp8")
+
+
 def test_bad_input_names_the_argument(tmp_path, capsys):
     def error_of(*args):
         with pytest.raises(SystemExit):
@@ -502,5 +508,10 @@ def test_bad_input_names_the_argument(tmp_path, capsys):
     with pytest.raises(ValueError, match="variant"):
         generate.build_variant("int4", TINY, None, jnp.float32)
     assert "--kv-cache: invalid choice" in error_of("--random-init", "--kv-cache", "int8")
+    for variants in ("epilog_fp8", "stock,int4"):  # stock is what quality compares with
+        assert "--variants: expected names among" in error_of(
+            "--random-init", "--compare", "--variants", variants)
+    assert "--steps-per-call: expected values >= 1" in error_of(
+        "--random-init", "--steps-per-call", "0")
     with pytest.raises(ValueError, match="dtype: expected a floating-point cache dtype"):
         decode.init_cache(TINY.model, 1, 8, jnp.int8)

@@ -251,16 +251,21 @@ class Generator:
         _, cache, out = jax.lax.fori_loop(0, count, step, (tokens, cache, out))
         return out, cache
 
-    def compile(self, batch: int, prompt_len: int, new_tokens: int, key) -> dict:
-        """The prefill step and the decode call compiled for `batch` prompts of `prompt_len`
+    def lower(self, batch: int, prompt_len: int, new_tokens: int, key) -> dict:
+        """The prefill step and the decode call lowered for `batch` prompts of `prompt_len`
         tokens and a cache for `new_tokens` more: {"prefill": ..., "decode": ...}."""
         check_fits(self.config, prompt_len, new_tokens)
         cache = jax.eval_shape(lambda: self.new_cache(batch, prompt_len + new_tokens))
         tokens = lambda length: jax.ShapeDtypeStruct((batch,) + length, jnp.int32)
         return {"prefill": self._step.lower(self.state, cache, tokens((prompt_len,)),
-                                            jnp.int32(0), key).compile(),
+                                            jnp.int32(0), key),
                 "decode": self._steps.lower(self.state, cache, tokens(()), jnp.int32(0),
-                                            jnp.int32(1), key).compile()}
+                                            jnp.int32(1), key)}
+
+    def compile(self, batch: int, prompt_len: int, new_tokens: int, key) -> dict:
+        """`lower`'s programs compiled."""
+        return {name: lowered.compile()
+                for name, lowered in self.lower(batch, prompt_len, new_tokens, key).items()}
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return init_cache(self.config, batch, max_len, self.cache_dtype)

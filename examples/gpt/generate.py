@@ -22,7 +22,8 @@ prefill samples the first new token, and each of `--new-tokens` - 1 decode steps
 and `--top-k` with `--seed`. Each
 variant and batch size is compiled first (compile time), run once with a progress bar (its
 text is printed), then timed `--repeats` times (medians): time to first token (the prefill,
-its token on the host), prefill and decode tokens/s. `--compare` runs all three and adds
+its token on the host), prefill and decode tokens/s. `--compare` runs all three (or
+`--variants`, stock among them) and adds
 quality against stock, teacher forced on validation windows (each window one prefill into
 the variant's KV cache): the validation loss and the agreement of the next-token argmax; it
 writes `gpt_generate.json` and `gpt_generate.md` to `--out`.
@@ -300,25 +301,37 @@ def decode_kind(kernel, line: str) -> str:
 def profile_decode(generator: Generator, compiled: dict, prompts: np.ndarray, new_tokens: int,
                    key, folder: Path) -> dict[str, Any]:
     """The GPU kernels of up to `PROFILE_STEPS` decode steps traced into `folder`, per step
-    by kind (`decode_kind`), after a prefill and one untraced decode step."""
+    by kind (`decode_kind`), after a prefill and one untraced decode step; on a GPU the
+    decode call is compiled again without command buffers for it."""
     steps = min(PROFILE_STEPS, new_tokens - 1)
     if steps < 1:
         return {"note": "no decode step to trace (--new-tokens 1)"}
     batch, prompt_len = prompts.shape
+    decode, command_buffers = compiled["decode"], "on"
+    if jax.default_backend() == "gpu":
+        # A decode call compiled without XLA's command buffers (CUDA graphs), which would
+        # name every kernel after the graph: the trace then tells which op launched each.
+        try:
+            decode = generator.lower(batch, prompt_len, new_tokens, key)["decode"].compile(
+                {"xla_gpu_enable_command_buffer": ""})
+            command_buffers = "off"
+        except Exception as error:  # noqa: BLE001 -- profiled as timed, and said so
+            print(f"  profile: command buffers stay on ({type(error).__name__}: {error})")
     cache = generator.new_cache(batch, prompt_len + new_tokens)
     token, cache = generator.prefill(cache, prompts, key, compiled["prefill"])
-    out, cache = generator.decode(cache, token, prompt_len, 1, key, compiled["decode"])
+    out, cache = generator.decode(cache, token, prompt_len, 1, key, decode)
     token = jax.block_until_ready(out[0])
     with jax.profiler.trace(str(folder)):
         for position in range(prompt_len + 1, prompt_len + 1 + steps, generator.steps_per_call):
             count = min(generator.steps_per_call, prompt_len + 1 + steps - position)
-            out, cache = generator.decode(cache, token, position, count, key, compiled["decode"])
+            out, cache = generator.decode(cache, token, position, count, key, decode)
             token = out[count - 1]
         jax.block_until_ready(token)
     trace = profile.gpu_trace.latest_trace(folder)
     kernels = next(iter(profile.gpu_trace.gpu_kernels(trace).values()), []) if trace else []
     return {"steps": steps, "trace": str(trace) if trace else None,
-            **profile.breakdown(kernels, steps, compiled["decode"].as_text() or "",
+            "command_buffers": command_buffers,
+            **profile.breakdown(kernels, steps, decode.as_text() or "",
                                 decode_kind, DECODE_TOP_KERNELS)}
 
 
@@ -545,7 +558,8 @@ def _profile_section(variants: dict, folder: Optional[str]) -> list[str]:
         return []
     lines = ["", f"Where a decode step's time goes: GPU kernel time per step of "
              f"up to {PROFILE_STEPS} traced steps (`--profile`, traces in `{folder}`), by kind "
-             "(`decode_kind` in generate.py).", "",
+             "(`decode_kind` in generate.py); on a GPU the traced decode call is compiled "
+             "without XLA's command buffers, so each kernel is named after its op.", "",
              _row("variant", "batch", "KV cache", "kernels ms", "GEMM ms", "attention ms",
                   "cache writes ms", "other ms", "kernels"), _row(*["---"] * 9)]
     for name, r in variants.items():
@@ -589,6 +603,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--variant", default="stock", choices=VARIANTS)
     parser.add_argument("--compare", action="store_true",
                         help="every variant in one process, with quality against stock")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="with --compare: comma-separated, stock among them")
     parser.add_argument("--batch", type=int, nargs="+", default=[1],
                         help="batch sizes (each compiled and timed)")
     parser.add_argument("--prompt-len", type=int,
@@ -663,7 +679,7 @@ def main(argv=None) -> dict[str, Any]:
     corpus = data.load_corpus()
     weights = serving_weights(config, saved, dtype)
     del saved  # the checkpoint's float32 copy: not held while the variants run
-    names = VARIANTS if args.compare else (args.variant,)
+    names = compared_variants(args) if args.compare else (args.variant,)
     result = compare_variants(names, config, weights, dtype, corpus, settings) \
         if args.compare else single_variant(args.variant, config, weights, dtype, corpus,
                                             settings)
@@ -674,6 +690,16 @@ def main(argv=None) -> dict[str, Any]:
     if args.out is not None:
         compare.timing.write_report(report, args.out, "gpt_generate", render)
     return report
+
+
+def compared_variants(args: argparse.Namespace) -> tuple[str, ...]:
+    """`--variants` as names (stock first: the quality columns compare against it)."""
+    names = tuple(name.strip() for name in args.variants.split(",") if name.strip())
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown or "stock" not in names:
+        args.parser.error(f"--variants: expected names among {', '.join(VARIANTS)} with stock "
+                          f"among them, got {args.variants!r}")
+    return ("stock",) + tuple(dict.fromkeys(name for name in names if name != "stock"))
 
 
 def single_variant(name, config, weights, dtype, corpus, settings) -> dict[str, Any]:
