@@ -149,6 +149,23 @@ def test_greedy_generation_with_an_fp8_cache_is_the_argmax_of_its_cached_forward
     np.testing.assert_array_equal(np.argmax(logits[:, 8:], -1), generated)
 
 
+@pytest.mark.parametrize("config", [TINY, LLAMA_TINY], ids=["gpt", "llama_gqa"])
+def test_fp8_decode_attention_by_dots_equals_the_multiply_reduces(config, monkeypatch):
+    # generate.py --fp8-attention: the two forms of a decode step over one FP8 cache
+    config, weights = tiny_weights(config=config, tie_head=False)
+    cached = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
+    tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, (3, 13)), jnp.int32)
+    by_form = {}
+    for form in ("reduce", "dots"):
+        monkeypatch.setattr(decode, "FP8_DECODE_ATTENTION", form)
+        with jax.default_matmul_precision("highest"):
+            by_form[form] = cached_logits(cached, tokens, [9, 1, 1, 1, 1], jnp.float8_e4m3fn)
+    np.testing.assert_allclose(by_form["dots"], by_form["reduce"], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(decode, "FP8_DECODE_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="FP8_DECODE_ATTENTION"):
+        cached_logits(cached, tokens, [12, 1], jnp.float8_e4m3fn)
+
+
 #: Entry instructions that write no memory of their own.
 _NOT_WRITTEN = ("parameter", "tuple", "get-tuple-element", "bitcast", "constant")
 

@@ -131,6 +131,31 @@ def _attend_fp8_one_query(q, keys, values, key_scales, value_scales, visible):
     return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
 
 
+def _attend_fp8_one_query_by_dots(q, keys, values, key_scales, value_scales, visible):
+    """`_attend_fp8_one_query` as two batched dots over the FP8 cache converted where the dot
+    reads it (a convert XLA's GPU GEMM fusion can take into the GEMM, as for weight-only
+    GEMMs), the scales applied to the scores and the probabilities as there."""
+    batch, _, n_heads, head_dim = q.shape
+    kv_heads, dtype = keys.shape[2], q.dtype
+    q = q.reshape(batch, kv_heads, n_heads // kv_heads, head_dim)
+    scores = jnp.einsum("bkgd,blkd->bkgl", q, keys.astype(dtype),
+                        preferred_element_type=jnp.float32)
+    scales = lambda s: jnp.swapaxes(s, 1, 2)[:, :, None, :]  # (B, L, kv) -> (B, kv, 1, L)
+    scores = scores * (scales(key_scales) / np.sqrt(head_dim))
+    scores = jnp.where(visible[None, None, None, :], scores, -jnp.inf)
+    weights = (jax.nn.softmax(scores, axis=-1) * scales(value_scales)).astype(dtype)
+    y = jnp.einsum("bkgl,blkd->bkgd", weights, values.astype(dtype),
+                   preferred_element_type=jnp.float32)
+    return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
+
+
+#: How a decode step attends to an FP8 cache: "reduce" (`_attend_fp8_one_query`) or "dots"
+#: (`_attend_fp8_one_query_by_dots`); read when a step is traced (generate.py's
+#: `--fp8-attention`), so the two can be measured against each other.
+FP8_DECODE_ATTENTION = "reduce"
+_FP8_DECODE_ATTENTION = {"reduce": _attend_fp8_one_query, "dots": _attend_fp8_one_query_by_dots}
+
+
 def _attention(q, cache: KVCache, layer: int, mask):
     """`q` `(B, T, n_heads, head_dim)` attending to `layer`'s cache; `mask` `(T, L)`."""
     keys, values = cache.keys[layer], cache.values[layer]
@@ -140,7 +165,11 @@ def _attention(q, cache: KVCache, layer: int, mask):
                                             mask=mask[None, None], implementation="xla")
     key_scales, value_scales = cache.key_scales[layer], cache.value_scales[layer]
     if q.shape[1] == 1:  # a decode step
-        return _attend_fp8_one_query(q, keys, values, key_scales, value_scales, mask[0])
+        if FP8_DECODE_ATTENTION not in _FP8_DECODE_ATTENTION:
+            raise ValueError(f"FP8_DECODE_ATTENTION: expected one of "
+                             f"{tuple(_FP8_DECODE_ATTENTION)}, got {FP8_DECODE_ATTENTION!r}")
+        attend = _FP8_DECODE_ATTENTION[FP8_DECODE_ATTENTION]
+        return attend(q, keys, values, key_scales, value_scales, mask[0])
     # A prefill's many queries: its GEMMs want 16-bit operands, so dequantize this layer once.
     dequantized = lambda x, scales: (x.astype(jnp.float32) * scales[..., None]).astype(q.dtype)
     return jax.nn.dot_product_attention(q, dequantized(keys, key_scales),

@@ -58,7 +58,7 @@ from flax import nnx
 import jax_epilog
 from jax_epilog.float8.weights import key_names
 
-from gpt import compare, configs, data, profile, train
+from gpt import compare, configs, data, decode, profile, train
 from gpt.decode import CachedGPT, Generator, check_fits, init_cache
 from gpt.model import GPT
 
@@ -307,31 +307,31 @@ def profile_decode(generator: Generator, compiled: dict, prompts: np.ndarray, ne
     if steps < 1:
         return {"note": "no decode step to trace (--new-tokens 1)"}
     batch, prompt_len = prompts.shape
-    decode, command_buffers = compiled["decode"], "on"
+    decode_call, command_buffers = compiled["decode"], "on"
     if jax.default_backend() == "gpu":
         # A decode call compiled without XLA's command buffers (CUDA graphs), which would
         # name every kernel after the graph: the trace then tells which op launched each.
         try:
-            decode = generator.lower(batch, prompt_len, new_tokens, key)["decode"].compile(
-                {"xla_gpu_enable_command_buffer": ""})
+            decode_call = generator.lower(batch, prompt_len, new_tokens, key)[
+                "decode"].compile({"xla_gpu_enable_command_buffer": ""})
             command_buffers = "off"
         except Exception as error:  # noqa: BLE001 -- profiled as timed, and said so
             print(f"  profile: command buffers stay on ({type(error).__name__}: {error})")
     cache = generator.new_cache(batch, prompt_len + new_tokens)
     token, cache = generator.prefill(cache, prompts, key, compiled["prefill"])
-    out, cache = generator.decode(cache, token, prompt_len, 1, key, decode)
+    out, cache = generator.decode(cache, token, prompt_len, 1, key, decode_call)
     token = jax.block_until_ready(out[0])
     with jax.profiler.trace(str(folder)):
         for position in range(prompt_len + 1, prompt_len + 1 + steps, generator.steps_per_call):
             count = min(generator.steps_per_call, prompt_len + 1 + steps - position)
-            out, cache = generator.decode(cache, token, position, count, key, decode)
+            out, cache = generator.decode(cache, token, position, count, key, decode_call)
             token = out[count - 1]
         jax.block_until_ready(token)
     trace = profile.gpu_trace.latest_trace(folder)
     kernels = next(iter(profile.gpu_trace.gpu_kernels(trace).values()), []) if trace else []
     return {"steps": steps, "trace": str(trace) if trace else None,
             "command_buffers": command_buffers,
-            **profile.breakdown(kernels, steps, decode.as_text() or "",
+            **profile.breakdown(kernels, steps, decode_call.as_text() or "",
                                 decode_kind, DECODE_TOP_KERNELS)}
 
 
@@ -376,6 +376,7 @@ class Settings:
     kv_cache: str = "auto"
     profile: Optional[str] = None  # a folder for the decode steps' traces
     steps_per_call: int = 16
+    fp8_attention: str = "reduce"  # decode.FP8_DECODE_ATTENTION
 
 
 def cache_dtype(name: str, choice: str, dtype):
@@ -434,10 +435,10 @@ def print_measurement(name: str, m: dict) -> None:
     memory = m["memory"]
     peak = (f"{memory['peak_bytes_in_use'] / 2**20:,.0f} MiB peak so far"
             if memory["peak_bytes_in_use"] is not None else "peak memory not reported")
-    decode = (f"decode {m['decode_tokens_per_s']:,.0f} tokens/s" if m["decode_tokens_per_s"]
-              else "no decode step")
+    decoded = (f"decode {m['decode_tokens_per_s']:,.0f} tokens/s" if m["decode_tokens_per_s"]
+               else "no decode step")
     print(f"{name} batch {m['batch']}: prefill {m['prefill_tokens_per_s']:,.0f} tokens/s, "
-          f"{decode}, time to first token {m['time_to_first_token_s'] * 1e3:.1f} ms, "
+          f"{decoded}, time to first token {m['time_to_first_token_s'] * 1e3:.1f} ms, "
           f"compile {m['compile_s']:.1f} s, KV cache {_mib(m['kv_cache_bytes'])} MiB, {peak}",
           flush=True)
     if "profile" in m:
@@ -634,6 +635,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "folder and report where a step's GPU time goes")
     parser.add_argument("--out", type=Path, help="folder for gpt_generate.json and .md")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--fp8-attention", default=decode.FP8_DECODE_ATTENTION,
+                        choices=("reduce", "dots"),
+                        help="how a decode step reads an FP8 KV cache: multiply-reduces or "
+                             "dots over the converted cache")
     parser.add_argument("--steps-per-call", type=int, default=16,
                         help="decode steps per dispatch (a device loop; 1: one per token)")
     args = parser.parse_args(argv)
@@ -660,7 +665,7 @@ def settings_for(args: argparse.Namespace, config: configs.TrainConfig) -> Setti
                     args.seed, args.repeats, args.eval_batches, args.attention,
                     args.fp8_min_features, args.static_scales, not args.no_progress,
                     args.kv_cache, None if args.profile is None else str(args.profile),
-                    args.steps_per_call)
+                    args.steps_per_call, args.fp8_attention)
 
 
 def main(argv=None) -> dict[str, Any]:
@@ -675,6 +680,7 @@ def main(argv=None) -> dict[str, Any]:
         config, saved, weights_from = configs.get(args.config), None, \
             f"random ({args.config}, seed {configs.get(args.config).seed})"
     settings = settings_for(args, config)
+    decode.FP8_DECODE_ATTENTION = settings.fp8_attention  # read when the steps are traced
     dtype = train.compute_dtype(args.dtype)
     corpus = data.load_corpus()
     weights = serving_weights(config, saved, dtype)
