@@ -21,9 +21,9 @@ harnesses, temporaries from XLA's memory analysis, GEMM counts, the difference f
 - ours_fp8_stateful: the same with `fp8_state=`, as the Flax modules run `fp8=True` (delayed
   scaling, timed warm);
 - ours_fp8_block: `mlp(..., fp8=Fp8(scaling="block", layers="all"))`, the block-scaled
-  recipe (x and dZ quantized by `blocks.BOTH_COPIES`' default, "xla");
-- ours_fp8_block_separate, ours_fp8_block_pallas: the same with `BOTH_COPIES` "xla_separate"
-  (the previous formulation) and "pallas" (`--step-variants` picks a subset).
+  recipe (x and dZ quantized by `blocks.BOTH_COPIES`' default, "pallas");
+- ours_fp8_block_xla, ours_fp8_block_separate: the same with `BOTH_COPIES` "xla" and
+  "xla_separate" (the previous formulation) (`--step-variants` picks a subset).
 
 Quantization (`--parts quantize`): M1's x (65536×4096 bf16) into both its 1×128 copies
 (`quantize_1x128_both`: x8 along K, xᵀ8 along the tokens, their scales), each kernel of
@@ -109,9 +109,9 @@ STEP_VARIANTS = {"xla_bf16": fp8_bench.VARIANTS["xla_bf16"],
                  # fp8=True as the Flax modules run it: with a state, so delayed scaling
                  "ours_fp8_stateful": fp8_bench.VARIANTS["ours_fp8_stateful"],
                  # every layer: on M1 the same as "auto", and the smoke row is FP8 too
-                 "ours_fp8_block": _block_stack("xla"),
-                 "ours_fp8_block_separate": _block_stack("xla_separate"),
-                 "ours_fp8_block_pallas": _block_stack("pallas")}
+                 "ours_fp8_block": _block_stack("pallas"),  # the default: XLA's off CUDA
+                 "ours_fp8_block_xla": _block_stack("xla"),
+                 "ours_fp8_block_separate": _block_stack("xla_separate")}
 STEP_ROW = Workload("M1", *NETWORKS["M1"], "relu", None, False)
 SMOKE_STEP_ROW = Workload("S1", 256, (128, 256, 128), "relu", None, False)
 # (variant, against, at least) on the step's speed in both harnesses; temporaries at most.

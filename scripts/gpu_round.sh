@@ -233,7 +233,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # (block vs per-tensor fp8=True vs XLA bf16, both harnesses, temporaries) and the
       # outlier errors with their factor swept (BLOCKSTEP_ARGS, e.g. "--parts step"; "--parts
       # quantize,step --step-variants xla_bf16,ours_fp8,ours_fp8_block,ours_fp8_block_separate,
-      # ours_fp8_block_pallas" times x's quantization into both copies per kernel of
+      # ours_fp8_block_xla" times x's quantization into both copies per kernel of
       # blocks.BOTH_COPIES_CHOICES, then the step with each). BLOCKSTEP_TESTS=0 skips the tests,
       # which include the Pallas quantization kernel's bytes against XLA's.
       [ "${BLOCKSTEP_TESTS:-1}" = 1 ] && gpu_tests blockstep "${BLOCKSTEP_TEST_CAP:-200}" \
