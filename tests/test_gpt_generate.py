@@ -166,6 +166,43 @@ def test_fp8_decode_attention_by_dots_equals_the_multiply_reduces(config, monkey
         cached_logits(cached, tokens, [12, 1], jnp.float8_e4m3fn)
 
 
+@pytest.mark.parametrize("config, form", [(TINY, "reduce"), (LLAMA_TINY, "dots")],
+                         ids=["gpt_reduce", "llama_gqa_dots"])
+def test_fp8_cache_heads_major_holds_and_decodes_as_positions_major(config, form, monkeypatch):
+    # generate.py --fp8-cache-layout: the same bytes in another order, the same math
+    config, weights = tiny_weights(config=config, tie_head=False)
+    cached = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
+    prompt = np.random.default_rng(5).integers(0, 256, (3, 7))
+    monkeypatch.setattr(decode, "FP8_DECODE_ATTENTION", form)
+    by_layout = {}
+    for layout in ("positions_major", "heads_major"):
+        monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
+        generator = decode.Generator(cached, cache_dtype=jnp.float8_e4m3fn, steps_per_call=4)
+        tokens, cache = generator.prefill(generator.new_cache(3, 13), prompt, jax.random.key(0))
+        out, cache = generator.decode(cache, tokens, 7, 3, jax.random.key(0))
+        assert cache.max_len == 13  # read under the layout the cache was made in
+        by_layout[layout] = (np.asarray(out[:3]), cache)
+    (tokens, old), (new_tokens, new) = by_layout.values()
+    np.testing.assert_array_equal(new_tokens, tokens)
+    heads_first = lambda x: np.swapaxes(np.asarray(x, np.float32), 2, 3)
+    np.testing.assert_array_equal(heads_first(old.keys), np.asarray(new.keys, np.float32))
+    np.testing.assert_array_equal(np.moveaxis(np.asarray(old.values, np.float32), 2, 4),
+                                  np.asarray(new.values, np.float32))
+    for scales in ("key_scales", "value_scales"):
+        np.testing.assert_array_equal(heads_first(getattr(old, scales)), getattr(new, scales))
+    with jax.default_matmul_precision("highest"):
+        logits = {}
+        for layout in ("positions_major", "heads_major"):
+            monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
+            logits[layout] = cached_logits(cached, jnp.asarray(np.random.default_rng(6).integers(
+                0, 256, (2, 11))), [9, 1, 1], jnp.float8_e4m3fn)
+    np.testing.assert_allclose(logits["heads_major"], logits["positions_major"], rtol=1e-6,
+                               atol=1e-6)
+    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", "rows")
+    with pytest.raises(ValueError, match="FP8_CACHE_LAYOUT"):
+        decode.init_cache(config.model, 1, 8, jnp.float8_e4m3fn)
+
+
 #: Entry instructions that write no memory of their own.
 _NOT_WRITTEN = ("parameter", "tuple", "get-tuple-element", "bitcast", "constant")
 
