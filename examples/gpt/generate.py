@@ -30,7 +30,8 @@ writes `gpt_generate.json` and `gpt_generate.md` to `--out`.
 
 The KV cache (`--kv-cache`) is the compute dtype, `bf16`, or `fp8` (float8_e4m3fn, a float32
 scale per head vector; decode.py); `auto` gives `epilog_fp8` the FP8 cache and the others the
-compute dtype. `--profile DIR` traces a few decode steps of each variant and batch size with
+compute dtype. `--fp8-cache-layout` and `--fp8-attention` choose how an FP8 cache is stored
+and read (decode.py's `FP8_CACHE_LAYOUT`, `FP8_DECODE_ATTENTION`). `--profile DIR` traces a few decode steps of each variant and batch size with
 `jax.profiler` (the traces kept in DIR) and sorts the step's GPU kernels into GEMMs, the
 attention over the cache, the cache writes and the rest (profile.py's `breakdown`).
 """
