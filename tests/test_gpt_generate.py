@@ -196,8 +196,9 @@ def test_fp8_cache_heads_major_holds_and_decodes_as_positions_major(config, form
             monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
             logits[layout] = cached_logits(cached, jnp.asarray(np.random.default_rng(6).integers(
                 0, 256, (2, 11))), [9, 1, 1], jnp.float8_e4m3fn)
-    np.testing.assert_allclose(logits["heads_major"], logits["positions_major"], rtol=1e-6,
-                               atol=1e-6)
+    # the reductions' float32 sums in another memory order: equal to rounding (about 1e-6)
+    np.testing.assert_allclose(logits["heads_major"], logits["positions_major"], rtol=1e-5,
+                               atol=1e-5)
     monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", "rows")
     with pytest.raises(ValueError, match="FP8_CACHE_LAYOUT"):
         decode.init_cache(config.model, 1, 8, jnp.float8_e4m3fn)
