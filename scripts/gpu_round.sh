@@ -4,7 +4,7 @@
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt llama gptprofile serving
-#           generate blockfp8 blockstep swiglu
+#           generate decodelayout blockfp8 blockstep swiglu
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
@@ -334,6 +334,27 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       grep -E "^(\| |- )(stock|epilog_fp8|qwix_fp8)( \||: )" "$OUT/generate/gpt_generate.md" 2>/dev/null | tee -a "$SUMMARY"
       grep -E "FAILED|Error" "$OUT/generate.log" | head -20 | tee -a "$SUMMARY"
       [ -z "${GENERATE_CHECKPOINT_DIR:-}" ] && rm -rf "$ckpt" ;;
+    decodelayout)
+      # The FP8 KV cache's two layouts (decode.py's FP8_CACHE_LAYOUT, generate.py
+      # --fp8-cache-layout) on DECODE_LAYOUT_CONFIG (`large`), random weights, stock and
+      # epilog_fp8 at batch 1 and 64, each decode call also traced (compiled without command
+      # buffers): positions_major (the default) then heads_major, into $OUT/decode_<layout>.
+      # First the GPU tests of the cache's layouts. Compare the decode tokens/s of epilog_fp8
+      # against stock between the two reports, and their traces' whole-cache transposes.
+      gpu_tests decodelayout "${DECODE_LAYOUT_TEST_CAP:-120}" test_gpt_generate.py
+      for layout in positions_major heads_major; do
+        (cd "$ROOT" && runs --cap "${DECODE_LAYOUT_CAP:-300}" "$PY" examples/gpt/generate.py \
+          --random-init --config "${DECODE_LAYOUT_CONFIG:-large}" --compare \
+          --variants stock,epilog_fp8 --batch 1 64 --repeats 2 --eval-batches 1 \
+          --fp8-cache-layout "$layout" ${DECODE_LAYOUT_ARGS:-} --profile "/tmp/decode_$layout" \
+          --no-progress --out "$OUT/decode_$layout" 2>&1) > "$OUT/decode_$layout.log"
+        note "decodelayout $layout: rc=$? ($((SECONDS - start)) s)"
+        grep -E "^(\| |- )(stock|epilog_fp8)( \||: )" "$OUT/decode_$layout/gpt_generate.md" \
+          2>/dev/null | tee -a "$SUMMARY"
+        note "decodelayout $layout: report lines naming a transpose: $(grep -ci transpose \
+          "$OUT/decode_$layout/gpt_generate.md" 2>/dev/null)"
+        grep -E "FAILED|Error" "$OUT/decode_$layout.log" | head -20 | tee -a "$SUMMARY"
+      done ;;
     gptprofile)
       # Where the GPT step's time goes, per variant (GPT_PROFILE_ARGS, default large, Flax's
       # FP8 against ours): the kernels of a few traced steps, by kind and the longest ones.

@@ -166,6 +166,44 @@ def test_fp8_decode_attention_by_dots_equals_the_multiply_reduces(config, monkey
         cached_logits(cached, tokens, [12, 1], jnp.float8_e4m3fn)
 
 
+@pytest.mark.parametrize("config, form", [(TINY, "reduce"), (LLAMA_TINY, "dots")],
+                         ids=["gpt_reduce", "llama_gqa_dots"])
+def test_fp8_cache_heads_major_holds_and_decodes_as_positions_major(config, form, monkeypatch):
+    # generate.py --fp8-cache-layout: the same bytes in another order, the same math
+    config, weights = tiny_weights(config=config, tie_head=False)
+    cached = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
+    prompt = np.random.default_rng(5).integers(0, 256, (3, 7))
+    monkeypatch.setattr(decode, "FP8_DECODE_ATTENTION", form)
+    by_layout = {}
+    for layout in ("positions_major", "heads_major"):
+        monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
+        generator = decode.Generator(cached, cache_dtype=jnp.float8_e4m3fn, steps_per_call=4)
+        tokens, cache = generator.prefill(generator.new_cache(3, 13), prompt, jax.random.key(0))
+        out, cache = generator.decode(cache, tokens, 7, 3, jax.random.key(0))
+        assert cache.max_len == 13  # read under the layout the cache was made in
+        by_layout[layout] = (np.asarray(out[:3]), cache)
+    (tokens, old), (new_tokens, new) = by_layout.values()
+    np.testing.assert_array_equal(new_tokens, tokens)
+    heads_first = lambda x: np.swapaxes(np.asarray(x, np.float32), 2, 3)
+    np.testing.assert_array_equal(heads_first(old.keys), np.asarray(new.keys, np.float32))
+    np.testing.assert_array_equal(np.moveaxis(np.asarray(old.values, np.float32), 2, 4),
+                                  np.asarray(new.values, np.float32))
+    for scales in ("key_scales", "value_scales"):
+        np.testing.assert_array_equal(heads_first(getattr(old, scales)), getattr(new, scales))
+    with jax.default_matmul_precision("highest"):
+        logits = {}
+        for layout in ("positions_major", "heads_major"):
+            monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
+            logits[layout] = cached_logits(cached, jnp.asarray(np.random.default_rng(6).integers(
+                0, 256, (2, 11))), [9, 1, 1], jnp.float8_e4m3fn)
+    # the reductions' float32 sums in another memory order: equal to rounding (about 1e-6)
+    np.testing.assert_allclose(logits["heads_major"], logits["positions_major"], rtol=1e-5,
+                               atol=1e-5)
+    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", "rows")
+    with pytest.raises(ValueError, match="FP8_CACHE_LAYOUT"):
+        decode.init_cache(config.model, 1, 8, jnp.float8_e4m3fn)
+
+
 #: Entry instructions that write no memory of their own.
 _NOT_WRITTEN = ("parameter", "tuple", "get-tuple-element", "bitcast", "constant")
 
@@ -201,25 +239,61 @@ def decode_step(config, cache_dtype, compute_dtype=jnp.float32, batch=4):
                                  jax.random.key(0)).compile()
 
 
-def assert_writes_the_cache_in_place(compiled, config, batch):
-    """Every cache-sized array the step writes is a `dynamic_update_slice` (into the donated
-    cache, in place): none is a copy or a concatenation."""
+def is_cache_sized(dims, config, batch, max_len=37) -> bool:
+    """Whether `dims` are the whole keys' or values' of `config` in some order."""
     m = config.model
-    whole = (m.n_layers, batch, 37, m.kv_heads, m.head_dim)
+    return sorted(dims) == sorted((m.n_layers, batch, max_len, m.kv_heads, m.head_dim))
+
+
+def assert_writes_the_cache_in_place(compiled, config, batch):
+    """Every cache-sized array the step writes (in either layout, or transposed) is a
+    `dynamic_update_slice` (into the donated cache, in place): none is a copy or a
+    concatenation."""
     cache_sized = [(opcode, body) for _, dims, opcode, body in written_arrays(
-        compiled.as_text()) if dims == whole]
+        compiled.as_text()) if is_cache_sized(dims, config, batch)]
     writes = [opcode for opcode, body in cache_sized
               if opcode == "dynamic-update-slice" or "dynamic-update-slice(" in body]
-    assert len(writes) >= 2 * m.n_layers  # keys and values of each layer, where they are
+    assert len(writes) >= 2 * config.model.n_layers  # keys and values of each layer, where they are
     assert len(writes) == len(cache_sized), cache_sized  # and nothing else of the cache's size
 
 
-@pytest.mark.parametrize("cache_dtype", [jnp.float32, jnp.float8_e4m3fn])
-def test_a_decode_step_writes_the_cache_in_place(cache_dtype):
+@pytest.mark.parametrize("cache_dtype, layout", [
+    (jnp.float32, "positions_major"), (jnp.float8_e4m3fn, "positions_major"),
+    (jnp.float8_e4m3fn, "heads_major")])
+def test_a_decode_step_writes_the_cache_in_place(cache_dtype, layout, monkeypatch):
     # Two layers: the old step sliced each layer out, updated it and stacked them back, a
     # concatenation (a copy) of the whole cache every step.
+    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
     config = TINY.replace(n_layers=2)
     assert_writes_the_cache_in_place(decode_step(config, cache_dtype), config, 4)
+
+
+def assert_the_decode_loop_keeps_the_cache_as_it_is(config, batch):
+    """A decode call (its device loop) of `config`'s stock model over an FP8 cache compiled
+    for the default backend: outside the loop nothing cache-sized is written (an H200's
+    positions-major FP8 cache was transposed whole at the loop's entry and exit)."""
+    generator = decode.Generator(decode.CachedGPT(generate.model_with(
+        config, "stock", generate.serving_weights(config, None, jnp.bfloat16), jnp.bfloat16)),
+        cache_dtype=jnp.float8_e4m3fn, steps_per_call=4)
+    compiled = generator.compile(batch, 20, 17, jax.random.key(0))["decode"]
+    cache_sized = [(dtype, dims, opcode) for dtype, dims, opcode, _ in written_arrays(
+        compiled.as_text()) if is_cache_sized(dims, config, batch)]
+    assert ("f8e4m3fn", "while") in {(dtype, opcode) for dtype, _, opcode in cache_sized}
+    outside = [written for written in cache_sized if written[2] != "while"]
+    assert not outside, outside
+
+
+@pytest.mark.parametrize("layout", ["positions_major", "heads_major"])
+def test_a_decode_call_on_the_cpu_keeps_the_fp8_cache_as_it_is(layout, monkeypatch):
+    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
+    assert_the_decode_loop_keeps_the_cache_as_it_is(LLAMA_TINY.replace(n_layers=2), 4)
+
+
+@pytest.mark.gpu
+def test_a_decode_call_on_the_gpu_keeps_a_heads_major_fp8_cache_as_it_is(monkeypatch):
+    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", "heads_major")
+    with jax.default_device(jax.devices("cuda")[0]):
+        assert_the_decode_loop_keeps_the_cache_as_it_is(LLAMA_TINY.replace(n_layers=2), 64)
 
 
 def test_an_fp8_decode_step_reads_the_cache_with_no_dot():
@@ -242,7 +316,9 @@ def test_an_fp8_decode_step_reads_the_cache_with_no_dot():
 
 
 @pytest.mark.gpu
-def test_a_decode_step_on_the_gpu_reads_the_fp8_cache_as_it_is():
+@pytest.mark.parametrize("layout", ["positions_major", "heads_major"])
+def test_a_decode_step_on_the_gpu_reads_the_fp8_cache_as_it_is(layout, monkeypatch):
+    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
     config = LLAMA_TINY.replace(n_layers=2)
     m = config.model
     with jax.default_device(jax.devices("cuda")[0]):
@@ -444,11 +520,14 @@ def test_compare_writes_every_variant_with_quality(tmp_path, name, projections):
     assert written["metadata"]["platform"] == jax.default_backend()
 
 
-def test_kv_cache_and_profile_options_reach_the_report(tmp_path):
+def test_kv_cache_and_profile_options_reach_the_report(tmp_path, monkeypatch):
+    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", decode.FP8_CACHE_LAYOUT)  # main sets it
     report = run_main("--random-init", "--variant", "epilog_fp8", "--batch", "2",
                       "--prompt-len", "5", "--new-tokens", "4", "--repeats", "1",
                       "--eval-batches", "1", "--fp8-min-features", "64", "--profile",
-                      str(tmp_path / "traces"), "--out", str(tmp_path))
+                      str(tmp_path / "traces"), "--fp8-cache-layout", "heads_major",
+                      "--out", str(tmp_path))
+    assert decode.FP8_CACHE_LAYOUT == "heads_major"
     record = report["result"]["variants"]["epilog_fp8"]
     measured = record["by_batch"]["2"]
     assert record["kv_cache"] == "float8_e4m3fn"  # "auto": FP8 for epilog_fp8
@@ -462,6 +541,7 @@ def test_kv_cache_and_profile_options_reach_the_report(tmp_path):
     text = (tmp_path / "gpt_generate.md").read_text()
     assert "| epilog_fp8 | 2 | float8_e4m3fn |" in text  # the profile's row
     assert "| float8_e4m3fn, " in text  # the main table's KV cache cell
+    assert "an FP8 KV cache heads_major, read by reduce" in text
 
 
 def test_cache_dtype_per_variant_and_choice():

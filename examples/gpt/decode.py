@@ -50,7 +50,11 @@ class KVCache(NamedTuple):
     """Keys and values of every layer, `(layers, batch, max_len, n_kv_heads, head_dim)` each
     (RoPE applied to the keys), in the compute dtype, or in FP8 with `key_scales` and
     `value_scales` `(layers, batch, max_len, n_kv_heads)` float32: a stored head vector times
-    its scale is its value. The positions not yet written hold zeros and are masked."""
+    its scale is its value. The positions not yet written hold zeros and are masked.
+    An FP8 cache made under `FP8_CACHE_LAYOUT = "heads_major"` holds keys
+    `(layers, batch, n_kv_heads, max_len, head_dim)`, values
+    `(layers, batch, n_kv_heads, head_dim, max_len)` and scales
+    `(layers, batch, n_kv_heads, max_len)`."""
 
     keys: jax.Array
     values: jax.Array
@@ -59,13 +63,36 @@ class KVCache(NamedTuple):
 
     @property
     def max_len(self) -> int:
-        return self.keys.shape[2]
+        return self.keys.shape[3 if _heads_major(self) else 2]
 
     @property
     def nbytes(self) -> int:
         """Bytes in memory, the scales included."""
         return sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
                    for leaf in jax.tree.leaves(self))
+
+
+#: How an FP8 cache is laid out (`KVCache`): "positions_major" (positions before heads, as the
+#: compute-dtype cache) or "heads_major" (each head's positions together, values with the
+#: positions minor: the order a decode step reads them in, so that XLA need not transpose the
+#: whole cache at the decode loop's entry and exit, as an H200 profile showed). Read when a
+#: cache is made and when a step is traced (generate.py's `--fp8-cache-layout`): keep it
+#: while a cache is in use.
+FP8_CACHE_LAYOUT = "positions_major"
+_FP8_CACHE_LAYOUTS = ("positions_major", "heads_major")
+
+
+def _fp8_cache_layout() -> str:
+    """`FP8_CACHE_LAYOUT`, checked."""
+    if FP8_CACHE_LAYOUT not in _FP8_CACHE_LAYOUTS:
+        raise ValueError(f"FP8_CACHE_LAYOUT: expected one of {_FP8_CACHE_LAYOUTS}, got "
+                         f"{FP8_CACHE_LAYOUT!r}")
+    return FP8_CACHE_LAYOUT
+
+
+def _heads_major(cache: KVCache) -> bool:
+    """Whether `cache` is an FP8 cache in the "heads_major" layout."""
+    return cache.key_scales is not None and _fp8_cache_layout() == "heads_major"
 
 
 def is_fp8(dtype) -> bool:
@@ -83,9 +110,15 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
     shape = (config.n_layers, batch, max_len, config.kv_heads, config.head_dim)
     if not is_fp8(dtype):
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    layers, batch, length, heads, width = shape
+    keys, values, scales = shape, shape, shape[:-1]
+    if _fp8_cache_layout() == "heads_major":
+        keys, values, scales = ((layers, batch, heads, length, width),
+                                (layers, batch, heads, width, length),
+                                (layers, batch, heads, length))
     # four arrays, not one array twice: the cache is donated
-    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                   jnp.ones(shape[:-1], jnp.float32), jnp.ones(shape[:-1], jnp.float32))
+    return KVCache(jnp.zeros(keys, dtype), jnp.zeros(values, dtype),
+                   jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
 
 
 def quantize_vectors(x, dtype):
@@ -103,15 +136,24 @@ def _write(cache: KVCache, layer: int, start, k, v) -> KVCache:
     """`cache` with `k` and `v` `(B, T, n_kv_heads, head_dim)` of `layer` at positions
     `start...`: one update of each whole array, in place (the cache is donated), rather than
     a new per-layer slice stacked back, which copied the whole cache every step."""
-    def put(whole, part):
-        return jax.lax.dynamic_update_slice(whole, part[None].astype(whole.dtype),
-                                            (layer, 0, start) + (0,) * (whole.ndim - 3))
+    def put(whole, part, axis=2):  # `part` holds the positions `start...` on `axis` - 1
+        at = [0] * whole.ndim
+        at[0], at[axis] = layer, start
+        return jax.lax.dynamic_update_slice(whole, part[None].astype(whole.dtype), at)
     with jax.named_scope("kv_cache"):
         if cache.key_scales is None:
             return KVCache(put(cache.keys, k), put(cache.values, v))
         (k, k_scales), (v, v_scales) = (quantize_vectors(x, cache.keys.dtype) for x in (k, v))
-        return KVCache(put(cache.keys, k), put(cache.values, v),
-                       put(cache.key_scales, k_scales), put(cache.value_scales, v_scales))
+        if not _heads_major(cache):
+            return KVCache(put(cache.keys, k), put(cache.values, v),
+                           put(cache.key_scales, k_scales), put(cache.value_scales, v_scales))
+        # (B, T, kv, ...) -> (B, kv, T, ...); the values' positions last: this step's few
+        # vectors are transposed, never the cache
+        heads_first = lambda x: jnp.swapaxes(x, 1, 2)
+        return KVCache(put(cache.keys, heads_first(k), 3),
+                       put(cache.values, jnp.transpose(v, (0, 2, 3, 1)), 4),
+                       put(cache.key_scales, heads_first(k_scales), 3),
+                       put(cache.value_scales, heads_first(v_scales), 3))
 
 
 def _attend_fp8_one_query(q, keys, values, key_scales, value_scales, visible):
@@ -149,11 +191,45 @@ def _attend_fp8_one_query_by_dots(q, keys, values, key_scales, value_scales, vis
     return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
 
 
+def _attend_fp8_heads_major(q, keys, values, key_scales, value_scales, visible):
+    """`_attend_fp8_one_query` over a "heads_major" layer cache: keys `(B, kv, L, head_dim)`,
+    values `(B, kv, head_dim, L)`, scales `(B, kv, L)`; the same multiply-reduces, each over
+    the minor axis of what it reads."""
+    batch, _, n_heads, head_dim = q.shape
+    kv_heads, dtype = keys.shape[1], q.dtype
+    q = q.astype(jnp.float32).reshape(batch, kv_heads, n_heads // kv_heads, 1, head_dim)
+    # (B, n_kv_heads, group, L): each query head with its group's key head
+    scores = jnp.sum(q * keys[:, :, None].astype(jnp.float32), axis=-1)
+    scores = scores * (key_scales[:, :, None] / np.sqrt(head_dim))
+    scores = jnp.where(visible, scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1) * value_scales[:, :, None]
+    y = jnp.sum(weights[:, :, :, None] * values[:, :, None].astype(jnp.float32), axis=-1)
+    return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
+
+
+def _attend_fp8_heads_major_by_dots(q, keys, values, key_scales, value_scales, visible):
+    """`_attend_fp8_one_query_by_dots` over a "heads_major" layer cache
+    (`_attend_fp8_heads_major`)."""
+    batch, _, n_heads, head_dim = q.shape
+    kv_heads, dtype = keys.shape[1], q.dtype
+    q = q.reshape(batch, kv_heads, n_heads // kv_heads, head_dim)
+    scores = jnp.einsum("bkgd,bkld->bkgl", q, keys.astype(dtype),
+                        preferred_element_type=jnp.float32)
+    scores = scores * (key_scales[:, :, None] / np.sqrt(head_dim))
+    scores = jnp.where(visible, scores, -jnp.inf)
+    weights = (jax.nn.softmax(scores, axis=-1) * value_scales[:, :, None]).astype(dtype)
+    y = jnp.einsum("bkgl,bkdl->bkgd", weights, values.astype(dtype),
+                   preferred_element_type=jnp.float32)
+    return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
+
+
 #: How a decode step attends to an FP8 cache: "reduce" (`_attend_fp8_one_query`) or "dots"
 #: (`_attend_fp8_one_query_by_dots`); read when a step is traced (generate.py's
 #: `--fp8-attention`), so the two can be measured against each other.
 FP8_DECODE_ATTENTION = "reduce"
 _FP8_DECODE_ATTENTION = {"reduce": _attend_fp8_one_query, "dots": _attend_fp8_one_query_by_dots}
+_FP8_DECODE_ATTENTION_HEADS_MAJOR = {"reduce": _attend_fp8_heads_major,
+                                     "dots": _attend_fp8_heads_major_by_dots}
 
 
 def _attention(q, cache: KVCache, layer: int, mask):
@@ -168,12 +244,18 @@ def _attention(q, cache: KVCache, layer: int, mask):
         if FP8_DECODE_ATTENTION not in _FP8_DECODE_ATTENTION:
             raise ValueError(f"FP8_DECODE_ATTENTION: expected one of "
                              f"{tuple(_FP8_DECODE_ATTENTION)}, got {FP8_DECODE_ATTENTION!r}")
-        attend = _FP8_DECODE_ATTENTION[FP8_DECODE_ATTENTION]
+        attend = (_FP8_DECODE_ATTENTION_HEADS_MAJOR if _heads_major(cache)
+                  else _FP8_DECODE_ATTENTION)[FP8_DECODE_ATTENTION]
         return attend(q, keys, values, key_scales, value_scales, mask[0])
-    # A prefill's many queries: its GEMMs want 16-bit operands, so dequantize this layer once.
-    dequantized = lambda x, scales: (x.astype(jnp.float32) * scales[..., None]).astype(q.dtype)
-    return jax.nn.dot_product_attention(q, dequantized(keys, key_scales),
-                                        dequantized(values, value_scales),
+    # A prefill's many queries: its GEMMs want 16-bit operands, so dequantize this layer once
+    # (into the positions-major order XLA's attention takes).
+    keys, values = keys.astype(jnp.float32), values.astype(jnp.float32)
+    if _heads_major(cache):
+        keys = jnp.swapaxes(keys * key_scales[..., None], 1, 2)
+        values = jnp.transpose(values * value_scales[:, :, None], (0, 3, 1, 2))
+    else:
+        keys, values = keys * key_scales[..., None], values * value_scales[..., None]
+    return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
                                         mask=mask[None, None], implementation="xla")
 
 

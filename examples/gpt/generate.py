@@ -30,7 +30,8 @@ writes `gpt_generate.json` and `gpt_generate.md` to `--out`.
 
 The KV cache (`--kv-cache`) is the compute dtype, `bf16`, or `fp8` (float8_e4m3fn, a float32
 scale per head vector; decode.py); `auto` gives `epilog_fp8` the FP8 cache and the others the
-compute dtype. `--profile DIR` traces a few decode steps of each variant and batch size with
+compute dtype. `--fp8-cache-layout` and `--fp8-attention` choose how an FP8 cache is stored
+and read (decode.py's `FP8_CACHE_LAYOUT`, `FP8_DECODE_ATTENTION`). `--profile DIR` traces a few decode steps of each variant and batch size with
 `jax.profiler` (the traces kept in DIR) and sorts the step's GPU kernels into GEMMs, the
 attention over the cache, the cache writes and the rest (profile.py's `breakdown`).
 """
@@ -377,6 +378,7 @@ class Settings:
     profile: Optional[str] = None  # a folder for the decode steps' traces
     steps_per_call: int = 16
     fp8_attention: str = "reduce"  # decode.FP8_DECODE_ATTENTION
+    fp8_cache_layout: str = "positions_major"  # decode.FP8_CACHE_LAYOUT
 
 
 def cache_dtype(name: str, choice: str, dtype):
@@ -506,7 +508,8 @@ def render(report: dict) -> str:
              f"d_model {model['d_model']}, {model['n_layers']} layers, {model['n_heads']} "
              f"heads. Prompts of {s['prompt_len']} validation bytes, {s['new_tokens']} new "
              f"tokens ({_sampling(s)}), {s.get('steps_per_call', 1)} decode steps per call; "
-             "epilog_fp8's input scales "
+             f"an FP8 KV cache {s.get('fp8_cache_layout', 'positions_major')}, read by "
+             f"{s.get('fp8_attention', 'reduce')}; epilog_fp8's input scales "
              f"{'static (calibrated)' if s['static_scales'] else 'from each call (current)'}; "
              f"medians of {s['repeats']} runs after a warm-up. Method: "
              "examples/gpt/generate.py's docstring.", ""]
@@ -639,6 +642,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         choices=("reduce", "dots"),
                         help="how a decode step reads an FP8 KV cache: multiply-reduces or "
                              "dots over the converted cache")
+    parser.add_argument("--fp8-cache-layout", default=decode.FP8_CACHE_LAYOUT,
+                        choices=("positions_major", "heads_major"),
+                        help="how an FP8 KV cache is stored: positions before heads, or each "
+                             "head's positions together in the order a decode step reads them")
     parser.add_argument("--steps-per-call", type=int, default=16,
                         help="decode steps per dispatch (a device loop; 1: one per token)")
     args = parser.parse_args(argv)
@@ -665,7 +672,7 @@ def settings_for(args: argparse.Namespace, config: configs.TrainConfig) -> Setti
                     args.seed, args.repeats, args.eval_batches, args.attention,
                     args.fp8_min_features, args.static_scales, not args.no_progress,
                     args.kv_cache, None if args.profile is None else str(args.profile),
-                    args.steps_per_call, args.fp8_attention)
+                    args.steps_per_call, args.fp8_attention, args.fp8_cache_layout)
 
 
 def main(argv=None) -> dict[str, Any]:
@@ -681,6 +688,7 @@ def main(argv=None) -> dict[str, Any]:
             f"random ({args.config}, seed {configs.get(args.config).seed})"
     settings = settings_for(args, config)
     decode.FP8_DECODE_ATTENTION = settings.fp8_attention  # read when the steps are traced
+    decode.FP8_CACHE_LAYOUT = settings.fp8_cache_layout  # and when a cache is made
     dtype = train.compute_dtype(args.dtype)
     corpus = data.load_corpus()
     weights = serving_weights(config, saved, dtype)
