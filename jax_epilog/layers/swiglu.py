@@ -26,9 +26,10 @@ With `fp8=` (SPEC §5's recipe, `Fp8`; docs/fp8.md, "SwiGLU"):
   and a fusion write, are cast on their history's scale with their amax a side output of the
   cast (`quantize_bounded`), so no cast waits for a reduction over the tensor it casts; while
   a history is cold the scale comes from a bound instead of the amax, as for the stacks'
-  GEMM-written tensors: |g|, |u| <= amax(x) · the largest column sum of |gate|, |up|, and
-  |silu(g)| <= max(|g|, 0.28), bound h; |dh| <= amax(dy) · the largest row sum of |down|, and
-  |silu'| <= 1.1, bound dg = dh·u·silu'(g) and du = dh·silu(g) (with amax(g) and amax(u)).
+  GEMM-written tensors, from amaxes that do not wait for the tensor: |g|, |u| <= the largest
+  row norm of x · the largest column norm of gate, up (Cauchy–Schwarz), and |silu(g)| <=
+  max(|g|, 0.28), bound h; |dh| <= the largest row norm of dy · that of down, and |silu'| <=
+  1.1, bound dg = dh·u·silu'(g) and du = dh·silu(g) (with amax(g) and amax(u)).
   `separate_amaxes()` keeps the earlier form (each cast after its own amax pass), for
   comparison.
 
@@ -62,8 +63,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
-from jax_epilog.float8.scaling import (bound_terms, quantize_bounded, quantize_scaled, record,
-                                       reduced_amaxes, result_bound)
+from jax_epilog.float8.scaling import quantize_bounded, quantize_scaled, record, reduced_amaxes
 from jax_epilog.float8.weights import Fp8Weight
 from jax_epilog.layers import fp8_step, serving
 from jax_epilog.layers.functional import _compute_dtype, _described
@@ -101,6 +101,12 @@ def separate_amaxes():
         yield
     finally:
         _bounded.reset(token)
+
+
+def _squared_norms(a, axis: int):
+    """The squared 2-norms of `a`'s slices along `axis`, in float32: |(A @ B)[i, j]| <= |A[i, :]|
+    · |B[:, j]| (Cauchy–Schwarz), so their largest values bound a GEMM's result."""
+    return jnp.sum(jnp.square(a.astype(jnp.float32)), axis=axis)
 
 
 class Block(NamedTuple):
@@ -179,9 +185,10 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     history = (lambda i: state[i].input) if fp8.delayed and state is not None else (lambda i: None)
     fast = fp8.fast("forward")
     bounded = fp8.delayed and state is not None and _bounded.get()
-    # the column sums of |gate| and |up| bound g and u, the row sums of |down| dh
-    sums = bound_terms(gate_up, 0)[0] if bounded else None
-    terms = [sums[:block.hidden], sums[block.hidden:], *bound_terms(down, 1)] if bounded else []
+    # the row norms of x with the column norms of gate and up bound g and u; down's rows, dh
+    norms = _squared_norms(gate_up, 0) if bounded else None
+    terms = [_squared_norms(x, 1), norms[:block.hidden], norms[block.hidden:],
+             _squared_norms(down, 1)] if bounded else []
     # amaxes that wait for nothing else are taken together, one collective where sharded
     x_amax, w_amax, down_amax, *term_amaxes = reduced_amaxes([x, gate_up, down, *terms], axes)
     x8, x_scale, x_amax = quantize_scaled(x, fmt, margin, history(0), axes, x_amax)
@@ -193,7 +200,7 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     halves = (gu[:, :block.hidden], gu[:, block.hidden:]) if keep else ()
     h_amax, *half_amaxes = reduced_amaxes([hidden, *halves], axes)
     if bounded:
-        g_bound, u_bound = (result_bound(x_amax, [a]) * _ROUNDING for a in term_amaxes[:2])
+        g_bound, u_bound = (jnp.sqrt(term_amaxes[0] * a) * _ROUNDING for a in term_amaxes[1:3])
         h8, h_scale, h_amax = quantize_bounded(hidden, history(1), jnp.maximum(
             g_bound, SILU_MIN) * u_bound, fmt, margin, x_amax=h_amax)
     else:
@@ -210,10 +217,10 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     y, g8, u8 = fp8_step._barrier(y, g8, u8)
     named = functools.partial(checkpoint_name, name=SWIGLU_HIDDEN_NAME)
     recorded = state is not None  # the amaxes are kept only for the next state
-    # |[dg du]| <= amax(dy) · this: |dh| <= amax(dy) · max row sum |down|, |dg| <= |dh| ·
-    # amax(u) · SILU_SLOPE, |du| <= |dh| · max(amax(g), SILU_MIN)
+    # |[dg du]| <= dy's largest row norm · this: |dh| <= that · down's largest row norm,
+    # |dg| <= |dh| · amax(u) · SILU_SLOPE, |du| <= |dh| · max(amax(g), SILU_MIN)
     g_amax, u_amax = half_amaxes
-    dgu_bound = term_amaxes[2] * jnp.maximum(u_amax * SILU_SLOPE, jnp.maximum(
+    dgu_bound = jnp.sqrt(term_amaxes[3]) * jnp.maximum(u_amax * SILU_SLOPE, jnp.maximum(
         g_amax, SILU_MIN)) * _ROUNDING if bounded else None
     return y, Saved(_input(x8), x_scale, named(g8), g_scale, named(u8), u_scale, named(h8),
                     h_scale, w8, w_scale, down8, down_scale, x_amax if recorded else None,
@@ -236,7 +243,10 @@ def _fp8_block_bwd(block: Block, residuals, dy):
     axes, fmt, margin = fp8.amax_reduction_axes, fp8.gradient, fp8.margin
     fast_data, fast_weight = fp8.fast("data gradient"), fp8.fast("weight gradient")
     matmul8 = fp8_step._matmul8
-    dy8, dy_scale, dy_amax = quantize_scaled(dy, fmt, margin, amax_axes=axes)
+    # dy's largest row norm (for the bound on [dg du]) is taken with its amax
+    dy_amax, *dy_norm = reduced_amaxes([dy, *([_squared_norms(dy, 1)] if s.dgu_bound is not None
+                                              else [])], axes)
+    dy8, dy_scale, dy_amax = quantize_scaled(dy, fmt, margin, x_amax=dy_amax)
     # The weight gradient's K-major operands (h8ᵀ, dy8ᵀ) are made after the barrier, as in
     # the stacks (fp8_step._barrier says why); the data gradient waits for it.
     dy8, h8 = fp8_step._barrier(dy8, s.h8)
@@ -254,7 +264,8 @@ def _fp8_block_bwd(block: Block, residuals, dy):
         dgu8, dgu_scale, dgu_amax = quantize_scaled(dgu, fmt, margin, amax_axes=axes)
     else:  # the history's scale, or the bound's; the amax a side output for the next state
         dgu8, dgu_scale, dgu_amax = quantize_bounded(dgu, state[0].gradient,
-                                                     dy_amax * s.dgu_bound, fmt, margin, axes)
+                                                     jnp.sqrt(dy_norm[0]) * s.dgu_bound, fmt,
+                                                     margin, axes)
     dgu8, x8 = fp8_step._barrier(dgu8, s.x8)
     dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T, dgu_scale, dtype, "auto", fast_weight,
                           transpose_b=True)
