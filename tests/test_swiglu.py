@@ -376,7 +376,8 @@ def test_bounded_casts_equal_the_separate_amaxes_form_on_a_warm_state(rows, d, f
     warm = delayed_step(x, gate, up, down, dy, DELAYED.init_state(2))[-1]
     got, want = (delayed_step(x, gate, up, down, dy, warm),
                  separate(delayed_step, x, gate, up, down, dy, warm))
-    # the scales are the histories' in both forms: the same values, the same amaxes recorded
+    # the histories hold these inputs' amaxes, so the bounded form's history scales equal the
+    # separate form's ([dg du] on current scaling there): the same values and amaxes recorded
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         close(g, w, 1e-6)
 

@@ -19,19 +19,19 @@ With `fp8=` (SPEC §5's recipe, `Fp8`; docs/fp8.md, "SwiGLU"):
   dg = dh·u·silu'(g) and du = dh·silu(g) from g8 and u8 and quantizes `[dg du]` to e5m2;
   d(gate_up) = x8ᵀ `[dg du]`8 and dx = `[dg du]`8 `[gate up]`8ᵀ.
 - Delayed scaling (`fp8_state=`: two `Fp8History`, the gate/up GEMM's (input x, gradient
-  `[dg du]`) then the down GEMM's (input h, gradient dy)): x and h take their scales from the
-  histories, as a stack's layer inputs do; the kernels, the gradients and the saved g8 and u8
-  keep current scaling (as the stacks' weights and top gradients do). The state's gradient is
-  its next value, each history with this step's amax recorded. h and `[dg du]`, which GEMMs
-  and a fusion write, are cast on their history's scale with their amax a side output of the
+  `[dg du]`) then the down GEMM's (input h, gradient dy)): x, h and `[dg du]` take their
+  scales from the histories; the kernels, dy and the saved g8 and u8 keep current scaling (as
+  the stacks' weights and top gradients do). The state's gradient is its next value, each
+  history with this step's amax recorded. h and `[dg du]`, which GEMMs and a fusion write,
+  are cast on their history's scale with their amax a side output of the
   cast (`quantize_bounded`), so no cast waits for a reduction over the tensor it casts; while
   a history is cold the scale comes from a bound instead of the amax, as for the stacks'
   GEMM-written tensors, from amaxes that do not wait for the tensor: |g|, |u| <= the largest
   row norm of x · the largest column norm of gate, up (Cauchy–Schwarz), and |silu(g)| <=
   max(|g|, 0.28), bound h; |dh| <= the largest row norm of dy · that of down, and |silu'| <=
   1.1, bound dg = dh·u·silu'(g) and du = dh·silu(g) (with amax(g) and amax(u)).
-  `separate_amaxes()` keeps the earlier form (each cast after its own amax pass), for
-  comparison.
+  `separate_amaxes()` keeps the earlier form (h's cast after an amax pass over h, which a
+  cold history's scale comes from; `[dg du]` on current scaling), for comparison.
 
 `Fp8(layers="auto")` runs the block FP8 where both GEMMs pass `stack_plan.fp8_pays` (large
 enough, widths multiples of 16), else in the compute dtype (an `fp8_state` then passes
@@ -93,9 +93,10 @@ _bounded = contextvars.ContextVar("jax_epilog_swiglu_bounded", default=True)
 @contextlib.contextmanager
 def separate_amaxes():
     """Within the block (in this thread), the FP8 block traced under delayed scaling casts h
-    and `[dg du]` the earlier way: the scale from the history, or while it is cold from the
-    tensor's own amax, so each cast waits for an amax pass over its tensor. What the tests
-    and `benchmarks/swiglu_bench.py` compare the bounded form (the default) with."""
+    and `[dg du]` the earlier way: h on the history's scale, or while it is cold on h's own
+    amax, and `[dg du]` on current scaling, so each cast waits for an amax pass over its
+    tensor. What the tests and `benchmarks/swiglu_bench.py` compare the bounded form (the
+    default) with."""
     token = _bounded.set(False)
     try:
         yield
