@@ -342,11 +342,14 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # First the GPU tests of the cache's layouts. Compare the decode tokens/s of epilog_fp8
       # against stock between the two reports, and their traces' whole-cache transposes.
       gpu_tests decodelayout "${DECODE_LAYOUT_TEST_CAP:-120}" test_gpt_generate.py
-      for layout in positions_major heads_major; do
+      # DECODE_LAYOUTS: the layouts to run (default both); DECODE_LAYOUT_PROFILE=0: no traces.
+      for layout in ${DECODE_LAYOUTS:-positions_major heads_major}; do
+        profile_args=""
+        [ "${DECODE_LAYOUT_PROFILE:-1}" = 1 ] && profile_args="--profile /tmp/decode_$layout"
         (cd "$ROOT" && runs --cap "${DECODE_LAYOUT_CAP:-300}" "$PY" examples/gpt/generate.py \
           --random-init --config "${DECODE_LAYOUT_CONFIG:-large}" --compare \
-          --variants stock,epilog_fp8 --batch 1 64 --repeats 2 --eval-batches 1 \
-          --fp8-cache-layout "$layout" ${DECODE_LAYOUT_ARGS:-} --profile "/tmp/decode_$layout" \
+          --variants stock,epilog_fp8 --batch ${DECODE_LAYOUT_BATCHES:-1 64} --repeats 2 --eval-batches 1 \
+          --fp8-cache-layout "$layout" ${DECODE_LAYOUT_ARGS:-} $profile_args \
           --no-progress --out "$OUT/decode_$layout" 2>&1) > "$OUT/decode_$layout.log"
         note "decodelayout $layout: rc=$? ($((SECONDS - start)) s)"
         grep -E "^(\| |- )(stock|epilog_fp8)( \||: )" "$OUT/decode_$layout/gpt_generate.md" \
