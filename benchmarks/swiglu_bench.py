@@ -11,11 +11,7 @@ up(h))` without biases, as a Flax linen model whose parameters are `norm/scale` 
 - ours_dense_fp8: three `jax_epilog.linen.Dense(use_bias=False, fp8=True)`, the way to build
   the block before `SwiGLU`;
 - ours_swiglu_bf16: `jax_epilog.linen.SwiGLU` (no FP8);
-- ours_swiglu_fp8: `SwiGLU(fp8=True)` (delayed scaling from the module's histories; h and
-  `[dg du]` cast on the history's scale or a bound, their amaxes side outputs of the casts);
-- ours_swiglu_fp8_separate: the same traced under `swiglu.separate_amaxes()`, the block's
-  earlier form (each of those casts after an amax pass over its tensor), to measure the two
-  in one process;
+- ours_swiglu_fp8: `SwiGLU(fp8=True)` (delayed scaling from the module's histories);
 - ours_swiglu_fp8_current: `SwiGLU(fp8=Fp8(scaling="current"))`.
 
 Rows (tokens, D, F): S1 (8192, 2048, 8192), S2 (16384, 4096, 14336), and EX (16384, 4096,
@@ -51,7 +47,6 @@ import fp8_peer
 import timing
 from jax_epilog import Fp8
 from jax_epilog import linen as epilog_linen
-from jax_epilog.layers import swiglu as swiglu_module
 
 DTYPE = fp8_peer.DTYPE
 HARNESSES = fp8_peer.HARNESSES
@@ -91,14 +86,6 @@ def flax_dense(dot_general_cls=None):
                                               **extra)
 
 
-class SeparateAmaxesSwiGLU(epilog_linen.SwiGLU):
-    """`jax_epilog.linen.SwiGLU` traced in the block's earlier form (`separate_amaxes`)."""
-
-    def __call__(self, inputs):
-        with swiglu_module.separate_amaxes():
-            return super().__call__(inputs)
-
-
 def ours_dense(features, name):
     return epilog_linen.Dense(features, use_bias=False, dtype=DTYPE, fp8=True, name=name)
 
@@ -109,7 +96,6 @@ VARIANTS: dict[str, Callable[[int], linen.Module]] = {
     "ours_dense_fp8": lambda f: Block(ThreeDense(f, ours_dense)),
     "ours_swiglu_bf16": lambda f: Block(epilog_linen.SwiGLU(f, dtype=DTYPE)),
     "ours_swiglu_fp8": lambda f: Block(epilog_linen.SwiGLU(f, dtype=DTYPE, fp8=True)),
-    "ours_swiglu_fp8_separate": lambda f: Block(SeparateAmaxesSwiGLU(f, dtype=DTYPE, fp8=True)),
     "ours_swiglu_fp8_current": lambda f: Block(epilog_linen.SwiGLU(
         f, dtype=DTYPE, fp8=Fp8(scaling="current")))}
 
@@ -117,8 +103,7 @@ VARIANTS: dict[str, Callable[[int], linen.Module]] = {
 def describe(model: linen.Module) -> str:
     mlp = model.mlp
     if isinstance(mlp, epilog_linen.SwiGLU):
-        form = ", swiglu.separate_amaxes()" if isinstance(mlp, SeparateAmaxesSwiGLU) else ""
-        return f"jax_epilog.linen.SwiGLU(fp8={mlp.fp8!r}){form}"
+        return f"jax_epilog.linen.SwiGLU(fp8={mlp.fp8!r})"
     sample = mlp.dense(1, "probe")
     if isinstance(sample, epilog_linen.Dense):
         return "3 × jax_epilog.linen.Dense(use_bias=False, fp8=True)"

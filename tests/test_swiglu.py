@@ -9,14 +9,10 @@ float32 rounding, while differing from the unquantized block by FP8 rounding.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import Literal
 
 import jax_epilog
 from jax_epilog import Fp8
@@ -199,10 +195,8 @@ def test_delayed_scaling_records_the_amaxes_and_reads_its_histories():
     fn = lambda x, g, u, w, s: jax_epilog.swiglu(x, (g, u), w, fp8=delayed, fp8_state=s)
     cold = delayed.init_state(2)
     y, vjp = jax.vjp(fn, x, gate, up, down, cold)
-    # in the separate-amaxes form a cold history calibrates from this step's amaxes: current
-    # scaling's result (the bounded form's cold start is tested below)
-    close(separate(fn, x, gate, up, down, cold), jax_epilog.swiglu(x, (gate, up), down, fp8=ALL),
-          1e-7)
+    # a cold history calibrates from this step's amaxes: current scaling's result
+    close(y, jax_epilog.swiglu(x, (gate, up), down, fp8=ALL), 1e-7)
     gate_up, down_state = vjp(dy)[-1]
     h = jax.nn.silu(x @ gate) * (x @ up)
     np.testing.assert_allclose(gate_up.input[0], jnp.max(jnp.abs(x)), rtol=1e-6)
@@ -272,8 +266,7 @@ def test_linen_swiglu_has_three_dense_parameters_and_trains_its_state():
                                    for f in ("input", "gradient"))
     y = model.apply(variables, x)
     p = variables["params"]
-    # a cold state: the separate-amaxes form's scales are current scaling's
-    close(separate(model.apply, variables, x), jax_epilog.swiglu(x, (p["gate"]["kernel"], p["up"]["kernel"]), p["down"]["kernel"],
+    close(y, jax_epilog.swiglu(x, (p["gate"]["kernel"], p["up"]["kernel"]), p["down"]["kernel"],
                                fp8=ALL), 1e-7)
     close(y, Stock().apply(stock, x), 0.25)
     g = jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(variables)
@@ -292,8 +285,7 @@ def test_nnx_swiglu_matches_three_linears_and_updates_its_histories():
     for layer, stock in zip((block.gate, block.up, block.down), linears):
         np.testing.assert_array_equal(layer.kernel[...], stock.kernel[...])
     x, *_ = make_block(10, 9, 32, 48, lead=(2,))
-    # a cold state: the separate-amaxes form's scales are current scaling's
-    close(separate(block, x), jax_epilog.swiglu(x, (linears[0].kernel[...], linears[1].kernel[...]),
+    close(block(x), jax_epilog.swiglu(x, (linears[0].kernel[...], linears[1].kernel[...]),
                                       linears[2].kernel[...], fp8=ALL), 1e-7)
     with pytest.raises(ValueError, match="x has 31 features; this SwiGLU"):
         block(x[..., :31])
@@ -351,106 +343,3 @@ def test_modules_annotate_down_apart_for_sharding():
     params = model.init(jax.random.key(0), jnp.ones((2, 16)))["params"]
     assert params["gate"]["kernel"].names == params["up"]["kernel"].names == ("embed", "mlp")
     assert params["down"]["kernel"].names == ("mlp", "embed")
-
-
-# --- delayed scaling: casts on the history's scale or a bound (`quantize_bounded`) ----------
-
-DELAYED = Fp8(scaling="delayed", layers="all")
-
-
-def delayed_step(x, gate, up, down, dy, state):
-    """(y, dx, dgate, dup, ddown, next state) of the FP8 block under delayed scaling."""
-    fn = lambda x, g, u, w, s: jax_epilog.swiglu(x, (g, u), w, fp8=DELAYED, fp8_state=s)
-    y, vjp = jax.vjp(fn, x, gate, up, down, state)
-    return (y, *vjp(dy))
-
-
-def separate(fn, *args):
-    with swiglu_module.separate_amaxes():
-        return fn(*args)
-
-
-@pytest.mark.parametrize("rows,d,f", [(1, 32, 48), (127, 48, 80), (129, 20, 36)])
-def test_bounded_casts_equal_the_separate_amaxes_form_on_a_warm_state(rows, d, f):
-    x, gate, up, down, dy = make_block(11, rows, d, f)
-    warm = delayed_step(x, gate, up, down, dy, DELAYED.init_state(2))[-1]
-    got, want = (delayed_step(x, gate, up, down, dy, warm),
-                 separate(delayed_step, x, gate, up, down, dy, warm))
-    # the histories hold these inputs' amaxes, so the bounded form's history scales equal the
-    # separate form's ([dg du] on current scaling there): the same values and amaxes recorded
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        close(g, w, 1e-6)
-
-
-@pytest.mark.parametrize("rows,d,f,size", [(1, 32, 48, 1.0), (127, 48, 80, 1.0),
-                                           (129, 20, 36, 30.0)])
-def test_bounded_cold_start_is_within_fp8_rounding_and_saturates_nothing(rows, d, f, size):
-    x, gate, up, down, dy = make_block(12, rows, d, f)
-    x, dy = x * size, dy * size
-    cold = DELAYED.init_state(2)
-    got = delayed_step(x, gate, up, down, dy, cold)
-    separate_form = separate(delayed_step, x, gate, up, down, dy, cold)
-    plain = grads(plain_block, x, gate, up, down, dy)
-    for name, g, w, p in zip(("y", "dx", "dgate", "dup", "ddown"), got, separate_form, plain):
-        close(g, w, 0.25)
-        close(g, p, 0.25)
-    block = swiglu_module.Block(DELAYED.resolved(True), None, f)
-    kernel = jnp.concatenate([gate, up], 1)
-    _, saved = swiglu_module._fp8_forward(block, x, kernel, down, cold, keep=True)
-    # the bounds are >= the amaxes, so the cold scales leave the largest value below the
-    # format's largest (a saturated cast would write it)
-    assert float(jnp.max(jnp.abs(saved.h8.astype(jnp.float32)))) < 448.0
-    dgu_amax = got[-1][0].gradient[0]
-    dy_norm = jnp.max(jnp.linalg.norm(dy, axis=1))
-    assert 0 < float(dgu_amax) <= float(dy_norm * saved.dgu_bound)
-    np.testing.assert_allclose(got[-1][1].input[0], separate_form[-1][1].input[0], rtol=1e-6)
-
-
-def _amax_ancestry(jaxpr, in_sets, casts):
-    """The shapes of the tensors whose amaxes each output of `jaxpr` depends on, given its
-    inputs'; each FP8 cast met is appended to `casts` as (dtype, shape, those shapes)."""
-    sets = dict(zip(jaxpr.invars, in_sets))
-    get = lambda v: frozenset() if isinstance(v, Literal) else sets.get(v, frozenset())
-    for eqn in jaxpr.eqns:
-        ins = [get(v) for v in eqn.invars]
-        inner = next((p for k, p in eqn.params.items()
-                      if k in ("jaxpr", "call_jaxpr", "fun_jaxpr")), None)
-        inner = getattr(inner, "jaxpr", inner)
-        if inner is not None and len(inner.invars) == len(ins):
-            outs = _amax_ancestry(inner, ins, casts)
-        else:
-            union = frozenset().union(*ins)
-            if eqn.primitive.name in ("epilog_amaxes", "reduce_max"):
-                union |= {tuple(v.aval.shape) for v in eqn.invars}
-            outs = [union] * len(eqn.outvars)
-            if eqn.primitive.name == "convert_element_type" and \
-                    "float8" in str(eqn.params["new_dtype"]):
-                casts.append((str(eqn.params["new_dtype"]), tuple(eqn.outvars[0].aval.shape),
-                              union))
-        sets.update(zip(eqn.outvars, outs))
-    return [get(v) for v in jaxpr.outvars]
-
-
-def test_bounded_casts_do_not_wait_for_an_amax_of_their_tensor():
-    rows, d, f = 33, 16, 24
-    x, gate, up, down, dy = make_block(13, rows, d, f)
-    warm = delayed_step(x, gate, up, down, dy, DELAYED.init_state(2))[-1]
-
-    def waiting(separate_form: bool):
-        """(the h-shaped e4m3 casts that wait for an amax of an h-shaped tensor, of all h-
-        shaped e4m3 casts; whether [dg du]'s e5m2 cast waits for an amax of [dg du])."""
-        step = functools.partial(delayed_step, x, gate, up, down, dy)
-        with (swiglu_module.separate_amaxes() if separate_form else contextlib.nullcontext()):
-            closed = jax.make_jaxpr(step)(warm)
-        casts = []
-        _amax_ancestry(closed.jaxpr, [frozenset()] * len(closed.jaxpr.invars), casts)
-        h = [(rows, f) in shapes for dtype, shape, shapes in casts
-             if dtype == E4M3 and shape == (rows, f)]
-        dgu = [(rows, 2 * f) in shapes for dtype, shape, shapes in casts
-               if dtype == E5M2 and shape == (rows, 2 * f)]
-        assert len(h) == 3 and len(dgu) == 1  # h8, g8, u8; [dg du]8
-        return sum(h), dgu[0]
-
-    assert waiting(separate_form=True) == (3, True)
-    # h8's cast is free of them (g8's and u8's take current scaling), and [dg du]8's
-    assert waiting(separate_form=False) == (2, False)

@@ -127,17 +127,6 @@ def delayed_amax(history, bound):
     return jnp.where(cold(history), power_of_two_above(bound), largest)
 
 
-def quantize_bounded(x, history, bound, dtype: str, margin: int, amax_axes=None,
-                     x_amax=None):
-    """(x in FP8, its dequantization scale, amax(x)): delayed scaling whose cold start takes
-    `bound` (`delayed_amax`), never x's own amax, so the cast does not wait for a reduction
-    over x: x's amax (over `amax_axes`, `reduce_amax`), for the next step, is a side output
-    that XLA can take in the fusion that casts x. `x_amax`, where given, is x's amax already
-    taken (`reduced_amaxes`, with others)."""
-    x8, scale = quantize(x, delayed_amax(history, bound), dtype, margin)
-    return x8, scale, reduced_amaxes([x], amax_axes)[0] if x_amax is None else x_amax
-
-
 def bound_terms(other, axis: int, bias=None) -> list:
     """The arrays whose amaxes `result_bound` takes, for a GEMM result R = A @ B (+ bias):
     B's values `other` summed in float32 along `axis` (its contracted one), and the bias.

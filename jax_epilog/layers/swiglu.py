@@ -19,19 +19,10 @@ With `fp8=` (SPEC §5's recipe, `Fp8`; docs/fp8.md, "SwiGLU"):
   dg = dh·u·silu'(g) and du = dh·silu(g) from g8 and u8 and quantizes `[dg du]` to e5m2;
   d(gate_up) = x8ᵀ `[dg du]`8 and dx = `[dg du]`8 `[gate up]`8ᵀ.
 - Delayed scaling (`fp8_state=`: two `Fp8History`, the gate/up GEMM's (input x, gradient
-  `[dg du]`) then the down GEMM's (input h, gradient dy)): x, h and `[dg du]` take their
-  scales from the histories; the kernels, dy and the saved g8 and u8 keep current scaling (as
-  the stacks' weights and top gradients do). The state's gradient is its next value, each
-  history with this step's amax recorded. h and `[dg du]`, which GEMMs and a fusion write,
-  are cast on their history's scale with their amax a side output of the
-  cast (`quantize_bounded`), so no cast waits for a reduction over the tensor it casts; while
-  a history is cold the scale comes from a bound instead of the amax, as for the stacks'
-  GEMM-written tensors, from amaxes that do not wait for the tensor: |g|, |u| <= the largest
-  row norm of x · the largest column norm of gate, up (Cauchy–Schwarz), and |silu(g)| <=
-  max(|g|, 0.28), bound h; |dh| <= the largest row norm of dy · that of down, and |silu'| <=
-  1.1, bound dg = dh·u·silu'(g) and du = dh·silu(g) (with amax(g) and amax(u)).
-  `separate_amaxes()` keeps the earlier form (h's cast after an amax pass over h, which a
-  cold history's scale comes from; `[dg du]` on current scaling), for comparison.
+  `[dg du]`) then the down GEMM's (input h, gradient dy)): x and h take their scales from the
+  histories, as a stack's layer inputs do; the kernels, the gradients and the saved g8 and u8
+  keep current scaling (as the stacks' weights and top gradients do). The state's gradient is
+  its next value, each history with this step's amax recorded.
 
 `Fp8(layers="auto")` runs the block FP8 where both GEMMs pass `stack_plan.fp8_pays` (large
 enough, widths multiples of 16), else in the compute dtype (an `fp8_state` then passes
@@ -52,8 +43,6 @@ forward of `layers.serving`, the way chosen by the rows as for a served `dense`:
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import math
 from typing import NamedTuple, Optional
@@ -63,7 +52,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
-from jax_epilog.float8.scaling import quantize_bounded, quantize_scaled, record, reduced_amaxes
+from jax_epilog.float8.scaling import quantize_scaled, record, reduced_amaxes
 from jax_epilog.float8.weights import Fp8Weight
 from jax_epilog.layers import fp8_step, serving
 from jax_epilog.layers.functional import _compute_dtype, _described
@@ -78,36 +67,6 @@ SWIGLU_HIDDEN_NAME = "jax_epilog_swiglu_hidden"
 
 #: `fp8_state=` of the block: one `Fp8History` per GEMM, in this order.
 FP8_GEMMS = ("gate_up", "down")
-
-
-#: |silu(g)| <= max(|g|, SILU_MIN) (silu's least value is -0.2785, at g = -1.278), and
-#: |silu'(g)| <= SILU_SLOPE (its largest is 1.0998, at g = 2.40): the bounds' factors.
-SILU_MIN, SILU_SLOPE = 0.28, 1.1
-#: The bounds' margin for rounding: e5m2 moves a value by up to 2**-3 of it, e4m3 by 2**-4,
-#: bfloat16 by 2**-8; a bounded tensor's inputs went through at most three such roundings.
-_ROUNDING = 1.5
-
-_bounded = contextvars.ContextVar("jax_epilog_swiglu_bounded", default=True)
-
-
-@contextlib.contextmanager
-def separate_amaxes():
-    """Within the block (in this thread), the FP8 block traced under delayed scaling casts h
-    and `[dg du]` the earlier way: h on the history's scale, or while it is cold on h's own
-    amax, and `[dg du]` on current scaling, so each cast waits for an amax pass over its
-    tensor. What the tests and `benchmarks/swiglu_bench.py` compare the bounded form (the
-    default) with."""
-    token = _bounded.set(False)
-    try:
-        yield
-    finally:
-        _bounded.reset(token)
-
-
-def _squared_norms(a, axis: int):
-    """The squared 2-norms of `a`'s slices along `axis`, in float32: |(A @ B)[i, j]| <= |A[i, :]|
-    · |B[:, j]| (Cauchy–Schwarz), so their largest values bound a GEMM's result."""
-    return jnp.sum(jnp.square(a.astype(jnp.float32)), axis=axis)
 
 
 class Block(NamedTuple):
@@ -160,8 +119,7 @@ def _input(x):
 
 class Saved(NamedTuple):
     """What the FP8 backward keeps: the FP8 input x8, g8, u8, h8 and kernels, their
-    dequantization scales, x's and h's amaxes (for the next state; None without one), and
-    the factor that bounds |[dg du]| as a multiple of amax(dy) (None unless bounded)."""
+    dequantization scales, and x's and h's amaxes (for the next state; None without one)."""
 
     x8: object
     x_scale: object
@@ -177,7 +135,6 @@ class Saved(NamedTuple):
     down_scale: object
     x_amax: object
     h_amax: object
-    dgu_bound: object
 
 
 def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
@@ -185,13 +142,8 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     axes, fmt, margin = fp8.amax_reduction_axes, fp8.forward, fp8.margin
     history = (lambda i: state[i].input) if fp8.delayed and state is not None else (lambda i: None)
     fast = fp8.fast("forward")
-    bounded = fp8.delayed and state is not None and _bounded.get()
-    # the row norms of x with the column norms of gate and up bound g and u; down's rows, dh
-    norms = _squared_norms(gate_up, 0) if bounded else None
-    terms = [_squared_norms(x, 1), norms[:block.hidden], norms[block.hidden:],
-             _squared_norms(down, 1)] if bounded else []
     # amaxes that wait for nothing else are taken together, one collective where sharded
-    x_amax, w_amax, down_amax, *term_amaxes = reduced_amaxes([x, gate_up, down, *terms], axes)
+    x_amax, w_amax, down_amax = reduced_amaxes([x, gate_up, down], axes)
     x8, x_scale, x_amax = quantize_scaled(x, fmt, margin, history(0), axes, x_amax)
     w8, w_scale, _ = quantize_scaled(gate_up, fmt, margin, x_amax=w_amax)
     down8, down_scale, _ = quantize_scaled(down, fmt, margin, x_amax=down_amax)
@@ -200,12 +152,7 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     # g and u (kept for the backward) on scales of their own, their amaxes with h's
     halves = (gu[:, :block.hidden], gu[:, block.hidden:]) if keep else ()
     h_amax, *half_amaxes = reduced_amaxes([hidden, *halves], axes)
-    if bounded:
-        g_bound, u_bound = (jnp.sqrt(term_amaxes[0] * a) * _ROUNDING for a in term_amaxes[1:3])
-        h8, h_scale, h_amax = quantize_bounded(hidden, history(1), jnp.maximum(
-            g_bound, SILU_MIN) * u_bound, fmt, margin, x_amax=h_amax)
-    else:
-        h8, h_scale, h_amax = quantize_scaled(hidden, fmt, margin, history(1), axes, h_amax)
+    h8, h_scale, h_amax = quantize_scaled(hidden, fmt, margin, history(1), axes, h_amax)
     y, _ = fp8_step._matmul8(h8, h_scale, down8, down_scale, x.dtype, "auto", fast)
     if not keep:
         return y, None
@@ -218,14 +165,9 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     y, g8, u8 = fp8_step._barrier(y, g8, u8)
     named = functools.partial(checkpoint_name, name=SWIGLU_HIDDEN_NAME)
     recorded = state is not None  # the amaxes are kept only for the next state
-    # |[dg du]| <= dy's largest row norm · this: |dh| <= that · down's largest row norm,
-    # |dg| <= |dh| · amax(u) · SILU_SLOPE, |du| <= |dh| · max(amax(g), SILU_MIN)
-    g_amax, u_amax = half_amaxes
-    dgu_bound = jnp.sqrt(term_amaxes[3]) * jnp.maximum(u_amax * SILU_SLOPE, jnp.maximum(
-        g_amax, SILU_MIN)) * _ROUNDING if bounded else None
     return y, Saved(_input(x8), x_scale, named(g8), g_scale, named(u8), u_scale, named(h8),
                     h_scale, w8, w_scale, down8, down_scale, x_amax if recorded else None,
-                    h_amax if recorded else None, dgu_bound)
+                    h_amax if recorded else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -244,10 +186,7 @@ def _fp8_block_bwd(block: Block, residuals, dy):
     axes, fmt, margin = fp8.amax_reduction_axes, fp8.gradient, fp8.margin
     fast_data, fast_weight = fp8.fast("data gradient"), fp8.fast("weight gradient")
     matmul8 = fp8_step._matmul8
-    # dy's largest row norm (for the bound on [dg du]) is taken with its amax
-    dy_amax, *dy_norm = reduced_amaxes([dy, *([_squared_norms(dy, 1)] if s.dgu_bound is not None
-                                              else [])], axes)
-    dy8, dy_scale, dy_amax = quantize_scaled(dy, fmt, margin, x_amax=dy_amax)
+    dy8, dy_scale, dy_amax = quantize_scaled(dy, fmt, margin, amax_axes=axes)
     # The weight gradient's K-major operands (h8ᵀ, dy8ᵀ) are made after the barrier, as in
     # the stacks (fp8_step._barrier says why); the data gradient waits for it.
     dy8, h8 = fp8_step._barrier(dy8, s.h8)
@@ -260,13 +199,8 @@ def _fp8_block_bwd(block: Block, residuals, dy):
                                                              (s.u8, s.u_scale)))
     # [dg du] in the compute dtype: XLA materializes part of it between the amax pass and the
     # cast (a float32 half was 256 MiB at 8192 x 2048 x 8192), and FP8 rounds far coarser.
-    dgu = _hidden_gradient(dh, g, u, dtype)
-    if s.dgu_bound is None:
-        dgu8, dgu_scale, dgu_amax = quantize_scaled(dgu, fmt, margin, amax_axes=axes)
-    else:  # the history's scale, or the bound's; the amax a side output for the next state
-        dgu8, dgu_scale, dgu_amax = quantize_bounded(dgu, state[0].gradient,
-                                                     jnp.sqrt(dy_norm[0]) * s.dgu_bound, fmt,
-                                                     margin, axes)
+    dgu8, dgu_scale, dgu_amax = quantize_scaled(_hidden_gradient(dh, g, u, dtype), fmt,
+                                                margin, amax_axes=axes)
     dgu8, x8 = fp8_step._barrier(dgu8, s.x8)
     dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T, dgu_scale, dtype, "auto", fast_weight,
                           transpose_b=True)
