@@ -378,7 +378,7 @@ class Settings:
     profile: Optional[str] = None  # a folder for the decode steps' traces
     steps_per_call: int = 16
     fp8_attention: str = "reduce"  # decode.FP8_DECODE_ATTENTION
-    fp8_cache_layout: str = "positions_major"  # decode.FP8_CACHE_LAYOUT
+    fp8_cache_layout: str = "heads_major"  # decode.FP8_CACHE_LAYOUT
 
 
 def cache_dtype(name: str, choice: str, dtype):
