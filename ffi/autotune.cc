@@ -168,12 +168,23 @@ ScratchLayout LayOut(const Problem& p, uintptr_t base) {
   // Any bytes are a ReLU mask; the aux type's pattern serves it too.
   if (epilog.aux_in != Aux::kNone) scratch.aux = take_input(AuxBytes(epilog.aux_in, p), aux_type);
   if (p.has_c) scratch.c = take_input(p.batch * p.m * p.n * bytes(p.dtype_d), p.dtype_d);
+  // Block scales: tensors in cuBLASLt's layout, filled with the float32 pattern like the
+  // inputs (so a candidate that reads them in another order fails the check).
+  if (p.block_scaled()) {
+    const int64_t f32 = bytes(DType::kF32);
+    scratch.scale_a =
+        take_input(BlockScaleShape(p.a_block_rows, p.m, p.k).elements() * f32, DType::kF32);
+    scratch.scale_b =
+        take_input(BlockScaleShape(p.b_block_rows, p.n, p.k).elements() * f32, DType::kF32);
+  }
   // alpha and beta: both terms of alpha P + beta C of the inputs' order of magnitude, so a
-  // candidate that mishandles either fails the check. FP8 scales: a's and b's 1, an FP8 y's
-  // 1/sqrt(K) keeping it of order 1, far inside e4m3's largest finite value (448).
+  // candidate that mishandles either fails the check. FP8 scales: a's and b's 1 (unless
+  // block-scaled, above), an FP8 y's 1/sqrt(K) keeping it of order 1, far inside e4m3's
+  // largest finite value (448).
   if (p.has_c) layout.scalar_values = {InverseSqrtK(p.k), 1.0f};
   if (IsFp8(p.dtype)) {
-    for (float scale : {1.0f, 1.0f, InverseSqrtK(p.k)}) layout.scalar_values.push_back(scale);
+    if (!p.block_scaled()) layout.scalar_values.insert(layout.scalar_values.end(), {1.0f, 1.0f});
+    layout.scalar_values.push_back(InverseSqrtK(p.k));
   }
   // Each scalar in a part of its own (kScalarSlot floats), 256-byte aligned like the
   // stand-ins the heuristic chose for (SetStandInPointers) and like XLA's buffers: on the
@@ -195,8 +206,10 @@ ScratchLayout LayOut(const Problem& p, uintptr_t base) {
       scratch.beta = next();
     }
     if (IsFp8(p.dtype)) {
-      scratch.scale_a = next();
-      scratch.scale_b = next();
+      if (!p.block_scaled()) {
+        scratch.scale_a = next();
+        scratch.scale_b = next();
+      }
       if (IsFp8(p.dtype_d)) scratch.scale_d = next();
     }
   }
@@ -679,9 +692,6 @@ bool ApplyStoredAlgo(Plan& plan) {
 ffi::Error TunePlan(Plan& plan, cudaStream_t stream) {
   std::lock_guard<std::mutex> lock(plan.mutex);
   if (plan.tuned) return ffi::Error::Success();
-  // A block-scaled plan keeps the heuristic's algorithm: the tuning scratch holds scalar
-  // scales, where its kernels read scale tensors.
-  if (plan.problem.block_scaled()) return ffi::Error::Success();
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   JAX_EPILOG_CUDA(cudaStreamIsCapturing(stream, &capture),
                   "asking whether XLA's stream is capturing, to autotune " + plan.description);

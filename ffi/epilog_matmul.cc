@@ -199,16 +199,14 @@ ffi::Error DecodeScalar(const ffi::RemainingArgs& args, size_t index, const char
 }
 
 // A block-scale tensor (jax_epilog_matmul_block) of an operand with `rows` rows and K
-// columns, in cuBLASLt's layout: 1x128 tiles (block_rows 1) as (K/128, rows rounded up to
-// 4), 128x128 blocks as (ceil(rows/128), K/128 rounded up to 4), both row-major float32.
+// columns, in cuBLASLt's layout (BlockScaleShape).
 ffi::Error DecodeBlockScale(const ffi::RemainingArgs& args, size_t index, const char* name,
                             int32_t block_rows, int64_t rows, int64_t k, const void** pointer) {
   auto arg = args.get<ffi::AnyBuffer>(index);
   if (!arg.has_value()) return arg.error();
-  auto round4 = [](int64_t x) { return (x + 3) / 4 * 4; };
-  const int64_t outer = block_rows == 1 ? k / 128 : (rows + 127) / 128;
-  const int64_t inner = block_rows == 1 ? round4(rows) : round4(k / 128);
-  JAX_EPILOG_RETURN_IF_ERROR(CheckBuffer(arg.value(), name, ffi::DataType::F32, {outer, inner}));
+  const BlockScaleShape shape(block_rows, rows, k);
+  JAX_EPILOG_RETURN_IF_ERROR(
+      CheckBuffer(arg.value(), name, ffi::DataType::F32, {shape.outer, shape.inner}));
   *pointer = arg.value().untyped_data();
   return ffi::Error::Success();
 }

@@ -65,6 +65,19 @@ struct Problem {
   std::string ToString() const;
 };
 
+// The shape of a block-scale tensor (jax_epilog_matmul_block) of an operand with `rows` rows
+// and K columns, in cuBLASLt's layout, row-major float32: 1x128 tiles (block_rows 1) as
+// (K/128, rows rounded up to 4), 128x128 blocks as (ceil(rows/128), K/128 rounded up to 4).
+struct BlockScaleShape {
+  int64_t outer = 0, inner = 0;
+  BlockScaleShape(int32_t block_rows, int64_t rows, int64_t k) {
+    auto round4 = [](int64_t x) { return (x + 3) / 4 * 4; };
+    outer = block_rows == 1 ? k / 128 : (rows + 127) / 128;
+    inner = block_rows == 1 ? round4(rows) : round4(k / 128);
+  }
+  int64_t elements() const { return outer * inner; }
+};
+
 struct ProblemHash {
   size_t operator()(const Problem& p) const;
 };

@@ -14,6 +14,7 @@ import re
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -88,4 +89,38 @@ def test_fp8_plan_is_tuned_exact_and_stored(case, tuning_into, capfd):
     # Every plan forgotten: the new plan takes the stored algorithm, tunes nothing, is exact.
     cuda_library.clear_plan_cache()
     check_exact()
+    assert "jax_epilog autotune:" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("pair", [("1x128", "128x128"), ("1x128", "1x128")], ids="-".join)
+def test_block_scaled_plan_is_tuned_close_and_stored(pair, tuning_into, capfd):
+    """A block-scaled plan (the tuning's scratch holds scale tensors in cuBLASLt's layout) is
+    tuned like the others: several candidates pass the check, the tuned call agrees with the
+    exact block model, the key names the tile rows, and a new plan takes the stored one."""
+    import test_block_fp8 as blocks_test
+    rng = np.random.default_rng(3)
+    m, n, k = 2048, 1536, 2048
+    a, b, sa, sb = blocks_test.make(rng, m, n, k, pair, False, True)
+    f = jax.jit(lambda a, b, sa, sb: blocks_test._call(a, b, sa, sb, False, True,
+                                                       backend="cublaslt"))
+    args = jax.device_put((a, b, sa, sb), jax.devices("cuda")[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the kernel, not the reference
+        assert "jax_epilog_matmul_block" in f.lower(*args).as_text()
+    p, size = blocks_test.model(a, b, sa, sb, False, True)
+
+    def check_close():  # the slack test_block_fp8's GPU test allows (Hopper's FP8 sums)
+        blocks_test.check(f(*args), p, size, jnp.bfloat16, slack=2.0**-11)
+
+    check_close()
+    logged = [m for m in map(LOG.search, capfd.readouterr().err.splitlines()) if m]
+    print(*(m.group(0) for m in logged), sep="\n")
+    assert len(logged) == 1, "one block-scaled problem, tuned once"
+    timed = [t for t in logged[0]["times"].split() if t != "-"]
+    assert len(timed) >= 2, logged[0].group(0)
+    lines = tuning_into.read_text().splitlines()
+    assert len(lines) == 1 and " block_rows=1," in lines[0], lines
+
+    cuda_library.clear_plan_cache()
+    check_close()
     assert "jax_epilog autotune:" not in capfd.readouterr().err
