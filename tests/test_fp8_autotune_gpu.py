@@ -92,15 +92,16 @@ def test_fp8_plan_is_tuned_exact_and_stored(case, tuning_into, capfd):
     assert "jax_epilog autotune:" not in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("pair", [("1x128", "128x128"), ("1x128", "1x128")], ids="-".join)
-def test_block_scaled_plan_is_tuned_close_and_stored(pair, tuning_into, capfd):
+def test_block_scaled_plan_is_tuned_close_and_stored(tuning_into, capfd):
     """A block-scaled plan (the tuning's scratch holds scale tensors in cuBLASLt's layout) is
     tuned like the others: several candidates pass the check, the tuned call agrees with the
-    exact block model, the key names the tile rows, and a new plan takes the stored one."""
+    exact block model, the key names the tile rows, and a new plan takes the stored one.
+    1x128 tiles on both operands (the weight gradient's pair): on the H200 (cuBLASLt 13.1)
+    the heuristic offered 7 candidates for it, and a single one for 1x128 x 128x128."""
     import test_block_fp8 as blocks_test
     rng = np.random.default_rng(3)
     m, n, k = 2048, 1536, 2048
-    a, b, sa, sb = blocks_test.make(rng, m, n, k, pair, False, True)
+    a, b, sa, sb = blocks_test.make(rng, m, n, k, ("1x128", "1x128"), False, True)
     f = jax.jit(lambda a, b, sa, sb: blocks_test._call(a, b, sa, sb, False, True,
                                                        backend="cublaslt"))
     args = jax.device_put((a, b, sa, sb), jax.devices("cuda")[0])
@@ -119,7 +120,7 @@ def test_block_scaled_plan_is_tuned_close_and_stored(pair, tuning_into, capfd):
     timed = [t for t in logged[0]["times"].split() if t != "-"]
     assert len(timed) >= 2, logged[0].group(0)
     lines = tuning_into.read_text().splitlines()
-    assert len(lines) == 1 and " block_rows=1," in lines[0], lines
+    assert len(lines) == 1 and " block_rows=1,1" in lines[0], lines
 
     cuda_library.clear_plan_cache()
     check_close()
