@@ -525,9 +525,9 @@ def test_kv_cache_and_profile_options_reach_the_report(tmp_path, monkeypatch):
     report = run_main("--random-init", "--variant", "epilog_fp8", "--batch", "2",
                       "--prompt-len", "5", "--new-tokens", "4", "--repeats", "1",
                       "--eval-batches", "1", "--fp8-min-features", "64", "--profile",
-                      str(tmp_path / "traces"), "--fp8-cache-layout", "heads_major",
+                      str(tmp_path / "traces"), "--fp8-cache-layout", "positions_major",
                       "--out", str(tmp_path))
-    assert decode.FP8_CACHE_LAYOUT == "heads_major"
+    assert decode.FP8_CACHE_LAYOUT == "positions_major"
     record = report["result"]["variants"]["epilog_fp8"]
     measured = record["by_batch"]["2"]
     assert record["kv_cache"] == "float8_e4m3fn"  # "auto": FP8 for epilog_fp8
@@ -535,13 +535,17 @@ def test_kv_cache_and_profile_options_reach_the_report(tmp_path, monkeypatch):
         configs.get("tiny").model, 2, 9, jnp.float8_e4m3fn).nbytes
     # On the CPU the trace holds no GPU kernel; on a GPU, kernel times by kind.
     profiled = measured["profile"]
-    assert profiled["steps"] == 3 and list((tmp_path / "traces").rglob("*.xplane.pb"))
-    assert "no GPU kernels" in profiled["note"] if jax.default_backend() == "cpu" else \
-        profiled["kernel_ms"] > 0
+    assert profiled["steps"] == 3 and profiled["prefill"]["prefills"] == generate.PROFILE_STEPS
+    for what in ("decode", "prefill"):  # a trace of each
+        assert list((tmp_path / "traces" / "epilog_fp8_batch2" / what).rglob("*.xplane.pb"))
+    for p in (profiled, profiled["prefill"]):
+        assert "no GPU kernels" in p["note"] if jax.default_backend() == "cpu" else \
+            p["kernel_ms"] > 0
     text = (tmp_path / "gpt_generate.md").read_text()
-    assert "| epilog_fp8 | 2 | float8_e4m3fn |" in text  # the profile's row
+    assert text.count("| epilog_fp8 | 2 | float8_e4m3fn |") == 2  # the profiles' rows
+    assert "Where a prefill's time goes" in text
     assert "| float8_e4m3fn, " in text  # the main table's KV cache cell
-    assert "an FP8 KV cache heads_major, read by reduce" in text
+    assert "an FP8 KV cache positions_major, read by reduce" in text
 
 
 def test_cache_dtype_per_variant_and_choice():

@@ -31,9 +31,10 @@ writes `gpt_generate.json` and `gpt_generate.md` to `--out`.
 The KV cache (`--kv-cache`) is the compute dtype, `bf16`, or `fp8` (float8_e4m3fn, a float32
 scale per head vector; decode.py); `auto` gives `epilog_fp8` the FP8 cache and the others the
 compute dtype. `--fp8-cache-layout` and `--fp8-attention` choose how an FP8 cache is stored
-and read (decode.py's `FP8_CACHE_LAYOUT`, `FP8_DECODE_ATTENTION`). `--profile DIR` traces a few decode steps of each variant and batch size with
-`jax.profiler` (the traces kept in DIR) and sorts the step's GPU kernels into GEMMs, the
-attention over the cache, the cache writes and the rest (profile.py's `breakdown`).
+and read (decode.py's `FP8_CACHE_LAYOUT`, `FP8_DECODE_ATTENTION`). `--profile DIR` traces
+a few decode steps and a few prefills of each variant and batch size with `jax.profiler` (the
+traces kept in DIR) and sorts their GPU kernels into GEMMs, the attention over the cache, the
+cache writes and the rest (profile.py's `breakdown`).
 """
 
 from __future__ import annotations
@@ -302,38 +303,51 @@ def decode_kind(kernel, line: str) -> str:
 def profile_decode(generator: Generator, compiled: dict, prompts: np.ndarray, new_tokens: int,
                    key, folder: Path) -> dict[str, Any]:
     """The GPU kernels of up to `PROFILE_STEPS` decode steps traced into `folder`, per step
-    by kind (`decode_kind`), after a prefill and one untraced decode step; on a GPU the
-    decode call is compiled again without command buffers for it."""
+    by kind (`decode_kind`), after a prefill and one untraced decode step; then, under
+    "prefill", those of `PROFILE_STEPS` prefills (each into a fresh cache), per prefill. On
+    a GPU both programs are compiled again without command buffers for it."""
     steps = min(PROFILE_STEPS, new_tokens - 1)
     if steps < 1:
         return {"note": "no decode step to trace (--new-tokens 1)"}
     batch, prompt_len = prompts.shape
-    decode_call, command_buffers = compiled["decode"], "on"
+    calls, command_buffers = dict(compiled), "on"
     if jax.default_backend() == "gpu":
-        # A decode call compiled without XLA's command buffers (CUDA graphs), which would
-        # name every kernel after the graph: the trace then tells which op launched each.
+        # Compiled without XLA's command buffers (CUDA graphs), which would name every kernel
+        # after the graph: the trace then tells which op launched each.
         try:
-            decode_call = generator.lower(batch, prompt_len, new_tokens, key)[
-                "decode"].compile({"xla_gpu_enable_command_buffer": ""})
+            calls = {name: lowered.compile({"xla_gpu_enable_command_buffer": ""})
+                     for name, lowered in generator.lower(batch, prompt_len, new_tokens,
+                                                          key).items()}
             command_buffers = "off"
         except Exception as error:  # noqa: BLE001 -- profiled as timed, and said so
             print(f"  profile: command buffers stay on ({type(error).__name__}: {error})")
     cache = generator.new_cache(batch, prompt_len + new_tokens)
-    token, cache = generator.prefill(cache, prompts, key, compiled["prefill"])
-    out, cache = generator.decode(cache, token, prompt_len, 1, key, decode_call)
+    token, cache = generator.prefill(cache, prompts, key, calls["prefill"])
+    out, cache = generator.decode(cache, token, prompt_len, 1, key, calls["decode"])
     token = jax.block_until_ready(out[0])
-    with jax.profiler.trace(str(folder)):
+    with jax.profiler.trace(str(folder / "decode")):
         for position in range(prompt_len + 1, prompt_len + 1 + steps, generator.steps_per_call):
             count = min(generator.steps_per_call, prompt_len + 1 + steps - position)
-            out, cache = generator.decode(cache, token, position, count, key, decode_call)
+            out, cache = generator.decode(cache, token, position, count, key, calls["decode"])
             token = out[count - 1]
         jax.block_until_ready(token)
-    trace = profile.gpu_trace.latest_trace(folder)
-    kernels = next(iter(profile.gpu_trace.gpu_kernels(trace).values()), []) if trace else []
-    return {"steps": steps, "trace": str(trace) if trace else None,
-            "command_buffers": command_buffers,
-            **profile.breakdown(kernels, steps, decode_call.as_text() or "",
-                                decode_kind, DECODE_TOP_KERNELS)}
+    del cache
+    caches = [jax.block_until_ready(generator.new_cache(batch, prompt_len + new_tokens))
+              for _ in range(PROFILE_STEPS)]
+    prompts = jax.block_until_ready(jnp.asarray(prompts, jnp.int32))
+    with jax.profiler.trace(str(folder / "prefill")):
+        while caches:  # each prefill donates its cache
+            token, _ = generator.prefill(caches.pop(), prompts, key, calls["prefill"])
+        jax.block_until_ready(token)
+    traced = {}
+    for name, count in (("decode", steps), ("prefill", PROFILE_STEPS)):
+        trace = profile.gpu_trace.latest_trace(folder / name)
+        kernels = next(iter(profile.gpu_trace.gpu_kernels(trace).values()), []) if trace else []
+        traced[name] = {"trace": str(trace) if trace else None,
+                        **profile.breakdown(kernels, count, calls[name].as_text() or "",
+                                            decode_kind, DECODE_TOP_KERNELS)}
+    return {"steps": steps, "command_buffers": command_buffers, **traced["decode"],
+            "prefill": {"prefills": PROFILE_STEPS, **traced["prefill"]}}
 
 
 def teacher_forced(cached: CachedGPT, batches, cache_dtype) -> tuple[float, list[np.ndarray]]:
@@ -445,6 +459,8 @@ def print_measurement(name: str, m: dict) -> None:
           flush=True)
     if "profile" in m:
         print(f"  decode step profile: {_profile_cells(m['profile'])}", flush=True)
+        if "prefill" in m["profile"]:
+            print(f"  prefill profile: {_profile_cells(m['profile']['prefill'])}", flush=True)
     print(f"  {m['sample']['prompt'][-60:]!r} -> {m['sample']['generated'][:120]!r}", flush=True)
 
 
@@ -547,7 +563,7 @@ def render(report: dict) -> str:
 
 
 def _profile_cells(p: dict) -> str:
-    """A decode step's kernel time by kind, ms, or why there is none."""
+    """A decode step's (or a prefill's) kernel time by kind, ms, or why there is none."""
     if "kernel_ms" not in p:
         return p["note"]
     return (f"{p['kernel_ms']:.3f} ms of kernels: GEMM {p['gemm_ms']:.3f}, attention "
@@ -556,33 +572,44 @@ def _profile_cells(p: dict) -> str:
 
 
 def _profile_section(variants: dict, folder: Optional[str]) -> list[str]:
-    """`--profile`'s table (a decode step's GPU kernel time by kind) and, per variant at its
-    largest batch, the longest kernels."""
+    """`--profile`'s tables (a decode step's and a prefill's GPU kernel time by kind) and, per
+    variant at its largest batch, the longest kernels of each."""
     if folder is None:
         return []
-    lines = ["", f"Where a decode step's time goes: GPU kernel time per step of "
-             f"up to {PROFILE_STEPS} traced steps (`--profile`, traces in `{folder}`), by kind "
-             "(`decode_kind` in generate.py); on a GPU the traced decode call is compiled "
-             "without XLA's command buffers, so each kernel is named after its op.", "",
-             _row("variant", "batch", "KV cache", "kernels ms", "GEMM ms", "attention ms",
-                  "cache writes ms", "other ms", "kernels"), _row(*["---"] * 9)]
-    for name, r in variants.items():
-        for batch, m in r["by_batch"].items():
-            p = m["profile"]
-            cells = [p["note"], *[""] * 5] if "kernel_ms" not in p else [
-                f"{p[key]:.3f}" for key in ("kernel_ms", "gemm_ms", "attention_ms",
-                                            "cache_ms", "other_ms")] + \
-                [f"{p['kernels_per_step']:.0f}"]
-            lines.append(_row(name, batch, r["kv_cache"], *cells))
-    for name, r in variants.items():
-        batch, m = list(r["by_batch"].items())[-1]
-        if m["profile"].get("top"):
-            lines += ["", f"{name}, batch {batch}: the longest kernels of a decode step", "",
-                      _row("kind", "op", "calls", "ms per step", "what"), _row(*["---"] * 5)]
-            lines += [_row(t["kind"], f"`{t['op']}`", f"{t['calls_per_step']:.0f}",
-                           f"{t['ms_per_step']:.3f}", t["what"])
-                      for t in m["profile"]["top"]]
+    lines = []
+    for what, count in (("decode step", f"up to {PROFILE_STEPS} traced steps"),
+                        ("prefill", f"{PROFILE_STEPS} traced prefills")):
+        lines += ["", f"Where a {what}'s time goes: GPU kernel time per {what} of {count} "
+                  f"(`--profile`, traces in `{folder}`), by kind (`decode_kind` in "
+                  "generate.py); on a GPU the traced programs are compiled without XLA's "
+                  "command buffers, so each kernel is named after its op.", "",
+                  _row("variant", "batch", "KV cache", "kernels ms", "GEMM ms", "attention ms",
+                       "cache writes ms", "other ms", "kernels"), _row(*["---"] * 9)]
+        for name, r in variants.items():
+            for batch, m in r["by_batch"].items():
+                p = _profiled(m["profile"], what)
+                cells = [p["note"], *[""] * 5] if "kernel_ms" not in p else [
+                    f"{p[key]:.3f}" for key in ("kernel_ms", "gemm_ms", "attention_ms",
+                                                "cache_ms", "other_ms")] + \
+                    [f"{p['kernels_per_step']:.0f}"]
+                lines.append(_row(name, batch, r["kv_cache"], *cells))
+        for name, r in variants.items():
+            batch, m = list(r["by_batch"].items())[-1]
+            p = _profiled(m["profile"], what)
+            if p.get("top"):
+                lines += ["", f"{name}, batch {batch}: the longest kernels of a {what}", "",
+                          _row("kind", "op", "calls", f"ms per {what}", "what"),
+                          _row(*["---"] * 5)]
+                lines += [_row(t["kind"], f"`{t['op']}`", f"{t['calls_per_step']:.0f}",
+                               f"{t['ms_per_step']:.3f}", t["what"]) for t in p["top"]]
     return lines
+
+
+def _profiled(p: dict, what: str) -> dict:
+    """The decode step's profile `p`, or its prefill's (a note where there is none)."""
+    if what == "decode step":
+        return p
+    return p.get("prefill", {"note": p.get("note", "not traced")})
 
 
 def versions() -> dict[str, Any]:
