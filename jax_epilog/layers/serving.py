@@ -7,10 +7,9 @@ amax, in one XLA fusion with whatever produced it, or with the weight's static
 `input_scale`), the stored `(N, K)` data read as it is (K-major, what the kernel wants), bias
 and ReLU/GELU in the GEMM's epilog, the result in the compute dtype. Over few rows (decoding)
 it runs weight-only (`weight_only`, by XLA or by our Pallas kernel) or through XLA's own
-FP8 dot (`xla_fp8`);
-`planning.serving_plan` chooses. 16-bit layers of the
-same stack run their ordinary forward GEMM. Nothing here is differentiable: a gradient through a stored-FP8 stack
-raises an error that says to train the 16-bit parameters.
+FP8 dot (`xla_fp8`); `planning.serving_plan` chooses. 16-bit layers of the same stack run
+their ordinary forward GEMM. Nothing here is differentiable: a gradient through a stored-FP8
+stack raises an error that says to train the 16-bit parameters.
 """
 
 from __future__ import annotations
