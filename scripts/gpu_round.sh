@@ -314,7 +314,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
         gpu_tests gemv "${GEMV_TEST_CAP:-55}" test_weight_only_kernel.py
       (cd "$ROOT/benchmarks" && runs --cap "${GEMV_CAP:-90}" "$PY" serving_bench.py \
-        --parts gemv --rounds 5 --max-s "${GEMV_MAX_S:-60}" ${GEMV_ARGS:-} \
+        --parts gemv --rounds 5 --max-s "${GEMV_MAX_S:-55}" ${GEMV_ARGS:-} \
         --out "$OUT/gemv" 2>&1) > "$OUT/gemv.log"
       note "gemv benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -E "^gemv |did not run|Error" "$OUT/gemv.log" | head -40 | tee -a "$SUMMARY" ;;

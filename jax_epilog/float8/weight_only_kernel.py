@@ -36,6 +36,9 @@ INPUT_DTYPES = ("bfloat16", "float16")
 WEIGHT_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 #: The H200's SMs: `config_for` splits K until the grid has at least this many programs.
 SMS = 132
+#: The shared memory `config_for` gives the pipeline's buffers (an H100/H200 SM has 228 KiB):
+#: each stage holds one FP8 weight tile and one 16-bit x tile.
+SHARED_MEMORY = 200 * 1024
 
 
 class Config(NamedTuple):
@@ -58,14 +61,16 @@ class Config(NamedTuple):
 def config_for(rows: int, k: int, n: int) -> Config:
     """The tiling by rule (not yet tuned on a GPU; `benchmarks/serving_bench.py --parts gemv`
     sweeps others): 64-row stripes of 256-column steps, wider stripes for more rows (each
-    program rereads x's chunk), and K split until the grid fills the SMs, in chunks of at
-    least 1024 columns."""
-    block_n = 64 if rows <= 16 else 128
-    programs = _cdiv(rows, row_tile(rows)) * _cdiv(n, block_n)
+    program rereads x's chunk), K split until the grid fills the SMs, in chunks of at least
+    1024 columns, and as many stages (up to 4) as `SHARED_MEMORY` holds."""
+    block_n, block_k, tile = 64 if rows <= 16 else 128, 256, row_tile(rows)
+    programs = _cdiv(rows, tile) * _cdiv(n, block_n)
     split = 1
     while programs * split < SMS and k // (2 * split) >= 1024:
         split *= 2
-    return Config(block_n=block_n, block_k=256, split_k=split, num_warps=4, num_stages=4)
+    stages = max(2, min(4, SHARED_MEMORY // (block_k * (block_n + 2 * tile))))
+    return Config(block_n=block_n, block_k=block_k, split_k=split, num_warps=4,
+                  num_stages=stages)
 
 
 def row_tile(rows: int) -> int:
