@@ -107,11 +107,13 @@ def test_weight_only_kernel_argument_is_checked():
         serving.weight_only(x, Fp8Weight(data, scale), bias, None, kernel="triton")
 
 
-@pytest.mark.parametrize("config", [None, Config(64, 128, 4, num_warps=8, num_stages=3)],
-                         ids=["rule", "split"])
-def test_cuda_lowering_of_the_kernel(config, monkeypatch):
+@pytest.mark.parametrize("config,activation,dtype", [
+    (None, "gelu", jnp.bfloat16), (None, "relu", jnp.float16), (None, None, jnp.bfloat16),
+    (Config(64, 128, 4, num_warps=8, num_stages=3), "gelu", jnp.bfloat16)],
+    ids=["rule-gelu", "rule-relu-f16", "rule", "split"])
+def test_cuda_lowering_of_the_kernel(config, activation, dtype, monkeypatch):
     """The kernel lowered for CUDA from this host (JAX's Triton lowering told it is on a
-    Hopper GPU): every primitive of it, the in-kernel GELU and the masks included, has a
+    Hopper GPU): every primitive of it, the in-kernel epilog and the masks included, has a
     Triton lowering, and the module holds one Triton call with the config's warps."""
     registration = pytest.importorskip("jax._src.pallas.triton.pallas_call_registration")
     if not hasattr(registration, "gpu_info_lib"):
@@ -119,9 +121,9 @@ def test_cuda_lowering_of_the_kernel(config, monkeypatch):
     monkeypatch.setattr(registration.gpu_info_lib, "get_gpu_info",
                         lambda: types.SimpleNamespace(compute_capability=90))
     x, data, scale, bias = (jax.ShapeDtypeStruct(s, d) for s, d in (
-        ((3, 1000), jnp.bfloat16), ((129, 1000), jnp.float8_e4m3fn), ((), jnp.float32),
-        ((129,), jnp.bfloat16)))
-    f = jax.jit(lambda *a: wok.dense(*a, activation="gelu", config=config))
+        ((3, 1000), dtype), ((129, 1000), jnp.float8_e4m3fn), ((), jnp.float32),
+        ((129,), dtype)))
+    f = jax.jit(lambda *a: wok.dense(*a, activation=activation, config=config))
     text = f.trace(x, data, scale, bias).lower(lowering_platforms=("cuda",)).as_text()
     warps = (config or wok.config_for(3, 1000, 129)).num_warps
     assert text.count("__gpu$xla.gpu.triton") == 1 and f"num_warps = {warps}" in text
