@@ -79,16 +79,17 @@ BLOCK_ROWS = (16, 64, 256, 2048, 8192)
 LAYERS = 8
 SMOKE = dict(shapes={"K64xN96": (64, 96)}, rows=(1, 17), block=(64, 128), block_rows=(3,),
              layers=2, gemv_shapes={"K200xN129": (200, 129)}, gemv_rows=(1, 17),
-             gemv_configs="32/64/1/4/2,32/64/2/4/2")
+             gemv_configs="32/64/1/4/2,32/64/2/4/2,32/64/2/4/2/fma")
 GEMV_SHAPES = {"K4096xN14336": (4096, 14336), "K14336xN4096": (14336, 4096),
                "K4096xN4096": (4096, 4096), "K4096xN12288": (4096, 12288)}
 GEMV_ROWS = (1, 16, 64)
 #: The kernel's tilings the gemv part times beside its rule's, block_n/block_k/split_k/
 #: num_warps/num_stages: no split (the epilog in the kernel) and splits of 2 and 4, 4 and
-#: 8 warps, 3 to 5 stages (the earlier kernel's best at 16 rows was 64/256/4/4/3). Tilings
-#: whose buffers exceed an SM's shared memory (at 64 rows) are reported as not run.
+#: 8 warps, 3 to 5 stages (the earlier kernel's best at 16 rows was 64/256/4/4/3); "/fma":
+#: elementwise FMAs instead of the dot (`Config(mma=False)`), timed at 1 row. Tilings whose
+#: buffers exceed an SM's shared memory (at 64 rows) are reported as not run.
 GEMV_CONFIGS = ("64/256/1/4/4,32/256/1/4/5,64/256/4/4/3,128/256/2/8/3,64/512/2/4/3,"
-                "256/128/2/8/4")
+                "256/128/2/8/4,64/128/1/4/3/fma,32/128/2/4/3/fma")
 
 #: Issue 37's targets: (part, variant, baseline, rows predicate, minimum ratio); the SwiGLU
 #: block is held to the MLP block's.
@@ -293,11 +294,14 @@ def measure_row(variants: dict, x_shape, baseline: str, x_first: bool,
 
 
 def gemv_configs(text: str) -> list[weight_only_kernel.Config]:
-    """`--gemv-configs`: comma-separated block_n/block_k/split_k/num_warps/num_stages."""
+    """`--gemv-configs`: comma-separated block_n/block_k/split_k/num_warps/num_stages, each
+    with "/fma" for `Config(mma=False)`."""
     values = [c.split("/") for c in text.split(",")]
-    if not all(len(v) == 5 and all(p.isdigit() for p in v) for v in values):
-        raise ValueError(f"--gemv-configs: expected n/k/split/warps/stages[,...], got {text!r}")
-    return [weight_only_kernel.Config(*map(int, v)) for v in values]
+    if not all(len(v) in (5, 6) and all(p.isdigit() for p in v[:5]) and v[5:] in ([], ["fma"])
+               for v in values):
+        raise ValueError(f"--gemv-configs: expected n/k/split/warps/stages[/fma][,...], got "
+                         f"{text!r}")
+    return [weight_only_kernel.Config(*map(int, v[:5]), mma=v[5:] != ["fma"]) for v in values]
 
 
 def gemv_variants(k: int, n: int, rows: int, count: int, configs, interpret: bool
@@ -305,7 +309,8 @@ def gemv_variants(k: int, n: int, rows: int, count: int, configs, interpret: boo
     """name: (jitted function, its weights) for `count` layers of `gelu(x @ w + b)` at a
     decode size: XLA's bf16 GEMM, XLA's weight-only fusion, XLA's FP8 dot (at more than
     `WEIGHT_ONLY_MAX_ROWS` rows) and the Pallas kernel by rule and with each of `configs`
-    (`interpret`: Pallas's interpreter, for a CPU); and one layer's weight bytes."""
+    that take `rows` (`interpret`: Pallas's interpreter, for a CPU); and one layer's weight
+    bytes."""
     from jax_epilog.planning import serving_plan
     ws = [normal(1 + i, (k, n), k ** -0.5) for i in range(count)]
     b = normal(100, (n,), 0.1)
@@ -319,7 +324,9 @@ def gemv_variants(k: int, n: int, rows: int, count: int, configs, interpret: boo
     if rows > serving_plan.WEIGHT_ONLY_MAX_ROWS:
         variants["xla_fp8"] = (stacked(xla_fp8_dense), (fp8,))
     rule = weight_only_kernel.config_for(rows, k, n)
-    for config in [rule] + [c for c in configs if c != rule]:
+    configs = [c for c in configs if c != rule and (
+        c.mma or rows <= weight_only_kernel.FMA_MAX_ROWS)]
+    for config in [rule] + configs:
         name = f"pallas {config.name}" + (" (rule)" if config == rule else "")
         kernel = functools.partial(weight_only_kernel.dense, activation="gelu", config=config,
                                    interpret=interpret)

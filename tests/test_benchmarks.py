@@ -187,7 +187,7 @@ def test_serving_gemv_smoke_report(tmp_path):
                                                               ("K200xN129", 17)]
     for row in report["gemv"]:
         pallas = [n for n in row["variants"] if n.startswith("pallas")]
-        assert len(pallas) == 3 and row["best"] in pallas
+        assert len(pallas) == (4 if row["M"] == 1 else 3) and row["best"] in pallas
         assert ("xla_fp8" in row["variants"]) == (row["M"] > 16)
         for name, v in row["variants"].items():
             assert v["careful_ms"] > 0 and v["user_ms"] > 0 and v["tb_s"] > 0, name
@@ -199,6 +199,8 @@ def test_serving_gemv_smoke_report(tmp_path):
 def test_serving_gemv_configs_are_parsed():
     import serving_bench
 
-    assert serving_bench.gemv_configs("64/256/1/4/4,32/128/2/8/3")[1] == (32, 128, 2, 8, 3)
-    with pytest.raises(ValueError, match="--gemv-configs: expected n/k/split/warps/stages"):
-        serving_bench.gemv_configs("64/256")
+    assert serving_bench.gemv_configs("64/256/1/4/4,32/128/2/8/3/fma")[1] == \
+        (32, 128, 2, 8, 3, False)
+    for bad in ("64/256", "64/256/1/4/4/mma"):
+        with pytest.raises(ValueError, match="--gemv-configs: expected n/k/split/warps/stages"):
+            serving_bench.gemv_configs(bad)

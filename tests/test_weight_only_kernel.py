@@ -43,13 +43,16 @@ def assert_close(got, want):
 
 
 # Each config a different path: one K chunk (the epilog in the kernel), split K (float32
-# partials), K past the last chunk masked, N past the last stripe masked, 32- and 64-row tiles.
+# partials), K past the last chunk masked, N past the last stripe masked, 32- and 64-row tiles,
+# elementwise FMAs instead of the dot (1 row, 3 rows in a tile of 4).
 CASES = [
     ((1, 129, 127), Config(block_n=32, block_k=32, split_k=1)),
     ((5, 1000, 129), Config(block_n=32, block_k=128, split_k=3)),
     ((16, 256, 96), Config(block_n=64, block_k=64, split_k=2)),
     ((33, 127, 200), Config(block_n=128, block_k=64, split_k=1)),
     ((64, 300, 64), None),
+    ((1, 129, 127), Config(block_n=32, block_k=32, split_k=1, mma=False)),
+    ((3, 1000, 129), Config(block_n=32, block_k=128, split_k=3, mma=False)),
 ]
 
 
@@ -89,6 +92,8 @@ def test_config_by_rule_fills_the_sms():
     (dict(scale=jnp.ones((1,), jnp.float32)), "scale: expected a float32 scalar"),
     (dict(bias=jnp.ones((15,), jnp.bfloat16)), r"bias: expected shape \(16,\)"),
     (dict(config=Config(block_n=24)), "config: block_n and block_k must be powers of two"),
+    (dict(x=jnp.ones((5, 32), jnp.bfloat16), config=Config(mma=False)),
+     "config: mma=False takes at most 4 rows, x has 5"),
     (dict(activation="tanh"), "activation: expected None or one of"),
 ])
 def test_bad_input_names_the_argument(change, match):
@@ -109,8 +114,9 @@ def test_weight_only_kernel_argument_is_checked():
 
 @pytest.mark.parametrize("config,activation,dtype", [
     (None, "gelu", jnp.bfloat16), (None, "relu", jnp.float16), (None, None, jnp.bfloat16),
-    (Config(64, 128, 4, num_warps=8, num_stages=3), "gelu", jnp.bfloat16)],
-    ids=["rule-gelu", "rule-relu-f16", "rule", "split"])
+    (Config(64, 128, 4, num_warps=8, num_stages=3), "gelu", jnp.bfloat16),
+    (Config(64, 128, 2, num_stages=3, mma=False), "gelu", jnp.bfloat16)],
+    ids=["rule-gelu", "rule-relu-f16", "rule", "split", "fma"])
 def test_cuda_lowering_of_the_kernel(config, activation, dtype, monkeypatch):
     """The kernel lowered for CUDA from this host (JAX's Triton lowering told it is on a
     Hopper GPU): every primitive of it, the in-kernel epilog and the masks included, has a
@@ -139,13 +145,15 @@ GPU_SHAPES = [(4096, 14336), (14336, 4096), (4096, 6144), (1000, 129), (127, 100
 @pytest.mark.parametrize("k,n", GPU_SHAPES, ids=lambda v: str(v))
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_gpu_kernel_matches_xla_weight_only(k, n, rows):
-    """On the GPU, by rule (and at 16 rows with K split too), the kernel gives XLA's
-    weight-only result up to the sums' order, and really runs as a Triton kernel."""
+    """On the GPU, by rule (at 16 rows with K split too, at 1 row with FMAs too), the kernel
+    gives XLA's weight-only result up to the sums' order, and really runs as a Triton
+    kernel."""
     assert wok.runs_here(), "the kernel does not run on this GPU (compute capability < 8.9)"
     gpu = jax.devices("cuda")[0]
     x, data, scale, bias = jax.device_put(problem(k + n + rows, rows, k, n), gpu)
     want = jax.jit(reference, static_argnums=4)(x, data, scale, bias, "gelu")
-    for config in (None, Config(64, 256, 4, num_stages=3))[:2 if rows == 16 else 1]:
+    more = {16: [Config(64, 256, 4, num_stages=3)], 1: [Config(64, 128, 2, 4, 3, mma=False)]}
+    for config in [None] + more.get(rows, []):
         f = jax.jit(lambda *a: serving.weight_only(a[0], Fp8Weight(a[1], a[2]), a[3], "gelu",
                                                    kernel="pallas", config=config))
         assert "__gpu$xla.gpu.triton" in f.lower(x, data, scale, bias).as_text()

@@ -12,7 +12,10 @@ K-major. Over a few rows the GEMM is bound by reading the weight, so the kernel 
   SMs where N is small and K large) the float32 partial sums `(split_k, M, N)` come out and
   their sum, scale, bias and activation are one XLA fusion after it;
 - shapes need not divide into the blocks: Pallas masks loads and stores past the arrays' ends,
-  and a K chunk that runs past K zeroes both tiles' columns beyond it.
+  and a K chunk that runs past K zeroes both tiles' columns beyond it;
+- `Config(mma=False)`, for at most `FMA_MAX_ROWS` rows: no dot, so no 16-row tile; each
+  weight tile is converted to float32, multiplied by x's rows and summed along K by
+  elementwise FMAs (a GEMV), one tree sum per program at the end.
 
 `serving.weight_only(..., kernel="pallas")` runs it on CUDA GPUs that convert FP8 in Triton
 (compute capability 8.9 or newer); every other platform computes the same product with XLA.
@@ -32,6 +35,8 @@ from jax_epilog.op.epilogs import ACTIVATIONS
 #: Triton's dot takes at least 16 rows; x's rows are read in tiles of 16, 32 or 64.
 MIN_ROWS = 16
 MAX_ROW_TILE = 64
+#: The most rows `Config(mma=False)` takes: each row keeps a float32 (block_n, block_k) sum.
+FMA_MAX_ROWS = 4
 INPUT_DTYPES = ("bfloat16", "float16")
 WEIGHT_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 #: The H200's SMs: `config_for` splits K until the grid has at least this many programs.
@@ -44,18 +49,20 @@ SHARED_MEMORY = 200 * 1024
 class Config(NamedTuple):
     """The kernel's tiling: `block_n` weight rows (output columns) per program, `block_k`
     columns per loop step (both powers of two, at least 16), `split_k` programs along K
-    (1: the epilogue in the kernel), Triton's warps and pipeline stages."""
+    (1: the epilogue in the kernel), Triton's warps and pipeline stages; `mma`: Triton's dot
+    (False: elementwise FMAs, at most `FMA_MAX_ROWS` rows)."""
 
     block_n: int = 64
     block_k: int = 256
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    mma: bool = True
 
     @property
     def name(self) -> str:
         return (f"n{self.block_n} k{self.block_k} split{self.split_k} warps{self.num_warps} "
-                f"stages{self.num_stages}")
+                f"stages{self.num_stages}{'' if self.mma else ' fma'}")
 
 
 def config_for(rows: int, k: int, n: int) -> Config:
@@ -73,9 +80,10 @@ def config_for(rows: int, k: int, n: int) -> Config:
                   num_stages=stages)
 
 
-def row_tile(rows: int) -> int:
-    """The rows of x one program reads: a power of two from `MIN_ROWS` to `MAX_ROW_TILE`."""
-    return min(MAX_ROW_TILE, max(MIN_ROWS, 1 << max(0, rows - 1).bit_length()))
+def row_tile(rows: int, mma: bool = True) -> int:
+    """The rows of x one program reads: a power of two from `MIN_ROWS` (without the dot:
+    from 1) to `MAX_ROW_TILE`."""
+    return min(MAX_ROW_TILE, max(MIN_ROWS if mma else 1, 1 << max(0, rows - 1).bit_length()))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -105,28 +113,45 @@ def check(x, data, scale, bias, config: Optional[Config]) -> None:
         if any(s < 16 or s & (s - 1) for s in sizes) or config.split_k < 1:
             raise ValueError(f"config: block_n and block_k must be powers of two >= 16 and "
                              f"split_k >= 1, got {config}")
+        if not config.mma and x.shape[0] > FMA_MAX_ROWS:
+            raise ValueError(f"config: mma=False takes at most {FMA_MAX_ROWS} rows, x has "
+                             f"{x.shape[0]}; use the dot (mma=True)")
 
 
 def _kernel(x_ref, w_ref, scale_ref, *refs, block_k: int, steps: int, k: int,
-            masked: bool, activation: Optional[str], fused: bool):
+            masked: bool, activation: Optional[str], fused: bool, mma: bool):
     from jax.experimental import pallas as pl  # only where the kernel runs
 
     bias_ref, out_ref = refs if len(refs) == 2 else (None, refs[0])
+    rows, block_n = x_ref.shape[0], w_ref.shape[0]
     chunk_start = pl.program_id(2) * steps * block_k
 
     def step(i, total):
         start = pl.multiple_of(i * block_k, block_k)
-        x = x_ref[:, pl.ds(start, block_k)]
-        w = w_ref[:, pl.ds(start, block_k)].astype(x.dtype)
-        if masked:  # the last chunk runs past K: what lies beyond is not read as zeros
-            column = chunk_start + start + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
-            x = jnp.where(column < k, x, jnp.zeros_like(x))
-            w = jnp.where(column < k, w, jnp.zeros_like(w))
-        return total + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
-                                           preferred_element_type=jnp.float32)
+        # the last chunk runs past K: what lies beyond is not read as zeros
+        column = chunk_start + start + jax.lax.broadcasted_iota(jnp.int32, (1, block_k), 1)
 
-    total = jax.lax.fori_loop(0, steps, step,
-                              jnp.zeros((x_ref.shape[0], w_ref.shape[0]), jnp.float32))
+        def tile(ref, index, dtype):
+            t = ref[index, pl.ds(start, block_k)].astype(dtype)
+            return jnp.where(column < k, t, jnp.zeros_like(t)) if masked else t
+
+        if mma:
+            x = tile(x_ref, slice(None), x_ref.dtype)
+            return total + jax.lax.dot_general(x, tile(w_ref, slice(None), x.dtype),
+                                               (((1,), (1,)), ((), ())),
+                                               preferred_element_type=jnp.float32)
+        w = tile(w_ref, slice(None), jnp.float32)  # per row, a (block_n, block_k) sum
+        return tuple(t + w * tile(x_ref, pl.ds(r, 1), jnp.float32)
+                     for r, t in enumerate(total))
+
+    if mma:
+        total = jax.lax.fori_loop(0, steps, step, jnp.zeros((rows, block_n), jnp.float32))
+    else:
+        sums = jax.lax.fori_loop(0, steps, step, tuple(
+            jnp.zeros((block_n, block_k), jnp.float32) for _ in range(rows)))
+        row = jax.lax.broadcasted_iota(jnp.int32, (rows, block_n), 0)
+        total = sum(jnp.where(row == r, jnp.sum(t, axis=1)[None, :], 0.0)
+                    for r, t in enumerate(sums))
     out_ref[...] = scaled_epilogue(total, scale_ref[...], None if bias_ref is None else
                                    bias_ref[...], activation, out_ref.dtype) if fused else total
 
@@ -172,7 +197,7 @@ def dense(x, data, scale, bias=None, *, activation: Optional[str] = None,
 
     (rows, k), n = x.shape, data.shape[0]
     config = config or config_for(rows, k, n)
-    tile = row_tile(rows)
+    tile = row_tile(rows, config.mma)
     steps = _cdiv(_cdiv(k, config.block_k), config.split_k)
     chunk = steps * config.block_k
     split = _cdiv(k, chunk)  # no chunk starts past K (its loads would not be masked)
@@ -192,7 +217,8 @@ def dense(x, data, scale, bias=None, *, activation: Optional[str] = None,
         out_shape = jax.ShapeDtypeStruct((split, rows, n), jnp.float32)
         out_spec = pl.BlockSpec((None, tile, config.block_n), lambda i, j, s: (s, i, j))
     kernel = functools.partial(_kernel, block_k=config.block_k, steps=steps, k=k,
-                               masked=split * chunk != k, activation=activation, fused=fused)
+                               masked=split * chunk != k, activation=activation, fused=fused,
+                               mma=config.mma)
     out = pl.pallas_call(
         kernel, out_shape=out_shape, grid=grid, in_specs=in_specs, out_specs=out_spec,
         interpret=interpret, name="jax_epilog_weight_only",
