@@ -412,8 +412,8 @@ def gemv_part(grid: dict, rounds: int, out: Path, max_s: float, interpret: bool)
     start = time.perf_counter()
     report: dict[str, Any] = {"meta": timing.run_metadata(), "layers": grid["layers"],
                               "gemv": [], "best": [], "skipped": []}
-    for shape, (k, n) in grid["gemv_shapes"].items():
-        for m in grid["gemv_rows"]:
+    for m in grid["gemv_rows"]:  # the fewest rows first: batch-1 decoding is the aim
+        for shape, (k, n) in grid["gemv_shapes"].items():
             if max_s and time.perf_counter() - start > max_s:
                 report["skipped"].append(f"{shape} M{m}")
                 print(f"gemv {shape} M{m}: skipped (--max-s {max_s:.0f} reached)", flush=True)

@@ -19,11 +19,12 @@ Config = wok.Config
 
 
 def problem(seed: int, rows: int, k: int, n: int, dtype=jnp.bfloat16, bias: bool = True):
-    """Random non-zero x (rows, K), FP8 data (N, K) spread over e4m3's range, a scale, bias."""
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((rows, k)), dtype)
-    data = jnp.asarray(rng.standard_normal((n, k)) * 64, jnp.float8_e4m3fn)
-    b = jnp.asarray(rng.standard_normal(n), dtype) if bias else None
+    """Random non-zero x (rows, K), FP8 data (N, K) spread over e4m3's range, a scale, bias
+    (drawn where JAX runs: the GPU tests' weights are 60 MB)."""
+    kx, kw, kb = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.normal(kx, (rows, k), jnp.float32).astype(dtype)
+    data = (jax.random.normal(kw, (n, k), jnp.float32) * 64).astype(jnp.float8_e4m3fn)
+    b = jax.random.normal(kb, (n,), jnp.float32).astype(dtype) if bias else None
     return x, data, jnp.float32(0.25 / np.sqrt(k)), b
 
 
@@ -149,8 +150,7 @@ def test_gpu_kernel_matches_xla_weight_only(k, n, rows):
     gives XLA's weight-only result up to the sums' order, and really runs as a Triton
     kernel."""
     assert wok.runs_here(), "the kernel does not run on this GPU (compute capability < 8.9)"
-    gpu = jax.devices("cuda")[0]
-    x, data, scale, bias = jax.device_put(problem(k + n + rows, rows, k, n), gpu)
+    x, data, scale, bias = problem(k + n + rows, rows, k, n)
     want = jax.jit(reference, static_argnums=4)(x, data, scale, bias, "gelu")
     more = {16: [Config(64, 256, 4, num_stages=3)], 1: [Config(64, 128, 2, 4, 3, mma=False)]}
     for config in [None] + more.get(rows, []):
