@@ -389,6 +389,7 @@ def render_gemv(report: dict) -> str:
                          f"{v['error']:.4f} |")
         lines.append("")
     lines += ["## Best Pallas tiling per row", ""] + [f"- {line}" for line in report["best"]]
+    lines += ["", report.get("verdict", "")]
     lines += [f"- skipped (--max-s): {', '.join(report['skipped'])}"] if report["skipped"] else []
     return "\n".join(lines + timing.footnotes(report["meta"], [])) + "\n"
 
@@ -423,8 +424,23 @@ def gemv_part(grid: dict, rounds: int, out: Path, max_s: float, interpret: bool)
             report["gemv"].append(r)
             report["best"].append(best_line(r))
             print(report["best"][-1], flush=True)
+            report["verdict"] = gemv_verdict(report["gemv"])
             timing.write_report(report, out, "gemv", render_gemv)
+    print(report.get("verdict", "gemv verdict: no row ran"), flush=True)
     return report
+
+
+def gemv_verdict(rows: list[dict]) -> str:
+    """Per row count, the shapes where the best Pallas tiling beat the default way in both
+    harnesses: what `serving_plan.SMALL_ROWS_KERNEL = "pallas"` would change."""
+    counts: dict[int, list[str]] = {}
+    for r in rows:
+        won = r["best"] is not None and min(r["variants"][r["best"]]["vs_" + r["default"]]) > 1
+        counts.setdefault(r["M"], []).append(r["shape"] if won else "")
+    return "gemv verdict: Pallas faster than the default (both harnesses) at " + "; ".join(
+        f"M{m} on {sum(map(bool, shapes))}/{len(shapes)} shapes"
+        + (f" ({', '.join(s for s in shapes if s)})" if any(shapes) else "")
+        for m, shapes in counts.items())
 
 
 def targets(report: dict) -> list[dict]:

@@ -193,7 +193,8 @@ def test_serving_gemv_smoke_report(tmp_path):
             assert v["careful_ms"] > 0 and v["user_ms"] > 0 and v["tb_s"] > 0, name
         for name in pallas:
             assert row["variants"][name]["error"] < 0.01, name
-    assert "## Best Pallas tiling per row" in (tmp_path / "gemv.md").read_text()
+    text = (tmp_path / "gemv.md").read_text()
+    assert "## Best Pallas tiling per row" in text and "gemv verdict: " in text
 
 
 def test_serving_gemv_configs_are_parsed():
