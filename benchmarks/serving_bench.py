@@ -413,19 +413,22 @@ def gemv_part(grid: dict, rounds: int, out: Path, max_s: float, interpret: bool)
     start = time.perf_counter()
     report: dict[str, Any] = {"meta": timing.run_metadata(), "layers": grid["layers"],
                               "gemv": [], "best": [], "skipped": []}
-    for m in grid["gemv_rows"]:  # the fewest rows first: batch-1 decoding is the aim
-        for shape, (k, n) in grid["gemv_shapes"].items():
-            if max_s and time.perf_counter() - start > max_s:
-                report["skipped"].append(f"{shape} M{m}")
-                print(f"gemv {shape} M{m}: skipped (--max-s {max_s:.0f} reached)", flush=True)
-                continue
-            r = gemv_row(shape, k, n, m, grid["layers"], grid["gemv_configs"], rounds,
-                         interpret)
-            report["gemv"].append(r)
-            report["best"].append(best_line(r))
-            print(report["best"][-1], flush=True)
-            report["verdict"] = gemv_verdict(report["gemv"])
-            timing.write_report(report, out, "gemv", render_gemv)
+    shapes = list(grid["gemv_shapes"])
+    # Decoding first (a Llama FFN's two shapes, then the others), batched decoding last.
+    order = sorted(((shape, m) for shape in shapes for m in grid["gemv_rows"]),
+                   key=lambda p: (p[1] > 16, shapes.index(p[0]) >= 2, p[1], shapes.index(p[0])))
+    for shape, m in order:
+        if max_s and time.perf_counter() - start > max_s:
+            report["skipped"].append(f"{shape} M{m}")
+            print(f"gemv {shape} M{m}: skipped (--max-s {max_s:.0f} reached)", flush=True)
+            continue
+        k, n = grid["gemv_shapes"][shape]
+        r = gemv_row(shape, k, n, m, grid["layers"], grid["gemv_configs"], rounds, interpret)
+        report["gemv"].append(r)
+        report["best"].append(best_line(r))
+        print(report["best"][-1], flush=True)
+        report["verdict"] = gemv_verdict(report["gemv"])
+        timing.write_report(report, out, "gemv", render_gemv)
     print(report.get("verdict", "gemv verdict: no row ran"), flush=True)
     return report
 
