@@ -49,8 +49,7 @@ SETTINGS = (
             "FP8 GEMM with the epilog), `xla_fp8` (activations quantized, XLA's own FP8 dot), "
             "`weight_only` (16-bit activations times the FP8 weight converted inside XLA's "
             "GEMM), `pallas` (the same by our own Pallas kernel, on CUDA) or `auto` (by the "
-            "rows, `planning.serving_plan`). Read when a call is "
-            "traced."),
+            "rows, `planning.serving_plan`). Read when a call is traced."),
     Setting("JAX_EPILOG_DECISIONS", "`~/.cache/jax_epilog/decisions.json`",
             "The table `python -m jax_epilog.tune` writes and `auto` reads before the shipped "
             "one; set but empty: none."),
@@ -150,7 +149,8 @@ SERVING_WAYS = ("auto", "fp8", "xla_fp8", "weight_only", "pallas")
 
 
 def serving_override() -> Optional[str]:
-    """`fp8` / `xla_fp8` / `weight_only` / `pallas` from JAX_EPILOG_SERVING, or None (unset or `auto`)."""
+    """`fp8` / `xla_fp8` / `weight_only` / `pallas` from JAX_EPILOG_SERVING, or None (unset
+    or `auto`)."""
     value = (_raw("JAX_EPILOG_SERVING") or "auto").strip().lower()
     if value not in SERVING_WAYS:
         raise ValueError(f"JAX_EPILOG_SERVING={value!r}: expected one of "
