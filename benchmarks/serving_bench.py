@@ -27,13 +27,6 @@ Two parts, each a ratio measured in one process against XLA's bf16 (`xla_bf16`):
 3. **A Llama SwiGLU block** `down(silu(x gate) * (x up))`, no biases, the same D and F
    (Llama 3 8B's) and variants, ours `jax_epilog.linen.SwiGLU` (`--parts swiglu`; not in the
    default parts).
-4. **The weight-only kernels at decode sizes** (`--parts gemv`; not in the default parts),
-   `gelu(x @ w + b)` at M 1, 16, 64 on a Llama FFN's shapes, ratios to XLA's weight-only
-   fusion (`weight_only`, what 1-16 rows run by default): xla_bf16, weight_only, xla_fp8 (at
-   64 rows: what 17-64 rows run by default) and our Pallas kernel
-   (`float8.weight_only_kernel`) with its tiling by rule and each of `--gemv-configs`; the
-   weight's TB/s and the best tiling per (shape, M). Results are rewritten after every row
-   and rows past `--max-s` are skipped.
 
 Every timed call runs `LAYERS` layers (or blocks), each with its own weights, on the same
 input, as a decode step runs a whole model per call: timing one small layer per call measures
@@ -51,11 +44,9 @@ harness, the output error against bf16 (max |y - y_bf16| / max |y_bf16|), the we
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -66,9 +57,8 @@ import numpy as np
 import timing  # benchmarks/timing.py
 import jax_epilog
 import jax_epilog.linen
-from jax_epilog.float8 import scaling, weight_only_kernel
+from jax_epilog.float8 import scaling
 from jax_epilog.float8.weights import Fp8Weight
-from jax_epilog.layers import serving
 
 GEMM_SHAPES = {"K4096xN14336": (4096, 14336), "K8192xN8192": (8192, 8192)}
 GEMM_ROWS = (1, 16, 64, 256, 1024, 2048, 8192)
@@ -78,18 +68,7 @@ BLOCK_ROWS = (16, 64, 256, 2048, 8192)
 #: K4096 x N14336 are 470 MB, so no call finds its weights in the 50 MiB L2.
 LAYERS = 8
 SMOKE = dict(shapes={"K64xN96": (64, 96)}, rows=(1, 17), block=(64, 128), block_rows=(3,),
-             layers=2, gemv_shapes={"K200xN129": (200, 129)}, gemv_rows=(1, 17),
-             gemv_configs="32/64/1/4/2,32/64/2/4/2,32/64/2/4/2/fma")
-GEMV_SHAPES = {"K4096xN14336": (4096, 14336), "K14336xN4096": (14336, 4096),
-               "K4096xN4096": (4096, 4096), "K4096xN12288": (4096, 12288)}
-GEMV_ROWS = (1, 16, 64)
-#: The kernel's tilings the gemv part times beside its rule's, block_n/block_k/split_k/
-#: num_warps/num_stages: no split (the epilog in the kernel) and splits of 2 and 4, 4 and
-#: 8 warps, 3 to 5 stages (the earlier kernel's best at 16 rows was 64/256/4/4/3); "/fma":
-#: elementwise FMAs instead of the dot (`Config(mma=False)`), timed at 1 row. Tilings whose
-#: buffers exceed an SM's shared memory (at 64 rows) are reported as not run.
-GEMV_CONFIGS = ("64/256/1/4/4,32/256/1/4/5,64/256/4/4/3,128/256/2/8/3,64/512/2/4/3,"
-                "256/128/2/8/4,64/128/1/4/3/fma,32/128/2/4/3/fma")
+             layers=2)
 
 #: Issue 37's targets: (part, variant, baseline, rows predicate, minimum ratio); the SwiGLU
 #: block is held to the MLP block's.
@@ -260,11 +239,10 @@ def _bytes(tree) -> int:
 
 
 def measure_row(variants: dict, x_shape, baseline: str, x_first: bool,
-                rounds: int, kinds: bool = True) -> dict[str, Any]:
+                rounds: int) -> dict[str, Any]:
     """Both harnesses and the error against `baseline` for one input shape, times per layer
     (or block). `x_first`: the functions take `(x, layers)`, else `(layers, x)`; `layers`
-    lists each layer's weights (`stacked`). `kinds`: list each variant's GEMM kinds (one
-    more compilation each)."""
+    lists each layer's weights (`stacked`)."""
     layers = len(next(iter(variants.values()))[1][0])
     xs = [normal(10 + i, x_shape) for i in range(timing.input_copies(
         int(np.prod(x_shape)) * 2))]
@@ -277,7 +255,7 @@ def measure_row(variants: dict, x_shape, baseline: str, x_first: bool,
     outputs = {name: np.asarray(jnp.stack(fn(*args(weights, xs[0]))).astype(jnp.float32))
                for name, (fn, weights) in variants.items()}
     kinds = {name: {kind: count // layers for kind, count in
-                    gemm_kinds(fn, args(weights, xs[0])).items()} if kinds else {}
+                    gemm_kinds(fn, args(weights, xs[0])).items()}
              for name, (fn, weights) in variants.items()}
     want = outputs[baseline]
     row = {}
@@ -291,159 +269,6 @@ def measure_row(variants: dict, x_shape, baseline: str, x_first: bool,
             "gemms": kinds[name],
         }
     return row
-
-
-def gemv_configs(text: str) -> list[weight_only_kernel.Config]:
-    """`--gemv-configs`: comma-separated block_n/block_k/split_k/num_warps/num_stages, each
-    with "/fma" for `Config(mma=False)`."""
-    values = [c.split("/") for c in text.split(",")]
-    if not all(len(v) in (5, 6) and all(p.isdigit() for p in v[:5]) and v[5:] in ([], ["fma"])
-               for v in values):
-        raise ValueError(f"--gemv-configs: expected n/k/split/warps/stages[/fma][,...], got "
-                         f"{text!r}")
-    return [weight_only_kernel.Config(*map(int, v[:5]), mma=v[5:] != ["fma"]) for v in values]
-
-
-def gemv_variants(k: int, n: int, rows: int, count: int, configs, interpret: bool
-                  ) -> tuple[dict, dict[str, int]]:
-    """name: (jitted function, its weights) for `count` layers of `gelu(x @ w + b)` at a
-    decode size: XLA's bf16 GEMM, XLA's weight-only fusion, XLA's FP8 dot (at more than
-    `WEIGHT_ONLY_MAX_ROWS` rows) and the Pallas kernel by rule and with each of `configs`
-    that take `rows` (`interpret`: Pallas's interpreter, for a CPU); and one layer's weight
-    bytes."""
-    from jax_epilog.planning import serving_plan
-    ws = [normal(1 + i, (k, n), k ** -0.5) for i in range(count)]
-    b = normal(100, (n,), 0.1)
-    stored = [jax_epilog.quantize_params({"kernel": w}, include=lambda path, leaf: True)["kernel"]
-              for w in ws]
-    fp8 = [(w, b) for w in stored]
-    variants = {
-        "xla_bf16": (stacked(lambda x, w, b: jax.nn.gelu(x @ w + b)), ([(w, b) for w in ws],)),
-        "weight_only": (stacked(lambda x, w, b: serving.weight_only(x, w, b, "gelu")), (fp8,)),
-    }
-    if rows > serving_plan.WEIGHT_ONLY_MAX_ROWS:
-        variants["xla_fp8"] = (stacked(xla_fp8_dense), (fp8,))
-    rule = weight_only_kernel.config_for(rows, k, n)
-    configs = [c for c in configs if c != rule and (
-        c.mma or rows <= weight_only_kernel.FMA_MAX_ROWS)]
-    for config in [rule] + configs:
-        name = f"pallas {config.name}" + (" (rule)" if config == rule else "")
-        kernel = functools.partial(weight_only_kernel.dense, activation="gelu", config=config,
-                                   interpret=interpret)
-        variants[name] = (stacked(lambda x, w, b, kernel=kernel: kernel(x, w.data, w.scale, b)),
-                          (fp8,))
-    return variants, {"bf16": ws[0].nbytes, "fp8": stored[0].data.nbytes}
-
-
-def compiled_variants(variants: dict, x) -> dict:
-    """The variants that compile and run (a tiling may ask for more shared memory than an
-    SM has): the others are printed and dropped."""
-    kept = {}
-    for name, (fn, weights) in variants.items():
-        try:
-            jax.block_until_ready(fn(x, *weights))
-            kept[name] = (fn, weights)
-        except Exception as error:  # noqa: BLE001 -- Triton's and XLA's errors alike
-            print(f"  {name}: did not run: {str(error).splitlines()[0][:160]}", flush=True)
-    return kept
-
-
-def gemv_row(shape: str, k: int, n: int, m: int, layers: int, configs, rounds: int,
-             interpret: bool) -> dict[str, Any]:
-    """One (shape, M) of the gemv part: both harnesses, ratios to weight_only, to xla_bf16
-    and to what these rows run by default, the weight's TB/s, the best Pallas tiling."""
-    from jax_epilog.planning import serving_plan
-    variants, weight_bytes = gemv_variants(k, n, m, layers, configs, interpret)
-    variants = compiled_variants(variants, normal(10, (m, k)))
-    row = measure_row(variants, (m, k), "weight_only", True, rounds, kinds=False)
-    default = "weight_only" if m <= serving_plan.WEIGHT_ONLY_MAX_ROWS else "xla_fp8"
-    for name, r in row.items():
-        bytes_ = weight_bytes["bf16" if name == "xla_bf16" else "fp8"]
-        r["tb_s"] = bytes_ / (r["careful_ms"] * 1e-3) / 1e12
-        for other in ("xla_bf16", default):
-            r[f"vs_{other}"] = [row[other][f"{h}_ms"] / r[f"{h}_ms"] for h in ("careful", "user")]
-    pallas = [name for name in row if name.startswith("pallas")]
-    best = max(pallas, key=lambda name: min(row[name]["careful_ratio"],
-                                            row[name]["user_ratio"])) if pallas else None
-    return {"shape": shape, "M": m, "default": default, "best": best,
-            "weight_bytes": weight_bytes, "variants": row}
-
-
-def render_gemv(report: dict) -> str:
-    lines = ["# The weight-only kernels at decode sizes", "", timing.provenance(report["meta"]),
-             "", f"gelu(x @ w + b), {report['layers']} layers per call, times per layer. "
-             "Ratios are the other's time over the variant's, careful harness (user harness in "
-             "brackets); TB/s: the weight's bytes (FP8; bf16 for xla_bf16) over the careful "
-             "time; error: max |y - y_weight_only| / max |y_weight_only|. default: what these "
-             "rows run by default (weight_only up to 16 rows, xla_fp8 above).", ""]
-    for r in report["gemv"]:
-        lines += [f"## {r['shape']}, M {r['M']} (default {r['default']}; best Pallas: "
-                  f"{r['best']})", "",
-                  "| variant | ms | user ms | TB/s | vs weight_only | vs default | vs xla_bf16 "
-                  "| error |", "|---|---|---|---|---|---|---|---|"]
-        for name, v in r["variants"].items():
-            pair = lambda p: f"{p[0]:.2f} ({p[1]:.2f})"
-            lines.append(f"| {name} | {v['careful_ms']:.4f} | {v['user_ms']:.4f} | "
-                         f"{v['tb_s']:.2f} | {v['careful_ratio']:.2f} ({v['user_ratio']:.2f}) "
-                         f"| {pair(v['vs_' + r['default']])} | {pair(v['vs_xla_bf16'])} | "
-                         f"{v['error']:.4f} |")
-        lines.append("")
-    lines += ["## Best Pallas tiling per row", ""] + [f"- {line}" for line in report["best"]]
-    lines += ["", report.get("verdict", "")]
-    lines += [f"- skipped (--max-s): {', '.join(report['skipped'])}"] if report["skipped"] else []
-    return "\n".join(lines + timing.footnotes(report["meta"], [])) + "\n"
-
-
-def best_line(r: dict) -> str:
-    """The summary line of one gemv row: its best Pallas tiling against the default way and
-    against XLA's bf16 GEMM, both harnesses."""
-    if r["best"] is None:
-        return f"gemv {r['shape']} M{r['M']}: no Pallas tiling ran"
-    v = r["variants"][r["best"]]
-    ratios = {r["default"]: v["vs_" + r["default"]],
-              "weight_only": (v["careful_ratio"], v["user_ratio"]), "xla_bf16": v["vs_xla_bf16"]}
-    return (f"gemv {r['shape']} M{r['M']}: best {r['best']} {v['careful_ms'] * 1e3:.1f} us "
-            f"{v['tb_s']:.2f} TB/s; " + "; ".join(f"vs {name} {p[0]:.2f} ({p[1]:.2f})"
-                                                  for name, p in ratios.items()))
-
-
-def gemv_part(grid: dict, rounds: int, out: Path, max_s: float, interpret: bool) -> dict:
-    """The gemv part's rows, its report rewritten after each (gemv.json, gemv.md) and rows
-    that would start after `max_s` seconds (0: no limit) skipped."""
-    start = time.perf_counter()
-    report: dict[str, Any] = {"meta": timing.run_metadata(), "layers": grid["layers"],
-                              "gemv": [], "best": [], "skipped": []}
-    shapes = list(grid["gemv_shapes"])
-    # Decoding first (a Llama FFN's two shapes, then the others), batched decoding last.
-    order = sorted(((shape, m) for shape in shapes for m in grid["gemv_rows"]),
-                   key=lambda p: (p[1] > 16, shapes.index(p[0]) >= 2, p[1], shapes.index(p[0])))
-    for shape, m in order:
-        if max_s and time.perf_counter() - start > max_s:
-            report["skipped"].append(f"{shape} M{m}")
-            print(f"gemv {shape} M{m}: skipped (--max-s {max_s:.0f} reached)", flush=True)
-            continue
-        k, n = grid["gemv_shapes"][shape]
-        r = gemv_row(shape, k, n, m, grid["layers"], grid["gemv_configs"], rounds, interpret)
-        report["gemv"].append(r)
-        report["best"].append(best_line(r))
-        print(report["best"][-1], flush=True)
-        report["verdict"] = gemv_verdict(report["gemv"])
-        timing.write_report(report, out, "gemv", render_gemv)
-    print(report.get("verdict", "gemv verdict: no row ran"), flush=True)
-    return report
-
-
-def gemv_verdict(rows: list[dict]) -> str:
-    """Per row count, the shapes where the best Pallas tiling beat the default way in both
-    harnesses: what `serving_plan.SMALL_ROWS_KERNEL = "pallas"` would change."""
-    counts: dict[int, list[str]] = {}
-    for r in rows:
-        won = r["best"] is not None and min(r["variants"][r["best"]]["vs_" + r["default"]]) > 1
-        counts.setdefault(r["M"], []).append(r["shape"] if won else "")
-    return "gemv verdict: Pallas faster than the default (both harnesses) at " + "; ".join(
-        f"M{m} on {sum(map(bool, shapes))}/{len(shapes)} shapes"
-        + (f" ({', '.join(s for s in shapes if s)})" if any(shapes) else "")
-        for m, shapes in counts.items())
 
 
 def targets(report: dict) -> list[dict]:
@@ -489,7 +314,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any CPU")
     parser.add_argument("--parts", default="gemm,block",
-                        help="comma-separated: gemm, block, swiglu, gemv")
+                        help="comma-separated: gemm, block, swiglu")
     parser.add_argument("--rounds", type=int, default=7)
     rows = lambda text: tuple(int(r) for r in text.split(","))
     parser.add_argument("--rows", type=rows, help="the GEMM's rows, e.g. 1,16,2048 "
@@ -498,11 +323,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
                         f"(default {','.join(map(str, BLOCK_ROWS))})")
     parser.add_argument("--shapes", type=lambda text: text.split(","),
                         help=f"the GEMM's shapes (default {','.join(GEMM_SHAPES)})")
-    parser.add_argument("--gemv-configs", default=GEMV_CONFIGS,
-                        help="the Pallas kernel's tilings the gemv part times beside its "
-                        "rule's: n/k/split/warps/stages,...")
-    parser.add_argument("--max-s", type=float, default=0,
-                        help="the gemv part starts no row after this many seconds (0: all)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.shapes or ()) - set(GEMM_SHAPES))
     if unknown:
@@ -510,10 +330,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     shapes = {name: GEMM_SHAPES[name] for name in args.shapes or GEMM_SHAPES}
     grid = SMOKE if args.smoke else dict(shapes=shapes, rows=args.rows or GEMM_ROWS,
                                          block=BLOCK, block_rows=args.block_rows or BLOCK_ROWS,
-                                         layers=LAYERS, gemv_shapes=GEMV_SHAPES,
-                                         gemv_rows=args.rows or GEMV_ROWS,
-                                         gemv_configs=args.gemv_configs)
-    grid = {**grid, "gemv_configs": gemv_configs(grid["gemv_configs"])}
+                                         layers=LAYERS)
     report: dict[str, Any] = {"meta": timing.run_metadata(), "gemm": [], "block": [],
                               "weight_bytes": {}}
     parts = args.parts.split(",")
@@ -537,9 +354,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
                                  **row})
             print(part, m, {n: round(v["careful_ratio"], 2) for n, v in row.items()},
                   flush=True)
-    if "gemv" in parts:
-        report["gemv"] = gemv_part(grid, args.rounds, args.out, args.max_s,
-                                   interpret=not weight_only_kernel.runs_here())["gemv"]
     report["targets"] = targets(report)
     timing.write_report(report, args.out, "serving", render)
     return report

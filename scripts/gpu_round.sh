@@ -4,7 +4,7 @@
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt llama gptprofile serving
-#           generate decodelayout blockfp8 blockstep swiglu gemv
+#           generate decodelayout blockfp8 blockstep swiglu
 #   (default: build tests fuzz demo bench)
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
@@ -303,21 +303,6 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       note "serving benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -A12 "^## Targets" "$OUT/serving/serving.md" 2>/dev/null | tee -a "$SUMMARY"
       tail -n 20 "$OUT/serving.log" ;;
-    gemv)
-      # Issue 37: the Pallas weight-only kernel for decode GEMMs (float8.weight_only_kernel).
-      # Its GPU tests (XLA's autotuning off: the reference is XLA's formula, not its speed),
-      # then serving_bench.py --parts gemv: per (shape, M) XLA's bf16 GEMM, weight_only,
-      # xla_fp8 (M 64) and the kernel by rule and with each tiling of GEMV_ARGS'
-      # --gemv-configs (default GEMV_CONFIGS); rows that would start after GEMV_MAX_S seconds
-      # are skipped. Summary: the best tiling per (shape, M) against the default way,
-      # weight_only and XLA's bf16 GEMM, careful harness (user's in brackets).
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" \
-        gpu_tests gemv "${GEMV_TEST_CAP:-55}" test_weight_only_kernel.py
-      (cd "$ROOT/benchmarks" && runs --cap "${GEMV_CAP:-90}" "$PY" serving_bench.py \
-        --parts gemv --rounds 5 --max-s "${GEMV_MAX_S:-55}" ${GEMV_ARGS:-} \
-        --out "$OUT/gemv" 2>&1) > "$OUT/gemv.log"
-      note "gemv benchmark: rc=$? ($((SECONDS - start)) s)"
-      grep -E "^gemv |did not run|Error" "$OUT/gemv.log" | head -40 | tee -a "$SUMMARY" ;;
     generate)
       # Serving the GPT (examples/gpt/generate.py): train GENERATE_CONFIG (`large`, or e.g.
       # `llama_large`) with GENERATE_TRAIN_ARGS (`--impl stock`; `--impl epilog --fp8` trains

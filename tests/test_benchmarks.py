@@ -173,35 +173,3 @@ def test_serving_smoke_report(tmp_path):
     assert 0 < report["swiglu"][0]["ours_fp8"]["error"] < 0.1
     text = (tmp_path / "serving.md").read_text()
     assert "## Targets" in text and "## SwiGLU block" in text
-
-
-@pytest.mark.slow
-def test_serving_gemv_smoke_report(tmp_path):
-    """`--parts gemv`: every variant of each row timed in both harnesses, the Pallas kernel
-    (interpreted on a CPU) equal to weight_only, a best tiling named, gemv.md written."""
-    import serving_bench
-
-    report = serving_bench.main(["--smoke", "--rounds", "2", "--parts", "gemv",
-                                 "--out", str(tmp_path)])
-    assert [(r["shape"], r["M"]) for r in report["gemv"]] == [("K200xN129", 1),
-                                                              ("K200xN129", 17)]
-    for row in report["gemv"]:
-        pallas = [n for n in row["variants"] if n.startswith("pallas")]
-        assert len(pallas) == (4 if row["M"] == 1 else 3) and row["best"] in pallas
-        assert ("xla_fp8" in row["variants"]) == (row["M"] > 16)
-        for name, v in row["variants"].items():
-            assert v["careful_ms"] > 0 and v["user_ms"] > 0 and v["tb_s"] > 0, name
-        for name in pallas:
-            assert row["variants"][name]["error"] < 0.01, name
-    text = (tmp_path / "gemv.md").read_text()
-    assert "## Best Pallas tiling per row" in text and "gemv verdict: " in text
-
-
-def test_serving_gemv_configs_are_parsed():
-    import serving_bench
-
-    assert serving_bench.gemv_configs("64/256/1/4/4,32/128/2/8/3/fma")[1] == \
-        (32, 128, 2, 8, 3, False)
-    for bad in ("64/256", "64/256/1/4/4/mma"):
-        with pytest.raises(ValueError, match="--gemv-configs: expected n/k/split/warps/stages"):
-            serving_bench.gemv_configs(bad)

@@ -175,11 +175,11 @@ def test_served_layers_choose_their_way_by_the_rows(rows, way, monkeypatch):
 @pytest.mark.parametrize("rows", [1, 127, 129, 300])
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("way", ["fp8", "xla_fp8", "weight_only", "pallas"])
+@pytest.mark.parametrize("way", ["fp8", "xla_fp8", "weight_only"])
 def test_dense_with_a_stored_weight_is_its_way_s_formula(way, rows, activation, dtype,
                                                           monkeypatch):
-    """`fp8` and `xla_fp8`: the FP8 GEMM of the quantized input; `weight_only` and `pallas`
-    (on a CPU: XLA's weight-only): x times the dequantized weight."""
+    """`fp8` and `xla_fp8`: the FP8 GEMM of the quantized input; `weight_only`: x times the
+    dequantized weight."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", way)
     kernel = quantize_weight(random(1, (136, 72), scale=0.2))
     bias = random(2, (72,), dtype)
@@ -187,25 +187,9 @@ def test_dense_with_a_stored_weight_is_its_way_s_formula(way, rows, activation, 
     y = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation=activation))(
         x, kernel, bias)
     assert y.shape == (rows, 72) and y.dtype == dtype
-    model = weight_only_model if way in serving.WEIGHT_ONLY_KERNELS else served_model
+    model = weight_only_model if way == "weight_only" else served_model
     assert_served(y, model(np.asarray(x.astype(jnp.float32)), kernel,
                            np.asarray(bias.astype(jnp.float32)), activation), dtype)
-
-
-@pytest.mark.parametrize("kernel,rows,way", [("xla", 1, "weight_only"), ("xla", 64, "xla_fp8"),
-                                             ("pallas", 1, "pallas"), ("pallas", 64, "pallas"),
-                                             ("pallas", 65, "fp8")])
-def test_small_rows_kernel_switches_the_way(kernel, rows, way, monkeypatch):
-    """`serving_plan.SMALL_ROWS_KERNEL` ("xla" by default) chooses our Pallas kernel for up to
-    `PALLAS_MAX_ROWS` rows; a value it does not know is an error naming it."""
-    from jax_epilog.planning import serving_plan
-    monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
-    assert serving_plan.SMALL_ROWS_KERNEL == "xla"
-    monkeypatch.setattr(serving_plan, "SMALL_ROWS_KERNEL", kernel)
-    assert serving_plan.serving_way(rows).choice == way
-    monkeypatch.setattr(serving_plan, "SMALL_ROWS_KERNEL", "triton")
-    with pytest.raises(ValueError, match="SMALL_ROWS_KERNEL: expected one of xla, pallas"):
-        serving_plan.serving_way(rows)
 
 
 def test_serving_setting_is_checked(monkeypatch):

@@ -22,7 +22,6 @@ from conftest import HAS_CUDA
 from jaxprs import traced_equations
 from jax_epilog.float8.weights import Fp8Weight, key_names, quantize_weight
 from test_serving import E4M3, random, served_model, weight_only_model
-from jax_epilog.layers.serving import WEIGHT_ONLY_KERNELS
 
 ALL_KERNELS = lambda path, leaf: key_names(path)[-1:] == ("kernel",)  # noqa: E731
 
@@ -46,7 +45,7 @@ def plain_block(x, gate, up, down):
 def served_block(way, x, gate_up, down, dtype):
     """(the float64 model of the served block, max |h|): `gate_up` one or two stored
     weights, each GEMM's result rounded to `dtype` as the block's is."""
-    layer = weight_only_model if way in WEIGHT_ONLY_KERNELS else served_model
+    layer = weight_only_model if way == "weight_only" else served_model
     rounded = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(dtype).astype(jnp.float32),
                                    np.float64)
     x = np.asarray(jnp.asarray(x, jnp.float32)).reshape(-1, np.shape(x)[-1])
@@ -54,7 +53,7 @@ def served_block(way, x, gate_up, down, dtype):
     f = gu.shape[1] // 2
     g, u = gu[:, :f], gu[:, f:]
     h = g / (1 + np.exp(-g)) * u
-    if way in WEIGHT_ONLY_KERNELS:  # h enters the down GEMM in the compute dtype
+    if way == "weight_only":  # h enters the down GEMM in the compute dtype
         h = rounded(h)
     return layer(h, down, None, None), np.max(np.abs(h))
 
@@ -63,7 +62,7 @@ def assert_block(y, want, h_max, down: Fp8Weight, dtype, way):
     y = np.asarray(jnp.asarray(y, jnp.float32), np.float64).reshape(want.shape)
     w_max = float(jnp.max(jnp.abs(down.data.astype(jnp.float32)))) * float(down.scale)
     rounding = (2 ** -7 if dtype == jnp.bfloat16 else 2 ** -20) * np.max(np.abs(want))
-    flips = 0 if way in WEIGHT_ONLY_KERNELS else 2 * 2 ** -3 * h_max * w_max  # two e4m3 steps of h
+    flips = 0 if way == "weight_only" else 2 * 2 ** -3 * h_max * w_max  # two e4m3 steps of h
     np.testing.assert_allclose(y, want, rtol=0, atol=(rounding + flips) * (8 if HAS_CUDA else 1)
                                + 1e-6)
 
@@ -79,7 +78,7 @@ def relative_error(y, want) -> float:
 @pytest.mark.parametrize("rows,d,f,d_out", [(1, 33, 50, 35), (127, 40, 72, 40),
                                             (129, 16, 24, 21)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("way", ["fp8", "xla_fp8", "weight_only", "pallas"])
+@pytest.mark.parametrize("way", ["fp8", "xla_fp8", "weight_only"])
 @pytest.mark.parametrize("concatenated", [False, True])
 def test_stored_block_is_its_way_s_formula_and_the_16_bit_block_to_fp8_rounding(
         rows, d, f, d_out, dtype, way, concatenated, monkeypatch):
@@ -245,19 +244,3 @@ def test_served_block_runs_xla_s_gemms_on_a_gpu_over_few_rows(rows, way, monkeyp
         x, stored[:2], stored[2]).compile().as_text()
     want, h_max = served_block(way, x, stored[:2], stored[2], jnp.bfloat16)
     assert_block(fn(x, stored[:2], stored[2]), want, h_max, stored[2], jnp.bfloat16, way)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16, 64])
-def test_served_block_runs_the_pallas_kernel_on_a_gpu(rows, monkeypatch):
-    """`SMALL_ROWS_KERNEL = "pallas"`: the block's three GEMMs are our Triton kernel, and
-    the block is still the weight-only formula."""
-    from jax_epilog.planning import serving_plan
-    monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
-    monkeypatch.setattr(serving_plan, "SMALL_ROWS_KERNEL", "pallas")
-    stored = [quantize_weight(w) for w in make_block(1, 1024, 1536, 1024)]
-    x = random(3, (rows, 1024), jnp.bfloat16)
-    fn = jax.jit(lambda x, gu, w: jax_epilog.swiglu(x, gu, w))
-    assert fn.lower(x, stored[:2], stored[2]).as_text().count("__gpu$xla.gpu.triton") == 3
-    want, h_max = served_block("pallas", x, stored[:2], stored[2], jnp.bfloat16)
-    assert_block(fn(x, stored[:2], stored[2]), want, h_max, stored[2], jnp.bfloat16, "pallas")

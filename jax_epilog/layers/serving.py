@@ -6,27 +6,25 @@ A stored-FP8 layer over many rows is one FP8 GEMM: the input quantized to e4m3 (
 amax, in one XLA fusion with whatever produced it, or with the weight's static
 `input_scale`), the stored `(N, K)` data read as it is (K-major, what the kernel wants), bias
 and ReLU/GELU in the GEMM's epilog, the result in the compute dtype. Over few rows (decoding)
-it runs weight-only (`weight_only`, by XLA or by our Pallas kernel) or through XLA's own
-FP8 dot (`xla_fp8`); `planning.serving_plan` chooses. 16-bit layers of the same stack run
-their ordinary forward GEMM. Nothing here is differentiable: a gradient through a stored-FP8
-stack raises an error that says to train the 16-bit parameters.
+it runs weight-only (`weight_only`) or through XLA's own FP8 dot (`xla_fp8`);
+`planning.serving_plan` chooses. 16-bit layers of the
+same stack run their ordinary forward GEMM. Nothing here is differentiable: a gradient through a stored-FP8 stack
+raises an error that says to train the 16-bit parameters.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
-from jax_epilog.float8 import scaling, weight_only_kernel
-from jax_epilog.float8.weight_only_kernel import scaled_epilogue
+from jax_epilog.float8 import scaling
 from jax_epilog.float8.weights import Fp8Weight, check_weight
-from jax_epilog.op.epilogs import Epilog, aux_dtype
+from jax_epilog.op.epilogs import ACTIVATIONS, Epilog, aux_dtype
 from jax_epilog.op.matmul import matmul
 from jax_epilog.op.reference import saturating_cast
 from jax_epilog.planning.serving_plan import WEIGHT_ONLY_MIN_ROWS, serving_way
@@ -83,8 +81,8 @@ def _layers(activations: tuple, dtype, x, params):
         check_weight(f"layers[{i}] kernel", kernel, (h if h8 is None else h8[0]).shape[-1])
         recorded = record_input(h, kernel)
         way = serving_way(x.shape[0]).choice  # the same way for every layer
-        if way in WEIGHT_ONLY_KERNELS:
-            h = weight_only(h, kernel, bias, activation, WEIGHT_ONLY_KERNELS[way])
+        if way == "weight_only":
+            h = weight_only(h, kernel, bias, activation)
             continue
         h8, input_scale = quantize_input(h, kernel) if h8 is None else h8
         if way == "xla_fp8":
@@ -115,34 +113,16 @@ def writes_fp8_input(following, recorded, dtype) -> bool:
             and recorded is None and jnp.dtype(dtype) == jnp.bfloat16)
 
 
-#: The serving ways that run weight-only, and the kernel each runs it with.
-WEIGHT_ONLY_KERNELS = {"weight_only": "xla", "pallas": "pallas"}
-
-
-def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str], kernel: str = "xla",
-                config: Optional[weight_only_kernel.Config] = None):
+def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str]):
     """`act(h @ (scale · data)ᵀ + bias)` with h unquantized: the FP8 data converted to h's
     dtype where the GEMM reads it (XLA fuses the convert into its GEMM), the product in
     float32, then scale, bias and activation in one fusion, the result in h's dtype. Fewer
-    than `WEIGHT_ONLY_MIN_ROWS` rows are padded with zero rows, which are sliced off.
-    `kernel="pallas"`: the same by `float8.weight_only_kernel` (its tiling `config`, None:
-    by rule) for a 16-bit h on a CUDA GPU that runs it; XLA's elsewhere."""
-    def xla(h, data, scale, bias):
-        rows = h.shape[0]
-        padded = jnp.pad(h, ((0, max(0, WEIGHT_ONLY_MIN_ROWS - rows)), (0, 0)))
-        z = jax.lax.dot_general(padded, data.astype(h.dtype), (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)[:rows]
-        return scaled_epilogue(z, scale, bias, activation, h.dtype)
-
-    if kernel not in WEIGHT_ONLY_KERNELS.values():
-        raise ValueError(f"kernel: expected one of {sorted(set(WEIGHT_ONLY_KERNELS.values()))}"
-                         f", got {kernel!r}")
-    args = (h, weight.data, weight.scale, bias)
-    if kernel == "xla" or h.dtype.name not in weight_only_kernel.INPUT_DTYPES or \
-            not weight_only_kernel.runs_here():
-        return xla(*args)
-    pallas = functools.partial(weight_only_kernel.dense, activation=activation, config=config)
-    return jax.lax.platform_dependent(*args, cuda=pallas, default=xla)
+    than `WEIGHT_ONLY_MIN_ROWS` rows are padded with zero rows, which are sliced off."""
+    rows = h.shape[0]
+    padded = jnp.pad(h, ((0, max(0, WEIGHT_ONLY_MIN_ROWS - rows)), (0, 0)))
+    z = jax.lax.dot_general(padded, weight.data.astype(h.dtype), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)[:rows]
+    return _scaled_epilogue(z, weight.scale, bias, activation, h.dtype)
 
 
 def xla_fp8(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str], dtype):
@@ -151,7 +131,17 @@ def xla_fp8(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str],
     scale, bias and activation in float32 in one fusion, the result in `dtype`."""
     z = jax.lax.dot_general(h8, weight.data, (((1,), (1,)), ((), ())),
                             preferred_element_type=dtype)
-    return scaled_epilogue(z, input_scale * weight.scale, bias, activation, dtype)
+    return _scaled_epilogue(z, input_scale * weight.scale, bias, activation, dtype)
+
+
+def _scaled_epilogue(z, scale, bias, activation: Optional[str], dtype):
+    """`act(z · scale + bias)` in float32, in `dtype`: the XLA ways' epilog."""
+    z = z.astype(jnp.float32) * scale
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)
+    if activation is not None:
+        z = ACTIVATIONS[activation].plain(z)
+    return z.astype(dtype)
 
 
 def fp8_matmul(h8, h_scale, weight: Fp8Weight, result, *, epilog=Epilog.DEFAULT,

@@ -37,8 +37,8 @@ forward of `layers.serving`, the way chosen by the rows as for a served `dense`:
   fusion reads `[g u]` and writes h = silu(g)·u in e4m3 (the down weight's static scale, else
   h's amax), then the FP8 down GEMM.
 - "xla_fp8": the same, each GEMM XLA's own FP8 dot (`serving.xla_fp8`).
-- "weight_only" and "pallas": each GEMM of the 16-bit activation and the converted FP8
-  weight (`serving.weight_only`, by XLA or our kernel), h = silu(g)·u in between.
+- "weight_only": each GEMM of the 16-bit activation and the converted FP8 weight
+  (`serving.weight_only`), h = silu(g)·u in between.
 """
 
 from __future__ import annotations
@@ -219,16 +219,16 @@ _fp8_block.defvjp(_fp8_block_fwd, _fp8_block_bwd)
 # --- kernels stored in FP8 (inference) ----------------------------------------------------
 
 def _served_block(hidden: int, dtype, x, gate_up: tuple, down: Fp8Weight):
-    """The block's forward over `x` `(rows, D)` in `dtype`, `gate_up` one or two stored ones."""
+    """The block's forward over `x` `(rows, D)` in `dtype` with stored weights: `gate_up` one
+    `(D, 2F)` `Fp8Weight` or a (gate, up) pair of `(D, F)` ones (module docstring)."""
     for weight in gate_up:
         serving.record_input(x, weight)
     way = serving_way(x.shape[0]).choice
-    if way in serving.WEIGHT_ONLY_KERNELS:
-        dense = functools.partial(serving.weight_only, kernel=serving.WEIGHT_ONLY_KERNELS[way])
-        gu = jnp.concatenate([dense(x, w, None, None) for w in gate_up], axis=1)
+    if way == "weight_only":
+        gu = jnp.concatenate([serving.weight_only(x, w, None, None) for w in gate_up], axis=1)
         h = _hidden(gu, hidden).astype(dtype)
         serving.record_input(h, down)
-        return dense(h, down, None, None)
+        return serving.weight_only(h, down, None, None)
     gemm = functools.partial(_quantized_gemm, way, dtype=dtype)
     x8, x_scale = serving.quantize_input(x, gate_up[0])
     gu = jnp.concatenate([gemm(x8, x_scale, w) for w in gate_up], axis=1)

@@ -11,11 +11,6 @@
   fusion after it. Where very few rows share each weight, the GEMM is bound by reading the
   weight, which is half the bytes either way, and this skips the input's two passes. Only
   the weight is rounded, so its error is smaller too.
-- "pallas": the same product as "weight_only" by our own kernel
-  (`float8.weight_only_kernel`), which streams the FP8 weight and converts it in registers,
-  the epilog in the kernel where K is not split. On CUDA only; elsewhere it is
-  "weight_only". Chosen for up to `PALLAS_MAX_ROWS` rows only where `SMALL_ROWS_KERNEL`
-  says so.
 
 The choice depends on the rows alone, so every platform makes the same one and computes the
 same values. `JAX_EPILOG_SERVING` overrides it (`runtime.settings.serving_override`).
@@ -26,7 +21,7 @@ from __future__ import annotations
 from jax_epilog.planning.context import Choice
 from jax_epilog.runtime import settings
 
-WAYS = ("fp8", "xla_fp8", "weight_only", "pallas")
+WAYS = ("fp8", "xla_fp8", "weight_only")
 
 #: The most rows a layer runs weight-only with, and the most it runs XLA's FP8 dot with.
 #: Measured on the H200 (docs/serving.md, benchmarks/results/serving; 8 layers per call, K
@@ -43,25 +38,12 @@ XLA_FP8_MAX_ROWS = 64
 #: one-row dot is not the tiled GEMM that streams the weight).
 WEIGHT_ONLY_MIN_ROWS = 16
 
-#: Which kernel runs the layers of at most `PALLAS_MAX_ROWS` rows: "xla" (weight-only up to
-#: `WEIGHT_ONLY_MAX_ROWS`, XLA's FP8 dot up to `XLA_FP8_MAX_ROWS`) or "pallas" (our kernel).
-#: "xla" until the H200 measures the kernel faster (`serving_bench.py --parts gemv`).
-SMALL_ROWS_KERNEL = "xla"
-SMALL_ROWS_KERNELS = ("xla", "pallas")
-PALLAS_MAX_ROWS = 64
-
 
 def serving_way(rows: int) -> Choice:
-    """One of `WAYS` for a served layer over `rows` rows, with why."""
+    """"fp8", "xla_fp8" or "weight_only" for a served layer over `rows` rows, with why."""
     override = settings.serving_override()
     if override is not None:
         return Choice(override, f"JAX_EPILOG_SERVING={override}")
-    if SMALL_ROWS_KERNEL not in SMALL_ROWS_KERNELS:
-        raise ValueError(f"jax_epilog.planning.serving_plan.SMALL_ROWS_KERNEL: expected one of "
-                         f"{', '.join(SMALL_ROWS_KERNELS)}, got {SMALL_ROWS_KERNEL!r}")
-    if SMALL_ROWS_KERNEL == "pallas" and rows <= PALLAS_MAX_ROWS:
-        return Choice("pallas", f"rows {rows} <= PALLAS_MAX_ROWS ({PALLAS_MAX_ROWS}) and "
-                                f"SMALL_ROWS_KERNEL = 'pallas': our kernel streams the weight")
     if rows <= WEIGHT_ONLY_MAX_ROWS:
         return Choice("weight_only", f"rows {rows} <= WEIGHT_ONLY_MAX_ROWS "
                                      f"({WEIGHT_ONLY_MAX_ROWS}): reading the weight bounds it")

@@ -48,8 +48,8 @@ SETTINGS = (
             "How layers with weights stored in FP8 run: `fp8` (activations quantized, our "
             "FP8 GEMM with the epilog), `xla_fp8` (activations quantized, XLA's own FP8 dot), "
             "`weight_only` (16-bit activations times the FP8 weight converted inside XLA's "
-            "GEMM), `pallas` (the same by our own Pallas kernel, on CUDA) or `auto` (by the "
-            "rows, `planning.serving_plan`). Read when a call is traced."),
+            "GEMM) or `auto` (by the rows, `planning.serving_plan`). Read when a call is "
+            "traced."),
     Setting("JAX_EPILOG_DECISIONS", "`~/.cache/jax_epilog/decisions.json`",
             "The table `python -m jax_epilog.tune` writes and `auto` reads before the shipped "
             "one; set but empty: none."),
@@ -145,12 +145,11 @@ def backend_override() -> Optional[str]:
     return None if value == "auto" else value
 
 
-SERVING_WAYS = ("auto", "fp8", "xla_fp8", "weight_only", "pallas")
+SERVING_WAYS = ("auto", "fp8", "xla_fp8", "weight_only")
 
 
 def serving_override() -> Optional[str]:
-    """`fp8` / `xla_fp8` / `weight_only` / `pallas` from JAX_EPILOG_SERVING, or None (unset
-    or `auto`)."""
+    """`fp8` / `xla_fp8` / `weight_only` from JAX_EPILOG_SERVING, or None (unset or `auto`)."""
     value = (_raw("JAX_EPILOG_SERVING") or "auto").strip().lower()
     if value not in SERVING_WAYS:
         raise ValueError(f"JAX_EPILOG_SERVING={value!r}: expected one of "
