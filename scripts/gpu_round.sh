@@ -338,7 +338,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # The FP8 KV cache's two layouts (decode.py's FP8_CACHE_LAYOUT, generate.py
       # --fp8-cache-layout) on DECODE_LAYOUT_CONFIG (`large`), random weights, stock and
       # epilog_fp8 at batch 1 and 64, each decode call also traced (compiled without command
-      # buffers): positions_major (the default) then heads_major, into $OUT/decode_<layout>.
+      # buffers): positions_major then heads_major (the default), into $OUT/decode_<layout>.
       # First the GPU tests of the cache's layouts. Compare the decode tokens/s of epilog_fp8
       # against stock between the two reports, and their traces' whole-cache transposes.
       gpu_tests decodelayout "${DECODE_LAYOUT_TEST_CAP:-120}" test_gpt_generate.py
