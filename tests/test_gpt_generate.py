@@ -541,9 +541,13 @@ def test_kv_cache_and_profile_options_reach_the_report(tmp_path, monkeypatch):
     for p in (profiled, profiled["prefill"]):
         assert "no GPU kernels" in p["note"] if jax.default_backend() == "cpu" else \
             p["kernel_ms"] > 0
+    host = profiled["prefill"]["host"]  # the prefill's host side, traced events included
+    assert 0 < host["dispatch_ms"] <= host["whole_ms"] and host["events"]
     text = (tmp_path / "gpt_generate.md").read_text()
     assert text.count("| epilog_fp8 | 2 | float8_e4m3fn |") == 2  # the profiles' rows
     assert "Where a prefill's time goes" in text
+    assert "| epilog_fp8 | 2 | " in text.split("A prefill's host side")[1]
+    assert "the host's longest events of a traced prefill" in text
     assert "| float8_e4m3fn, " in text  # the main table's KV cache cell
     assert "an FP8 KV cache positions_major, read by reduce" in text
 

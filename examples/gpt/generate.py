@@ -335,6 +335,9 @@ def profile_decode(generator: Generator, compiled: dict, prompts: np.ndarray, ne
     caches = [jax.block_until_ready(generator.new_cache(batch, prompt_len + new_tokens))
               for _ in range(PROFILE_STEPS)]
     prompts = jax.block_until_ready(jnp.asarray(prompts, jnp.int32))
+    host = prefill_host_times(generator, caches, prompts, key, calls["prefill"])
+    caches = [jax.block_until_ready(generator.new_cache(batch, prompt_len + new_tokens))
+              for _ in range(PROFILE_STEPS)]
     with jax.profiler.trace(str(folder / "prefill")):
         while caches:  # each prefill donates its cache
             token, _ = generator.prefill(caches.pop(), prompts, key, calls["prefill"])
@@ -346,8 +349,32 @@ def profile_decode(generator: Generator, compiled: dict, prompts: np.ndarray, ne
         traced[name] = {"trace": str(trace) if trace else None,
                         **profile.breakdown(kernels, count, calls[name].as_text() or "",
                                             decode_kind, DECODE_TOP_KERNELS)}
+    events = profile.gpu_trace.host_events(Path(traced["prefill"]["trace"]), PREFILL_HOST_EVENTS) \
+        if traced["prefill"]["trace"] else []
+    host["events"] = [{"name": e["name"], "calls": e["count"] / PROFILE_STEPS,
+                       "ms": e["total_ns"] / PROFILE_STEPS / 1e6} for e in events]
     return {"steps": steps, "command_buffers": command_buffers, **traced["decode"],
-            "prefill": {"prefills": PROFILE_STEPS, **traced["prefill"]}}
+            "prefill": {"prefills": PROFILE_STEPS, **traced["prefill"], "host": host}}
+
+
+#: How many of the host's longest events a prefill's profile lists.
+PREFILL_HOST_EVENTS = 25
+
+
+def prefill_host_times(generator: Generator, caches: list, prompts, key, call) -> dict:
+    """Untraced prefills (one per cache in `caches`, each donated), per prefill in ms: how
+    long the call takes to return (the host's dispatch: flattening the weights, launching the
+    program) and how long until its tokens are ready; medians. A prefill whose dispatch takes
+    about as long as the whole is host-bound."""
+    dispatch, whole = [], []
+    while caches:
+        start = time.perf_counter()
+        token, _ = generator.prefill(caches.pop(), prompts, key, call)
+        dispatch.append(time.perf_counter() - start)
+        jax.block_until_ready(token)
+        whole.append(time.perf_counter() - start)
+    return {"dispatch_ms": statistics.median(dispatch) * 1e3,
+            "whole_ms": statistics.median(whole) * 1e3}
 
 
 def teacher_forced(cached: CachedGPT, batches, cache_dtype) -> tuple[float, list[np.ndarray]]:
@@ -602,6 +629,32 @@ def _profile_section(variants: dict, folder: Optional[str]) -> list[str]:
                           _row(*["---"] * 5)]
                 lines += [_row(t["kind"], f"`{t['op']}`", f"{t['calls_per_step']:.0f}",
                                f"{t['ms_per_step']:.3f}", t["what"]) for t in p["top"]]
+    return lines + _prefill_host_section(variants)
+
+
+def _prefill_host_section(variants: dict) -> list[str]:
+    """The prefill's host side (`prefill_host_times`), per variant and batch, and the host's
+    longest events of each variant's traced prefills at its first batch."""
+    rows = [(name, batch, m["profile"]["prefill"]["host"]) for name, r in variants.items()
+            for batch, m in r["by_batch"].items()
+            if "host" in m["profile"].get("prefill", {})]
+    if not rows:
+        return []
+    lines = ["", "A prefill's host side (untraced, medians of "
+             f"{PROFILE_STEPS}): the time until the call returns (dispatch) and until its "
+             "tokens are ready.", "", _row("variant", "batch", "dispatch ms", "whole ms"),
+             _row(*["---"] * 4)]
+    lines += [_row(name, batch, f"{h['dispatch_ms']:.3f}", f"{h['whole_ms']:.3f}")
+              for name, batch, h in rows]
+    for name, r in variants.items():
+        batch, m = next(iter(r["by_batch"].items()))
+        events = m["profile"].get("prefill", {}).get("host", {}).get("events")
+        if events:
+            lines += ["", f"{name}, batch {batch}: the host's longest events of a traced "
+                      "prefill (off the Python line)", "", _row("event", "calls", "ms"),
+                      _row(*["---"] * 3)]
+            lines += [_row(f"`{e['name']}`", f"{e['calls']:.1f}", f"{e['ms']:.3f}")
+                      for e in events]
     return lines
 
 
