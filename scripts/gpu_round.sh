@@ -235,9 +235,11 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # quantize,step --step-variants xla_bf16,ours_fp8,ours_fp8_block,ours_fp8_block_separate,
       # ours_fp8_block_xla" times x's quantization into both copies per kernel of
       # blocks.BOTH_COPIES_CHOICES, then the step with each). BLOCKSTEP_TESTS=0 skips the tests,
-      # which include the Pallas quantization kernel's bytes against XLA's.
+      # which include the Pallas quantization kernel's bytes against XLA's (with and without an
+      # activation or gelu' applied in it).
       [ "${BLOCKSTEP_TESTS:-1}" = 1 ] && gpu_tests blockstep "${BLOCKSTEP_TEST_CAP:-200}" \
-        test_block_recipe.py test_block_fp8.py::test_gpu_pallas_both_copies_match_xla_bytes
+        test_block_recipe.py test_block_fp8.py::test_gpu_pallas_both_copies_match_xla_bytes \
+        test_block_fp8.py::test_gpu_pallas_prologue_matches_the_separate_passes
       (cd "$ROOT/benchmarks" && runs --cap "${BLOCKSTEP_CAP:-360}" "$PY" block_fp8_bench.py \
         --parts "step,errors" ${BLOCKSTEP_ARGS:-} --out "$OUT/block_step" 2>&1) \
         > "$OUT/block_step.log"

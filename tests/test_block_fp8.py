@@ -10,6 +10,7 @@ are in; P = op(a) op(b)ᵀ in float64, plus the bias; y is P rounded to the resu
 
 from __future__ import annotations
 
+import functools
 import itertools
 import types
 import warnings
@@ -23,6 +24,8 @@ import pytest
 import jax_epilog
 from jax_epilog import BlockScales, quantize_1x128, quantize_128x128
 from jax_epilog.float8 import block_kernel, blocks
+from jax_epilog.op import matmul as matmul_module
+from jax_epilog.op.epilogs import ACTIVATIONS
 
 E4M3 = ml_dtypes.float8_e4m3fn
 PAIRS = [("1x128", "128x128"), ("128x128", "1x128"), ("1x128", "1x128")]
@@ -183,8 +186,91 @@ def test_1x128_both_is_the_two_copies_byte_for_byte(rows, dtype, fmt):
                                      static_argnames="kernel")(x, fmt, kernel=kernel)
         _same_bytes(((x8, s.values), (xt8, st.values)), want)
         assert s.block == st.block == "1x128"
-    _same_bytes(block_kernel.quantize_both(x, fmt, interpret=True),
+    _same_bytes(block_kernel.quantize_both(x, dtype=fmt, interpret=True),
                 (want[0][0], want[0][1].values, want[1][0], want[1][1].values))
+
+
+PROLOGUE_CASES = [("gelu", False), ("relu", False), ("gelu", True), (None, False)]
+
+
+def _plus_zero(a):
+    """FP8 bytes with -0 (0x80) taken for +0; float32 arrays as they are."""
+    if a.dtype == jnp.float32:
+        return np.asarray(a)
+    u = np.asarray(a).view(np.uint8)
+    return np.where(u == 0x80, np.uint8(0), u)
+
+
+def _as_separate_passes(got, want, written, fraction=0.01):
+    """One pass with a prologue against the separate passes (`want`, quantized from the
+    `written` tensor): the same bytes but for at most `fraction` of them, which may differ
+    where the float32 math (tanh, subnormals, the sign of a zero) was evaluated by another
+    compiled form; and both copies dequantize to `written` within e4m3's rounding (tiles
+    without Inf or NaN), all but 0.1% of the values."""
+    (x8, s), (xt8, st) = got
+    for g, w in zip((x8, s.values, xt8, st.values),
+                    (want[0][0], want[0][1].values, want[1][0], want[1][1].values)):
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
+        assert np.mean(_plus_zero(g) != _plus_zero(w)) <= fraction
+    written = np.asarray(written, np.float32)
+    for copy, reference in ((blocks.dequantize(x8, s), written),
+                            (blocks.dequantize(xt8, st), written.T)):
+        tile_amax = np.repeat(np.abs(reference).reshape(reference.shape[0], -1, 128).max(
+            axis=2), 128, axis=1)
+        finite = np.isfinite(tile_amax)  # (tiles holding Inf or NaN: the bytes above)
+        error = np.abs(np.asarray(copy) - reference)[finite]
+        beyond = error > 2.0**-4 * np.abs(reference[finite]) + tile_amax[finite] * 2.0**-9
+        # (gelu' far out, |Z| near 5: one tanh rounds 1 + tanh to 0, another does not)
+        assert np.mean(beyond) <= 0.001, np.mean(beyond)
+
+
+def _written(x, z, activation, derivative):
+    """What a separate XLA fusion writes for `quantize_1x128_both` to quantize."""
+    if derivative:
+        return matmul_module.activation_gradient(x, z, activation)  # the layer's dZ
+    return x if activation is None else \
+        ACTIVATIONS[activation].fn(x.astype(jnp.float32)).astype(x.dtype)
+
+
+@pytest.mark.parametrize("rows", [128, 384])
+@pytest.mark.parametrize("activation,derivative", PROLOGUE_CASES,
+                         ids=[f"{a}{'-derivative' if d else ''}" for a, d in PROLOGUE_CASES])
+def test_1x128_both_with_a_prologue_is_the_separate_passes(rows, activation, derivative):
+    """`activation=` quantizes act(Z) and `pre_activation=` dY · act'(Z), each rounded to the
+    16-bit dtype, as an XLA fusion writing that tensor followed by `quantize_1x128` would
+    (`_as_separate_passes`), every kernel and the Pallas kernel run by the interpreter;
+    `column_sums` are the written tensor's column sums."""
+    rng = np.random.default_rng(rows)
+    x = _hard_tiles(rng, rows, 384, jnp.bfloat16)
+    z = jnp.asarray(rng.standard_normal((rows, 384)) * 3, jnp.bfloat16)
+    kw = dict(activation=activation, pre_activation=z if derivative else None)
+    written = jax.jit(_written, static_argnums=(2, 3))(x, z, activation, derivative)
+    want = jax.jit(_both_copies_by_reference, static_argnums=1)(written, "float8_e4m3fn")
+    want_sums = np.sum(np.asarray(written, np.float32), axis=0)
+    for kernel in blocks.BOTH_COPIES_CHOICES:
+        *copies, sums = jax.jit(functools.partial(
+            blocks.quantize_1x128_both, kernel=kernel, column_sums=True, **kw))(x)
+        _as_separate_passes(copies, want, written)
+        np.testing.assert_allclose(sums, want_sums, rtol=1e-5, atol=1e-3)
+    prologue = block_kernel.Prologue(activation, derivative, "bfloat16")
+    x8, s, xt8, st, sums = block_kernel.quantize_both(
+        x, *((z,) if derivative else ()), dtype="float8_e4m3fn", prologue=prologue, sums=True,
+        interpret=True)
+    _as_separate_passes(((x8, BlockScales(s, "1x128")), (xt8, BlockScales(st, "1x128"))),
+                        want, written)
+    np.testing.assert_allclose(sums, want_sums, rtol=1e-3, atol=1e-2)
+
+
+def test_1x128_both_refuses_a_derivative_it_cannot_take():
+    x = _hard_tiles(np.random.default_rng(2), 128, 256, jnp.bfloat16)
+    with pytest.raises(ValueError, match="pre_activation: the derivative from Z runs for "
+                                         "activation='gelu' only, got activation='relu'"):
+        blocks.quantize_1x128_both(x, activation="relu", pre_activation=x)
+    with pytest.raises(ValueError, match=r"pre_activation: expected x's shape \(128, 256\)"):
+        blocks.quantize_1x128_both(x, activation="gelu", pre_activation=x[:, :128])
+    with pytest.raises(ValueError, match="activation: expected None or one of relu, gelu, "
+                                         "got 'tanh'"):
+        blocks.quantize_1x128_both(x, activation="tanh")
 
 
 def test_1x128_both_refuses_an_unknown_kernel_and_unpadded_rows(monkeypatch):
@@ -425,6 +511,31 @@ def test_gpu_pallas_both_copies_match_xla_bytes(shape, monkeypatch):
     assert "triton" in f.lower(x).as_text()
     (x8, s), (xt8, st) = f(x)
     _same_bytes(((x8, s.values), (xt8, st.values)), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation,derivative", PROLOGUE_CASES[:3],
+                         ids=[f"{a}{'-derivative' if d else ''}" for a, d in PROLOGUE_CASES[:3]])
+def test_gpu_pallas_prologue_matches_the_separate_passes(activation, derivative, monkeypatch):
+    """The Pallas kernel with a prologue on the GPU (Triton's tanh) against XLA's separate
+    fusion and quantization on the GPU, and its column sums."""
+    gpu = jax.devices("cuda")[0]
+    rng = np.random.default_rng(6)
+    x = jax.device_put(_hard_tiles(rng, 384, 512, jnp.bfloat16), gpu)
+    z = jax.device_put(jnp.asarray(rng.standard_normal((384, 512)) * 3, jnp.bfloat16), gpu)
+    written = jax.jit(_written, static_argnums=(2, 3))(x, z, activation, derivative)
+    want = jax.jit(_both_copies_by_reference, static_argnums=1)(written, "float8_e4m3fn")
+    f = jax.jit(functools.partial(blocks.quantize_1x128_both, kernel="pallas",
+                                  activation=activation, column_sums=True))
+    if derivative:
+        f = jax.jit(functools.partial(blocks.quantize_1x128_both, kernel="pallas",
+                                      activation=activation, pre_activation=z,
+                                      column_sums=True))
+    assert "triton" in f.lower(x).as_text()
+    *copies, sums = f(x)
+    _as_separate_passes(copies, want, written)
+    np.testing.assert_allclose(sums, np.sum(np.asarray(written, np.float32), axis=0),
+                               rtol=1e-3, atol=1e-2)
 
 
 # --- the benchmark --------------------------------------------------------------------------

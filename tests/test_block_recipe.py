@@ -395,3 +395,34 @@ def test_remat_policy_keeps_the_named_residuals():
     got = jax.grad(jax.checkpoint(layer, policy=policy), argnums=(0, 1, 2))(x, w, b)
     for g, want in zip(got, jax.grad(layer, argnums=(0, 1, 2))(x, w, b)):
         np.testing.assert_array_equal(g, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [129, 2048])
+def test_gpu_gelu_stack_fuses_the_activation_into_the_quantization(rows, monkeypatch):
+    """A two-layer GELU stack in bfloat16 on the GPU: the hidden activation is applied where
+    the Pallas kernel quantizes the second layer's input, and gelu' where it quantizes dZ
+    (with the bias gradient's column sums), so no 16-bit act(Z) or dZ fusion precedes it;
+    the step equals the CPU's (the exact reference) within the kernels' rounding."""
+    gpu, cpu = jax.devices("cuda")[0], jax.devices("cpu")[0]
+    monkeypatch.setattr(quantization, "BOTH_COPIES", "pallas")
+    rng = np.random.default_rng(rows)
+    x, w1, b1 = (jnp.asarray(a, jnp.bfloat16) for a in _layer(rng, rows, 512, 384))
+    _, w2, b2 = (jnp.asarray(a, jnp.bfloat16) for a in _layer(rng, rows, 384, 256))
+    dy = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
+
+    def step(x, w1, b1, w2, b2, dy):
+        y, vjp = jax.vjp(lambda x, w1, b1, w2, b2: jax_epilog.mlp(
+            x, [(w1, b1), (w2, b2)], activation="gelu", fp8=BLOCK), x, w1, b1, w2, b2)
+        return (y, *vjp(dy))
+
+    args = (x, w1, b1, w2, b2, dy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no fallback to the reference
+        text = jax.jit(step).lower(*jax.device_put(args, gpu)).as_text()
+    assert text.count("jax_epilog_matmul_block") >= 6 and "triton" in text
+    run = lambda device: jax.jit(step)(*jax.device_put(args, device))
+    got, want = run(gpu), run(cpu)
+    for what, g, r in zip(("y", "dx", "dW1", "db1", "dW2", "db2"), got, want):
+        error = _relative(g, r)
+        assert error < 3e-2, (what, error)

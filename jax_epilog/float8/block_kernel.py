@@ -5,6 +5,12 @@ tiles along the rows. The math is `blocks`' (`multiplier`, `saturating_cast`), s
 the XLA formulation's. `blocks.BOTH_COPIES` chooses it ("pallas"); it runs on CUDA only, and
 every other platform runs the XLA formulation (the tests run it with `interpret=True`).
 
+A `Prologue` computes the quantized tensor from what the kernel reads, in the same pass: an
+activation of the pre-activation (the next layer's input), or dY times the activation's
+derivative (the backward's dZ), each rounded to the 16-bit dtype as the separate XLA fusion
+would have written it. The kernel can also write each tile's column sums (the bias gradient's
+partial sums), so nothing else reads dZ.
+
 The 1-byte tiles are stored as uint8 and bitcast outside: Triton miscompiled transposed FP8
 stores with ptxas 12.9 (triton-lang/triton#11111); a transposed uint8 tile is stored right.
 """
@@ -12,17 +18,41 @@ stores with ptxas 12.9 (triton-lang/triton#11111); a transposed uint8 tile is st
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from jax_epilog.float8.scaling import multiplier
 from jax_epilog.op.block_scales import BLOCK
+from jax_epilog.op.epilogs import ACTIVATIONS
 from jax_epilog.op.reference import saturating_cast
 
 #: Warps per program: a 128×128 float32 tile is 64 values a thread at 8 warps (128 at 4,
 #: Triton's default, where the two quantized tiles would spill registers). Not tuned yet.
 NUM_WARPS = 8
+
+
+class Prologue(NamedTuple):
+    """What is quantized, from the arrays read: x itself (`activation` None), `act(x)` (x the
+    pre-activation Z), or with `derivative` x · act'(z) (x = dY, z = Z, the backward's dZ);
+    rounded to `dtype` (the compute dtype) as XLA's separate fusion would write it."""
+
+    activation: Optional[str] = None
+    derivative: bool = False
+    dtype: str = "float32"
+
+    @property
+    def inputs(self) -> int:
+        return 2 if self.derivative else 1
+
+    def __call__(self, x, z=None):
+        """The float32 values to quantize, from float32 x (and z)."""
+        if self.activation is None:
+            return x
+        act = ACTIVATIONS[self.activation]
+        v = act.derivative(x, z, z.shape[-1]) if self.derivative else act.fn(x)
+        return v.astype(self.dtype).astype(jnp.float32)
 
 
 def _compiler_params():
@@ -33,8 +63,10 @@ def _compiler_params():
     return params(num_warps=NUM_WARPS, num_stages=1)
 
 
-def _kernel(x_ref, x8_ref, xt8_ref, scale_ref, t_scale_ref, *, dtype: str):
-    x = x_ref[...].astype(jnp.float32)
+def _kernel(*refs, dtype: str, prologue: Prologue, sums: bool):
+    inputs, (x8_ref, xt8_ref, scale_ref, t_scale_ref, *sum_ref) = (
+        refs[:prologue.inputs], refs[prologue.inputs:])
+    x = prologue(*(ref[...].astype(jnp.float32) for ref in inputs))
     magnitude = jnp.abs(x)
     q = multiplier(jnp.max(magnitude, axis=1), dtype, 0)  # per row: its 1×128 tile along K
     qt = multiplier(jnp.max(magnitude, axis=0), dtype, 0)  # per column: its 128×1 tile
@@ -46,27 +78,36 @@ def _kernel(x_ref, x8_ref, xt8_ref, scale_ref, t_scale_ref, *, dtype: str):
     xt8_ref[...] = as_bytes(x * qt[None, :]).T
     scale_ref[...] = (1.0 / q)[None, :]
     t_scale_ref[...] = (1.0 / qt)[None, :]
+    if sums:
+        sum_ref[0][...] = jnp.sum(x, axis=0)[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret"))
-def quantize_both(x, dtype: str, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("dtype", "prologue", "sums", "interpret"))
+def quantize_both(x, *z, dtype: str, prologue: Prologue = Prologue(), sums: bool = False,
+                  interpret: bool = False):
     """(x8 (rows, K), its scale values (K/128, rows), xᵀ8 (K, rows), its values (rows/128,
-    K)) for x (rows, K), both a multiple of 128 (`blocks.quantize_1x128_both` checks)."""
+    K)) of `prologue(x, *z)` for x (rows, K) (and z, the same shape), both a multiple of 128
+    (`blocks.quantize_1x128_both` checks); with `sums`, then its column sums (K,) in float32."""
     from jax.experimental import pallas as pl  # only where the kernel is chosen
 
     rows, k = x.shape
     tile = pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j))
-    out_shape = (jax.ShapeDtypeStruct((rows, k), jnp.uint8),
+    row_of_tiles = pl.BlockSpec((1, BLOCK), lambda i, j: (i, j))
+    out_shape = [jax.ShapeDtypeStruct((rows, k), jnp.uint8),
                  jax.ShapeDtypeStruct((k, rows), jnp.uint8),
                  jax.ShapeDtypeStruct((k // BLOCK, rows), jnp.float32),
-                 jax.ShapeDtypeStruct((rows // BLOCK, k), jnp.float32))
-    out_specs = (tile, pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (j, i)),
-                 pl.BlockSpec((1, BLOCK), lambda i, j: (j, i)),
-                 pl.BlockSpec((1, BLOCK), lambda i, j: (i, j)))
-    x8, xt8, scale, t_scale = pl.pallas_call(
-        functools.partial(_kernel, dtype=dtype), out_shape=out_shape,
-        grid=(rows // BLOCK, k // BLOCK), in_specs=[tile], out_specs=out_specs,
+                 jax.ShapeDtypeStruct((rows // BLOCK, k), jnp.float32)]
+    out_specs = [tile, pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (j, i)),
+                 pl.BlockSpec((1, BLOCK), lambda i, j: (j, i)), row_of_tiles]
+    if sums:  # one row of column sums per row of tiles, added up below
+        out_shape.append(jax.ShapeDtypeStruct((rows // BLOCK, k), jnp.float32))
+        out_specs.append(row_of_tiles)
+    x8, xt8, scale, t_scale, *partial_sums = pl.pallas_call(
+        functools.partial(_kernel, dtype=dtype, prologue=prologue, sums=sums),
+        out_shape=tuple(out_shape), grid=(rows // BLOCK, k // BLOCK),
+        in_specs=[tile] * prologue.inputs, out_specs=tuple(out_specs),
         interpret=interpret, name="quantize_1x128_both",
-        compiler_params=None if interpret else _compiler_params())(x)
-    return (jax.lax.bitcast_convert_type(x8, dtype), scale,
-            jax.lax.bitcast_convert_type(xt8, dtype), t_scale)
+        compiler_params=None if interpret else _compiler_params())(x, *z)
+    out = (jax.lax.bitcast_convert_type(x8, dtype), scale,
+           jax.lax.bitcast_convert_type(xt8, dtype), t_scale)
+    return out + (jnp.sum(partial_sums[0], axis=0),) if sums else out

@@ -21,6 +21,7 @@ from jax_epilog.float8 import block_kernel
 from jax_epilog.float8.recipe import _format
 from jax_epilog.float8.scaling import multiplier
 from jax_epilog.op.block_scales import BLOCK, BlockScales
+from jax_epilog.op.epilogs import ACTIVATIONS
 from jax_epilog.op.reference import block_dequantize, saturating_cast
 
 #: How `quantize_1x128_both` runs where its `kernel` is not given (read when it is traced;
@@ -82,36 +83,70 @@ def both_copies_kernel(kernel=None) -> str:
     return kernel
 
 
-def quantize_1x128_both(x, dtype="float8_e4m3fn", *, kernel=None):
+def quantize_1x128_both(x, dtype="float8_e4m3fn", *, kernel=None, activation=None,
+                        pre_activation=None, column_sums: bool = False):
     """`(quantize_1x128(x), quantize_1x128(x, transposed=True))`, the same bytes: the forward's
     and the weight gradient's copies of an activation (or gradient) x (rows, K), rows a
     multiple of 128. Both copies' amaxes come from x as it lies (the transposed copy's 128×1
     tiles are a column reduction over 128 rows) and only the 1-byte result is transposed, so
     no 16-bit transpose of x is ever made: what XLA would run as separate transpose kernels.
-    `kernel`: one of `BOTH_COPIES_CHOICES` (default `BOTH_COPIES`)."""
+    `kernel`: one of `BOTH_COPIES_CHOICES` (default `BOTH_COPIES`).
+
+    In the same pass (`block_kernel.Prologue`), rounded to x's dtype as a separate fusion
+    would write it: `activation` ("relu", "gelu") quantizes act(x), x the pre-activation Z;
+    with `pre_activation` Z as well it quantizes x · act'(Z), x = dY (the backward's dZ; GELU
+    only: ReLU's backward keeps a 1-bit mask, not Z). `column_sums` adds a third result, the
+    quantized tensor's column sums (K,) in float32 before quantization (a bias gradient)."""
     _check(x)
     dtype = _format("dtype", dtype)
     rows, k = x.shape
     _check_k(k, "x", "K, its last axis")
     _check_k(rows, "x", "rows, the transposed copy's tiles")
     kernel = both_copies_kernel(kernel)
+    prologue = _prologue(x, activation, pre_activation)
+    z = () if pre_activation is None else (pre_activation,)
 
-    def xla(x):
-        xf = x.astype(jnp.float32)
+    def xla(x, *z):
+        xf = prologue(x.astype(jnp.float32), *(a.astype(jnp.float32) for a in z))
         along_k = jnp.max(jnp.abs(xf.reshape(rows, k // BLOCK, BLOCK)), axis=2)  # (rows, K/128)
         along_rows = jnp.max(jnp.abs(xf.reshape(rows // BLOCK, BLOCK, k)), axis=1)  # (rows/128, K)
-        x8, scale = _quantize(x, along_k, lambda q: jnp.repeat(q, BLOCK, axis=1), dtype)
-        xt8, t_scale = _quantize(x, along_rows, lambda q: jnp.repeat(q, BLOCK, axis=0), dtype)
-        return x8, scale.T, xt8.T, t_scale
+        x8, scale = _quantize(xf, along_k, lambda q: jnp.repeat(q, BLOCK, axis=1), dtype)
+        xt8, t_scale = _quantize(xf, along_rows, lambda q: jnp.repeat(q, BLOCK, axis=0), dtype)
+        sums = (jnp.sum(xf, axis=0, dtype=jnp.float32),) if column_sums else ()
+        return (x8, scale.T, xt8.T, t_scale) + sums
 
-    if kernel == "xla_separate":
-        return quantize_1x128(x, dtype), quantize_1x128(x, dtype, transposed=True)
+    if kernel == "xla_separate":  # (x itself where there is no prologue: a 16-bit transpose)
+        xf = x if prologue.activation is None else \
+            prologue(x.astype(jnp.float32), *(a.astype(jnp.float32) for a in z))
+        sums = (jnp.sum(xf, axis=0, dtype=jnp.float32),) if column_sums else ()
+        return (quantize_1x128(xf, dtype), quantize_1x128(xf, dtype, transposed=True)) + sums
     if kernel == "pallas":
-        x8, scale, xt8, t_scale = jax.lax.platform_dependent(
-            x, cuda=functools.partial(block_kernel.quantize_both, dtype=dtype), default=xla)
+        out = jax.lax.platform_dependent(
+            x, *z, cuda=functools.partial(block_kernel.quantize_both, dtype=dtype,
+                                          prologue=prologue, sums=column_sums), default=xla)
     else:
-        x8, scale, xt8, t_scale = xla(x)
-    return (x8, BlockScales(scale, "1x128")), (xt8, BlockScales(t_scale, "1x128"))
+        out = xla(x, *z)
+    x8, scale, xt8, t_scale = out[:4]
+    return ((x8, BlockScales(scale, "1x128")), (xt8, BlockScales(t_scale, "1x128"))) + \
+        tuple(out[4:])
+
+
+def _prologue(x, activation, pre_activation) -> block_kernel.Prologue:
+    """`quantize_1x128_both`'s prologue for its arguments, checked."""
+    if activation is not None and activation not in ACTIVATIONS:
+        raise ValueError(f"activation: expected None or one of {', '.join(ACTIVATIONS)}, "
+                         f"got {activation!r}")
+    if pre_activation is None:
+        return block_kernel.Prologue(activation, False, jnp.dtype(x.dtype).name)
+    if ACTIVATIONS.get(activation, None) is None or \
+            ACTIVATIONS[activation].residual != "gelu_aux":
+        raise ValueError(f"pre_activation: the derivative from Z runs for activation='gelu' "
+                         f"only, got activation={activation!r} (ReLU's backward applies its "
+                         "1-bit mask first: pass dZ as x)")
+    if getattr(pre_activation, "shape", None) != x.shape:
+        raise ValueError(f"pre_activation: expected x's shape {x.shape}, got "
+                         f"{getattr(pre_activation, 'shape', type(pre_activation).__name__)}")
+    return block_kernel.Prologue(activation, True, jnp.dtype(x.dtype).name)
 
 
 def quantize_128x128(x, dtype="float8_e4m3fn"):

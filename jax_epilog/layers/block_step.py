@@ -1,12 +1,15 @@
 """Block-scaled FP8 training (`Fp8(scaling="block")`, issue 39; docs/fp8.md, "Block-scaled
 training"): DeepSeek-V3's recipe, as TransformerEngine's `Float8BlockScaling` runs it.
 
-Each layer `act(x W + b)` of a stack is one `jax.custom_vjp` with three block-scaled e4m3
-GEMMs (`jax_epilog.matmul` with `BlockScales`), every scale current, from its own tile:
+Each run of consecutive block-scaled layers `act(x W + b)` of a stack is one `jax.custom_vjp`
+(`_segment`), three block-scaled e4m3 GEMMs a layer (`jax_epilog.matmul` with `BlockScales`),
+every scale current, from its own tile:
 
 - Forward, y = x W: x in 1×128 tiles along K (`quantize_1x128`), W in 128×128 blocks
   (`quantize_128x128`), the bias in the GEMM's BIAS epilog. Block-scaled GEMMs run DEFAULT
-  and BIAS only, so ReLU/GELU is an XLA fusion on the 16-bit result.
+  and BIAS only, so the activation is applied where the next layer quantizes its input
+  (`quantize_1x128_both(activation=...)`, one pass over Z); the segment's last layer applies
+  it in an XLA fusion.
 - Data gradient, dx = dZ Wᵀ: dZ in 1×128 tiles along N, W's same 128×128 blocks read
   transposed (a block of W is a block of Wᵀ: no requantization).
 - Weight gradient, dW = xᵀ dZ: it contracts the tokens, so both operands need 1×128 tiles
@@ -17,8 +20,9 @@ GEMMs (`jax_epilog.matmul` with `BlockScales`), every scale current, from its ow
 - The residuals are FP8: xᵀ's e4m3 copy and its scales, W's e4m3 blocks and their scales,
   and the activation's (the 1-bit ReLU mask, GELU's pre-activation), never a 16-bit x;
   named as `layers.functional`'s are (`LAYER_INPUT_NAME`, `residual_name`) for remat.
-- The bias gradient (a sum of dZ) and the activation's derivative are XLA fusions, which XLA
-  fuses with dZ's quantization (both read dZ).
+- dZ's quantization pass also computes dZ = dY · gelu'(Z) (GELU's residual is Z) and dZ's
+  column sums, the bias gradient (`pre_activation=`, `column_sums=`); ReLU's 1-bit mask is
+  applied by an XLA fusion before it. With the Pallas kernel, nothing else reads dY or Z.
 
 The layers' feature widths must be multiples of 128 (every GEMM contracts one of them):
 `Fp8(layers="all")` refuses others with an error naming the argument; `layers="auto"` runs
@@ -105,58 +109,94 @@ def _activated(layer: Layer, z):
     return ACTIVATIONS[layer.activation].fn(z.astype(jnp.float32)).astype(z.dtype)
 
 
+def _residual(layer: Layer, z):
+    """What the backward keeps of Z for the activation (the ReLU mask, GELU's Z), named as
+    the other layers' residuals are, for remat policies."""
+    if layer.activation is None:
+        return None
+    return checkpoint_name(ACTIVATIONS[layer.activation].keep(z.astype(jnp.float32), z.dtype),
+                           residual_name(layer.activation))
+
+
+def _derivative_in_kernel(layer: Layer) -> bool:
+    """Whether dZ = dY · act'(Z) is computed in dZ's quantization pass: where the residual is
+    Z itself (GELU). ReLU's 1-bit mask is applied by an XLA fusion first."""
+    return layer.activation is not None and ACTIVATIONS[layer.activation].residual == "gelu_aux"
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _layer(layer: Layer, x, kernel, bias):
-    # The primal runs where nothing differentiates the layer: no transposed copy, no padding.
-    x8, sx = quantize_1x128(x, FORMAT)
-    w8, sw = quantize_128x128(kernel, FORMAT)
-    return _activated(layer, _forward(layer, x8, sx, w8, sw, bias))
+def _segment(layers: tuple[Layer, ...], x, params):
+    # The primal runs where nothing differentiates the layers: no transposed copies, no
+    # padding; XLA fuses each activation into the next layer's quantization.
+    h = x
+    for layer, (kernel, bias) in zip(layers, params):
+        x8, sx = quantize_1x128(h, FORMAT)
+        w8, sw = quantize_128x128(kernel, FORMAT)
+        h = _activated(layer, _forward(layer, x8, sx, w8, sw, bias))
+    return h
 
 
-def _layer_fwd(layer: Layer, x, kernel, bias):
-    rows = x.shape[0]
-    (x8, sx), (xt8, sxt) = quantize_1x128_both(_padded_rows(x), FORMAT,
-                                               kernel=layer.both_copies)
-    w8, sw = quantize_128x128(kernel, FORMAT)
-    z = _forward(layer, x8, sx, w8, sw, bias)[:rows]
-    residual = None
-    if layer.activation is not None:  # named as the other layers' are, for remat policies
-        residual = checkpoint_name(ACTIVATIONS[layer.activation].keep(
-            z.astype(jnp.float32), z.dtype), residual_name(layer.activation))
-    xt8 = checkpoint_name(xt8, LAYER_INPUT_NAME)
-    return _activated(layer, z), ((xt8, sxt), (w8, sw), residual)
+def _segment_fwd(layers: tuple[Layer, ...], x, params):
+    # Each layer's input is quantized from the previous layer's pre-activation Z, the
+    # activation applied in the same pass: no 16-bit act(Z) is written between two layers.
+    rows, z, activation, saved = x.shape[0], x, None, []
+    for layer, (kernel, bias) in zip(layers, params):
+        (x8, sx), (xt8, sxt) = quantize_1x128_both(_padded_rows(z), FORMAT,
+                                                   kernel=layer.both_copies,
+                                                   activation=activation)
+        w8, sw = quantize_128x128(kernel, FORMAT)
+        z = _forward(layer, x8, sx, w8, sw, bias)[:rows]
+        saved.append(((checkpoint_name(xt8, LAYER_INPUT_NAME), sxt), (w8, sw),
+                      _residual(layer, z)))
+        activation = layer.activation
+    return _activated(layers[-1], z), tuple(saved)
 
 
-def _layer_bwd(layer: Layer, saved, dy):
-    (xt8, sxt), (w8, sw), residual = saved
-    rows = dy.shape[0]
-    dz = activation_gradient(dy, residual, layer.activation)
-    dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) if layer.has_bias else None
-    (dz8, sdz), (dzt8, sdzt) = quantize_1x128_both(_padded_rows(dz), FORMAT,
-                                                   kernel=layer.both_copies)
-    # dW = xᵀ dZ (K, N): both operands 1×128 along the tokens, dZᵀ read as op(b) (N, tokens).
-    dkernel = matmul(xt8, dzt8, transpose_b=True, quantization_scales={"a": sxt, "b": sdzt},
-                     preferred_element_type=layer.dtype)
-    # dx = dZ Wᵀ (tokens, K): W's blocks, W (K, N) read as op(b) (K, N).
-    dx = matmul(dz8, w8, transpose_b=True, quantization_scales={"a": sdz, "b": sw},
-                preferred_element_type=layer.dtype)[:rows]
-    return dx, dkernel, dbias
+def _segment_bwd(layers: tuple[Layer, ...], saved, dy):
+    rows, grads = dy.shape[0], []
+    for layer, ((xt8, sxt), (w8, sw), residual) in zip(reversed(layers), reversed(saved)):
+        if _derivative_in_kernel(layer):  # dZ = dY · act'(Z) in the quantization pass
+            n = dy.shape[1]
+            source, activation, z = dy, layer.activation, _padded_rows(residual[:, :n])
+        else:
+            source = activation_gradient(dy, residual, layer.activation)
+            activation, z = None, None
+        (dz8, sdz), (dzt8, sdzt), *sums = quantize_1x128_both(
+            _padded_rows(source), FORMAT, kernel=layer.both_copies, activation=activation,
+            pre_activation=z, column_sums=layer.has_bias)
+        dbias = sums[0].astype(dy.dtype) if layer.has_bias else None
+        # dW = xᵀ dZ (K, N): both operands 1×128 along the tokens, dZᵀ read as op(b).
+        dkernel = matmul(xt8, dzt8, transpose_b=True, quantization_scales={"a": sxt, "b": sdzt},
+                         preferred_element_type=layer.dtype)
+        # dx = dZ Wᵀ (tokens, K): W's blocks, W (K, N) read as op(b) (K, N).
+        dy = matmul(dz8, w8, transpose_b=True, quantization_scales={"a": sdz, "b": sw},
+                    preferred_element_type=layer.dtype)[:rows]
+        grads.append((dkernel, dbias))
+    return dy, tuple(reversed(grads))
 
 
-_layer.defvjp(_layer_fwd, _layer_bwd)
+_segment.defvjp(_segment_fwd, _segment_bwd)
 
 
 def stack(fp8, rows, params, activations, dtype, plain_layer):
     """The stack on `rows` (M, K) under `fp8` (`scaling="block"`), called by `layers._run`:
-    each layer block-scaled (`quantized_layers`) or, where "auto" leaves it out,
-    `plain_layer(h, kernel, bias, activation)`, the compute-dtype layer."""
+    each run of block-scaled layers (`quantized_layers`) one `_segment`, and each layer
+    "auto" leaves out `plain_layer(h, kernel, bias, activation)`, the compute-dtype layer."""
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
-    h, both_copies = rows, both_copies_kernel()
+    h, both_copies, segment = rows, both_copies_kernel(), []
+
+    def run_segment(h):
+        if segment:
+            h = _segment(tuple(layer for layer, _ in segment), h,
+                         tuple(pair for _, pair in segment))
+            segment.clear()
+        return h
+
     for quantized, (kernel, bias), activation in zip(
             quantized_layers(fp8, rows.shape[0], widths), params, activations):
         if quantized:
-            h = _layer(Layer(activation, bias is not None, jnp.dtype(dtype).name, both_copies),
-                       h, kernel, bias)
+            segment.append((Layer(activation, bias is not None, jnp.dtype(dtype).name,
+                                  both_copies), (kernel, bias)))
         else:
-            h = plain_layer(h, kernel, bias, activation)
-    return h
+            h = plain_layer(run_segment(h), kernel, bias, activation)
+    return run_segment(h)
