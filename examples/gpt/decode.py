@@ -341,13 +341,16 @@ class Generator:
                                      or jnp.float32)
         jax.eval_shape(lambda: self.new_cache(1, 1))  # checks the dtype
         self.steps_per_call = steps_per_call
-        self.graphdef, self.state = nnx.split(cached)
+        # The weights flattened once, a list of arrays: an nnx.State passed to each call is
+        # flattened again in Python every time, host time in front of every prefill.
+        self.graphdef, state = nnx.split(cached)
+        self.state, self._state_def = jax.tree.flatten(state)
         self._sample = functools.partial(sample, temperature=temperature, top_k=top_k)
         self._step = jax.jit(self._forward_and_sample, donate_argnums=1)
         self._steps = jax.jit(self._decode_steps, donate_argnums=1)
 
     def _forward_and_sample(self, state, cache, tokens, start, key):
-        cached = nnx.merge(self.graphdef, state)
+        cached = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_def, state))
         logits, cache = cached(tokens, cache, start, last_only=True)
         position = start + tokens.shape[1] - 1  # of the last token: the key depends on it
         return self._sample(logits[:, -1], jax.random.fold_in(key, position)), cache
