@@ -550,6 +550,27 @@ def test_kv_cache_and_profile_options_reach_the_report(tmp_path, monkeypatch):
     assert "the host's longest events of a traced prefill" in text
     assert "| float8_e4m3fn, " in text  # the main table's KV cache cell
     assert "an FP8 KV cache positions_major, read by reduce" in text
+    assert "the prefill compiled with command buffers" in text
+
+
+def test_prefill_without_command_buffers_is_an_option():
+    """`--prefill-command-buffers off` reaches the Generator, which compiles its prefill
+    without them on a GPU (and as usual elsewhere), giving the same tokens."""
+    args = generate.parse_args(["--random-init", "--prefill-command-buffers", "off"])
+    assert generate.settings_for(args, configs.get("tiny")).prefill_command_buffers is False
+    config = configs.get("tiny").model
+    cached = decode.CachedGPT(generate.model_with(
+        configs.get("tiny"), "stock", generate.serving_weights(configs.get("tiny"), None,
+                                                               jnp.float32), jnp.float32))
+    plain, off = (decode.Generator(cached, prefill_command_buffers=flag) for flag in (True, False))
+    assert plain.prefill_options is None
+    assert off.prefill_options == (decode.NO_COMMAND_BUFFERS if jax.default_backend() == "gpu"
+                                   else None)
+    prompt = np.arange(10, dtype=np.int32).reshape(2, 5) % config.vocab_size
+    key = jax.random.key(0)
+    np.testing.assert_array_equal(plain.generate(prompt, 4, key).tokens,
+                                  off.generate(prompt, 4, key, compiled=off.compile(
+                                      2, 5, 4, key)).tokens)
 
 
 def test_cache_dtype_per_variant_and_choice():

@@ -319,6 +319,10 @@ def sample(logits, key, *, temperature: float = 0.0, top_k: Optional[int] = None
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
+#: XLA's option that compiles a program without command buffers (CUDA graphs).
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+
+
 class Generator:
     """The jitted prefill step and decode call of one `CachedGPT` (its state captured once).
 
@@ -328,10 +332,13 @@ class Generator:
     `(steps_per_call, B)`, rows past `count` unused; the updated cache). The cache argument is
     donated. A step's random key is `fold_in(key, position)`, so a seed gives one sequence
     however it is stepped. `cache_dtype`: the KV cache's (`init_cache`), None for the compute
-    dtype."""
+    dtype. `prefill_command_buffers=False` compiles the prefill step without XLA's command
+    buffers (CUDA graphs) on a GPU: a prefill donates a new cache each call, so the graph's
+    buffers change at each launch (measured on the H200: docs/serving.md)."""
 
     def __init__(self, cached: CachedGPT, *, temperature: float = 0.0,
-                 top_k: Optional[int] = None, cache_dtype=None, steps_per_call: int = 16):
+                 top_k: Optional[int] = None, cache_dtype=None, steps_per_call: int = 16,
+                 prefill_command_buffers: bool = True):
         sample(jnp.zeros((1, cached.model.config.vocab_size)), None if temperature == 0 else
                jax.random.key(0), temperature=temperature, top_k=top_k)  # checks the arguments
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
@@ -346,7 +353,10 @@ class Generator:
         self.graphdef, state = nnx.split(cached)
         self.state, self._state_def = jax.tree.flatten(state)
         self._sample = functools.partial(sample, temperature=temperature, top_k=top_k)
-        self._step = jax.jit(self._forward_and_sample, donate_argnums=1)
+        self.prefill_options = None if prefill_command_buffers or \
+            jax.default_backend() != "gpu" else NO_COMMAND_BUFFERS
+        self._step = jax.jit(self._forward_and_sample, donate_argnums=1,
+                             compiler_options=self.prefill_options)
         self._steps = jax.jit(self._decode_steps, donate_argnums=1)
 
     def _forward_and_sample(self, state, cache, tokens, start, key):
@@ -378,8 +388,8 @@ class Generator:
                                             jnp.int32(1), key)}
 
     def compile(self, batch: int, prompt_len: int, new_tokens: int, key) -> dict:
-        """`lower`'s programs compiled."""
-        return {name: lowered.compile()
+        """`lower`'s programs compiled (the prefill with `prefill_options`)."""
+        return {name: lowered.compile(self.prefill_options if name == "prefill" else None)
                 for name, lowered in self.lower(batch, prompt_len, new_tokens, key).items()}
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:

@@ -315,7 +315,7 @@ def profile_decode(generator: Generator, compiled: dict, prompts: np.ndarray, ne
         # Compiled without XLA's command buffers (CUDA graphs), which would name every kernel
         # after the graph: the trace then tells which op launched each.
         try:
-            calls = {name: lowered.compile({"xla_gpu_enable_command_buffer": ""})
+            calls = {name: lowered.compile(decode.NO_COMMAND_BUFFERS)
                      for name, lowered in generator.lower(batch, prompt_len, new_tokens,
                                                           key).items()}
             command_buffers = "off"
@@ -420,6 +420,7 @@ class Settings:
     steps_per_call: int = 16
     fp8_attention: str = "reduce"  # decode.FP8_DECODE_ATTENTION
     fp8_cache_layout: str = "heads_major"  # decode.FP8_CACHE_LAYOUT
+    prefill_command_buffers: bool = True
 
 
 def cache_dtype(name: str, choice: str, dtype):
@@ -454,7 +455,8 @@ def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dt
               "dims >= 512; --fp8-min-features lowers it)", flush=True)
     generator = Generator(cached, temperature=settings.temperature, top_k=settings.top_k,
                           cache_dtype=cache_dtype(name, settings.kv_cache, dtype),
-                          steps_per_call=settings.steps_per_call)
+                          steps_per_call=settings.steps_per_call,
+                          prefill_command_buffers=settings.prefill_command_buffers)
     record["kv_cache"] = generator.cache_dtype.name
     key = jax.random.key(settings.seed)
     for batch in settings.batches:
@@ -552,7 +554,9 @@ def render(report: dict) -> str:
              f"heads. Prompts of {s['prompt_len']} validation bytes, {s['new_tokens']} new "
              f"tokens ({_sampling(s)}), {s.get('steps_per_call', 1)} decode steps per call; "
              f"an FP8 KV cache {s.get('fp8_cache_layout', 'positions_major')}, read by "
-             f"{s.get('fp8_attention', 'reduce')}; epilog_fp8's input scales "
+             f"{s.get('fp8_attention', 'reduce')}; the prefill compiled "
+             f"{'with' if s.get('prefill_command_buffers', True) else 'without'} command "
+             f"buffers; epilog_fp8's input scales "
              f"{'static (calibrated)' if s['static_scales'] else 'from each call (current)'}; "
              f"medians of {s['repeats']} runs after a warm-up. Method: "
              "examples/gpt/generate.py's docstring.", ""]
@@ -726,6 +730,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         choices=("positions_major", "heads_major"),
                         help="how an FP8 KV cache is stored: positions before heads, or each "
                              "head's positions together in the order a decode step reads them")
+    parser.add_argument("--prefill-command-buffers", default="on", choices=("on", "off"),
+                        help="compile the prefill step with XLA's command buffers (CUDA "
+                             "graphs) or without them (GPU only)")
     parser.add_argument("--steps-per-call", type=int, default=16,
                         help="decode steps per dispatch (a device loop; 1: one per token)")
     args = parser.parse_args(argv)
@@ -752,7 +759,8 @@ def settings_for(args: argparse.Namespace, config: configs.TrainConfig) -> Setti
                     args.seed, args.repeats, args.eval_batches, args.attention,
                     args.fp8_min_features, args.static_scales, not args.no_progress,
                     args.kv_cache, None if args.profile is None else str(args.profile),
-                    args.steps_per_call, args.fp8_attention, args.fp8_cache_layout)
+                    args.steps_per_call, args.fp8_attention, args.fp8_cache_layout,
+                    args.prefill_command_buffers == "on")
 
 
 def main(argv=None) -> dict[str, Any]:
