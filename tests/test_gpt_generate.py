@@ -550,19 +550,21 @@ def test_kv_cache_and_profile_options_reach_the_report(tmp_path, monkeypatch):
     assert "the host's longest events of a traced prefill" in text
     assert "| float8_e4m3fn, " in text  # the main table's KV cache cell
     assert "an FP8 KV cache positions_major, read by reduce" in text
-    assert "the prefill compiled with command buffers" in text
+    assert "the prefill compiled without command buffers" in text  # the default
 
 
 def test_prefill_without_command_buffers_is_an_option():
-    """`--prefill-command-buffers off` reaches the Generator, which compiles its prefill
-    without them on a GPU (and as usual elsewhere), giving the same tokens."""
-    args = generate.parse_args(["--random-init", "--prefill-command-buffers", "off"])
-    assert generate.settings_for(args, configs.get("tiny")).prefill_command_buffers is False
+    """`--prefill-command-buffers` reaches the Generator, which by default compiles its
+    prefill without them on a GPU (and as usual elsewhere), giving the same tokens."""
+    for flag, want in (([], False), (["--prefill-command-buffers", "on"], True)):
+        args = generate.parse_args(["--random-init", *flag])
+        assert generate.settings_for(args, configs.get("tiny")).prefill_command_buffers is want
     config = configs.get("tiny").model
     cached = decode.CachedGPT(generate.model_with(
         configs.get("tiny"), "stock", generate.serving_weights(configs.get("tiny"), None,
                                                                jnp.float32), jnp.float32))
     plain, off = (decode.Generator(cached, prefill_command_buffers=flag) for flag in (True, False))
+    assert decode.Generator(cached).prefill_options == off.prefill_options
     assert plain.prefill_options is None
     assert off.prefill_options == (decode.NO_COMMAND_BUFFERS if jax.default_backend() == "gpu"
                                    else None)

@@ -332,13 +332,14 @@ class Generator:
     `(steps_per_call, B)`, rows past `count` unused; the updated cache). The cache argument is
     donated. A step's random key is `fold_in(key, position)`, so a seed gives one sequence
     however it is stepped. `cache_dtype`: the KV cache's (`init_cache`), None for the compute
-    dtype. `prefill_command_buffers=False` compiles the prefill step without XLA's command
-    buffers (CUDA graphs) on a GPU: a prefill donates a new cache each call, so the graph's
-    buffers change at each launch (measured on the H200: docs/serving.md)."""
+    dtype. The prefill step is compiled without XLA's command buffers (CUDA graphs) on a GPU
+    unless `prefill_command_buffers`: on the H200 they slowed jax-epilog's FP8 prefill (its
+    custom calls inside the graph) by up to 1.3x and did not speed the bf16 one
+    (docs/serving.md)."""
 
     def __init__(self, cached: CachedGPT, *, temperature: float = 0.0,
                  top_k: Optional[int] = None, cache_dtype=None, steps_per_call: int = 16,
-                 prefill_command_buffers: bool = True):
+                 prefill_command_buffers: bool = False):
         sample(jnp.zeros((1, cached.model.config.vocab_size)), None if temperature == 0 else
                jax.random.key(0), temperature=temperature, top_k=top_k)  # checks the arguments
         if not isinstance(steps_per_call, int) or steps_per_call < 1:

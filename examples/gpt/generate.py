@@ -420,7 +420,7 @@ class Settings:
     steps_per_call: int = 16
     fp8_attention: str = "reduce"  # decode.FP8_DECODE_ATTENTION
     fp8_cache_layout: str = "heads_major"  # decode.FP8_CACHE_LAYOUT
-    prefill_command_buffers: bool = True
+    prefill_command_buffers: bool = False  # decode.Generator's
 
 
 def cache_dtype(name: str, choice: str, dtype):
@@ -730,9 +730,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         choices=("positions_major", "heads_major"),
                         help="how an FP8 KV cache is stored: positions before heads, or each "
                              "head's positions together in the order a decode step reads them")
-    parser.add_argument("--prefill-command-buffers", default="on", choices=("on", "off"),
+    parser.add_argument("--prefill-command-buffers", default="off", choices=("on", "off"),
                         help="compile the prefill step with XLA's command buffers (CUDA "
-                             "graphs) or without them (GPU only)")
+                             "graphs) or without them, the default (GPU only)")
     parser.add_argument("--steps-per-call", type=int, default=16,
                         help="decode steps per dispatch (a device loop; 1: one per token)")
     args = parser.parse_args(argv)
