@@ -6,6 +6,9 @@
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt llama gptprofile serving
 #           generate decodelayout blockfp8 blockstep swiglu
 #   (default: build tests fuzz demo bench)
+#   `tests` is the GPU suite (the gpu-marked tests: about 190 s with PYTEST_WORKERS=6 on one
+#   H200); `suite` runs every test with the GPU as the default device (past 500 s, and the
+#   CPU-exact tests fail there: 49 of them on 2026-12-04), not the GPU suite.
 # Results go to $OUT (default benchmarks/results/gpu_round); a summary is printed last, and
 # everything is also packed into $OUT/gpu_round.tgz (the device tool returns at most 8 files;
 # PACK_ONLY=1 then leaves only the tarball and summary.txt in $OUT, so neither is left out).
