@@ -565,6 +565,8 @@ def test_prefill_without_command_buffers_is_an_option():
                                                                jnp.float32), jnp.float32))
     plain, off = (decode.Generator(cached, prefill_command_buffers=flag) for flag in (True, False))
     assert decode.Generator(cached).prefill_options == off.prefill_options
+    lowered = off.lower(2, 5, 4, jax.random.key(0))["prefill"]  # the jit carries them
+    assert dict(lowered._lowering._compiler_options_kvs) == (off.prefill_options or {})
     assert plain.prefill_options is None
     assert off.prefill_options == (decode.NO_COMMAND_BUFFERS if jax.default_backend() == "gpu"
                                    else None)

@@ -389,8 +389,9 @@ class Generator:
                                             jnp.int32(1), key)}
 
     def compile(self, batch: int, prompt_len: int, new_tokens: int, key) -> dict:
-        """`lower`'s programs compiled (the prefill with `prefill_options`)."""
-        return {name: lowered.compile(self.prefill_options if name == "prefill" else None)
+        """`lower`'s programs compiled (the prefill with `prefill_options`, which its jit
+        carries into the compile)."""
+        return {name: lowered.compile()
                 for name, lowered in self.lower(batch, prompt_len, new_tokens, key).items()}
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
