@@ -343,3 +343,71 @@ def test_modules_annotate_down_apart_for_sharding():
     params = model.init(jax.random.key(0), jnp.ones((2, 16)))["params"]
     assert params["gate"]["kernel"].names == params["up"]["kernel"].names == ("embed", "mlp")
     assert params["down"]["kernel"].names == ("mlp", "embed")
+
+
+# --- the Pallas gradient kernel (opt-in: layers.swiglu.GRADIENT_KERNEL) ----------------------
+
+def _gradient_inputs(seed, m, f, dtype=jnp.bfloat16):
+    """dh `(m, f)` and g8, u8 (e4m3, with their scales) as the backward has them."""
+    keys = jax.random.split(jax.random.key(seed), 3)
+    dh = jax.random.normal(keys[0], (m, f), dtype)
+    (g8, g_scale), (u8, u_scale) = (
+        jax_epilog.quantize(jax.random.normal(k, (m, f)) * 3, E4M3) for k in keys[1:])
+    return dh, g8, g_scale, u8, u_scale
+
+
+def _xla_gradient(dh, g8, g_scale, u8, u_scale, fmt=E5M2):
+    g, u = g8.astype(jnp.float32) * g_scale, u8.astype(jnp.float32) * u_scale
+    from jax_epilog.float8.scaling import quantize_scaled
+    dgu8, scale, amax = quantize_scaled(
+        swiglu_module._hidden_gradient(dh, g, u, dh.dtype), fmt, 0)
+    return dgu8, dgu8.T, scale, amax
+
+
+@pytest.mark.parametrize("m,f", [(128, 128), (256, 384)])
+def test_gradient_kernel_is_the_xla_quantization(m, f):
+    """`swiglu_kernel.quantize_gradient` run by the Pallas interpreter: `[dg du]` in e5m2 and
+    its transpose, the scale and the amax of XLA's fusions: a few bytes may be one e5m2 step
+    apart where the other evaluation rounded dg or du to bf16 the other way (1.4% here)."""
+    from jax_epilog.float8 import swiglu_kernel
+
+    args = _gradient_inputs(m + f, m, f)
+    got = swiglu_kernel.quantize_gradient(*args, fmt=E5M2, margin=0, amax_axes=None,
+                                          dtype="bfloat16", interpret=True)
+    want = jax.jit(_xla_gradient)(*args)
+    for g, w in zip(got[:2], want[:2]):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        codes = lambda a: np.asarray(a).view(np.uint8).astype(np.int32)
+        steps = np.abs(codes(g) - codes(w))  # one step apart where a bf16 rounding differed
+        assert steps.max() <= 1 and (steps > 0).mean() <= 0.03, (steps.max(), steps.mean())
+    np.testing.assert_array_equal(np.asarray(got[0]).T.view(np.uint8),
+                                  np.asarray(got[1]).view(np.uint8))
+    np.testing.assert_allclose(got[2], want[2], rtol=2.0**-7)
+    np.testing.assert_allclose(got[3], want[3], rtol=2.0**-7)
+
+
+def test_gradient_kernel_choice_is_checked():
+    x, gate, up, down, dy = make_block(6, 128, 32, 128)
+    swiglu_module.GRADIENT_KERNEL, before = "triton", swiglu_module.GRADIENT_KERNEL
+    try:
+        with pytest.raises(ValueError, match="GRADIENT_KERNEL: expected 'xla' or 'pallas', "
+                                             "got 'triton'"):
+            grads(lambda x, g, u, w: jax_epilog.swiglu(x, (g, u), w, fp8=ALL),
+                  x, gate, up, down, dy)
+    finally:
+        swiglu_module.GRADIENT_KERNEL = before
+
+
+def test_gradient_kernel_choice_keeps_the_gradients(monkeypatch):
+    """With `GRADIENT_KERNEL = "pallas"` a block whose M and F are multiples of 128 runs the
+    kernel's branch on CUDA and XLA's fusions elsewhere: on a CPU the gradients are the
+    same bits as the default's; an untileable block keeps XLA's fusions."""
+    x, gate, up, down, dy = make_block(5, 256, 64, 128)
+    fn = lambda x, g, u, w: jax_epilog.swiglu(x, (g, u), w, fp8=ALL)
+    want = jax.jit(lambda *a: grads(fn, *a))(x, gate, up, down, dy)
+    monkeypatch.setattr(swiglu_module, "GRADIENT_KERNEL", "pallas")
+    text = jax.jit(lambda *a: grads(fn, *a)).lower(x, gate, up, down, dy).as_text()
+    got = jax.jit(lambda *a: grads(fn, *a))(x, gate, up, down, dy)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert jax.default_backend() != "cpu" or "swiglu_gradient_quantize" not in text
