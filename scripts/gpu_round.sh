@@ -4,7 +4,7 @@
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt llama gptprofile serving
-#           generate decodelayout blockfp8 blockstep swiglu
+#           generate decodelayout blockfp8 blockstep swiglu pallastune
 #   (default: build tests fuzz demo bench)
 #   `tests` is the GPU suite (the gpu-marked tests: about 190 s with PYTEST_WORKERS=6 on one
 #   H200); `suite` runs every test with the GPU as the default device (past 500 s, and the
@@ -251,6 +251,15 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       grep -E "^\| (xla_separate|xla|pallas|ours_fp8_block[a-z_]*) \|" \
         "$OUT/block_step/block_fp8.md" 2>/dev/null | tee -a "$SUMMARY"
       cat "$OUT/block_step/block_fp8.md" 2>/dev/null | head -60 ;;
+    pallastune)
+      # The Pallas quantization kernels (block recipe's both-copies pass, SwiGLU's gradient)
+      # at each warp count and tile, against XLA (benchmarks/pallas_tuning.py).
+      (cd "$ROOT/benchmarks" && runs --cap "${PALLAS_TUNE_CAP:-200}" "$PY" pallas_tuning.py \
+        --max-s $(( ${PALLAS_TUNE_CAP:-200} - 40 )) --out "$OUT/pallas_tuning" 2>&1) \
+        > "$OUT/pallas_tuning.log"
+      note "pallas tuning: rc=$? ($((SECONDS - start)) s)"
+      grep -E "^\| " "$OUT/pallas_tuning/pallas_tuning.md" 2>/dev/null | tee -a "$SUMMARY"
+      grep -E "Error|error" "$OUT/pallas_tuning.log" | tail -5 ;;
     fp8profile)
       # Where the FP8 step's time goes: GPU kernels of traced M1 steps per variant
       # (FP8_PROFILE_ARGS, e.g. "--variants ours_fp8,xla_fp8", or "--peer --row W2,TMLP":

@@ -29,7 +29,8 @@ from jax_epilog.op.epilogs import ACTIVATIONS
 from jax_epilog.op.reference import saturating_cast
 
 #: Warps per program: a 128×128 float32 tile is 64 values a thread at 8 warps (128 at 4,
-#: Triton's default, where the two quantized tiles would spill registers). Not tuned yet.
+#: Triton's default, where the two quantized tiles would spill registers).
+#: `benchmarks/pallas_tuning.py` times the other counts.
 NUM_WARPS = 8
 
 
@@ -55,12 +56,14 @@ class Prologue(NamedTuple):
         return v.astype(self.dtype).astype(jnp.float32)
 
 
-def _compiler_params():
+def triton_params(num_warps: int):
+    """Pallas' Triton compiler parameters: `num_warps` per program, one stage (the kernels
+    here have no loop to pipeline)."""
     from jax.experimental.pallas import triton as plgpu
     # `CompilerParams` in the jax versions this package supports; older ones named it
     # `TritonCompilerParams`.
     params = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
-    return params(num_warps=NUM_WARPS, num_stages=1)
+    return params(num_warps=num_warps, num_stages=1)
 
 
 def _kernel(*refs, dtype: str, prologue: Prologue, sums: bool):
@@ -82,9 +85,10 @@ def _kernel(*refs, dtype: str, prologue: Prologue, sums: bool):
         sum_ref[0][...] = jnp.sum(x, axis=0)[None, :]
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "prologue", "sums", "interpret"))
+@functools.partial(jax.jit, static_argnames=("dtype", "prologue", "sums", "interpret",
+                                             "num_warps"))
 def quantize_both(x, *z, dtype: str, prologue: Prologue = Prologue(), sums: bool = False,
-                  interpret: bool = False):
+                  interpret: bool = False, num_warps: int = NUM_WARPS):
     """(x8 (rows, K), its scale values (K/128, rows), xᵀ8 (K, rows), its values (rows/128,
     K)) of `prologue(x, *z)` for x (rows, K) (and z, the same shape), both a multiple of 128
     (`blocks.quantize_1x128_both` checks); with `sums`, then its column sums (K,) in float32."""
@@ -107,7 +111,7 @@ def quantize_both(x, *z, dtype: str, prologue: Prologue = Prologue(), sums: bool
         out_shape=tuple(out_shape), grid=(rows // BLOCK, k // BLOCK),
         in_specs=[tile] * prologue.inputs, out_specs=tuple(out_specs),
         interpret=interpret, name="quantize_1x128_both",
-        compiler_params=None if interpret else _compiler_params())(x, *z)
+        compiler_params=None if interpret else triton_params(num_warps))(x, *z)
     out = (jax.lax.bitcast_convert_type(x8, dtype), scale,
            jax.lax.bitcast_convert_type(xt8, dtype), t_scale)
     return out + (jnp.sum(partial_sums[0], axis=0),) if sums else out

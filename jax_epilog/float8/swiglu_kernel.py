@@ -26,12 +26,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_epilog.float8.block_kernel import triton_params
 from jax_epilog.float8.scaling import multiplier, reduce_amax
 from jax_epilog.op.reference import saturating_cast
 
 TILE = 128
-#: Warps per program, as `block_kernel`'s (a 128×128 float32 tile is 64 values a thread).
+#: Warps per program and rows per tile (of 128 columns), as `block_kernel`'s: a 128×128
+#: float32 tile is 64 values a thread. `benchmarks/pallas_tuning.py` times the others.
 NUM_WARPS = 8
+TILE_ROWS = 128
 
 
 def silu_and_derivative(g):
@@ -53,12 +56,6 @@ def gradients(dh, g, u, dtype):
 def tileable(dh) -> bool:
     """Whether the kernels take dh `(M, F)`: both multiples of `TILE`."""
     return dh.ndim == 2 and dh.shape[0] % TILE == 0 and dh.shape[1] % TILE == 0
-
-
-def _compiler_params():
-    from jax.experimental.pallas import triton as plgpu
-    params = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
-    return params(num_warps=NUM_WARPS, num_stages=1)
 
 
 def _tile_gradients(dh_ref, g8_ref, u8_ref, g_scale_ref, u_scale_ref, dtype):
@@ -86,38 +83,40 @@ def _quantize_kernel(dh_ref, g8_ref, u8_ref, g_scale_ref, u_scale_ref, q_ref, ou
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "margin", "amax_axes", "dtype",
-                                             "interpret"))
+                                             "interpret", "num_warps", "tile_rows"))
 def quantize_gradient(dh, g8, g_scale, u8, u_scale, *, fmt: str, margin: int, amax_axes,
-                      dtype: str, interpret: bool = False):
+                      dtype: str, interpret: bool = False, num_warps: int = NUM_WARPS,
+                      tile_rows: int = TILE_ROWS):
     """(`[dg du]` quantized `(M, 2F)`, its transpose `(2F, M)`, the dequantization scale,
     the amax) for dh `(M, F)` and the e4m3 g8, u8 with their float32 scalar scales; the
     same as `scaling.quantize_scaled(jnp.concatenate(gradients(...)), fmt, margin,
-    amax_axes=amax_axes)` and its transpose."""
+    amax_axes=amax_axes)` and its transpose. Each program takes `tile_rows` × 128 (a
+    divisor of 128) with `num_warps` warps."""
     from jax.experimental import pallas as pl  # only where the kernel is chosen
 
     m, f = dh.shape
     halves = f // TILE
-    params = None if interpret else _compiler_params()
+    params = None if interpret else triton_params(num_warps)
     row = lambda value: jnp.full((1, TILE), value, jnp.float32)
-    tile = pl.BlockSpec((TILE, TILE), lambda i, j: (i, j))
+    tile = pl.BlockSpec((tile_rows, TILE), lambda i, j: (i, j))
     scalar_row = pl.BlockSpec((1, TILE), lambda i, j: (0, 0))
     columns = pl.pallas_call(
         functools.partial(_amax_kernel, dtype=dtype),
-        out_shape=jax.ShapeDtypeStruct((m // TILE, f), jnp.float32),
-        grid=(m // TILE, halves), in_specs=[tile, tile, tile, scalar_row, scalar_row],
+        out_shape=jax.ShapeDtypeStruct((m // tile_rows, f), jnp.float32),
+        grid=(m // tile_rows, halves), in_specs=[tile, tile, tile, scalar_row, scalar_row],
         out_specs=pl.BlockSpec((1, TILE), lambda i, j: (i, j)), interpret=interpret,
         name="swiglu_gradient_amax", compiler_params=params)(
             dh, g8, u8, row(g_scale), row(u_scale))
     amax = reduce_amax(jnp.max(columns), amax_axes)
     q = multiplier(amax, fmt, margin)
-    half_tile = pl.BlockSpec((TILE, TILE), lambda i, j: (i, j % halves))
+    half_tile = pl.BlockSpec((tile_rows, TILE), lambda i, j: (i, j % halves))
     out, out_t = pl.pallas_call(
         functools.partial(_quantize_kernel, dtype=dtype, fmt=fmt, halves=halves),
         out_shape=(jax.ShapeDtypeStruct((m, 2 * f), jnp.uint8),
                    jax.ShapeDtypeStruct((2 * f, m), jnp.uint8)),
-        grid=(m // TILE, 2 * halves),
+        grid=(m // tile_rows, 2 * halves),
         in_specs=[half_tile, half_tile, half_tile, scalar_row, scalar_row, scalar_row],
-        out_specs=(tile, pl.BlockSpec((TILE, TILE), lambda i, j: (j, i))),
+        out_specs=(tile, pl.BlockSpec((TILE, tile_rows), lambda i, j: (j, i))),
         interpret=interpret, name="swiglu_gradient_quantize", compiler_params=params)(
             dh, g8, u8, row(g_scale), row(u_scale), row(q))
     return (jax.lax.bitcast_convert_type(out, fmt), jax.lax.bitcast_convert_type(out_t, fmt),
