@@ -47,7 +47,6 @@ import fp8_peer
 import timing
 from jax_epilog import Fp8
 from jax_epilog import linen as epilog_linen
-from jax_epilog.layers import swiglu as swiglu_layers
 
 DTYPE = fp8_peer.DTYPE
 HARNESSES = fp8_peer.HARNESSES
@@ -72,20 +71,13 @@ class ThreeDense(linen.Module):
 
 
 class Block(linen.Module):
-    """`x + mlp(rms_norm(x))`, the residual MLP half of a Llama layer; `gradient_kernel`, if
-    given, is `layers.swiglu.GRADIENT_KERNEL` while the block is traced."""
+    """`x + mlp(rms_norm(x))`, the residual MLP half of a Llama layer."""
 
     mlp: linen.Module
-    gradient_kernel: Optional[str] = None
 
     @linen.compact
     def __call__(self, x):
-        before = swiglu_layers.GRADIENT_KERNEL
-        swiglu_layers.GRADIENT_KERNEL = self.gradient_kernel or before
-        try:
-            return x + self.mlp(linen.RMSNorm(dtype=DTYPE, name="norm")(x))
-        finally:
-            swiglu_layers.GRADIENT_KERNEL = before
+        return x + self.mlp(linen.RMSNorm(dtype=DTYPE, name="norm")(x))
 
 
 def flax_dense(dot_general_cls=None):
@@ -105,17 +97,13 @@ VARIANTS: dict[str, Callable[[int], linen.Module]] = {
     "ours_swiglu_bf16": lambda f: Block(epilog_linen.SwiGLU(f, dtype=DTYPE)),
     "ours_swiglu_fp8": lambda f: Block(epilog_linen.SwiGLU(f, dtype=DTYPE, fp8=True)),
     "ours_swiglu_fp8_current": lambda f: Block(epilog_linen.SwiGLU(
-        f, dtype=DTYPE, fp8=Fp8(scaling="current"))),
-    # the backward's [dg du] quantized by float8.swiglu_kernel's Pallas passes
-    "ours_swiglu_fp8_pallas": lambda f: Block(epilog_linen.SwiGLU(f, dtype=DTYPE, fp8=True),
-                                              gradient_kernel="pallas")}
+        f, dtype=DTYPE, fp8=Fp8(scaling="current")))}
 
 
 def describe(model: linen.Module) -> str:
     mlp = model.mlp
     if isinstance(mlp, epilog_linen.SwiGLU):
-        kernel = f", GRADIENT_KERNEL={model.gradient_kernel!r}" if model.gradient_kernel else ""
-        return f"jax_epilog.linen.SwiGLU(fp8={mlp.fp8!r}){kernel}"
+        return f"jax_epilog.linen.SwiGLU(fp8={mlp.fp8!r})"
     sample = mlp.dense(1, "probe")
     if isinstance(sample, epilog_linen.Dense):
         return "3 × jax_epilog.linen.Dense(use_bias=False, fp8=True)"

@@ -28,10 +28,11 @@ from jax_epilog.op.block_scales import BLOCK
 from jax_epilog.op.epilogs import ACTIVATIONS
 from jax_epilog.op.reference import saturating_cast
 
-#: Warps per program: a 128×128 float32 tile is 64 values a thread at 8 warps (128 at 4,
-#: Triton's default, where the two quantized tiles would spill registers).
-#: `benchmarks/pallas_tuning.py` times the other counts.
-NUM_WARPS = 8
+#: Warps per program, by what the kernel computes (`benchmarks/pallas_tuning.py` times 4, 8
+#: and 16 on x 16384×16384 and 16384×4096 bf16; H200): x itself ran fastest at 4 (2.5 TB/s,
+#: 1.18× 8 warps), a prologue's activation or derivative at 8 (1.25× and 1.18× 4 warps).
+NUM_WARPS_PLAIN = 4
+NUM_WARPS_PROLOGUE = 8
 
 
 class Prologue(NamedTuple):
@@ -46,6 +47,11 @@ class Prologue(NamedTuple):
     @property
     def inputs(self) -> int:
         return 2 if self.derivative else 1
+
+    @property
+    def num_warps(self) -> int:
+        """The measured best warps per program for this prologue."""
+        return NUM_WARPS_PLAIN if self.activation is None else NUM_WARPS_PROLOGUE
 
     def __call__(self, x, z=None):
         """The float32 values to quantize, from float32 x (and z)."""
@@ -88,10 +94,11 @@ def _kernel(*refs, dtype: str, prologue: Prologue, sums: bool):
 @functools.partial(jax.jit, static_argnames=("dtype", "prologue", "sums", "interpret",
                                              "num_warps"))
 def quantize_both(x, *z, dtype: str, prologue: Prologue = Prologue(), sums: bool = False,
-                  interpret: bool = False, num_warps: int = NUM_WARPS):
+                  interpret: bool = False, num_warps: Optional[int] = None):
     """(x8 (rows, K), its scale values (K/128, rows), xᵀ8 (K, rows), its values (rows/128,
     K)) of `prologue(x, *z)` for x (rows, K) (and z, the same shape), both a multiple of 128
-    (`blocks.quantize_1x128_both` checks); with `sums`, then its column sums (K,) in float32."""
+    (`blocks.quantize_1x128_both` checks); with `sums`, then its column sums (K,) in float32.
+    `num_warps`: per program (default `prologue.num_warps`)."""
     from jax.experimental import pallas as pl  # only where the kernel is chosen
 
     rows, k = x.shape
@@ -111,7 +118,8 @@ def quantize_both(x, *z, dtype: str, prologue: Prologue = Prologue(), sums: bool
         out_shape=tuple(out_shape), grid=(rows // BLOCK, k // BLOCK),
         in_specs=[tile] * prologue.inputs, out_specs=tuple(out_specs),
         interpret=interpret, name="quantize_1x128_both",
-        compiler_params=None if interpret else triton_params(num_warps))(x, *z)
+        compiler_params=None if interpret else triton_params(num_warps or prologue.num_warps))(
+            x, *z)
     out = (jax.lax.bitcast_convert_type(x8, dtype), scale,
            jax.lax.bitcast_convert_type(xt8, dtype), t_scale)
     return out + (jnp.sum(partial_sums[0], axis=0),) if sums else out

@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_epilog.float8 import swiglu_kernel
 from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
 from jax_epilog.float8.scaling import quantize_scaled, record, reduced_amaxes
 from jax_epilog.float8.weights import Fp8Weight
@@ -65,10 +64,6 @@ from jax_epilog.planning.stack_plan import quantized_layers
 #: `checkpoint_name` of the block's saved hidden activations (`[g u]`; g8, u8, h8 under FP8), for
 #: remat policies; its input is saved as `LAYER_INPUT_NAME`, as the stacks' are.
 SWIGLU_HIDDEN_NAME = "jax_epilog_swiglu_hidden"
-#: How the FP8 backward quantizes `[dg du]` (read when the block is traced): "xla", XLA's
-#: fusions (the default), or "pallas", `float8.swiglu_kernel`'s two Pallas passes on CUDA
-#: where M and F are multiples of 128 (XLA's fusions elsewhere). Not measured on a GPU yet.
-GRADIENT_KERNEL = "xla"
 
 #: `fp8_state=` of the block: one `Fp8History` per GEMM, in this order.
 FP8_GEMMS = ("gate_up", "down")
@@ -76,13 +71,18 @@ FP8_GEMMS = ("gate_up", "down")
 
 class Block(NamedTuple):
     """The static description of one traced block: its FP8 config (None: compute dtype),
-    its GEMMs' precision, F (the split of `[g u]`), and `GRADIENT_KERNEL` as it was when
-    the block was traced (so the backward, traced later, runs the same)."""
+    its GEMMs' precision, and F (the split of `[g u]`)."""
 
     fp8: Optional[Fp8]
     precision: object
     hidden: int
-    gradient_kernel: str = "xla"
+
+
+def _silu_and_derivative(g):
+    """(silu(g), silu'(g)) in float32: silu = g·σ(g), silu' = σ(g)·(1 + g·(1 - σ(g)))."""
+    g = g.astype(jnp.float32)
+    sigmoid = jax.nn.sigmoid(g)
+    return g * sigmoid, sigmoid * (1.0 + g * (1.0 - sigmoid))
 
 
 def _hidden(gu, hidden: int):
@@ -92,39 +92,10 @@ def _hidden(gu, hidden: int):
 
 def _hidden_gradient(dh, g, u, dtype):
     """`[dg du]` in `dtype`, each computed in float32: dg = dh·u·silu'(g), du = dh·silu(g)."""
-    return jnp.concatenate([a.astype(dtype) for a in swiglu_kernel.gradients(dh, g, u, dtype)],
-                           axis=1)
-
-
-def _quantized_hidden_gradient(block: Block, dh, s, dtype):
-    """(`[dg du]` in the gradient format, its transpose or None, the dequantization scale,
-    the amax): XLA's fusions (no transpose: the caller makes it after the barrier), or with
-    `GRADIENT_KERNEL` "pallas" on CUDA (M and F multiples of 128) `swiglu_kernel`'s two
-    passes, which write the transpose too."""
-    fp8 = block.fp8
-    fmt, margin, axes = fp8.gradient, fp8.margin, fp8.amax_reduction_axes
-
-    def xla(dh, g8, g_scale, u8, u_scale):
-        g, u = (v8.astype(jnp.float32) * scale for v8, scale in ((g8, g_scale), (u8, u_scale)))
-        # [dg du] in the compute dtype: XLA materializes part of it between the amax pass and
-        # the cast (a float32 half was 256 MiB at 8192 x 2048 x 8192), and FP8 rounds far
-        # coarser.
-        dgu8, scale, amax = quantize_scaled(_hidden_gradient(dh, g, u, dtype), fmt, margin,
-                                            amax_axes=axes)
-        return dgu8, None, scale, amax
-
-    args = (dh, s.g8, s.g_scale, s.u8, s.u_scale)
-    if block.gradient_kernel not in ("xla", "pallas"):
-        raise ValueError(f"jax_epilog.layers.swiglu.GRADIENT_KERNEL: expected 'xla' or "
-                         f"'pallas', got {block.gradient_kernel!r}")
-    if block.gradient_kernel == "xla" or not swiglu_kernel.tileable(dh):
-        return xla(*args)
-    kernel = functools.partial(swiglu_kernel.quantize_gradient, fmt=fmt, margin=margin,
-                               amax_axes=None if axes is None else tuple(axes),
-                               dtype=jnp.dtype(dtype).name)
-    # (the other platforms' branch must give the transpose too)
-    elsewhere = lambda *a: (lambda d, _, sc, am: (d, d.T, sc, am))(*xla(*a))
-    return jax.lax.platform_dependent(*args, cuda=kernel, default=elsewhere)
+    silu, dsilu = _silu_and_derivative(g)
+    dh = dh.astype(jnp.float32)
+    return jnp.concatenate([(dh * u.astype(jnp.float32) * dsilu).astype(dtype),
+                            (dh * silu).astype(dtype)], axis=1)
 
 
 # --- compute dtype -------------------------------------------------------------------------
@@ -224,10 +195,15 @@ def _fp8_block_bwd(block: Block, residuals, dy):
     dy8, ddown = fp8_step._barrier(dy8, ddown)
     dh, _ = matmul8(dy8, dy_scale, s.down8, s.down_scale, dtype, "auto", fast_data,
                     transpose_b=True)
-    dgu8, dgu8_t, dgu_scale, dgu_amax = _quantized_hidden_gradient(block, dh, s, dtype)
-    dgu8, dgu8_t, x8 = fp8_step._barrier(dgu8, dgu8_t, s.x8)
-    dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T if dgu8_t is None else dgu8_t, dgu_scale,
-                          dtype, "auto", fast_weight, transpose_b=True)
+    g, u = (v8.astype(jnp.float32) * scale for v8, scale in ((s.g8, s.g_scale),
+                                                             (s.u8, s.u_scale)))
+    # [dg du] in the compute dtype: XLA materializes part of it between the amax pass and the
+    # cast (a float32 half was 256 MiB at 8192 x 2048 x 8192), and FP8 rounds far coarser.
+    dgu8, dgu_scale, dgu_amax = quantize_scaled(_hidden_gradient(dh, g, u, dtype), fmt,
+                                                margin, amax_axes=axes)
+    dgu8, x8 = fp8_step._barrier(dgu8, s.x8)
+    dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T, dgu_scale, dtype, "auto", fast_weight,
+                          transpose_b=True)
     dgu8, dgate_up = fp8_step._barrier(dgu8, dgate_up)
     dx, _ = matmul8(dgu8, dgu_scale, s.w8, s.w_scale, dtype, "auto", fast_data,
                     transpose_b=True)
@@ -391,7 +367,7 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
     axes = manual_axes.varying_axes([rows, gate_up, down])
     rows, gate_up, down = (manual_axes.vary(a, axes) for a in (rows, gate_up, down))
     if runs_fp8(fp8, rows.shape[0], d, hidden, d_out):
-        block = Block(fp8.resolved(fp8_state is not None), precision, hidden, GRADIENT_KERNEL)
+        block = Block(fp8.resolved(fp8_state is not None), precision, hidden)
         y = _fp8_block(block, rows, gate_up, down, fp8_state)
     else:
         y = _block(Block(None, precision, hidden), rows, gate_up, down)
