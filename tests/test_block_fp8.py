@@ -580,3 +580,24 @@ def test_benchmark_smoke_report(tmp_path):
                for v in quantize.values())
     assert len(report["targets"]) == 4 + 4
     assert "## Targets" in (tmp_path / "block_fp8.md").read_text()
+
+
+@pytest.mark.slow
+def test_pallas_tuning_smoke_report(tmp_path):
+    """benchmarks/pallas_tuning.py end to end on a tiny shape (the Pallas interpreter off the
+    GPU, which ignores the warp count: what this checks is the report): every prologue and
+    warp count timed and compared with the default."""
+    import json
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import pallas_tuning
+
+    pallas_tuning.main(["--smoke", "--max-s", "5", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "pallas_tuning.json").read_text())
+    assert len(report["cases"]) == len(pallas_tuning.PROLOGUES)
+    for case in report["cases"]:
+        assert list(case["variants"]) == ["xla"] + [f"pallas_w{w}" for w in pallas_tuning.WARPS]
+        for v in case["variants"].values():
+            assert v["same_bytes_as_default"] and v["careful"]["seconds"] > 0 \
+                and v["user"]["seconds"] > 0
