@@ -62,7 +62,7 @@ class Prologue(NamedTuple):
         return v.astype(self.dtype).astype(jnp.float32)
 
 
-def triton_params(num_warps: int):
+def _compiler_params(num_warps: int):
     """Pallas' Triton compiler parameters: `num_warps` per program, one stage (the kernels
     here have no loop to pipeline)."""
     from jax.experimental.pallas import triton as plgpu
@@ -113,13 +113,13 @@ def quantize_both(x, *z, dtype: str, prologue: Prologue = Prologue(), sums: bool
     if sums:  # one row of column sums per row of tiles, added up below
         out_shape.append(jax.ShapeDtypeStruct((rows // BLOCK, k), jnp.float32))
         out_specs.append(row_of_tiles)
+    params = None if interpret else _compiler_params(num_warps or prologue.num_warps)
     x8, xt8, scale, t_scale, *partial_sums = pl.pallas_call(
         functools.partial(_kernel, dtype=dtype, prologue=prologue, sums=sums),
         out_shape=tuple(out_shape), grid=(rows // BLOCK, k // BLOCK),
         in_specs=[tile] * prologue.inputs, out_specs=tuple(out_specs),
         interpret=interpret, name="quantize_1x128_both",
-        compiler_params=None if interpret else triton_params(num_warps or prologue.num_warps))(
-            x, *z)
+        compiler_params=params)(x, *z)
     out = (jax.lax.bitcast_convert_type(x8, dtype), scale,
            jax.lax.bitcast_convert_type(xt8, dtype), t_scale)
     return out + (jnp.sum(partial_sums[0], axis=0),) if sums else out
