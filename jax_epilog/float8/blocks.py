@@ -106,20 +106,23 @@ def quantize_1x128_both(x, dtype="float8_e4m3fn", *, kernel=None, activation=Non
     prologue = _prologue(x, activation, pre_activation)
     z = () if pre_activation is None else (pre_activation,)
 
+    def quantized_values(x, *z):  # float32: what both copies quantize
+        return prologue(x.astype(jnp.float32), *(a.astype(jnp.float32) for a in z))
+
+    def sums(xf):
+        return (jnp.sum(xf, axis=0, dtype=jnp.float32),) if column_sums else ()
+
     def xla(x, *z):
-        xf = prologue(x.astype(jnp.float32), *(a.astype(jnp.float32) for a in z))
+        xf = quantized_values(x, *z)
         along_k = jnp.max(jnp.abs(xf.reshape(rows, k // BLOCK, BLOCK)), axis=2)  # (rows, K/128)
         along_rows = jnp.max(jnp.abs(xf.reshape(rows // BLOCK, BLOCK, k)), axis=1)  # (rows/128, K)
         x8, scale = _quantize(xf, along_k, lambda q: jnp.repeat(q, BLOCK, axis=1), dtype)
         xt8, t_scale = _quantize(xf, along_rows, lambda q: jnp.repeat(q, BLOCK, axis=0), dtype)
-        sums = (jnp.sum(xf, axis=0, dtype=jnp.float32),) if column_sums else ()
-        return (x8, scale.T, xt8.T, t_scale) + sums
+        return (x8, scale.T, xt8.T, t_scale) + sums(xf)
 
     if kernel == "xla_separate":  # (x itself where there is no prologue: a 16-bit transpose)
-        xf = x if prologue.activation is None else \
-            prologue(x.astype(jnp.float32), *(a.astype(jnp.float32) for a in z))
-        sums = (jnp.sum(xf, axis=0, dtype=jnp.float32),) if column_sums else ()
-        return (quantize_1x128(xf, dtype), quantize_1x128(xf, dtype, transposed=True)) + sums
+        xf = x if prologue.activation is None else quantized_values(x, *z)
+        return (quantize_1x128(xf, dtype), quantize_1x128(xf, dtype, transposed=True)) + sums(xf)
     if kernel == "pallas":
         out = jax.lax.platform_dependent(
             x, *z, cuda=functools.partial(block_kernel.quantize_both, dtype=dtype,
