@@ -275,7 +275,7 @@ def assert_the_decode_loop_keeps_the_cache_as_it_is(config, batch):
     generator = decode.Generator(decode.CachedGPT(generate.model_with(
         config, "stock", generate.serving_weights(config, None, jnp.bfloat16), jnp.bfloat16)),
         cache_dtype=jnp.float8_e4m3fn, steps_per_call=4)
-    compiled = generator.compile(batch, 20, 17, jax.random.key(0))["decode"]
+    compiled = generator.compile(batch, 20, 17, jax.random.key(0))["decode"][4]
     cache_sized = [(dtype, dims, opcode) for dtype, dims, opcode, _ in written_arrays(
         compiled.as_text()) if is_cache_sized(dims, config, batch)]
     assert ("f8e4m3fn", "while") in {(dtype, opcode) for dtype, _, opcode in cache_sized}
@@ -382,6 +382,29 @@ def test_decode_calls_of_any_length_give_the_same_tokens(corpus):
     np.testing.assert_array_equal(drawn[2], drawn[0])
     with pytest.raises(ValueError, match="steps_per_call"):
         decode.Generator(cached, steps_per_call=0)
+
+
+def test_a_decode_call_loops_a_trip_count_xla_knows():
+    # A loop whose count is an argument makes XLA wait for its condition on the host after
+    # every step; one compiled per count is queued step after step.
+    config, weights = tiny_weights()
+    generator = decode.Generator(decode.CachedGPT(generate.model_with(
+        config, "stock", weights, jnp.float32)), steps_per_call=4)
+    assert generator.decode_counts(9) == (4,)  # 8 steps: two full calls
+    assert generator.decode_counts(8) == (3, 4)  # 7 steps: 4 + 3
+    assert generator.decode_counts(3) == (2,) and generator.decode_counts(1) == ()
+    compiled = generator.compile(2, 5, 8, jax.random.key(0))
+    assert sorted(compiled["decode"]) == [3, 4]
+    for count, program in compiled["decode"].items():
+        assert re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', program.as_text()) == [str(count)]
+    cache = generator.new_cache(2, 13)
+    tokens, cache = generator.prefill(cache, np.ones((2, 5), np.int32), jax.random.key(0),
+                                      compiled["prefill"])
+    with pytest.raises(ValueError, match=r"compiled: holds decode calls of \[3, 4\] steps, not 2"):
+        generator.decode(cache, tokens, 5, 2, jax.random.key(0), compiled["decode"])
+    for count in (0, 5, 2.0):
+        with pytest.raises(ValueError, match="count: expected an int from 1 to steps_per_call"):
+            generator.decode(cache, tokens, 5, count, jax.random.key(0))
 
 
 def test_sample_keeps_to_the_top_k():

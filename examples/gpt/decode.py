@@ -324,7 +324,7 @@ NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
 class Generator:
-    """The jitted prefill step and decode call of one `CachedGPT` (its state captured once).
+    """The jitted prefill step and decode calls of one `CachedGPT` (its state captured once).
 
     `prefill(cache, prompt, key)` returns (the next tokens `(B,)`, the updated cache);
     `decode(cache, tokens, position, count, key)` runs `count` (1 to `steps_per_call`) decode
@@ -335,7 +335,13 @@ class Generator:
     dtype. The prefill step is compiled without XLA's command buffers (CUDA graphs) on a GPU
     unless `prefill_command_buffers`: on the H200 they slowed jax-epilog's FP8 prefill (its
     custom calls inside the graph) by up to 1.3x and did not speed the bf16 one
-    (docs/serving.md)."""
+    (docs/serving.md).
+
+    A decode call is compiled once per `count` (a static argument; `generate` needs at most
+    two: `steps_per_call` and the last call's remainder). Its device loop then has a trip
+    count XLA knows, so XLA queues the steps back to back. A loop whose count is an argument
+    makes XLA copy its condition to the host and wait for it after every step: a round trip
+    between the GPU and the host per token."""
 
     def __init__(self, cached: CachedGPT, *, temperature: float = 0.0,
                  top_k: Optional[int] = None, cache_dtype=None, steps_per_call: int = 16,
@@ -358,7 +364,7 @@ class Generator:
             jax.default_backend() != "gpu" else NO_COMMAND_BUFFERS
         self._step = jax.jit(self._forward_and_sample, donate_argnums=1,
                              compiler_options=self.prefill_options)
-        self._steps = jax.jit(self._decode_steps, donate_argnums=1)
+        self._steps = jax.jit(self._decode_steps, donate_argnums=1, static_argnums=4)
 
     def _forward_and_sample(self, state, cache, tokens, start, key):
         cached = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_def, state))
@@ -377,22 +383,36 @@ class Generator:
         _, cache, out = jax.lax.fori_loop(0, count, step, (tokens, cache, out))
         return out, cache
 
-    def lower(self, batch: int, prompt_len: int, new_tokens: int, key) -> dict:
-        """The prefill step and the decode call lowered for `batch` prompts of `prompt_len`
-        tokens and a cache for `new_tokens` more: {"prefill": ..., "decode": ...}."""
+    def decode_counts(self, new_tokens: int) -> tuple[int, ...]:
+        """The step counts of the decode calls `generate(..., new_tokens)` makes: a full call's
+        and the last one's, where that differs (none for one new token)."""
+        steps = new_tokens - 1
+        return tuple(sorted({min(self.steps_per_call, steps), steps % self.steps_per_call} - {0}))
+
+    def lower(self, batch: int, prompt_len: int, new_tokens: int, key, counts=None) -> dict:
+        """The prefill step and the decode calls lowered for `batch` prompts of `prompt_len`
+        tokens and a cache for `new_tokens` more: {"prefill": ..., "decode": {count: ...}},
+        one decode call per count of `counts` (default `decode_counts(new_tokens)`)."""
         check_fits(self.config, prompt_len, new_tokens)
         cache = jax.eval_shape(lambda: self.new_cache(batch, prompt_len + new_tokens))
         tokens = lambda length: jax.ShapeDtypeStruct((batch,) + length, jnp.int32)
+        counts = self.decode_counts(new_tokens) if counts is None else counts
+        for count in counts:
+            self._check_count(count)
         return {"prefill": self._step.lower(self.state, cache, tokens((prompt_len,)),
                                             jnp.int32(0), key),
-                "decode": self._steps.lower(self.state, cache, tokens(()), jnp.int32(0),
-                                            jnp.int32(1), key)}
+                "decode": {count: self._steps.lower(self.state, cache, tokens(()),
+                                                    jnp.int32(0), count, key)
+                           for count in counts}}
 
-    def compile(self, batch: int, prompt_len: int, new_tokens: int, key) -> dict:
-        """`lower`'s programs compiled (the prefill with `prefill_options`, which its jit
-        carries into the compile)."""
-        return {name: lowered.compile()
-                for name, lowered in self.lower(batch, prompt_len, new_tokens, key).items()}
+    def compile(self, batch: int, prompt_len: int, new_tokens: int, key, *, counts=None,
+                options=None) -> dict:
+        """`lower`'s programs compiled, with `options` (XLA compiler options) where given,
+        else the prefill with `prefill_options`, which its jit carries into the compile."""
+        lowered = self.lower(batch, prompt_len, new_tokens, key, counts)
+        compile = lambda program: program.compile(options)
+        return {"prefill": compile(lowered["prefill"]),
+                "decode": {count: compile(program) for count, program in lowered["decode"].items()}}
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return init_cache(self.config, batch, max_len, self.cache_dtype)
@@ -404,11 +424,21 @@ class Generator:
         return step(self.state, cache, _int32_array(prompt), np.int32(0), key)
 
     def decode(self, cache: KVCache, tokens, position: int, count: int, key, compiled=None):
-        if not 1 <= count <= self.steps_per_call:
-            raise ValueError(f"count: expected 1 to steps_per_call ({self.steps_per_call}), "
-                             f"got {count!r}")
-        steps = compiled or self._steps
-        return steps(self.state, cache, tokens, np.int32(position), np.int32(count), key)
+        """`count` decode steps (see the class), by `compiled[count]` (`compile`'s "decode")
+        where given, else by the jit."""
+        self._check_count(count)
+        args = (self.state, cache, tokens, np.int32(position))
+        if compiled is None:
+            return self._steps(*args, count, key)
+        if count not in compiled:
+            raise ValueError(f"compiled: holds decode calls of {sorted(compiled)} steps, not "
+                             f"{count}; compile them for these new_tokens (decode_counts)")
+        return compiled[count](*args, key)
+
+    def _check_count(self, count) -> None:
+        if not isinstance(count, (int, np.integer)) or not 1 <= count <= self.steps_per_call:
+            raise ValueError(f"count: expected an int from 1 to steps_per_call "
+                             f"({self.steps_per_call}), got {count!r}")
 
     def generate(self, prompt, new_tokens: int, key, *, compiled: Optional[dict] = None,
                  progress: bool = False) -> Generation:

@@ -265,6 +265,7 @@ def measure(generator: Generator, prompts: np.ndarray, new_tokens: int, key, *,
     prefill_s = statistics.median(r.prefill_s for r in runs)
     decode_s = statistics.median(r.decode_s for r in runs)
     decode_steps = new_tokens - 1
+    full_call = compiled["decode"][max(compiled["decode"])] if compiled["decode"] else None
     cache = jax.eval_shape(lambda: generator.new_cache(batch, prompt_len + new_tokens))
     return {
         "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
@@ -273,11 +274,11 @@ def measure(generator: Generator, prompts: np.ndarray, new_tokens: int, key, *,
         "prefill_tokens_per_s": batch * prompt_len / prefill_s,
         "decode_step_s": decode_s / decode_steps if decode_steps else None,
         "decode_tokens_per_s": batch * decode_steps / decode_s if decode_steps else None,
-        "fp8_gemms_decode": compare.fp8_gemms(compiled["decode"].as_text() or ""),
+        "fp8_gemms_decode": compare.fp8_gemms(full_call.as_text() or ""),
         # This variant's own: the compiled decode step's arguments (weights, cache), outputs
         # and temporaries, less the donated cache. The device's figures are process-wide.
-        "decode_step_memory": compare.timing.memory_analysis(compiled["decode"]),
-        "memory": memory_in_use(), "tokens": first.tokens, "compiled": compiled,
+        "decode_step_memory": compare.timing.memory_analysis(full_call),
+        "memory": memory_in_use(), "tokens": first.tokens,
     }
 
 
@@ -300,7 +301,7 @@ def decode_kind(kernel, line: str) -> str:
     return "gemm" if profile.gpu_trace.GEMM_KERNEL.search(kernel.name) else "other"
 
 
-def profile_decode(generator: Generator, compiled: dict, prompts: np.ndarray, new_tokens: int,
+def profile_decode(generator: Generator, prompts: np.ndarray, new_tokens: int,
                    key, folder: Path) -> dict[str, Any]:
     """The GPU kernels of up to `PROFILE_STEPS` decode steps traced into `folder`, per step
     by kind (`decode_kind`), after a prefill and one untraced decode step; then, under
@@ -310,17 +311,20 @@ def profile_decode(generator: Generator, compiled: dict, prompts: np.ndarray, ne
     if steps < 1:
         return {"note": "no decode step to trace (--new-tokens 1)"}
     batch, prompt_len = prompts.shape
-    calls, command_buffers = dict(compiled), "on"
+    # the traced calls' step counts, and one step first
+    counts = sorted({1, *generator.decode_counts(steps + 1)})
+    calls, command_buffers = None, "on"
     if jax.default_backend() == "gpu":
         # Compiled without XLA's command buffers (CUDA graphs), which would name every kernel
         # after the graph: the trace then tells which op launched each.
         try:
-            calls = {name: lowered.compile(decode.NO_COMMAND_BUFFERS)
-                     for name, lowered in generator.lower(batch, prompt_len, new_tokens,
-                                                          key).items()}
+            calls = generator.compile(batch, prompt_len, new_tokens, key, counts=counts,
+                                      options=decode.NO_COMMAND_BUFFERS)
             command_buffers = "off"
         except Exception as error:  # noqa: BLE001 -- profiled as timed, and said so
             print(f"  profile: command buffers stay on ({type(error).__name__}: {error})")
+    if calls is None:
+        calls = generator.compile(batch, prompt_len, new_tokens, key, counts=counts)
     cache = generator.new_cache(batch, prompt_len + new_tokens)
     token, cache = generator.prefill(cache, prompts, key, calls["prefill"])
     out, cache = generator.decode(cache, token, prompt_len, 1, key, calls["decode"])
@@ -343,11 +347,12 @@ def profile_decode(generator: Generator, compiled: dict, prompts: np.ndarray, ne
             token, _ = generator.prefill(caches.pop(), prompts, key, calls["prefill"])
         jax.block_until_ready(token)
     traced = {}
+    programs = {"prefill": calls["prefill"], "decode": calls["decode"][max(calls["decode"])]}
     for name, count in (("decode", steps), ("prefill", PROFILE_STEPS)):
         trace = profile.gpu_trace.latest_trace(folder / name)
         kernels = next(iter(profile.gpu_trace.gpu_kernels(trace).values()), []) if trace else []
         traced[name] = {"trace": str(trace) if trace else None,
-                        **profile.breakdown(kernels, count, calls[name].as_text() or "",
+                        **profile.breakdown(kernels, count, programs[name].as_text() or "",
                                             decode_kind, DECODE_TOP_KERNELS)}
     events = profile.gpu_trace.host_events(Path(traced["prefill"]["trace"]), PREFILL_HOST_EVENTS) \
         if traced["prefill"]["trace"] else []
@@ -463,10 +468,10 @@ def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dt
         prompts = prompts_from(corpus.validation, batch, settings.prompt_len)
         measured = measure(generator, prompts, settings.new_tokens, key,
                            repeats=settings.repeats, progress=settings.progress)
-        tokens, compiled = measured.pop("tokens"), measured.pop("compiled")
+        tokens = measured.pop("tokens")
         if settings.profile is not None:
             measured["profile"] = profile_decode(
-                generator, compiled, prompts, settings.new_tokens, key,
+                generator, prompts, settings.new_tokens, key,
                 Path(settings.profile) / f"{name}_batch{batch}")
         measured["sample"] = {"prompt": text_of(prompts[0]), "generated": text_of(tokens[0])}
         record["by_batch"][str(batch)] = measured
