@@ -45,24 +45,28 @@ def tiny_weights(tie_head=True, seed=0, config=TINY):
 
 
 def jitted(cached):
-    """(the full forward, the cached forward) of `cached`, jitted: eagerly, every op of each
-    new shape compiles on its own, many times slower here."""
+    """(the full forward, the cached forward `(tokens, cache, start, fresh=False)`) of
+    `cached`, jitted: eagerly, every op of each new shape compiles on its own, many times
+    slower here."""
     graphdef, state = nnx.split(cached)
     full = jax.jit(lambda s, tokens: nnx.merge(graphdef, s)(tokens))
-    step = jax.jit(lambda s, tokens, cache, start: nnx.merge(graphdef, s)(tokens, cache, start))
+    step = jax.jit(lambda s, tokens, cache, start, fresh: nnx.merge(graphdef, s)(
+        tokens, cache, start, fresh=fresh), static_argnums=4)
     return (lambda tokens: full(state, tokens),
-            lambda tokens, cache, start: step(state, tokens, cache, jnp.int32(start)))
+            lambda tokens, cache, start, fresh=False: step(state, tokens, cache,
+                                                           jnp.int32(start), fresh))
 
 
-def cached_logits(cached, tokens, pieces, cache_dtype=jnp.float32):
+def cached_logits(cached, tokens, pieces, cache_dtype=jnp.float32, fresh: bool = False):
     """The logits of `tokens` fed to the cached forward in `pieces` (lengths), teacher
-    forced: a prefill, then shorter steps."""
+    forced: a prefill (`fresh`: as the Generator's, over the prompt itself), then shorter
+    steps."""
     _, step = jitted(cached)
     cache = decode.init_cache(cached.model.config, tokens.shape[0], tokens.shape[1],
                               cache_dtype)
     out, start = [], 0
     for length in pieces:
-        logits, cache = step(tokens[:, start:start + length], cache, start)
+        logits, cache = step(tokens[:, start:start + length], cache, start, fresh and start == 0)
         out.append(logits)
         start += length
     assert start == tokens.shape[1]
@@ -80,8 +84,11 @@ def test_cached_forward_equals_the_full_forward_teacher_forced(corpus, impl, tie
     with jax.default_matmul_precision("highest"):
         full = jitted(cached)[0](tokens)
         stepped = cached_logits(cached, tokens, [17, 5] + [1] * 6 + [12])
+        # the Generator's prefill: the prompt attends to itself, then steps read the cache
+        fresh = cached_logits(cached, tokens, [17, 5] + [1] * 6 + [12], fresh=True)
     assert stepped.shape == full.shape == (3, 40, 256)
     np.testing.assert_allclose(stepped, full, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(fresh, full, rtol=1e-5, atol=1e-5)
     # A cache written at other positions does not leak into these: the mask hides it.
     cache = decode.init_cache(config.model, 3, 48, jnp.float32)
     cache = decode.KVCache(cache.keys + 7.0, cache.values - 3.0)
@@ -126,6 +133,17 @@ def test_fp8_cache_decodes_as_the_full_forward_to_fp8_rounding(corpus, base, pie
         prefilled = cached_logits(cached, tokens, [sum(pieces)], jnp.float8_e4m3fn)
     np.testing.assert_allclose(exact, full, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(fp8, prefilled, rtol=1e-5, atol=1e-5)
+    # The Generator's prefill attends over the prompt's own 16-bit keys and values: the full
+    # forward's logits; it writes the cache as the other prefill does.
+    _, step = jitted(cached)
+    caches = [decode.init_cache(config.model, 3, 64, jnp.float8_e4m3fn) for _ in range(2)]
+    with jax.default_matmul_precision("highest"):
+        (fresh, fresh_cache), (_, read_cache) = (
+            step(tokens[:, :pieces[0]], cache, 0, flag) for cache, flag in zip(caches, (True, False)))
+    np.testing.assert_allclose(fresh, full[:, :pieces[0]], rtol=1e-5, atol=1e-5)
+    for name in decode.KVCache._fields:
+        np.testing.assert_array_equal(np.asarray(getattr(fresh_cache, name), np.float32),
+                                      np.asarray(getattr(read_cache, name), np.float32))
     # FP8 keys and values change the logits, a little (3 mantissa bits, a scale a vector):
     # 2.6% and 3.8% here (root mean square, relative).
     error = float(jnp.sqrt(jnp.mean((fp8 - full) ** 2) / jnp.mean(full ** 2)))
@@ -145,7 +163,7 @@ def test_greedy_generation_with_an_fp8_cache_is_the_argmax_of_its_cached_forward
     assert generator.cache_dtype == jnp.float8_e4m3fn
     generated = generator.generate(prompt, 6, jax.random.key(0)).tokens
     tokens = jnp.concatenate([jnp.asarray(prompt), jnp.asarray(generated[:, :-1])], axis=1)
-    logits = cached_logits(cached, tokens, [9] + [1] * 5, jnp.float8_e4m3fn)
+    logits = cached_logits(cached, tokens, [9] + [1] * 5, jnp.float8_e4m3fn, fresh=True)
     np.testing.assert_array_equal(np.argmax(logits[:, 8:], -1), generated)
 
 
@@ -234,9 +252,9 @@ def decode_step(config, cache_dtype, compute_dtype=jnp.float32, batch=4):
     cached = decode.CachedGPT(generate.model_with(config, "stock", weights, compute_dtype))
     generator = decode.Generator(cached, cache_dtype=cache_dtype)
     cache = jax.eval_shape(lambda: generator.new_cache(batch, 37))
-    return generator._step.lower(generator.state, cache,
-                                 jax.ShapeDtypeStruct((batch, 1), jnp.int32), jnp.int32(20),
-                                 jax.random.key(0)).compile()
+    step = jax.jit(generator._forward_and_sample, donate_argnums=1)
+    return step.lower(generator.state, cache, jax.ShapeDtypeStruct((batch, 1), jnp.int32),
+                      jnp.int32(20), jax.random.key(0)).compile()
 
 
 def is_cache_sized(dims, config, batch, max_len=37) -> bool:
@@ -313,6 +331,11 @@ def test_an_fp8_decode_step_reads_the_cache_with_no_dot():
         generator._forward_and_sample, generator.state, cache, jnp.zeros((2, 9), jnp.int32),
         jnp.int32(0), jax.random.key(0)) if eqn.primitive.name == "dot_general"]
     assert any(37 in var.aval.shape for eqn in prefill for var in eqn.invars)  # its GEMMs
+    # the Generator's prefill reads nothing back from the cache
+    fresh = [eqn for eqn in traced_equations(
+        generator._prefill_and_sample, generator.state, cache, jnp.zeros((2, 9), jnp.int32),
+        jax.random.key(0)) if eqn.primitive.name == "dot_general"]
+    assert fresh and all(37 not in var.aval.shape for eqn in fresh for var in eqn.invars)
 
 
 @pytest.mark.gpu

@@ -13,7 +13,9 @@ for "llama"), `attention.out`, `mlp_norm` and `mlp`, `final_norm`, the tied head
 so its logits are the full forward's for the same tokens, whatever layers the model was built
 from (tested, teacher forced, to float tolerance). Only the attention is its
 own: each query attends over the whole cache with positions after it masked out, so one
-compiled decode step serves every position. Each layer's keys and values are written into the
+compiled decode step serves every position. A prompt's prefill (`fresh`: from position 0)
+runs the block's own causal attention over the prompt instead, as the full forward does, and
+only writes the cache. Each layer's keys and values are written into the
 whole `(layers, ...)` cache arrays with one `dynamic_update_slice` each, so the donated cache
 is updated in place (no copy of it per step).
 
@@ -22,7 +24,8 @@ TensorRT-LLM and vLLM offer for FP8 serving): each head's key or value vector st
 a float32 scale of its own, its amax over the format's largest value (current scaling, set
 when the vector is written). A decode step (one query per sequence) reads the FP8 bytes in
 multiply-reduces, the key scales multiplying the scores and the value scales the
-probabilities; a prefill dequantizes the layer's cache and runs XLA's attention.
+probabilities. A multi-token call after position 0 dequantizes the layer's cache and runs
+XLA's attention; a prompt's prefill never reads the cache.
 
 `Generator` jits a prefill and a decode call once per batch shape (the cache donated, so it is
 updated in place) and samples greedily or with temperature and top-k. One decode call runs up
@@ -260,27 +263,38 @@ def _attention(q, cache: KVCache, layer: int, mask):
                                         mask=mask[None, None], implementation="xla")
 
 
-def _attend_to_cache(block, x, cache: KVCache, layer: int, start):
+def _attend_to_cache(block, x, cache: KVCache, layer: int, start, fresh: bool):
     """One block's attention for `x` `(B, T, width)` at positions `start...`, and the cache
-    with this step's keys and values written into `layer`."""
+    with this step's keys and values written into `layer`. `fresh`: `forward_with_cache`'s."""
     batch, length, width = x.shape
     query_positions = start + jnp.arange(length)
     q, k, v = block.attention.project(x, query_positions)
     cache = _write(cache, layer, start, k, v)
-    # Query i (position start + i) sees cache positions up to its own; later ones are empty.
-    mask = jnp.arange(cache.max_len)[None, :] <= query_positions[:, None]
     with jax.named_scope("cached_attention"):
-        y = _attention(q, cache, layer, mask)
+        if fresh:  # the block's own causal attention over this call's keys and values
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                             implementation=block.attention.implementation)
+        else:
+            # Query i (position start + i) sees cache positions up to its own; later ones
+            # are empty.
+            mask = jnp.arange(cache.max_len)[None, :] <= query_positions[:, None]
+            y = _attention(q, cache, layer, mask)
     return block.attention.out(y.reshape(batch, length, width)), cache
 
 
-def forward_with_cache(model: GPT, tokens, cache: KVCache, start, *, last_only: bool = False):
+def forward_with_cache(model: GPT, tokens, cache: KVCache, start, *, last_only: bool = False,
+                       fresh: bool = False):
     """(logits, updated cache) for `tokens` `(B, T)` at positions `start ... start + T - 1`;
     `last_only`: the logits of the last position only `(B, 1, vocab)` (the head's GEMM for the
-    others is skipped: generation needs only the next token)."""
+    others is skipped: generation needs only the next token). `fresh`: `start` is 0 and the
+    cache holds nothing yet (a prompt's prefill), so each block attends to this call's own
+    keys and values, in the compute dtype, by its own causal attention (cuDNN's fused one on
+    a GPU), as the full forward does: nothing is read back from the cache, and no query
+    scores the empty positions after the prompt."""
     x = model.embed(tokens, start + jnp.arange(tokens.shape[1]))
     for layer, block in enumerate(model.blocks):
-        attended, cache = _attend_to_cache(block, block.attention_norm(x), cache, layer, start)
+        attended, cache = _attend_to_cache(block, block.attention_norm(x), cache, layer, start,
+                                           fresh)
         x = x + attended
         x = x + block.mlp(block.mlp_norm(x))
     if last_only:
@@ -296,10 +310,11 @@ class CachedGPT(nnx.Module):
         self.model = model
 
     def __call__(self, tokens, cache: Optional[KVCache] = None, start=0, *,
-                 last_only: bool = False):
+                 last_only: bool = False, fresh: bool = False):
         if cache is None:
             return self.model(tokens)
-        return forward_with_cache(self.model, tokens, cache, start, last_only=last_only)
+        return forward_with_cache(self.model, tokens, cache, start, last_only=last_only,
+                                  fresh=fresh)
 
 
 def sample(logits, key, *, temperature: float = 0.0, top_k: Optional[int] = None):
@@ -362,13 +377,18 @@ class Generator:
         self._sample = functools.partial(sample, temperature=temperature, top_k=top_k)
         self.prefill_options = None if prefill_command_buffers or \
             jax.default_backend() != "gpu" else NO_COMMAND_BUFFERS
-        self._step = jax.jit(self._forward_and_sample, donate_argnums=1,
-                             compiler_options=self.prefill_options)
+        self._prefill_step = jax.jit(self._prefill_and_sample, donate_argnums=1,
+                                     compiler_options=self.prefill_options)
         self._steps = jax.jit(self._decode_steps, donate_argnums=1, static_argnums=4)
 
-    def _forward_and_sample(self, state, cache, tokens, start, key):
+    def _prefill_and_sample(self, state, cache, tokens, key):
+        """A prompt's prefill: `tokens` from position 0 into an empty cache, each block's
+        attention over the prompt itself (`forward_with_cache`'s `fresh`)."""
+        return self._forward_and_sample(state, cache, tokens, 0, key, fresh=True)
+
+    def _forward_and_sample(self, state, cache, tokens, start, key, fresh: bool = False):
         cached = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_def, state))
-        logits, cache = cached(tokens, cache, start, last_only=True)
+        logits, cache = cached(tokens, cache, start, last_only=True, fresh=fresh)
         position = start + tokens.shape[1] - 1  # of the last token: the key depends on it
         return self._sample(logits[:, -1], jax.random.fold_in(key, position)), cache
 
@@ -399,8 +419,8 @@ class Generator:
         counts = self.decode_counts(new_tokens) if counts is None else counts
         for count in counts:
             self._check_count(count)
-        return {"prefill": self._step.lower(self.state, cache, tokens((prompt_len,)),
-                                            jnp.int32(0), key),
+        return {"prefill": self._prefill_step.lower(self.state, cache, tokens((prompt_len,)),
+                                                    key),
                 "decode": {count: self._steps.lower(self.state, cache, tokens(()),
                                                     jnp.int32(0), count, key)
                            for count in counts}}
@@ -418,15 +438,17 @@ class Generator:
         return init_cache(self.config, batch, max_len, self.cache_dtype)
 
     def prefill(self, cache: KVCache, prompt, key, compiled=None):
-        step = compiled or self._step
-        # NumPy scalars, not jnp.int32(...): each of those is an eager device op of its own,
-        # about 0.5 ms of host time in front of every call (an H200 trace of the prefill).
-        return step(self.state, cache, _int32_array(prompt), np.int32(0), key)
+        """(The next tokens `(B,)`, `cache` with `prompt` `(B, P)` written from position 0):
+        the prompt attends to itself, not to what the cache held before."""
+        step = compiled or self._prefill_step
+        return step(self.state, cache, _int32_array(prompt), key)
 
     def decode(self, cache: KVCache, tokens, position: int, count: int, key, compiled=None):
         """`count` decode steps (see the class), by `compiled[count]` (`compile`'s "decode")
         where given, else by the jit."""
         self._check_count(count)
+        # A NumPy scalar, not jnp.int32(...): that is an eager device op of its own, about
+        # 0.5 ms of host time in front of every call (an H200 trace of the prefill).
         args = (self.state, cache, tokens, np.int32(position))
         if compiled is None:
             return self._steps(*args, count, key)
