@@ -425,7 +425,7 @@ def test_a_decode_call_loops_a_trip_count_xla_knows():
                                       compiled["prefill"])
     with pytest.raises(ValueError, match=r"compiled: holds decode calls of \[3, 4\] steps, not 2"):
         generator.decode(cache, tokens, 5, 2, jax.random.key(0), compiled["decode"])
-    for count in (0, 5, 2.0):
+    for count in (0, 5, 2.0, True):
         with pytest.raises(ValueError, match="count: expected an int from 1 to steps_per_call"):
             generator.decode(cache, tokens, 5, count, jax.random.key(0))
 

@@ -27,8 +27,8 @@ multiply-reduces, the key scales multiplying the scores and the value scales the
 probabilities. A multi-token call after position 0 dequantizes the layer's cache and runs
 XLA's attention; a prompt's prefill never reads the cache.
 
-`Generator` jits a prefill and a decode call once per batch shape (the cache donated, so it is
-updated in place) and samples greedily or with temperature and top-k. One decode call runs up
+`Generator` jits a prefill once per batch shape and a decode call once per batch shape and
+step count (the cache donated, so it is updated in place) and samples greedily or with temperature and top-k. One decode call runs up
 to `steps_per_call` decode steps in a device loop: dispatching a step from Python (its
 arguments: every weight, the cache) takes about as long as the step itself on an H200 at
 small batches, so one dispatch per token would measure the host, not the model.
@@ -430,9 +430,9 @@ class Generator:
         """`lower`'s programs compiled, with `options` (XLA compiler options) where given,
         else the prefill with `prefill_options`, which its jit carries into the compile."""
         lowered = self.lower(batch, prompt_len, new_tokens, key, counts)
-        compile = lambda program: program.compile(options)
-        return {"prefill": compile(lowered["prefill"]),
-                "decode": {count: compile(program) for count, program in lowered["decode"].items()}}
+        return {"prefill": lowered["prefill"].compile(options),
+                "decode": {count: program.compile(options)
+                           for count, program in lowered["decode"].items()}}
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return init_cache(self.config, batch, max_len, self.cache_dtype)
@@ -458,7 +458,8 @@ class Generator:
         return compiled[count](*args, key)
 
     def _check_count(self, count) -> None:
-        if not isinstance(count, (int, np.integer)) or not 1 <= count <= self.steps_per_call:
+        if not isinstance(count, (int, np.integer)) or isinstance(count, bool) or \
+                not 1 <= count <= self.steps_per_call:
             raise ValueError(f"count: expected an int from 1 to steps_per_call "
                              f"({self.steps_per_call}), got {count!r}")
 
