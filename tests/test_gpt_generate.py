@@ -430,6 +430,15 @@ def test_a_decode_call_loops_a_trip_count_xla_knows():
             generator.decode(cache, tokens, 5, count, jax.random.key(0))
 
 
+def test_one_new_token_is_measured_without_a_decode_call(tmp_path):
+    # the prefill makes the only new token: nothing to decode, nothing decode-sized reported
+    measured = run_main("--random-init", "--variant", "stock", "--batch", "2",
+                        "--prompt-len", "5", "--new-tokens", "1", "--repeats", "1",
+                        "--eval-batches", "1")["result"]["variants"]["stock"]["by_batch"]["2"]
+    assert measured["decode_tokens_per_s"] is None and measured["fp8_gemms_decode"] is None
+    assert measured["decode_step_memory"] is None and measured["prefill_tokens_per_s"] > 0
+
+
 def test_sample_keeps_to_the_top_k():
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((64, 256)), jnp.float32)
     top_3 = np.asarray(jax.lax.top_k(logits, 3)[1])

@@ -252,6 +252,13 @@ def memory_in_use() -> dict[str, Optional[int]]:
             "peak_bytes_in_use": stats.get("peak_bytes_in_use")}
 
 
+def longest_decode_call(compiled: dict):
+    """The compiled decode call of the most steps in `Generator.compile`'s programs (the one
+    a generation mostly runs), or None where there is none (one new token)."""
+    calls = compiled["decode"]
+    return calls[max(calls)] if calls else None
+
+
 def measure(generator: Generator, prompts: np.ndarray, new_tokens: int, key, *,
             repeats: int, progress: bool) -> dict[str, Any]:
     """Compile, one run with a progress bar (its tokens kept), then `repeats` timed runs."""
@@ -265,7 +272,7 @@ def measure(generator: Generator, prompts: np.ndarray, new_tokens: int, key, *,
     prefill_s = statistics.median(r.prefill_s for r in runs)
     decode_s = statistics.median(r.decode_s for r in runs)
     decode_steps = new_tokens - 1
-    full_call = compiled["decode"][max(compiled["decode"])] if compiled["decode"] else None
+    full_call = longest_decode_call(compiled)
     cache = jax.eval_shape(lambda: generator.new_cache(batch, prompt_len + new_tokens))
     return {
         "batch": batch, "prompt_len": prompt_len, "new_tokens": new_tokens,
@@ -274,7 +281,8 @@ def measure(generator: Generator, prompts: np.ndarray, new_tokens: int, key, *,
         "prefill_tokens_per_s": batch * prompt_len / prefill_s,
         "decode_step_s": decode_s / decode_steps if decode_steps else None,
         "decode_tokens_per_s": batch * decode_steps / decode_s if decode_steps else None,
-        "fp8_gemms_decode": compare.fp8_gemms(full_call.as_text() or ""),
+        "fp8_gemms_decode": None if full_call is None else
+        compare.fp8_gemms(full_call.as_text() or ""),
         # This variant's own: the compiled decode step's arguments (weights, cache), outputs
         # and temporaries, less the donated cache. The device's figures are process-wide.
         "decode_step_memory": compare.timing.memory_analysis(full_call),
@@ -347,7 +355,7 @@ def profile_decode(generator: Generator, prompts: np.ndarray, new_tokens: int,
             token, _ = generator.prefill(caches.pop(), prompts, key, calls["prefill"])
         jax.block_until_ready(token)
     traced = {}
-    programs = {"prefill": calls["prefill"], "decode": calls["decode"][max(calls["decode"])]}
+    programs = {"prefill": calls["prefill"], "decode": longest_decode_call(calls)}
     for name, count in (("decode", steps), ("prefill", PROFILE_STEPS)):
         trace = profile.gpu_trace.latest_trace(folder / name)
         kernels = next(iter(profile.gpu_trace.gpu_kernels(trace).values()), []) if trace else []
@@ -577,7 +585,8 @@ def render(report: dict) -> str:
         lines += [_row(name, batch, _number(m["prefill_tokens_per_s"]),
                        _number(m["decode_tokens_per_s"]),
                        f"{m['time_to_first_token_s'] * 1e3:.1f}", f"{m['compile_s']:.1f}",
-                       m["fp8_gemms_decode"], f"{r['kv_cache']}, {_mib(m['kv_cache_bytes'])}",
+                       _number(m["fp8_gemms_decode"], "d"),
+                       f"{r['kv_cache']}, {_mib(m['kv_cache_bytes'])}",
                        _mib((m["decode_step_memory"] or {}).get("peak_bytes")),
                        _mib(m["memory"]["peak_bytes_in_use"]))
                   for batch, m in r["by_batch"].items()]
