@@ -79,7 +79,7 @@ struct Attributes {
   bool transpose_b;
   bool allow_tf32;
   bool fast_accumulation;  // FP8 operands only; ignored (normalised to false) otherwise
-  int32_t a_block_rows = 0;  // jax_epilog_matmul_block only: 1 or 128 (0: scalar scales)
+  int32_t a_block_rows = 0;  // jax_epilog_matmul_block only: 1, 128 or kRowScales (0: scalar)
   int32_t b_block_rows = 0;
 };
 
@@ -362,11 +362,15 @@ ffi::Error Decode(int32_t xla_device, bool has_c, ffi::AnyBuffer a, ffi::AnyBuff
   p.fast_accumulation = attrs.fast_accumulation && IsFp8(p.dtype);
   p.a_block_rows = attrs.a_block_rows;
   p.b_block_rows = attrs.b_block_rows;
-  if (p.block_scaled() && (p.b_block_rows == 0 || !IsFp8(p.dtype) || p.k % 128 != 0))
+  const bool rows = p.a_block_rows == kRowScales;
+  if (p.block_scaled() &&
+      (p.b_block_rows == 0 || !IsFp8(p.dtype) || (rows ? p.b_block_rows != kRowScales
+                                                        : p.k % 128 != 0)))
     return ffi::Error::InvalidArgument(
         "jax_epilog_matmul_block: block scales need FP8 operands, tiles for both (1 or 128 "
-        "rows) and K a multiple of 128, got a " + std::to_string(p.a_block_rows) + "x128, b " +
-        std::to_string(p.b_block_rows) + "x128, K=" + std::to_string(p.k));
+        "rows) and K a multiple of 128, or row scales for both (" +
+        std::to_string(kRowScales) + "), got a_block_rows " + std::to_string(p.a_block_rows) +
+        ", b_block_rows " + std::to_string(p.b_block_rows) + ", K=" + std::to_string(p.k));
   call->epilog = FindEpilog(attrs.epilog);
   if (call->epilog == nullptr)
     return ffi::Error::InvalidArgument("jax_epilog_matmul: unknown epilog " +
@@ -469,7 +473,7 @@ auto Binding() {
 template <ffi::ExecutionStage stage>
 auto BlockBinding() {
   return Binding<stage>()
-      .template Attr<int32_t>("a_block_rows")   // 1: 1x128 tiles, 128: 128x128 blocks
+      .template Attr<int32_t>("a_block_rows")   // 1: 1x128 tiles, 128: blocks, -1: rows
       .template Attr<int32_t>("b_block_rows");
 }
 

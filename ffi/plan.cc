@@ -132,9 +132,19 @@ ffi::Error MakeLayouts(const Problem& p, Plan* plan) {
 
 // Block scaling (docs/fp8.md, "Block scaling"): FP8 operands in the TN layout (a (M, K), b
 // (N, K)), K a multiple of 128, one GEMM, a 16/32-bit y without C or amax, tiles of 1 or
-// 128 rows and not both 128 (cuBLASLt has no 128x128 by 128x128 kernel).
+// 128 rows and not both 128 (cuBLASLt has no 128x128 by 128x128 kernel). Row scales
+// ("Row scaling"): both operands', any K, fast accumulation allowed, the epilog left to
+// cuBLASLt.
 ffi::Error CheckBlockScaling(const Problem& p) {
   if (p.a_block_rows == 0 && p.b_block_rows == 0) return ffi::Error::Success();
+  if (p.a_block_rows == kRowScales || p.b_block_rows == kRowScales) {
+    if (p.a_block_rows != p.b_block_rows || !IsFp8(p.dtype) || IsFp8(p.dtype_d) || p.amax ||
+        p.has_c || p.transpose_a || !p.transpose_b || p.batch != 1 || p.batch_b != 1)
+      return ffi::Error::InvalidArgument(
+          "row scales take both operands' rows scaled, FP8 a (M, K) and b (N, K), batch 1 "
+          "and a 16/32-bit y without C or amax: " + p.ToString());
+    return ffi::Error::Success();
+  }
   auto tile = [](int32_t rows) { return rows == 1 || rows == 128; };
   if (!tile(p.a_block_rows) || !tile(p.b_block_rows) ||
       (p.a_block_rows == 128 && p.b_block_rows == 128) || !IsFp8(p.dtype) ||
@@ -153,8 +163,9 @@ ffi::Error SetBlockScaleModes(const Problem& p, cublasLtMatmulDesc_t desc,
                               const std::string& problem) {
 #if CUBLAS_VERSION >= 120900
   auto mode = [](int32_t rows) {
-    return int32_t{rows == 1 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
-                             : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F};
+    return int32_t{rows == kRowScales ? CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F
+                   : rows == 1        ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
+                                      : CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F};
   };
   JAX_EPILOG_RETURN_IF_ERROR(SetDesc(desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
                                      mode(p.b_block_rows), "CUBLASLT_MATMUL_DESC_A_SCALE_MODE",
@@ -281,9 +292,10 @@ std::string Problem::ToString() const {
                              (amax ? " with amax" : "")
                        : std::string()) +
          (allow_tf32 ? " (tf32)" : "") + (fast_accumulation ? " (fast accumulation)" : "") +
-         (block_scaled() ? " (block scales: a " + std::to_string(a_block_rows) + "x128, b " +
-                               std::to_string(b_block_rows) + "x128)"
-                         : std::string()) +
+         (a_block_rows == kRowScales ? std::string(" (row scales)")
+          : block_scaled() ? " (block scales: a " + std::to_string(a_block_rows) + "x128, b " +
+                                 std::to_string(b_block_rows) + "x128)"
+                           : std::string()) +
          (has_c ? ", with C (device alpha, beta)" : "") +
          ", batch=" + std::to_string(batch) + " batch_b=" + std::to_string(batch_b) +
          " batch_bias=" + std::to_string(batch_bias) + ", M=" + std::to_string(m) +
@@ -302,8 +314,8 @@ size_t ProblemHash::operator()(const Problem& p) const {
   auto mix = [&h](uint64_t v) {
     h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
   };
-  mix(static_cast<uint64_t>(p.device) | static_cast<uint64_t>(p.a_block_rows) << 32 |
-      static_cast<uint64_t>(p.b_block_rows) << 48);
+  mix(static_cast<uint64_t>(p.device) | uint64_t{static_cast<uint16_t>(p.a_block_rows)} << 32 |
+      uint64_t{static_cast<uint16_t>(p.b_block_rows)} << 48);
   mix(static_cast<uint64_t>(p.epilog));
   mix(static_cast<uint64_t>(p.dtype_b) | uint64_t{static_cast<uint8_t>(p.dtype_d)} << 8 |
       uint64_t{p.amax} << 16 | uint64_t{p.has_c} << 17 | uint64_t{p.fast_accumulation} << 18 |

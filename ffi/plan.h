@@ -52,7 +52,8 @@ struct Problem {
   bool fast_accumulation = false;
   // Block-scaled FP8 only (the target jax_epilog_matmul_block): the rows of a's and b's
   // scale tiles, 1 (1x128 tiles, CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F) or 128 (128x128
-  // blocks, _BLK128x128_32F); 0 for both: per-tensor scalar scales.
+  // blocks, _BLK128x128_32F), or kRowScales for both (one scale per row of each operand,
+  // _OUTER_VEC_32F); 0 for both: per-tensor scalar scales.
   int32_t a_block_rows = 0, b_block_rows = 0;
   bool block_scaled() const { return a_block_rows != 0; }
   int64_t batch = 1, batch_b = 1, batch_bias = 1;
@@ -65,13 +66,22 @@ struct Problem {
   std::string ToString() const;
 };
 
+// The `a_block_rows` / `b_block_rows` of row scales: one scale per row of the operand.
+constexpr int32_t kRowScales = -1;
+
 // The shape of a block-scale tensor (jax_epilog_matmul_block) of an operand with `rows` rows
 // and K columns, in cuBLASLt's layout, row-major float32: 1x128 tiles (block_rows 1) as
-// (K/128, rows rounded up to 4), 128x128 blocks as (ceil(rows/128), K/128 rounded up to 4).
+// (K/128, rows rounded up to 4), 128x128 blocks as (ceil(rows/128), K/128 rounded up to 4),
+// row scales (kRowScales) as (1, rows).
 struct BlockScaleShape {
   int64_t outer = 0, inner = 0;
   BlockScaleShape(int32_t block_rows, int64_t rows, int64_t k) {
     auto round4 = [](int64_t x) { return (x + 3) / 4 * 4; };
+    if (block_rows == kRowScales) {
+      outer = 1;
+      inner = rows;
+      return;
+    }
     outer = block_rows == 1 ? k / 128 : (rows + 127) / 128;
     inner = block_rows == 1 ? round4(rows) : round4(k / 128);
   }

@@ -10,7 +10,8 @@ cuBLASLt's packed ReLU mask. `Fp8` configures FP8 training in the layers (`fp8=`
 `Fp8History` is a layer's delayed-scaling state (`fp8_state=`); `quantize` makes an FP8
 operand and its scale for `matmul`; `quantize_1x128` and `quantize_128x128` make a
 block-scaled one and its `BlockScales` (one scale per 1×128 tile or 128×128 block, the
-DeepSeek-V3 recipe; docs/fp8.md, "Block scaling").
+DeepSeek-V3 recipe; docs/fp8.md, "Block scaling"), `quantize_rows` one with a scale per
+row ("Row scaling").
 `quantize_params` stores a trained model's large kernels in FP8 (`Fp8Weight`) for serving,
 and `calibrate` gives them static input scales (docs/serving.md).
 `explain(fn, *args)` prints how each stack and GEMM of a program runs on CUDA and which rule
@@ -31,7 +32,7 @@ imports only the layers below it (docs/architecture.md):
 
 import importlib as _importlib
 
-from jax_epilog.float8.blocks import quantize_1x128, quantize_128x128
+from jax_epilog.float8.blocks import quantize_1x128, quantize_128x128, quantize_rows
 from jax_epilog.float8.recipe import Fp8, Fp8History
 from jax_epilog.float8.scaling import quantize_tensor as quantize
 from jax_epilog.float8.weights import Fp8Weight, quantize_params
@@ -69,6 +70,7 @@ __all__ = [
     "quantize_128x128",
     "quantize_1x128",
     "quantize_params",
+    "quantize_rows",
     "reference_matmul",
     "relu_mask_bytes",
     "swiglu",

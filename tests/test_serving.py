@@ -88,6 +88,32 @@ def assert_served(y, want, dtype):
 # --- quantize_weight and quantize_params ----------------------------------------------------
 
 @pytest.mark.parametrize("shape", [(1, 1), (127, 129), (520, 33)])
+def test_quantize_weight_per_channel_scales_each_output_channel(shape):
+    kernel = random(0, shape, scale=3.0) * random(1, shape[1:], scale=10.0)
+    kernel = kernel.at[:, shape[1] // 2].set(0)  # an all-zero channel gets scale 1
+    stored = quantize_weight(kernel, granularity="channel")
+    k = np.asarray(kernel, np.float64)
+    amax = np.max(np.abs(k), axis=0)
+    scale = np.where(amax > 0, amax / E4M3, 1.0)
+    assert stored.data.shape == shape[::-1] and stored.scale.shape == shape[1:]
+    assert stored.data.dtype == jnp.float8_e4m3fn and stored.scale.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(stored.scale), scale, rtol=1e-6)
+    # each column times its 1 / scale in float32, then e4m3: the exact FP8 rounding
+    q = (np.float32(1) / np.asarray(stored.scale)).astype(np.float32)
+    want = to_e4m3((k.astype(np.float32) * q).T)
+    np.testing.assert_array_equal(np.asarray(stored.data.astype(jnp.float32)), want)
+
+
+def test_quantize_params_per_channel_and_its_errors():
+    quantized = jax_epilog.quantize_params(_linen_params(), granularity="channel")["params"]
+    assert quantized["block"]["up"]["kernel"].scale.shape == (2048,)
+    assert quantized["block"]["down"]["kernel"].scale.shape == (512,)
+    with pytest.raises(ValueError, match=r"granularity: expected one of \('tensor', 'channel'\), "
+                                         r"got 'row'"):
+        jax_epilog.quantize_params(_linen_params(), granularity="row")
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (127, 129), (520, 33)])
 def test_quantize_weight_stores_the_transposed_kernel_with_its_per_tensor_scale(shape):
     kernel = random(0, shape, scale=3.0)
     stored = quantize_weight(kernel)
@@ -176,12 +202,16 @@ def test_served_layers_choose_their_way_by_the_rows(rows, way, monkeypatch):
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("way", ["fp8", "xla_fp8", "weight_only"])
-def test_dense_with_a_stored_weight_is_its_way_s_formula(way, rows, activation, dtype,
-                                                          monkeypatch):
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_dense_with_a_stored_weight_is_its_way_s_formula(granularity, way, rows, activation,
+                                                          dtype, monkeypatch):
     """`fp8` and `xla_fp8`: the FP8 GEMM of the quantized input; `weight_only`: x times the
-    dequantized weight."""
+    dequantized weight; per-tensor or per-channel weight scales (the columns' sizes spread
+    over 2**8)."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", way)
-    kernel = quantize_weight(random(1, (136, 72), scale=0.2))
+    columns = 2.0 ** jax.random.uniform(jax.random.key(5), (72,), minval=-8, maxval=0)
+    kernel = quantize_weight(random(1, (136, 72), scale=0.2) * columns,
+                             granularity=granularity)
     bias = random(2, (72,), dtype)
     x = random(3, (rows, 136), dtype)
     y = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation=activation))(
@@ -228,6 +258,13 @@ def test_bad_stored_weights_are_named():
         jax_epilog.dense(x, Fp8Weight(stored.data, stored.scale, jnp.ones((2,), jnp.float32)))
     with pytest.raises(ValueError, match=r"layers\[0\] kernel: an Fp8Weight holds FP8 data"):
         jax_epilog.dense(x, Fp8Weight(stored.data.astype(jnp.bfloat16), stored.scale))
+    # per-channel scales: one per output channel, each finite and positive
+    with pytest.raises(ValueError, match=r"layers\[0\] kernel.scale: expected a float32 "
+                                         r"scalar or float32 of shape \(16,\)"):
+        jax_epilog.dense(x, Fp8Weight(stored.data, jnp.ones((15,), jnp.float32)))
+    with pytest.raises(ValueError, match=r"layers\[0\] kernel.scale: expected a finite "
+                                         r"positive scale, got -1.0"):
+        jax_epilog.dense(x, Fp8Weight(stored.data, jnp.ones((16,), jnp.float32).at[3].set(-1)))
 
 
 # --- Flax modules -----------------------------------------------------------------------
@@ -298,11 +335,19 @@ def test_a_gemm_writes_the_next_layers_fp8_input_with_its_static_scale(rows, mon
     check_fp8_chain(rows, (64, 48, 32), monkeypatch)
 
 
-def check_fp8_chain(rows, widths, monkeypatch):
+@pytest.mark.parametrize("rows", [1, 129])
+def test_a_per_channel_gemm_writes_a_16_bit_result_for_the_next_layer(rows, monkeypatch):
+    """GEMMs with row scales give 16/32-bit results only: after a per-channel layer the
+    next layer quantizes a bf16 input with its static scale."""
+    check_fp8_chain(rows, (64, 48, 32), monkeypatch, granularity="channel")
+
+
+def check_fp8_chain(rows, widths, monkeypatch, granularity="tensor"):
     """Two calibrated bf16 layers of `widths` (K, hidden, N) against the float64 model of
-    the chain; returns the jitted stack and its arguments."""
+    the chain (the first's weight per-tensor: its GEMM writes the second's e4m3 input; per
+    channel: a bf16 result); returns the jitted stack and its arguments."""
     k, hidden, n = widths
-    params = [(quantize_weight(random(1, (k, hidden), scale=0.1)),
+    params = [(quantize_weight(random(1, (k, hidden), scale=0.1), granularity=granularity),
                random(2, (hidden,), jnp.bfloat16)),
               (quantize_weight(random(3, (hidden, n), scale=0.1)), None)]
     apply = lambda p, x: jax_epilog.mlp(x, p, activation="gelu")
@@ -311,7 +356,12 @@ def check_fp8_chain(rows, widths, monkeypatch):
     first, second = calibrated[0][0], calibrated[1][0]
     h = served_model(batch.astype(jnp.float32), first, np.asarray(params[0][1], np.float32),
                      "gelu", input_scale=first.input_scale).astype(np.float32)
-    h8 = to_e4m3(h * (np.float32(1) / np.float32(second.input_scale)))
+    written = "float8_e4m3fn" if granularity == "tensor" else "bfloat16"
+    if written == "bfloat16":  # the second layer quantizes the first's rounded result
+        h = np.asarray(jnp.asarray(h).astype(jnp.bfloat16).astype(jnp.float32))
+        h8 = to_e4m3(h / np.float32(second.input_scale))
+    else:
+        h8 = to_e4m3(h * (np.float32(1) / np.float32(second.input_scale)))
     want = (h8 @ np.asarray(second.data.astype(jnp.float32), np.float64).T) * \
         np.float64(np.float32(second.input_scale)) * np.float64(second.scale)
     results = []
@@ -319,7 +369,7 @@ def check_fp8_chain(rows, widths, monkeypatch):
     monkeypatch.setattr(serving, "matmul", lambda *args, **kwargs: results.append(
         jnp.dtype(kwargs["preferred_element_type"]).name) or original(*args, **kwargs))
     y = jax.jit(apply)(calibrated, batch)
-    assert results == ["float8_e4m3fn", "bfloat16"]
+    assert results == [written, "bfloat16"]
     assert y.dtype == jnp.bfloat16
     assert_served(y, want, jnp.bfloat16)
     return jax.jit(apply), (calibrated, batch)
@@ -339,13 +389,14 @@ def test_calibrate_refuses_jit_no_batches_and_unquantized_params():
 
 # --- checkpoints --------------------------------------------------------------------------
 
-def test_orbax_saves_half_the_bytes_and_restores_exactly(tmp_path):
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_orbax_saves_half_the_bytes_and_restores_exactly(tmp_path, granularity):
     ocp = pytest.importorskip("orbax.checkpoint")
     params = {"up": {"kernel": random(1, (1024, 1024), jnp.bfloat16)},
               "norm": {"scale": random(2, (1024,), jnp.bfloat16)}}
     quantized = jax_epilog.calibrate(
         lambda p, x: jax_epilog.dense(x, p["up"]["kernel"]),
-        jax_epilog.quantize_params(params), [random(3, (4, 1024))])
+        jax_epilog.quantize_params(params, granularity=granularity), [random(3, (4, 1024))])
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(tmp_path / "fp8", quantized)
     checkpointer.save(tmp_path / "bf16", params)
@@ -369,9 +420,10 @@ def test_orbax_saves_half_the_bytes_and_restores_exactly(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 127, 256, 2048])
-def test_served_gemm_runs_the_kernel_on_a_gpu(rows, monkeypatch):
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_served_gemm_runs_the_kernel_on_a_gpu(granularity, rows, monkeypatch):
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)  # the FP8 call's own choice
-    kernel = quantize_weight(random(1, (1024, 1536), scale=0.05))
+    kernel = quantize_weight(random(1, (1024, 1536), scale=0.05), granularity=granularity)
     bias = random(2, (1536,), jnp.bfloat16)
     x = random(3, (rows, 1024), jnp.bfloat16)
     fn = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation="gelu"))
@@ -386,11 +438,12 @@ def test_served_gemm_runs_the_kernel_on_a_gpu(rows, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [127, 2048])
-def test_fp8_chain_runs_the_kernel_on_a_gpu(rows, monkeypatch):
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_fp8_chain_runs_the_kernel_on_a_gpu(granularity, rows, monkeypatch):
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no reference fallback
-        fn, args = check_fp8_chain(rows, (1024, 1536, 512), monkeypatch)
+        fn, args = check_fp8_chain(rows, (1024, 1536, 512), monkeypatch, granularity)
     assert fn.lower(*args).compile().as_text().count(
         'custom_call_target="jax_epilog_matmul') == 2
 

@@ -60,7 +60,7 @@ def served_block(way, x, gate_up, down, dtype):
 
 def assert_block(y, want, h_max, down: Fp8Weight, dtype, way):
     y = np.asarray(jnp.asarray(y, jnp.float32), np.float64).reshape(want.shape)
-    w_max = float(jnp.max(jnp.abs(down.data.astype(jnp.float32)))) * float(down.scale)
+    w_max = float(jnp.max(jnp.abs(down.data.astype(jnp.float32)))) * float(jnp.max(down.scale))
     rounding = (2 ** -7 if dtype == jnp.bfloat16 else 2 ** -20) * np.max(np.abs(want))
     flips = 0 if way == "weight_only" else 2 * 2 ** -3 * h_max * w_max  # two e4m3 steps of h
     np.testing.assert_allclose(y, want, rtol=0, atol=(rounding + flips) * (8 if HAS_CUDA else 1)
@@ -80,17 +80,19 @@ def relative_error(y, want) -> float:
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("way", ["fp8", "xla_fp8", "weight_only"])
 @pytest.mark.parametrize("concatenated", [False, True])
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
 def test_stored_block_is_its_way_s_formula_and_the_16_bit_block_to_fp8_rounding(
-        rows, d, f, d_out, dtype, way, concatenated, monkeypatch):
+        rows, d, f, d_out, dtype, way, concatenated, granularity, monkeypatch):
     monkeypatch.setenv("JAX_EPILOG_SERVING", way)
     gate, up, down = make_block(1, d, f, d_out)
     x = random(4, (2, rows, d), dtype)
-    stored_down = quantize_weight(down)
+    store = lambda kernel: quantize_weight(kernel, granularity=granularity)  # noqa: E731
+    stored_down = store(down)
     if concatenated:
-        gate_up = (quantize_weight(jnp.concatenate([gate, up], axis=1)),)
+        gate_up = (store(jnp.concatenate([gate, up], axis=1)),)
         argument = gate_up[0]
     else:
-        gate_up = argument = (quantize_weight(gate), quantize_weight(up))
+        gate_up = argument = (store(gate), store(up))
     y = jax.jit(lambda x, gu, w: jax_epilog.swiglu(x, gu, w))(x, argument, stored_down)
     assert y.shape == (2, rows, d_out) and y.dtype == dtype
     want, h_max = served_block(way, x, gate_up, stored_down, dtype)
@@ -218,9 +220,11 @@ def test_linen_swiglu_serves_quantized_and_calibrated_variables():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [127, 2048])
-def test_served_block_runs_the_kernels_on_a_gpu(rows, monkeypatch):
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_served_block_runs_the_kernels_on_a_gpu(granularity, rows, monkeypatch):
     monkeypatch.delenv("JAX_EPILOG_BACKEND", raising=False)  # the FP8 calls' own choice
-    stored = [quantize_weight(w) for w in make_block(1, 1024, 1536, 1024)]
+    stored = [quantize_weight(w, granularity=granularity)
+              for w in make_block(1, 1024, 1536, 1024)]
     x = random(3, (rows, 1024), jnp.bfloat16)
     fn = jax.jit(lambda x, gu, w: jax_epilog.swiglu(x, gu, w))
     assert fn.lower(x, stored[:2], stored[2]).compile().as_text().count(

@@ -1,7 +1,8 @@
 """Block-scaled FP8 quantization (the DeepSeek-V3 recipe; docs/fp8.md, "Block scaling"), in
 plain JAX that XLA fuses with whatever produces the tensor: current scaling, one amax per
-1×128 tile (`quantize_1x128`: activations and gradients) or per 128×128 block
-(`quantize_128x128`: weights), scales in the layouts `matmul` takes (`op.block_scales`).
+1×128 tile (`quantize_1x128`: activations and gradients), per 128×128 block
+(`quantize_128x128`: weights) or per row (`quantize_rows`: "Row scaling"), scales in the
+layouts `matmul` takes (`op.block_scales`).
 
 A tensor x (rows, K) is quantized along K, the axis its GEMM contracts. The weight gradient
 contracts the other axis (the tokens), so it needs x's transposed copy quantized along the
@@ -169,6 +170,17 @@ def quantize_128x128(x, dtype="float8_e4m3fn"):
 
     x8, scale = _quantize(x, amax, expand, dtype)
     return x8, BlockScales(scale, "128x128")
+
+
+def quantize_rows(x, dtype="float8_e4m3fn"):
+    """`(x8, BlockScales(values, "row"))`: x (rows, K) quantized per row (current scaling),
+    values (rows,): per token for an activation, per output channel for a weight stored
+    (N, K). Any K. The scaling cuBLASLt calls outer vector (docs/fp8.md, "Row scaling")."""
+    _check(x)
+    dtype = _format("dtype", dtype)
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)  # (rows,)
+    x8, scale = _quantize(x, amax, lambda q: q[:, None], dtype)
+    return x8, BlockScales(scale, "row")
 
 
 def transpose_128x128(x8, scales: BlockScales):

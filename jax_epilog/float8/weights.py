@@ -11,7 +11,6 @@ FP8 kernels read on Hopper, so no call transposes it again. The layers that run 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_epilog.float8 import scaling
+from jax_epilog.float8.blocks import quantize_rows
 from jax_epilog.float8.recipe import _format
 from jax_epilog.op.epilogs import FP8_DTYPES
 
@@ -30,6 +30,10 @@ MIN_FEATURES = 512
 
 #: The parameter name the default rule quantizes: Flax's `Dense`, `nnx.Linear` and ours.
 KERNEL_NAME = "kernel"
+
+#: How finely a stored weight is scaled: one scale for the kernel ("tensor") or one per
+#: output channel ("channel": a column of the (K, N) kernel; docs/serving.md).
+GRANULARITIES = ("tensor", "channel")
 
 #: The submodules of a SwiGLU block (`jax_epilog.linen.SwiGLU`, `jax_epilog.nnx.SwiGLU`, and
 #: the three-`Dense` blocks whose checkpoints they load): `quantize_params` stores their
@@ -45,7 +49,8 @@ class Fp8Weight:
     Attributes:
       data: `(N, K)` float8_e4m3fn (or e5m2): the kernel transposed, the layout the FP8 GEMM
         reads.
-      scale: float32 scalar that dequantizes `data` (per-tensor).
+      scale: float32 that dequantizes `data`: a scalar (per-tensor), or `(N,)`, one per
+        output channel (a row of `data`, a column of the kernel).
       input_scale: None, or a float32 scalar: the layer's input is quantized with this static
         scale (`x8 = x / input_scale`, saturated), set by `jax_epilog.calibrate`. None: the
         input's own amax each call (current scaling).
@@ -72,11 +77,14 @@ class Fp8Weight:
                    for x in jax.tree_util.tree_leaves(self))
 
 
-def quantize_weight(kernel, dtype="float8_e4m3fn", *, name: str = "kernel") -> Fp8Weight:
-    """`kernel` `(K, N)` as an `Fp8Weight`: per-tensor scale from its amax, values rounded to
-    nearest. A non-finite value (concrete kernels only: under `jit` it cannot be seen) raises
-    a `ValueError` naming `name`: its scale would turn every value into NaN or zero."""
+def quantize_weight(kernel, dtype="float8_e4m3fn", *, name: str = "kernel",
+                    granularity: str = "tensor") -> Fp8Weight:
+    """`kernel` `(K, N)` as an `Fp8Weight`: a scale from its amax (`granularity` "tensor"),
+    or one from each output channel's ("channel"), values rounded to nearest. A non-finite
+    value (concrete kernels only: under `jit` it cannot be seen) raises a `ValueError` naming
+    `name`: its scale would turn every value into NaN or zero."""
     dtype = _format("dtype", dtype)
+    _check_granularity(granularity)
     kernel_dtype = jnp.result_type(kernel)
     if jnp.ndim(kernel) != 2 or not jnp.issubdtype(kernel_dtype, jnp.floating) or \
             kernel_dtype.name in FP8_DTYPES:
@@ -85,8 +93,16 @@ def quantize_weight(kernel, dtype="float8_e4m3fn", *, name: str = "kernel") -> F
     if not isinstance(kernel, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(kernel))):
         raise ValueError(f"{name}: has non-finite values (NaN or Inf); an FP8 weight's scale "
                          f"comes from its largest value, so fix or exclude this parameter")
+    if granularity == "channel":
+        data, scales = quantize_rows(jnp.asarray(kernel).T, dtype)
+        return Fp8Weight(data, scales.values)
     data, scale = scaling.quantize(jnp.asarray(kernel).T, scaling.amax(kernel), dtype, 0)
     return Fp8Weight(data, scale)
+
+
+def _check_granularity(granularity) -> None:
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity: expected one of {GRANULARITIES}, got {granularity!r}")
 
 
 def key_names(path) -> tuple[str, ...]:
@@ -111,7 +127,7 @@ def default_rule(path, leaf) -> bool:
 
 
 def quantize_params(params, *, include: Optional[Callable[[Any, Any], bool]] = None,
-                    dtype="float8_e4m3fn"):
+                    dtype="float8_e4m3fn", granularity: str = "tensor"):
     """`params` with each large kernel stored in FP8 (an `Fp8Weight`), for inference.
 
     Args:
@@ -125,6 +141,9 @@ def quantize_params(params, *, include: Optional[Callable[[Any, Any], bool]] = N
         head 16-bit, e.g. `include=lambda p, x: default_rule(p, x) and "head" not in
         key_names(p)`.
       dtype: the stored format, "float8_e4m3fn" (default) or "float8_e5m2".
+      granularity: "tensor" (default), one scale per kernel, or "channel", one per output
+        channel (a kernel column): a channel of small weights then keeps its precision
+        beside a channel of large ones (docs/serving.md, "Per-channel scales").
 
     A SwiGLU block's `gate`, `up` and `down` kernels (`SWIGLU_PARTS`) are stored together,
     where the rule picks all three, or none stays stored: the block serves them together.
@@ -139,13 +158,15 @@ def quantize_params(params, *, include: Optional[Callable[[Any, Any], bool]] = N
     if not callable(rule):
         raise TypeError(f"include: expected a function (path, leaf) -> bool, got {include!r}")
     dtype = _format("dtype", dtype)
+    _check_granularity(granularity)
 
     chosen = _together(params, rule)
 
     def visit(path, leaf):
         if isinstance(leaf, Fp8Weight) or not chosen[key_names(path)]:
             return leaf
-        return quantize_weight(leaf, dtype, name="/".join(key_names(path)) or "params")
+        return quantize_weight(leaf, dtype, name="/".join(key_names(path)) or "params",
+                               granularity=granularity)
 
     return jax.tree_util.tree_map_with_path(
         visit, params, is_leaf=lambda x: isinstance(x, Fp8Weight))
@@ -169,8 +190,8 @@ def _together(params, rule) -> dict[tuple[str, ...], bool]:
 
 def check_weight(name: str, weight: Fp8Weight, in_features: int, source: str = "x") -> None:
     """An `Fp8Weight` given to a layer whose input (`source`, for the error) has
-    `in_features`: its data FP8 of shape (N, in_features), its scales float32 scalars;
-    concrete scales must be finite and positive."""
+    `in_features`: its data FP8 of shape (N, in_features), its scale a float32 scalar or
+    `(N,)`, its input scale a float32 scalar; concrete scales must be finite and positive."""
     data = weight.data
     if jnp.ndim(data) != 2 or jnp.result_type(data).name not in FP8_DTYPES:
         raise ValueError(f"{name}: an Fp8Weight holds FP8 data of shape (N, K), got "
@@ -179,15 +200,18 @@ def check_weight(name: str, weight: Fp8Weight, in_features: int, source: str = "
     if jnp.shape(data)[1] != in_features:
         raise ValueError(f"{name}: the stored FP8 kernel is (K, N) = {weight.shape}, but {source} "
                          f"has {in_features} features")
-    for field in ("scale", "input_scale"):
+    for field, shapes in (("scale", ((), jnp.shape(data)[:1])), ("input_scale", ((),))):
         value = getattr(weight, field)
         if value is None:
             continue
-        if jnp.shape(value) != () or jnp.result_type(value) != jnp.float32:
-            raise ValueError(f"{name}.{field}: expected a float32 scalar, got "
+        if jnp.shape(value) not in shapes or jnp.result_type(value) != jnp.float32:
+            want = "a float32 scalar" + (f" or float32 of shape {shapes[1]} (one per output "
+                                         "channel)" if len(shapes) > 1 else "")
+            raise ValueError(f"{name}.{field}: expected {want}, got "
                              f"{jnp.result_type(value)} of shape {jnp.shape(value)}")
         if not isinstance(value, jax.core.Tracer):
-            number = float(value)
-            if not (math.isfinite(number) and number > 0):
+            values = np.asarray(value, np.float64)
+            if not (np.all(np.isfinite(values)) and np.all(values > 0)):
+                bad = values[~(np.isfinite(values) & (values > 0))].flat[0]
                 raise ValueError(f"{name}.{field}: expected a finite positive scale, got "
-                                 f"{number}")
+                                 f"{float(bad)}")

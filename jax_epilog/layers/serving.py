@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from jax_epilog.float8 import scaling
 from jax_epilog.float8.weights import Fp8Weight, check_weight
+from jax_epilog.op.block_scales import BlockScales
 from jax_epilog.op.epilogs import ACTIVATIONS, Epilog, aux_dtype
 from jax_epilog.op.matmul import matmul
 from jax_epilog.op.reference import saturating_cast
@@ -89,7 +90,7 @@ def _layers(activations: tuple, dtype, x, params):
             h, h8 = xla_fp8(h8, input_scale, kernel, bias, activation, dtype), None
             continue
         following = params[i + 1][0] if i + 1 < len(params) else None
-        if writes_fp8_input(following, recorded, dtype):
+        if writes_fp8_input(kernel, following, recorded, dtype):
             # The next layer's static scale is known: this GEMM writes its e4m3 input
             # itself (saturating), saving a pass over the activation and half its bytes.
             result, scales = INPUT_FORMAT, {"d": 1.0 / following.input_scale}
@@ -103,14 +104,22 @@ def _layers(activations: tuple, dtype, x, params):
     return h
 
 
-def writes_fp8_input(following, recorded, dtype) -> bool:
-    """Whether a served FP8 GEMM writes its result in e4m3 for the layer after it: that
-    layer's weight is stored in FP8 with a static input scale (`calibrate`), so its FP8 GEMM
-    would quantize with that scale anyway. In bfloat16 only: an FP8 result's bias is
+def writes_fp8_input(weight: Fp8Weight, following, recorded, dtype) -> bool:
+    """Whether a served FP8 GEMM (of `weight`) writes its result in e4m3 for the layer after
+    it: that layer's weight is stored in FP8 with a static input scale (`calibrate`), so its
+    FP8 GEMM would quantize with that scale anyway. In bfloat16 only: an FP8 result's bias is
     bfloat16 (cuBLASLt's), which would round a float32 or float16 bias. Not while
-    calibrating, which records 16-bit inputs."""
+    calibrating, which records 16-bit inputs. Not from a per-channel weight: GEMMs with row
+    scales write 16/32-bit results."""
     return (isinstance(following, Fp8Weight) and following.input_scale is not None
-            and recorded is None and jnp.dtype(dtype) == jnp.bfloat16)
+            and recorded is None and jnp.dtype(dtype) == jnp.bfloat16
+            and not per_channel(weight))
+
+
+def per_channel(weight: Fp8Weight) -> bool:
+    """Whether `weight` has one scale per output channel (`quantize_params(granularity=
+    "channel")`) rather than one for the kernel."""
+    return jnp.ndim(weight.scale) == 1
 
 
 def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str]):
@@ -148,9 +157,14 @@ def fp8_matmul(h8, h_scale, weight: Fp8Weight, result, *, epilog=Epilog.DEFAULT,
                epilog_inputs=None, scales=None):
     """The FP8 GEMM of an e4m3 input `h8` (dequantized by `h_scale`) and a stored weight, as
     it reads it (`(N, K)`, K-major), with `epilog` and a `result`-typed output; `scales` adds
-    the output's `"d"` scale."""
+    the output's `"d"` scale. A per-channel weight's GEMM scales rows (`BlockScales` "row":
+    cuBLASLt's outer vector scaling), h's one scale repeated for each of its rows."""
+    operand_scales = {"a": h_scale, "b": weight.scale}
+    if per_channel(weight):
+        rows = jnp.full((h8.shape[0],), h_scale, jnp.float32)
+        operand_scales = {"a": BlockScales(rows, "row"), "b": BlockScales(weight.scale, "row")}
     return matmul(h8, weight.data, transpose_b=True, epilog=epilog, epilog_inputs=epilog_inputs,
-                  quantization_scales={"a": h_scale, "b": weight.scale, **(scales or {})},
+                  quantization_scales={**operand_scales, **(scales or {})},
                   preferred_element_type=result, fast_accumulation=FAST_ACCUMULATION)
 
 

@@ -85,9 +85,11 @@ def _pad_operands(params: Params, sizes: tuple[int, int]) -> Callable:
             inputs[i] = inputs[i].at[..., p.n:].set(0)
         inputs = [_resize_n_axes(x, name, n, cut=False)
                   for name, x in zip(operand_names[2:], inputs)]
-        if params.block_scaling and params.block_scaling[1] == "1x128":  # a scale per row of b
+        if params.block_scaling and params.block_scaling[1] in ("1x128", "row"):
+            # a scale per row of b, on the scales' last axis: the padded rows' are 1
             i = operand_names.index("scale_b") - 2
-            inputs[i] = jnp.pad(inputs[i], ((0, 0), (0, n - p.n)), constant_values=1.0)
+            widths = [(0, 0)] * (inputs[i].ndim - 1) + [(0, n - p.n)]
+            inputs[i] = jnp.pad(inputs[i], widths, constant_values=1.0)
         return [a, b, *inputs]
 
     return pad
