@@ -13,6 +13,9 @@ Two parts, each a ratio measured in one process against XLA's bf16 (`xla_bf16`):
    - ours_fp8_gemm: always the FP8 GEMM, the input's scale from its amax each call
      (`JAX_EPILOG_SERVING=fp8`);
    - ours_fp8_static: the FP8 GEMM with a static input scale (`calibrate`, no amax pass);
+   - ours_fp8_channel: `w` stored with one scale per output channel (`quantize_params(...,
+     granularity="channel")`), as it runs by default; ours_fp8_channel_gemm: always the FP8
+     GEMM, which then scales rows (cuBLASLt's outer vector scaling);
    - ours_xla_fp8: always XLA's FP8 dot (`JAX_EPILOG_SERVING=xla_fp8`);
    - ours_weight_only: always weight-only (`JAX_EPILOG_SERVING=weight_only`): the bf16 input
      times the FP8 weight converted inside XLA's GEMM;
@@ -22,8 +25,9 @@ Two parts, each a ratio measured in one process against XLA's bf16 (`xla_bf16`):
 2. **A transformer MLP block** `gelu(x W1 + b1) W2 + b2`, D 4096, F 14336, Flax Linen models
    from one set of bf16 parameters: flax_bf16 (`nn.Dense`), ours_fp8
    (`jax_epilog.linen.MLP` on `quantize_params` of them), ours_fp8_static (the same,
-   `calibrate`d: the first GEMM writes the second's FP8 input) and qwix_fp8 (Qwix's PTQ, e4m3
-   weights and activations for every layer, the rule of its README).
+   `calibrate`d: the first GEMM writes the second's FP8 input), ours_fp8_channel (per-channel
+   weight scales) and qwix_fp8 (Qwix's PTQ, e4m3 weights and activations for every layer, the
+   rule of its README).
 3. **A Llama SwiGLU block** `down(silu(x gate) * (x up))`, no biases, the same D and F
    (Llama 3 8B's) and variants, ours `jax_epilog.linen.SwiGLU` (`--parts swiglu`; not in the
    default parts).
@@ -114,8 +118,10 @@ def gemm_variants(k: int, n: int, count: int) -> tuple[dict, dict[str, int]]:
     each with its own weight, and one layer's weight bytes."""
     ws = [normal(1 + i, (k, n), k ** -0.5) for i in range(count)]
     b = normal(100, (n,), 0.1)
-    stored = [jax_epilog.quantize_params({"kernel": w}, include=lambda path, leaf: True)["kernel"]
-              for w in ws]
+    def store(granularity):
+        return [jax_epilog.quantize_params({"kernel": w}, include=lambda path, leaf: True,
+                                           granularity=granularity)["kernel"] for w in ws]
+    stored, per_channel = store("tensor"), store("channel")
     dense = lambda x, w, b: jax_epilog.dense(x, w, b, activation="gelu")
     static = [jax_epilog.calibrate(lambda p, x: jax_epilog.dense(x, p, b, activation="gelu"),
                                    s, [normal(300, (256, k))]) for s in stored]
@@ -129,6 +135,8 @@ def gemm_variants(k: int, n: int, count: int) -> tuple[dict, dict[str, int]]:
         "ours_fp8_static": (Way("fp8", stacked(dense)), ([(s, b) for s in static],)),
         "ours_xla_fp8": (Way("xla_fp8", stacked(dense)), (fp8,)),
         "ours_weight_only": (Way("weight_only", stacked(dense)), (fp8,)),
+        "ours_fp8_channel": (stacked(dense), ([(s, b) for s in per_channel],)),
+        "ours_fp8_channel_gemm": (Way("fp8", stacked(dense)), ([(s, b) for s in per_channel],)),
         "xla_fp8": (stacked(xla_fp8_dense), (fp8,)),
     }
     return variants, {"bf16": ws[0].nbytes, "fp8": stored[0].nbytes}
@@ -204,8 +212,10 @@ def block_variants(d: int, f: int, count: int, part: str = "block"
         if part == "swiglu" else jax_epilog.linen.MLP([f, d], activation="gelu",
                                                       dtype=jnp.bfloat16,
                                                       param_dtype=jnp.bfloat16)
-    ours_params = [jax_epilog.quantize_params(  # the default rule, minus its size floor
-        p, include=lambda path, leaf: jnp.ndim(leaf) == 2) for p in params]
+    def store(granularity):  # the default rule, minus its size floor
+        return [jax_epilog.quantize_params(p, include=lambda path, leaf: jnp.ndim(leaf) == 2,
+                                           granularity=granularity) for p in params]
+    ours_params, per_channel = store("tensor"), store("channel")
     variants = {
         "flax_bf16": (stacked(lambda p, x: flax_model.apply({"params": p}, x), False),
                       ([(p,) for p in params],)),
@@ -216,6 +226,8 @@ def block_variants(d: int, f: int, count: int, part: str = "block"
                             ([(jax_epilog.calibrate(lambda p, x: ours.apply({"params": p}, x),
                                                     p, [normal(5, (256, d))]),)
                               for p in ours_params],)),
+        "ours_fp8_channel": (stacked(lambda p, x: ours.apply({"params": p}, x), False),
+                             ([(p,) for p in per_channel],)),
     }
     weight_bytes = {"bf16": _bytes(params[0]), "ours_fp8": _bytes(ours_params[0])}
     try:

@@ -4,7 +4,7 @@
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt llama gptprofile serving
-#           generate decodelayout blockfp8 blockstep swiglu pallastune
+#           generate decodelayout blockfp8 blockstep swiglu pallastune rowfp8
 #   (default: build tests fuzz demo bench)
 #   `tests` is the GPU suite (the gpu-marked tests: about 190 s with PYTEST_WORKERS=6 on one
 #   H200); `suite` runs every test with the GPU as the default device (past 500 s, and the
@@ -230,6 +230,16 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       note "blockfp8 benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -E "^target|FALLBACK" "$OUT/block_fp8.log" | tee -a "$SUMMARY"
       cat "$OUT/block_fp8/block_fp8.md" 2>/dev/null | head -40 ;;
+    rowfp8)
+      # Row scales (cuBLASLt's outer vector scaling) and the per-channel stored weights that
+      # run them: their GPU tests (the kernel against the float64 model, no fallback to the
+      # reference), then the serving benchmark, whose ours_fp8_channel* variants they are.
+      gpu_tests rowfp8 "${ROWFP8_TEST_CAP:-300}" test_row_fp8.py test_serving.py \
+        test_swiglu_serving.py
+      (cd "$ROOT/benchmarks" && runs --cap "${SERVING_CAP:-400}" "$PY" serving_bench.py \
+        ${SERVING_ARGS:-} --out "$OUT/serving" 2>&1) > "$OUT/serving.log"
+      note "serving benchmark (per-channel variants): rc=$? ($((SECONDS - start)) s)"
+      grep -E "^\| (K|D)" "$OUT/serving/serving.md" 2>/dev/null | tee -a "$SUMMARY" ;;
     blockstep)
       # The block-scaled FP8 recipe (issue 39, Fp8(scaling="block")): its GPU tests (every GEMM
       # of a layer's step on the block-scaled kernel, against the CPU), then M1's training step

@@ -164,11 +164,13 @@ def test_serving_smoke_report(tmp_path):
                      "ours_xla_fp8", "ours_weight_only", "xla_fp8"):
             assert row[name]["careful_ms"] > 0 and row[name]["user_ms"] > 0, name
         assert row["ours_bf16"]["error"] < 0.02
-        for name in ("ours_fp8", "ours_fp8_gemm", "ours_xla_fp8", "ours_weight_only"):
+        for name in ("ours_fp8", "ours_fp8_gemm", "ours_xla_fp8", "ours_weight_only",
+                     "ours_fp8_channel", "ours_fp8_channel_gemm"):
             assert 0 < row[name]["error"] < 0.1, (name, row[name]["error"])
     assert report["weight_bytes"]["gemm"]["fp8"] * 2 <= report["weight_bytes"]["gemm"]["bf16"] + 64
     assert [r["M"] for r in report["block"]] == [3]
     assert 0 < report["block"][0]["ours_fp8"]["error"] < 0.1
+    assert 0 < report["block"][0]["ours_fp8_channel"]["error"] < 0.1
     assert [r["M"] for r in report["swiglu"]] == [3]
     assert 0 < report["swiglu"][0]["ours_fp8"]["error"] < 0.1
     text = (tmp_path / "serving.md").read_text()

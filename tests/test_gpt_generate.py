@@ -451,8 +451,9 @@ def test_sample_keeps_to_the_top_k():
 @pytest.mark.parametrize("base, projections", [
     (TINY, 4),  # qkv, out, MLP up and down
     (LLAMA_TINY, 5)])  # qkv, out, the SwiGLU block's gate, up and down (the head stays 16-bit)
+@pytest.mark.parametrize("weight_scales", ["tensor", "channel"])
 def test_epilog_fp8_stores_fp8_kernels_and_with_static_scales_decodes_as_its_full_forward(
-        corpus, monkeypatch, base, projections):
+        corpus, monkeypatch, base, projections, weight_scales):
     # One way for every call: the full forward's rows and a decode step's rows would
     # otherwise take different ways (serving_plan.serving_way).
     monkeypatch.setenv("JAX_EPILOG_SERVING", "fp8")
@@ -460,17 +461,20 @@ def test_epilog_fp8_stores_fp8_kernels_and_with_static_scales_decodes_as_its_ful
     validation = data.validation_batches(corpus.validation, 4, config.model.seq_len, 1)
     cached = generate.epilog_fp8(config, weights, jnp.float32, attention="auto",
                                  fp8_min_features=64,
-                                 calibration=[jnp.asarray(x) for x, _ in validation])
+                                 calibration=[jnp.asarray(x) for x, _ in validation],
+                                 weight_scales=weight_scales)
     kernels = [leaf for leaf in jax.tree.leaves(
         nnx.state(cached, nnx.Param), is_leaf=lambda x: isinstance(x, jax_epilog.Fp8Weight))
         if isinstance(leaf, jax_epilog.Fp8Weight)]
     assert len(kernels) == projections * config.model.n_layers
     assert all(k.input_scale is not None and k.data.dtype == jnp.float8_e4m3fn
                for k in kernels)
+    assert all(k.scale.shape == (() if weight_scales == "tensor" else k.data.shape[:1])
+               for k in kernels)
     stock = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
-    # each stored kernel: a byte per float32 value, plus its two float32 scales
+    # each stored kernel: a byte per float32 value, plus its float32 scales
     assert generate.weight_bytes(stock) - generate.weight_bytes(cached) == \
-        sum(3 * k.data.size - 8 for k in kernels)
+        sum(3 * k.data.size - 4 * k.scale.size - 4 for k in kernels)
     # Static scales quantize each row alike whatever else is in the call: the cached
     # forward is the full one.
     tokens = jnp.asarray(validation[0][0][:, :24])

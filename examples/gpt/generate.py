@@ -182,12 +182,15 @@ def fp8_include(min_features: Optional[int]) -> Optional[Callable]:
 
 
 def epilog_fp8(config: configs.TrainConfig, weights: nnx.State, dtype, *, attention: str,
-               fp8_min_features: Optional[int] = None, calibration=None) -> CachedGPT:
-    """jax-epilog's layers with their kernels stored in FP8 once (`quantize_params`), and
-    static input scales from `calibration` (batches of tokens) where given."""
+               fp8_min_features: Optional[int] = None, calibration=None,
+               weight_scales: str = "tensor") -> CachedGPT:
+    """jax-epilog's layers with their kernels stored in FP8 once (`quantize_params`, one
+    scale per kernel or per output channel: `weight_scales`), and static input scales from
+    `calibration` (batches of tokens) where given."""
     model = model_with(config, "epilog", weights, dtype, attention)
     params = jax_epilog.quantize_params(nnx.state(model, nnx.Param),
-                                        include=fp8_include(fp8_min_features))
+                                        include=fp8_include(fp8_min_features),
+                                        granularity=weight_scales)
     if calibration is not None:
         graphdef, _, rest = nnx.split(model, nnx.Param, ...)
         params = jax_epilog.calibrate(
@@ -213,12 +216,14 @@ def qwix_fp8(config: configs.TrainConfig, weights: nnx.State, dtype, *, attentio
 
 def build_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dtype, *,
                   attention: str = "auto", sample_tokens=None,
-                  fp8_min_features: Optional[int] = None, calibration=None) -> CachedGPT:
+                  fp8_min_features: Optional[int] = None, calibration=None,
+                  weight_scales: str = "tensor") -> CachedGPT:
     if name == "stock":
         return CachedGPT(model_with(config, "stock", weights, dtype, attention))
     if name == "epilog_fp8":
         return epilog_fp8(config, weights, dtype, attention=attention,
-                          fp8_min_features=fp8_min_features, calibration=calibration)
+                          fp8_min_features=fp8_min_features, calibration=calibration,
+                          weight_scales=weight_scales)
     if name == "qwix_fp8":
         return qwix_fp8(config, weights, dtype, attention=attention, sample_tokens=sample_tokens)
     raise ValueError(f"variant: expected one of {VARIANTS}, got {name!r}")
@@ -434,6 +439,7 @@ class Settings:
     fp8_attention: str = "reduce"  # decode.FP8_DECODE_ATTENTION
     fp8_cache_layout: str = "heads_major"  # decode.FP8_CACHE_LAYOUT
     prefill_command_buffers: bool = False  # decode.Generator's
+    weight_scales: str = "tensor"  # epilog_fp8's: quantize_params' granularity
 
 
 def cache_dtype(name: str, choice: str, dtype):
@@ -457,7 +463,8 @@ def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dt
         if settings.static_scales and name == "epilog_fp8" else None
     cached = build_variant(name, config, weights, dtype, attention=settings.attention,
                            sample_tokens=sample_tokens,
-                           fp8_min_features=settings.fp8_min_features, calibration=calibration)
+                           fp8_min_features=settings.fp8_min_features, calibration=calibration,
+                           weight_scales=settings.weight_scales)
     record = {"build_s": time.perf_counter() - start, "weight_bytes": weight_bytes(cached),
               "fp8_kernels": fp8_kernels(cached), "by_batch": {}}
     print(f"{name}: built in {record['build_s']:.1f} s, weights "
@@ -569,7 +576,9 @@ def render(report: dict) -> str:
              f"an FP8 KV cache {s.get('fp8_cache_layout', 'positions_major')}, read by "
              f"{s.get('fp8_attention', 'reduce')}; the prefill compiled "
              f"{'with' if s.get('prefill_command_buffers', True) else 'without'} command "
-             f"buffers; epilog_fp8's input scales "
+             f"buffers; epilog_fp8's weights scaled per "
+             f"{'output channel' if s.get('weight_scales') == 'channel' else 'tensor'}, its "
+             f"input scales "
              f"{'static (calibrated)' if s['static_scales'] else 'from each call (current)'}; "
              f"medians of {s['repeats']} runs after a warm-up. Method: "
              "examples/gpt/generate.py's docstring.", ""]
@@ -728,6 +737,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--static-scales", action="store_true",
                         help="epilog_fp8: static input scales from the validation batches "
                              "(jax_epilog.calibrate)")
+    parser.add_argument("--weight-scales", default="tensor", choices=("tensor", "channel"),
+                        help="epilog_fp8: one scale per stored kernel, or one per output "
+                             "channel (quantize_params' granularity)")
     parser.add_argument("--kv-cache", default="auto", choices=("auto", *KV_CACHES),
                         help="the KV cache's dtype: auto is fp8 for epilog_fp8 and the compute "
                              "dtype for the others")
@@ -774,7 +786,7 @@ def settings_for(args: argparse.Namespace, config: configs.TrainConfig) -> Setti
                     args.fp8_min_features, args.static_scales, not args.no_progress,
                     args.kv_cache, None if args.profile is None else str(args.profile),
                     args.steps_per_call, args.fp8_attention, args.fp8_cache_layout,
-                    args.prefill_command_buffers == "on")
+                    args.prefill_command_buffers == "on", args.weight_scales)
 
 
 def main(argv=None) -> dict[str, Any]:
