@@ -359,15 +359,17 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       grep -E "FAILED|Error" "$OUT/generate.log" | head -20 | tee -a "$SUMMARY"
       [ -z "${GENERATE_CHECKPOINT_DIR:-}" ] && rm -rf "$ckpt" ;;
     decodelayout)
-      # The FP8 KV cache's two layouts (decode.py's FP8_CACHE_LAYOUT, generate.py
+      # The FP8 KV cache's layouts (decode.py's FP8_CACHE_LAYOUT, generate.py
       # --fp8-cache-layout) on DECODE_LAYOUT_CONFIG (`large`), random weights, stock and
       # epilog_fp8 at batch 1 and 64, each decode call also traced (compiled without command
-      # buffers): positions_major then heads_major (the default), into $OUT/decode_<layout>.
-      # First the GPU tests of the cache's layouts. Compare the decode tokens/s of epilog_fp8
-      # against stock between the two reports, and their traces' whole-cache transposes.
+      # buffers): heads_major (the default) then heads_major_rows (its values a row a
+      # position), into $OUT/decode_<layout>. First the GPU tests of the cache's layouts.
+      # Compare the decode tokens/s of epilog_fp8 against stock between the reports, and their
+      # traces' cache writes and attention.
       gpu_tests decodelayout "${DECODE_LAYOUT_TEST_CAP:-120}" test_gpt_generate.py
-      # DECODE_LAYOUTS: the layouts to run (default both); DECODE_LAYOUT_PROFILE=0: no traces.
-      for layout in ${DECODE_LAYOUTS:-positions_major heads_major}; do
+      # DECODE_LAYOUTS: the layouts to run (positions_major too, measured slower on
+      # 2026-12-04); DECODE_LAYOUT_PROFILE=0: no traces.
+      for layout in ${DECODE_LAYOUTS:-heads_major heads_major_rows}; do
         profile_args=""
         [ "${DECODE_LAYOUT_PROFILE:-1}" = 1 ] && profile_args="--profile /tmp/decode_$layout"
         (cd "$ROOT" && runs --cap "${DECODE_LAYOUT_CAP:-300}" "$PY" examples/gpt/generate.py \

@@ -186,14 +186,16 @@ def test_fp8_decode_attention_by_dots_equals_the_multiply_reduces(config, monkey
 
 @pytest.mark.parametrize("config, form", [(TINY, "reduce"), (LLAMA_TINY, "dots")],
                          ids=["gpt_reduce", "llama_gqa_dots"])
-def test_fp8_cache_heads_major_holds_and_decodes_as_positions_major(config, form, monkeypatch):
+@pytest.mark.parametrize("heads_major", ["heads_major", "heads_major_rows"])
+def test_fp8_cache_heads_major_holds_and_decodes_as_positions_major(config, form, heads_major,
+                                                                     monkeypatch):
     # generate.py --fp8-cache-layout: the same bytes in another order, the same math
     config, weights = tiny_weights(config=config, tie_head=False)
     cached = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
     prompt = np.random.default_rng(5).integers(0, 256, (3, 7))
     monkeypatch.setattr(decode, "FP8_DECODE_ATTENTION", form)
     by_layout = {}
-    for layout in ("positions_major", "heads_major"):
+    for layout in ("positions_major", heads_major):
         monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
         generator = decode.Generator(cached, cache_dtype=jnp.float8_e4m3fn, steps_per_call=4)
         tokens, cache = generator.prefill(generator.new_cache(3, 13), prompt, jax.random.key(0))
@@ -204,18 +206,19 @@ def test_fp8_cache_heads_major_holds_and_decodes_as_positions_major(config, form
     np.testing.assert_array_equal(new_tokens, tokens)
     heads_first = lambda x: np.swapaxes(np.asarray(x, np.float32), 2, 3)
     np.testing.assert_array_equal(heads_first(old.keys), np.asarray(new.keys, np.float32))
-    np.testing.assert_array_equal(np.moveaxis(np.asarray(old.values, np.float32), 2, 4),
-                                  np.asarray(new.values, np.float32))
+    values = heads_first(old.values) if heads_major == "heads_major_rows" else \
+        np.moveaxis(np.asarray(old.values, np.float32), 2, 4)
+    np.testing.assert_array_equal(values, np.asarray(new.values, np.float32))
     for scales in ("key_scales", "value_scales"):
         np.testing.assert_array_equal(heads_first(getattr(old, scales)), getattr(new, scales))
     with jax.default_matmul_precision("highest"):
         logits = {}
-        for layout in ("positions_major", "heads_major"):
+        for layout in ("positions_major", heads_major):
             monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
             logits[layout] = cached_logits(cached, jnp.asarray(np.random.default_rng(6).integers(
                 0, 256, (2, 11))), [9, 1, 1], jnp.float8_e4m3fn)
     # the reductions' float32 sums in another memory order: equal to rounding (about 1e-6)
-    np.testing.assert_allclose(logits["heads_major"], logits["positions_major"], rtol=1e-5,
+    np.testing.assert_allclose(logits[heads_major], logits["positions_major"], rtol=1e-5,
                                atol=1e-5)
     monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", "rows")
     with pytest.raises(ValueError, match="FP8_CACHE_LAYOUT"):
@@ -277,7 +280,7 @@ def assert_writes_the_cache_in_place(compiled, config, batch):
 
 @pytest.mark.parametrize("cache_dtype, layout", [
     (jnp.float32, "positions_major"), (jnp.float8_e4m3fn, "positions_major"),
-    (jnp.float8_e4m3fn, "heads_major")])
+    (jnp.float8_e4m3fn, "heads_major"), (jnp.float8_e4m3fn, "heads_major_rows")])
 def test_a_decode_step_writes_the_cache_in_place(cache_dtype, layout, monkeypatch):
     # Two layers: the old step sliced each layer out, updated it and stacked them back, a
     # concatenation (a copy) of the whole cache every step.
@@ -301,15 +304,16 @@ def assert_the_decode_loop_keeps_the_cache_as_it_is(config, batch):
     assert not outside, outside
 
 
-@pytest.mark.parametrize("layout", ["positions_major", "heads_major"])
+@pytest.mark.parametrize("layout", ["positions_major", "heads_major", "heads_major_rows"])
 def test_a_decode_call_on_the_cpu_keeps_the_fp8_cache_as_it_is(layout, monkeypatch):
     monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
     assert_the_decode_loop_keeps_the_cache_as_it_is(LLAMA_TINY.replace(n_layers=2), 4)
 
 
 @pytest.mark.gpu
-def test_a_decode_call_on_the_gpu_keeps_a_heads_major_fp8_cache_as_it_is(monkeypatch):
-    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", "heads_major")
+@pytest.mark.parametrize("layout", ["heads_major", "heads_major_rows"])
+def test_a_decode_call_on_the_gpu_keeps_a_heads_major_fp8_cache_as_it_is(layout, monkeypatch):
+    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
     with jax.default_device(jax.devices("cuda")[0]):
         assert_the_decode_loop_keeps_the_cache_as_it_is(LLAMA_TINY.replace(n_layers=2), 64)
 
@@ -339,7 +343,7 @@ def test_an_fp8_decode_step_reads_the_cache_with_no_dot():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["positions_major", "heads_major"])
+@pytest.mark.parametrize("layout", ["positions_major", "heads_major", "heads_major_rows"])
 def test_a_decode_step_on_the_gpu_reads_the_fp8_cache_as_it_is(layout, monkeypatch):
     monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
     config = LLAMA_TINY.replace(n_layers=2)

@@ -57,7 +57,8 @@ class KVCache(NamedTuple):
     An FP8 cache made under `FP8_CACHE_LAYOUT = "heads_major"` holds keys
     `(layers, batch, n_kv_heads, max_len, head_dim)`, values
     `(layers, batch, n_kv_heads, head_dim, max_len)` and scales
-    `(layers, batch, n_kv_heads, max_len)`."""
+    `(layers, batch, n_kv_heads, max_len)`; under "heads_major_rows" the values as the keys,
+    `(layers, batch, n_kv_heads, max_len, head_dim)`."""
 
     keys: jax.Array
     values: jax.Array
@@ -79,24 +80,34 @@ class KVCache(NamedTuple):
 #: values with the positions minor: the order a decode step reads them in, so that XLA need
 #: not transpose the whole cache at the decode loop's entry and exit, as an H200 profile of
 #: the other layout showed; decode at batch 64 ran 1.24x stock with it, 1.05x without,
-#: docs/serving.md) or "positions_major" (positions before heads, as the compute-dtype
-#: cache). Read when a cache is made and when a step is traced (generate.py's
-#: `--fp8-cache-layout`): keep it while a cache is in use.
+#: docs/serving.md), "heads_major_rows" (the same with the values stored as the keys are,
+#: one row a position: a decode step writes each head's value in one row of bytes where
+#: "heads_major" writes it one byte per row; the step's reduction then runs over rows; not
+#: measured yet) or "positions_major" (positions before heads, as the compute-dtype cache).
+#: Read when a cache is made and when a step is traced (generate.py's `--fp8-cache-layout`):
+#: keep it while a cache is in use.
 FP8_CACHE_LAYOUT = "heads_major"
-_FP8_CACHE_LAYOUTS = ("positions_major", "heads_major")
+FP8_CACHE_LAYOUTS = ("positions_major", "heads_major", "heads_major_rows")
 
 
 def _fp8_cache_layout() -> str:
     """`FP8_CACHE_LAYOUT`, checked."""
-    if FP8_CACHE_LAYOUT not in _FP8_CACHE_LAYOUTS:
-        raise ValueError(f"FP8_CACHE_LAYOUT: expected one of {_FP8_CACHE_LAYOUTS}, got "
+    if FP8_CACHE_LAYOUT not in FP8_CACHE_LAYOUTS:
+        raise ValueError(f"FP8_CACHE_LAYOUT: expected one of {FP8_CACHE_LAYOUTS}, got "
                          f"{FP8_CACHE_LAYOUT!r}")
     return FP8_CACHE_LAYOUT
 
 
 def _heads_major(cache: KVCache) -> bool:
-    """Whether `cache` is an FP8 cache in the "heads_major" layout."""
-    return cache.key_scales is not None and _fp8_cache_layout() == "heads_major"
+    """Whether `cache` is an FP8 cache in a heads-major layout ("heads_major" or
+    "heads_major_rows": the keys and scales alike)."""
+    return cache.key_scales is not None and _fp8_cache_layout().startswith("heads_major")
+
+
+def _value_rows(cache: KVCache) -> bool:
+    """Whether `cache`'s values are stored one row a position ("heads_major_rows"), rather
+    than with the positions minor ("heads_major")."""
+    return _fp8_cache_layout() == "heads_major_rows"
 
 
 def is_fp8(dtype) -> bool:
@@ -116,10 +127,11 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     layers, batch, length, heads, width = shape
     keys, values, scales = shape, shape, shape[:-1]
-    if _fp8_cache_layout() == "heads_major":
+    if _fp8_cache_layout() != "positions_major":
         keys, values, scales = ((layers, batch, heads, length, width),
                                 (layers, batch, heads, width, length),
                                 (layers, batch, heads, length))
+        values = keys if _fp8_cache_layout() == "heads_major_rows" else values
     # four arrays, not one array twice: the cache is donated
     return KVCache(jnp.zeros(keys, dtype), jnp.zeros(values, dtype),
                    jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
@@ -151,11 +163,12 @@ def _write(cache: KVCache, layer: int, start, k, v) -> KVCache:
         if not _heads_major(cache):
             return KVCache(put(cache.keys, k), put(cache.values, v),
                            put(cache.key_scales, k_scales), put(cache.value_scales, v_scales))
-        # (B, T, kv, ...) -> (B, kv, T, ...); the values' positions last: this step's few
-        # vectors are transposed, never the cache
+        # (B, T, kv, ...) -> (B, kv, T, ...); "heads_major"'s values with the positions last:
+        # this step's few vectors are transposed, never the cache
         heads_first = lambda x: jnp.swapaxes(x, 1, 2)
-        return KVCache(put(cache.keys, heads_first(k), 3),
-                       put(cache.values, jnp.transpose(v, (0, 2, 3, 1)), 4),
+        values = put(cache.values, heads_first(v), 3) if _value_rows(cache) else \
+            put(cache.values, jnp.transpose(v, (0, 2, 3, 1)), 4)
+        return KVCache(put(cache.keys, heads_first(k), 3), values,
                        put(cache.key_scales, heads_first(k_scales), 3),
                        put(cache.value_scales, heads_first(v_scales), 3))
 
@@ -195,10 +208,12 @@ def _attend_fp8_one_query_by_dots(q, keys, values, key_scales, value_scales, vis
     return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
 
 
-def _attend_fp8_heads_major(q, keys, values, key_scales, value_scales, visible):
+def _attend_fp8_heads_major(q, keys, values, key_scales, value_scales, visible,
+                            value_rows: bool = False):
     """`_attend_fp8_one_query` over a "heads_major" layer cache: keys `(B, kv, L, head_dim)`,
     values `(B, kv, head_dim, L)`, scales `(B, kv, L)`; the same multiply-reduces, each over
-    the minor axis of what it reads."""
+    the minor axis of what it reads. With `value_rows` ("heads_major_rows") the values are
+    `(B, kv, L, head_dim)`, reduced over their rows."""
     batch, _, n_heads, head_dim = q.shape
     kv_heads, dtype = keys.shape[1], q.dtype
     q = q.astype(jnp.float32).reshape(batch, kv_heads, n_heads // kv_heads, 1, head_dim)
@@ -207,13 +222,17 @@ def _attend_fp8_heads_major(q, keys, values, key_scales, value_scales, visible):
     scores = scores * (key_scales[:, :, None] / np.sqrt(head_dim))
     scores = jnp.where(visible, scores, -jnp.inf)
     weights = jax.nn.softmax(scores, axis=-1) * value_scales[:, :, None]
-    y = jnp.sum(weights[:, :, :, None] * values[:, :, None].astype(jnp.float32), axis=-1)
+    if value_rows:  # (B, kv, group, L, 1) x (B, kv, 1, L, head_dim), summed over L
+        y = jnp.sum(weights[..., None] * values[:, :, None].astype(jnp.float32), axis=-2)
+    else:
+        y = jnp.sum(weights[:, :, :, None] * values[:, :, None].astype(jnp.float32), axis=-1)
     return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
 
 
-def _attend_fp8_heads_major_by_dots(q, keys, values, key_scales, value_scales, visible):
+def _attend_fp8_heads_major_by_dots(q, keys, values, key_scales, value_scales, visible,
+                                    value_rows: bool = False):
     """`_attend_fp8_one_query_by_dots` over a "heads_major" layer cache
-    (`_attend_fp8_heads_major`)."""
+    (`_attend_fp8_heads_major`, `value_rows` as there)."""
     batch, _, n_heads, head_dim = q.shape
     kv_heads, dtype = keys.shape[1], q.dtype
     q = q.reshape(batch, kv_heads, n_heads // kv_heads, head_dim)
@@ -222,8 +241,8 @@ def _attend_fp8_heads_major_by_dots(q, keys, values, key_scales, value_scales, v
     scores = scores * (key_scales[:, :, None] / np.sqrt(head_dim))
     scores = jnp.where(visible, scores, -jnp.inf)
     weights = (jax.nn.softmax(scores, axis=-1) * value_scales[:, :, None]).astype(dtype)
-    y = jnp.einsum("bkgl,bkdl->bkgd", weights, values.astype(dtype),
-                   preferred_element_type=jnp.float32)
+    y = jnp.einsum("bkgl,bkld->bkgd" if value_rows else "bkgl,bkdl->bkgd", weights,
+                   values.astype(dtype), preferred_element_type=jnp.float32)
     return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
 
 
@@ -248,15 +267,19 @@ def _attention(q, cache: KVCache, layer: int, mask):
         if FP8_DECODE_ATTENTION not in _FP8_DECODE_ATTENTION:
             raise ValueError(f"FP8_DECODE_ATTENTION: expected one of "
                              f"{tuple(_FP8_DECODE_ATTENTION)}, got {FP8_DECODE_ATTENTION!r}")
-        attend = (_FP8_DECODE_ATTENTION_HEADS_MAJOR if _heads_major(cache)
-                  else _FP8_DECODE_ATTENTION)[FP8_DECODE_ATTENTION]
-        return attend(q, keys, values, key_scales, value_scales, mask[0])
+        if not _heads_major(cache):
+            attend = _FP8_DECODE_ATTENTION[FP8_DECODE_ATTENTION]
+            return attend(q, keys, values, key_scales, value_scales, mask[0])
+        attend = _FP8_DECODE_ATTENTION_HEADS_MAJOR[FP8_DECODE_ATTENTION]
+        return attend(q, keys, values, key_scales, value_scales, mask[0],
+                      value_rows=_value_rows(cache))
     # A prefill's many queries: its GEMMs want 16-bit operands, so dequantize this layer once
     # (into the positions-major order XLA's attention takes).
     keys, values = keys.astype(jnp.float32), values.astype(jnp.float32)
     if _heads_major(cache):
         keys = jnp.swapaxes(keys * key_scales[..., None], 1, 2)
-        values = jnp.transpose(values * value_scales[:, :, None], (0, 3, 1, 2))
+        values = jnp.swapaxes(values * value_scales[..., None], 1, 2) if _value_rows(cache) \
+            else jnp.transpose(values * value_scales[:, :, None], (0, 3, 1, 2))
     else:
         keys, values = keys * key_scales[..., None], values * value_scales[..., None]
     return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),

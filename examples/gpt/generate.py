@@ -753,9 +753,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="how a decode step reads an FP8 KV cache: multiply-reduces or "
                              "dots over the converted cache")
     parser.add_argument("--fp8-cache-layout", default=decode.FP8_CACHE_LAYOUT,
-                        choices=("positions_major", "heads_major"),
+                        choices=decode.FP8_CACHE_LAYOUTS,
                         help="how an FP8 KV cache is stored: positions before heads, or each "
-                             "head's positions together in the order a decode step reads them")
+                             "head's positions together in the order a decode step reads them "
+                             "(heads_major_rows: the values stored as the keys, a row a "
+                             "position)")
     parser.add_argument("--prefill-command-buffers", default="off", choices=("on", "off"),
                         help="compile the prefill step with XLA's command buffers (CUDA "
                              "graphs) or without them, the default (GPU only)")
