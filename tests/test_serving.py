@@ -38,14 +38,17 @@ def to_e4m3(x):
 
 
 def served_model(x, kernel: Fp8Weight, bias, activation, input_scale=None):
-    """One stored-FP8 layer in float64: x quantized (current scaling from its amax, or the
-    static `input_scale`), times the stored weight, bias, activation."""
+    """One stored-FP8 layer in float64: x quantized (current scaling from its amax, per token
+    before a per-channel weight, or the static `input_scale`), times the stored weight, bias,
+    activation."""
     # The quantization in float32, as the layers (and TransformerEngine) compute it: x times
     # q = 448 / amax, so that each value rounds to the same FP8 neighbour.
     x = np.asarray(x, np.float32).reshape(-1, np.shape(x)[-1])
     if input_scale is None:
-        amax = np.max(np.abs(x))
-        q = np.float32(E4M3) / amax if amax > 0 else np.float32(1)
+        per_token = np.ndim(kernel.scale) == 1
+        amax = np.max(np.abs(x), axis=1, keepdims=True) if per_token else np.max(np.abs(x))
+        q = np.where(amax > 0, np.float32(E4M3) / np.where(amax > 0, amax, 1), 1)
+        q = q.astype(np.float32)
         x8, input_scale = to_e4m3(x * q), np.float32(1) / q
     else:
         x8 = to_e4m3(x / np.float32(input_scale))
@@ -220,6 +223,23 @@ def test_dense_with_a_stored_weight_is_its_way_s_formula(granularity, way, rows,
     model = weight_only_model if way == "weight_only" else served_model
     assert_served(y, model(np.asarray(x.astype(jnp.float32)), kernel,
                            np.asarray(bias.astype(jnp.float32)), activation), dtype)
+
+
+@pytest.mark.parametrize("way", ["fp8", "xla_fp8"])
+def test_per_token_input_scales_keep_ordinary_tokens_beside_an_outlier(way, monkeypatch):
+    """Before a per-channel weight the input is quantized per token: a token 10⁵ times the
+    others leaves their precision alone, where one scale for the input flushes them toward
+    e4m3's subnormals."""
+    monkeypatch.setenv("JAX_EPILOG_SERVING", way)
+    x = random(3, (96, 128)).at[5].multiply(1e5)
+    kernel = random(1, (128, 64), scale=0.1)
+    exact = np.asarray(x, np.float64) @ np.asarray(kernel, np.float64)
+    errors = {}
+    for granularity in ("tensor", "channel"):
+        y = jax_epilog.dense(x, quantize_weight(kernel, granularity=granularity))
+        ordinary = np.delete(np.asarray(y, np.float64) - exact, 5, axis=0)
+        errors[granularity] = np.linalg.norm(ordinary) / np.linalg.norm(np.delete(exact, 5, 0))
+    assert errors["channel"] < 0.05 and errors["tensor"] > 4 * errors["channel"], errors
 
 
 def test_serving_setting_is_checked(monkeypatch):

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_epilog.float8 import scaling
+from jax_epilog.float8.blocks import quantize_rows
 from jax_epilog.float8.weights import Fp8Weight, check_weight
 from jax_epilog.op.block_scales import BlockScales
 from jax_epilog.op.epilogs import ACTIVATIONS, Epilog, aux_dtype
@@ -137,9 +138,11 @@ def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str]):
 def xla_fp8(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str], dtype):
     """`act(input_scale · scale · (h8 @ dataᵀ) + bias)` by XLA's own FP8 dot (its autotuner
     picks the kernel), the product rounded to `dtype` as XLA's FP8 GEMMs write it, then
-    scale, bias and activation in float32 in one fusion, the result in `dtype`."""
+    scale, bias and activation in float32 in one fusion, the result in `dtype`. Per-token
+    input scales multiply the rows, per-channel weight scales the columns."""
     z = jax.lax.dot_general(h8, weight.data, (((1,), (1,)), ((), ())),
                             preferred_element_type=dtype)
+    input_scale = input_scale[:, None] if jnp.ndim(input_scale) == 1 else input_scale
     return _scaled_epilogue(z, input_scale * weight.scale, bias, activation, dtype)
 
 
@@ -155,14 +158,17 @@ def _scaled_epilogue(z, scale, bias, activation: Optional[str], dtype):
 
 def fp8_matmul(h8, h_scale, weight: Fp8Weight, result, *, epilog=Epilog.DEFAULT,
                epilog_inputs=None, scales=None):
-    """The FP8 GEMM of an e4m3 input `h8` (dequantized by `h_scale`) and a stored weight, as
-    it reads it (`(N, K)`, K-major), with `epilog` and a `result`-typed output; `scales` adds
-    the output's `"d"` scale. A per-channel weight's GEMM scales rows (`BlockScales` "row":
-    cuBLASLt's outer vector scaling), h's one scale repeated for each of its rows."""
+    """The FP8 GEMM of an e4m3 input `h8` (dequantized by `h_scale`, a scalar or one per row)
+    and a stored weight, as it reads it (`(N, K)`, K-major), with `epilog` and a
+    `result`-typed output; `scales` adds the output's `"d"` scale. Where either scale is a
+    vector the GEMM scales rows (`BlockScales` "row" for both operands: cuBLASLt's outer
+    vector scaling), a scalar one repeated for each row."""
     operand_scales = {"a": h_scale, "b": weight.scale}
-    if per_channel(weight):
-        rows = jnp.full((h8.shape[0],), h_scale, jnp.float32)
-        operand_scales = {"a": BlockScales(rows, "row"), "b": BlockScales(weight.scale, "row")}
+    if per_channel(weight) or jnp.ndim(h_scale) == 1:
+        rows = lambda scale, n: BlockScales(  # noqa: E731
+            jnp.broadcast_to(jnp.asarray(scale, jnp.float32), (n,)), "row")
+        operand_scales = {"a": rows(h_scale, h8.shape[0]),
+                          "b": rows(weight.scale, weight.data.shape[0])}
     return matmul(h8, weight.data, transpose_b=True, epilog=epilog, epilog_inputs=epilog_inputs,
                   quantization_scales={**operand_scales, **(scales or {})},
                   preferred_element_type=result, fast_accumulation=FAST_ACCUMULATION)
@@ -186,8 +192,14 @@ _served_layers = inference_only(_layers, (0, 1))
 
 def quantize_input(h, weight: Fp8Weight):
     """(h in e4m3, its float32 dequantization scale): with the weight's static `input_scale`,
-    else from h's amax (current scaling, one fusion with h's producer)."""
+    else from h's amax (current scaling, one fusion with h's producer). Before a per-channel
+    weight, current scaling is per token: h's rows `(rows, K)` each from their own amax, the
+    scales `(rows,)` (the GEMM scales rows of both operands anyway, and a token of large
+    values then costs the others no precision)."""
     if weight.input_scale is None:
+        if per_channel(weight):
+            h8, scales = quantize_rows(h, INPUT_FORMAT)
+            return h8, scales.values
         h8, scale = scaling.quantize(h, scaling.amax(h), INPUT_FORMAT, 0)
         return h8, scale
     scale = jnp.asarray(weight.input_scale, jnp.float32)
