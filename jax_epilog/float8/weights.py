@@ -53,7 +53,8 @@ class Fp8Weight:
         output channel (a row of `data`, a column of the kernel).
       input_scale: None, or a float32 scalar: the layer's input is quantized with this static
         scale (`x8 = x / input_scale`, saturated), set by `jax_epilog.calibrate`. None: the
-        input's own amax each call (current scaling).
+        input's own amax each call (current scaling), each token's own before a per-channel
+        `scale`.
 
     No checks here: JAX rebuilds pytrees with placeholders inside its transforms. The layers
     check what they are given (`check_weight`).
