@@ -70,6 +70,8 @@ def fp8_recipe(scaling: str = "per-tensor") -> jax_epilog.Fp8:
     if scaling not in FP8_SCALINGS:
         raise ValueError(f"fp8_scaling: expected one of {FP8_SCALINGS}, got {scaling!r}")
     return FP8_RECIPE if scaling == "per-tensor" else FP8_BLOCK_RECIPE
+
+
 DTYPES = {"auto": None, "float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
