@@ -173,6 +173,15 @@ def test_options_row_scaling_does_not_take(kw, match):
         _call(a, b, sa, sb, False, True, **kw)
 
 
+def test_quantize_rows_names_bad_input():
+    with pytest.raises(ValueError, match=r"x: expected a 2-D array \(rows, K\), got shape \(4,\)"):
+        quantize_rows(jnp.ones(4))
+    with pytest.raises(TypeError, match="x: expected a floating-point array, got int32"):
+        quantize_rows(jnp.ones((4, 4), jnp.int32))
+    with pytest.raises(ValueError, match="dtype"):
+        quantize_rows(jnp.ones((4, 4)), "int8")
+
+
 def test_batched_operands_and_vmap_are_refused():
     a, b, sa, sb = _operands()
     with pytest.raises(ValueError, match="a: calls with row scales take no leading"):
