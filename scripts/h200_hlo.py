@@ -186,6 +186,25 @@ def swiglu_step(args):
                             jax.ShapeDtypeStruct((tokens, d), jnp.bfloat16))
 
 
+def train_step(args):
+    """A training step of the GPT example (examples/gpt/train.py's `Trainer`), `--layers` of
+    the config's blocks."""
+    import jax.numpy as jnp
+    sys.path.insert(0, str(ROOT / "examples"))
+    from gpt import compare, configs, train
+    config = configs.CONFIGS[args.config].replace(n_layers=args.layers)
+    variants = {name: (impl, fp8) for name, impl, fp8 in compare.VARIANTS}
+    if args.variant not in variants:
+        raise SystemExit(f"--variant: expected one of {sorted(variants)}")
+    impl, fp8 = variants[args.variant]
+    model = train.build_model(config, impl, fp8=bool(fp8), dtype=jnp.bfloat16,
+                              fp8_scaling=fp8 or "per-tensor", attention=args.attention)
+    trainer = train.Trainer(model, train.make_optimizer(config))
+    shape = (config.batch_size, config.model.seq_len)
+    batch = (jnp.zeros(shape, jnp.int32), jnp.zeros(shape, jnp.int32))
+    return compile_for_h200(trainer._step, trainer.initial, *batch, donate_argnums=0)
+
+
 def main(argv: Optional[list[str]] = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--hlo", type=Path, help="also write the compiled HLO text here")
@@ -202,6 +221,13 @@ def main(argv: Optional[list[str]] = None) -> str:
     swiglu = programs.add_parser("swiglu", help=swiglu_step.__doc__)
     swiglu.add_argument("--variant", default="ours_swiglu_fp8")
     swiglu.add_argument("--rows", default="EX", help="S1, S2 or EX (swiglu_bench.ROWS)")
+    train = programs.add_parser("train", help=train_step.__doc__)
+    train.add_argument("--config", default="llama_large")
+    train.add_argument("--layers", type=int, default=1)
+    train.add_argument("--variant", default="epilog_fp8",
+                       help="a compare.py variant: stock, flax_fp8, epilog, epilog_fp8, ...")
+    train.add_argument("--attention", default="cudnn", choices=("cudnn", "xla"),
+                       help="the blocks' attention (the example's auto is cuDNN's on a GPU)")
     args = parser.parse_args(argv)
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # before JAX's plugin starts
     try:
@@ -209,7 +235,8 @@ def main(argv: Optional[list[str]] = None) -> str:
     except ImportError:
         sys.path.insert(0, str(ROOT))  # the checkout's sources (no handler)
     _load_handler()
-    compiled = (decode_step if args.program == "decode" else swiglu_step)(args)
+    compiled = {"decode": decode_step, "swiglu": swiglu_step, "train": train_step}[
+        args.program](args)
     hlo = compiled.as_text()
     if args.hlo is not None:
         args.hlo.write_text(hlo)
