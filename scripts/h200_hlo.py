@@ -14,6 +14,7 @@ XLA's autotuning needs a GPU, so GEMM fusions keep their default configurations.
 
     python scripts/h200_hlo.py decode --layout heads_major_rows --batch 64
     python scripts/h200_hlo.py swiglu --variant ours_swiglu_fp8 --rows EX --hlo /tmp/step.hlo
+    python scripts/h200_hlo.py train --config llama_large --layers 1 --variant flax_fp8
 """
 
 from __future__ import annotations
