@@ -21,6 +21,7 @@ import pytest
 
 import jax_epilog
 from jax_epilog import BlockScales, quantize_rows
+from test_block_fp8 import _call, check  # the same call and tolerance as block scaling's
 
 E4M3 = ml_dtypes.float8_e4m3fn
 LAYOUTS = list(itertools.product([False, True], repeat=2))  # (transpose_a, transpose_b)
@@ -57,23 +58,6 @@ def make(rng, m, n, k, transpose_a, transpose_b):
     a = fp8((k, m) if transpose_a else (m, k))
     b = fp8((n, k) if transpose_b else (k, n))
     return a, b, scales(m), scales(n)
-
-
-def check(y, r, size, dtype, slack: float):
-    """y within its rounding and `slack` · (the terms' size) of the model's R."""
-    y = np.asarray(y).astype(np.float64)
-    allowed = float(jnp.finfo(dtype).eps) * np.abs(r) + slack * size + 1e-30
-    worst = np.max(np.abs(y - r) / allowed)
-    assert worst <= 1.0, f"{worst:.3g} x the allowed error"
-
-
-def _call(a, b, sa, sb, transpose_a, transpose_b, epilog="default", bias=None,
-          out=jnp.bfloat16, **kw):
-    return jax_epilog.matmul(a, b, epilog=epilog,
-                             epilog_inputs={"bias": bias} if bias is not None else None,
-                             transpose_a=transpose_a, transpose_b=transpose_b,
-                             quantization_scales={"a": sa, "b": sb},
-                             preferred_element_type=out, **kw)
 
 
 # --- the reference (CPU) against the model --------------------------------------------------
