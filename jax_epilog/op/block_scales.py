@@ -124,7 +124,8 @@ def check_values(key: str, scales: BlockScales, rows: int, k: int):
         rows_name = "M" if key == "a" else "N"
         raise ValueError(f"{label}.values: expected shape {want} for {scales.block} scales of "
                          f"op({key}) ({rows_name}={rows}, K={k}), got {tuple(values.shape)} "
-                         f"(layout: docs/fp8.md, 'Block scaling')")
+                         f"(layout: docs/fp8.md, "
+                         f"{'Row scaling' if scales.block == 'row' else 'Block scaling'!r})")
     return jnp.asarray(values)
 
 
