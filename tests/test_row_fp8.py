@@ -195,14 +195,19 @@ def test_cuda_lowering_calls_the_block_target_with_row_scales(monkeypatch):
 # --- the GPU --------------------------------------------------------------------------------
 
 GPU_SHAPES = [(256, 256, 512), (129, 384, 256), (1, 128, 128), (127, 130, 100)]
+#: cuBLASLt 13.1 on the H200 (2026-12-05): no row-scaled kernel with a float32 result and a
+#: bias epilog, as with per-tensor scales (docs/fp8.md); those calls run the reference.
+NO_KERNEL = {("float32", epilog) for epilog in ("bias", "relu_bias", "gelu_bias")}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("epilog", EPILOGS)
 @pytest.mark.parametrize("out", [jnp.bfloat16, jnp.float32], ids=lambda d: d.__name__)
 def test_gpu_kernel_matches_the_model(epilog, out):
-    """The kernel (no fallback to the reference) against the model, every layout, odd rows
-    and widths; fast accumulation too (the serving layers ask for it)."""
+    """The kernel (no fallback to the reference, except in `NO_KERNEL`, which must fall
+    back) against the model, every layout, odd rows and widths; fast accumulation too (the
+    serving layers ask for it)."""
+    no_kernel = (jnp.dtype(out).name, epilog) in NO_KERNEL
     gpu = jax.devices("cuda")[0]
     rng = np.random.default_rng(12)
     for (m, n, k), (ta, tb), fast in itertools.product(GPU_SHAPES, LAYOUTS, [False, True]):
@@ -212,10 +217,12 @@ def test_gpu_kernel_matches_the_model(epilog, out):
             a, b, sa, sb, ta, tb, epilog, bias, out=out, backend="cublaslt",
             fast_accumulation=fast))
         args = jax.device_put((a, b, sa, sb, bias), gpu)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # no fallback to the reference
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             text = f.lower(*args).as_text()
-        assert "jax_epilog_matmul_block" in text, (m, n, k, ta, tb, fast)
+        fell_back = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert bool(fell_back) == no_kernel, (m, n, k, ta, tb, fast, fell_back)
+        assert ("jax_epilog_matmul_block" in text) != no_kernel, (m, n, k, ta, tb, fast)
         r, size = model(a, b, sa, sb, ta, tb, epilog, bias)
         # Hopper's FP8 tensor cores sum in reduced precision (about 14 bits) before
         # promoting, and fast accumulation promotes less often.
