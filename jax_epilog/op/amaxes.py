@@ -13,6 +13,7 @@ A primitive, not a bare `custom_partitioning`, so that it has a batching rule (`
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,25 @@ def amaxes(*arrays):
 
 
 def _local(*arrays):
-    return jnp.stack([amax(a) for a in arrays])
+    """The amaxes, those of arrays of one shape in ONE variadic reduction: XLA then reads
+    them in one pass (as separate reductions it may fuse them into different passes)."""
+    found = [None] * len(arrays)
+    by_shape: dict = {}
+    for i, a in enumerate(arrays):
+        by_shape.setdefault(jnp.shape(a), []).append(i)
+    for shape, members in by_shape.items():
+        if len(members) == 1 or not math.prod(shape):
+            for i in members:
+                found[i] = amax(arrays[i])
+            continue
+        magnitudes = [jnp.abs(arrays[i]).astype(jnp.float32) for i in members]
+        zeros = [jnp.float32(0)] * len(members)
+        reduced = jax.lax.reduce(magnitudes, zeros, lambda a, b: [jnp.maximum(x, y) for x, y
+                                                                   in zip(a, b)],
+                                 tuple(range(len(shape))))
+        for i, r in zip(members, reduced):
+            found[i] = r
+    return jnp.stack(found)
 
 
 @functools.cache
