@@ -43,11 +43,12 @@ def reduce_amax(x_amax, axes):
     return jax.lax.pmax(x_amax, bound) if bound else x_amax
 
 
-def reduced_amaxes(arrays, axes):
+def reduced_amaxes(arrays, axes, one_pass: bool = False):
     """float32 `(len(arrays),)`: the amax of each array, over `axes` as `reduce_amax`: one
-    collective for all of them where they are sharded (`op.amaxes`), so the layers take
-    together every amax that does not wait for another."""
-    return reduce_amax(amaxes(*arrays), axes)
+    collective for all of them where they are sharded (`op.amaxes`, which says what
+    `one_pass` does), so the layers take together every amax that does not wait for
+    another."""
+    return reduce_amax(amaxes(*arrays, one_pass=one_pass), axes)
 
 
 def bound_axes(axes) -> tuple[str, ...]:

@@ -32,14 +32,19 @@ def amax(x):
     return jnp.max(jnp.abs(x), initial=0).astype(jnp.float32)
 
 
-def amaxes(*arrays):
-    """float32 `(len(arrays),)`: `amax` of each array, one collective where they are sharded."""
-    return amaxes_p.bind(*arrays)
+def amaxes(*arrays, one_pass: bool = False):
+    """float32 `(len(arrays),)`: `amax` of each array, one collective where they are sharded.
+    `one_pass`: the arrays of one shape in one variadic reduction, so that XLA reads them in
+    one pass (made of separate reductions, SwiGLU's h, g and u took two passes on the H200's
+    compile, and their casts two more). Not the default: a variadic reduction keeps XLA from
+    fusing its operands' producers into other fusions (the GPT example's step moved 0.75 GiB
+    more with it everywhere)."""
+    return amaxes_p.bind(*arrays, one_pass=one_pass)
 
 
-def _local(*arrays):
-    """The amaxes, those of arrays of one shape in ONE variadic reduction: XLA then reads
-    them in one pass (as separate reductions it may fuse them into different passes)."""
+def _local(*arrays, one_pass: bool = False):
+    if not one_pass:
+        return jnp.stack([amax(a) for a in arrays])
     found = [None] * len(arrays)
     by_shape: dict = {}
     for i, a in enumerate(arrays):
@@ -60,17 +65,18 @@ def _local(*arrays):
 
 
 @functools.cache
-def _partitioned(ranks: tuple[int, ...]):
-    op = custom_partitioning(_local)
+def _partitioned(ranks: tuple[int, ...], one_pass: bool):
+    op = custom_partitioning(lambda *arrays: _local(*arrays, one_pass=one_pass))
     terms = [" ".join(f"a{i}d{d}" for d in range(rank)) for i, rank in enumerate(ranks)]
     # every operand dimension a reduction; the vector is replicated
-    op.def_partition(partition=_partition, sharding_rule=f"{', '.join(terms)} -> n",
+    op.def_partition(partition=functools.partial(_partition, one_pass=one_pass),
+                     sharding_rule=f"{', '.join(terms)} -> n",
                      reduction_factors=tuple(t for term in terms for t in term.split()),
                      need_replication_factors=("n",))
     return op
 
 
-def _partition(mesh, arg_shapes, result_shape):
+def _partition(mesh, arg_shapes, result_shape, one_pass: bool):
     del result_shape
     shardings = tuple(a.sharding for a in arg_shapes)
     axes = []  # the mesh axes that split any operand, each once, in the mesh's order
@@ -83,19 +89,21 @@ def _partition(mesh, arg_shapes, result_shape):
     axes = tuple(a for a in mesh.axis_names if a in axes)
 
     def local(*arrays):
-        vector = _local(*arrays)
+        vector = _local(*arrays, one_pass=one_pass)
         return jax.lax.pmax(vector, axes) if axes else vector
 
     return mesh, local, NamedSharding(mesh, P()), shardings
 
 
-def _lower(ctx, *arrays):
-    op = _partitioned(tuple(len(aval.shape) for aval in ctx.avals_in))
+def _lower(ctx, *arrays, one_pass: bool):
+    op = _partitioned(tuple(len(aval.shape) for aval in ctx.avals_in), one_pass)
     return mlir.lower_fun(lambda *a: op(*a), multiple_results=False)(ctx, *arrays)
 
 
-def _batch(arrays, dims):
-    """Under `vmap`: each batch element's amaxes, `(batch, len(arrays))`, as plain reductions."""
+def _batch(arrays, dims, one_pass: bool):
+    """Under `vmap`: each batch element's amaxes, `(batch, len(arrays))`, as plain reductions
+    (`one_pass` not kept)."""
+    del one_pass
     size = next(a.shape[d] for a, d in zip(arrays, dims) if d is not None)
     moved = [jnp.broadcast_to(a[None], (size, *a.shape)) if d is None
              else jnp.moveaxis(a, d, 0) for a, d in zip(arrays, dims)]
@@ -104,7 +112,8 @@ def _batch(arrays, dims):
     return jnp.stack(per_element, axis=1), 0
 
 
-amaxes_p.def_abstract_eval(lambda *avals: jax.core.ShapedArray((len(avals),), jnp.float32))
+amaxes_p.def_abstract_eval(
+    lambda *avals, one_pass: jax.core.ShapedArray((len(avals),), jnp.float32))
 amaxes_p.def_impl(_local)
 mlir.register_lowering(amaxes_p, _lower)
 # The partitioner's callback needs the devices, as for the GEMM (`primitive.py`).
