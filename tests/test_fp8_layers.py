@@ -491,6 +491,25 @@ def test_amaxes_together_are_each_arrays_amax():
     np.testing.assert_array_equal(got[:, 1], np.full(9, want[2]))
 
 
+def test_amaxes_in_one_pass_are_the_same_amaxes_from_one_reduction():
+    """`one_pass=True` (SwiGLU's h, g and u): the same values as separate reductions, the
+    arrays of one shape reduced by ONE variadic reduce, an array of another shape apart."""
+    rng = np.random.default_rng(33)
+    same = [jnp.asarray(rng.normal(size=(127, 129)) * scale, dtype) for scale, dtype in
+            [(3.0, jnp.float32), (0.5, jnp.bfloat16), (7.0, jnp.bfloat16)]]
+    other = jnp.asarray(rng.normal(size=(5,)), jnp.float32)
+    arrays = [same[0], other, *same[1:]]
+    want = np.array([np.max(np.abs(np.asarray(a, np.float32))) for a in arrays], np.float32)
+    one_pass = lambda *a: amaxes(*a, one_pass=True)
+    for f in (one_pass, jax.jit(one_pass)):
+        np.testing.assert_array_equal(f(*arrays), want)
+    text = jax.jit(one_pass).lower(*arrays).as_text()
+    reduces = [line for line in text.splitlines() if "stablehlo.reduce(" in line]
+    assert len(reduces) == 2 and sum("129" in line for line in reduces) == 1, reduces
+    assert sum(line.count("tensor<127x129x") for line in reduces) == 3, reduces
+    np.testing.assert_array_equal(jax.vmap(one_pass)(*(a[None] for a in arrays))[0], want)
+
+
 @pytest.mark.slow
 def test_jit_vmap_and_checkpoint():
     x, params = make_stack(8, (24, 48, 10), lead=(4, 6))

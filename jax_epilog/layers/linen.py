@@ -219,11 +219,9 @@ class SwiGLU(linen.Module):
                        ("gate", d, self.hidden_features, self.kernel_init),
                        ("up", d, self.hidden_features, self.kernel_init),
                        ("down", self.hidden_features, d_out, down_init))]
-        # swiglu promotes as Flax does; the kernels go in uncast, so that under FP8 their
-        # gradients come out of the GEMMs in the parameters' dtype
-        gate, up, down = kernels
-        return swiglu(inputs, (gate, up), down, dtype=self.dtype, precision=self.precision,
-                      fp8=self.fp8, fp8_state=self._fp8_state())
+        inputs, gate, up, down = promote(promote_dtype, inputs, *kernels, dtype=self.dtype)
+        return swiglu(inputs, (gate, up), down, precision=self.precision, fp8=self.fp8,
+                      fp8_state=self._fp8_state())
 
     def _fp8_state(self):
         """The block's two `Fp8History` (as `Dense.fp8_state`, one per GEMM), or None."""

@@ -245,8 +245,6 @@ class SwiGLU(nnx.Module):
     def __call__(self, inputs):
         _check_in_features(inputs, self.in_features, "SwiGLU")
         kernels = [layer.kernel_and_bias()[0] for layer in (self.gate, self.up, self.down)]
-        # swiglu promotes as Flax does; the kernels go in uncast, so that under FP8 their
-        # gradients come out of the GEMMs in the parameters' dtype
-        gate, up, down = kernels
-        return swiglu(inputs, (gate, up), down, dtype=self.dtype, precision=self.precision,
-                      fp8=self.fp8, fp8_state=self.fp8_state())
+        inputs, gate, up, down = promote(promote_dtype, inputs, *kernels, dtype=self.dtype)
+        return swiglu(inputs, (gate, up), down, precision=self.precision, fp8=self.fp8,
+                      fp8_state=self.fp8_state())

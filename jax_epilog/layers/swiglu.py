@@ -76,9 +76,6 @@ class Block(NamedTuple):
     fp8: Optional[Fp8]
     precision: object
     hidden: int
-    #: FP8: the dtypes of the kernels as passed, `(gate, up, down)` for a pair, else
-    #: `(gate_up, down)`; their gradients are written in them
-    kernel_dtypes: tuple = ()
 
 
 def _silu_and_derivative(g):
@@ -113,20 +110,6 @@ def _hidden_gradient(dh, g, u, dtype):
     dh = dh.astype(jnp.float32)
     return jnp.concatenate([(dh * u.astype(jnp.float32) * dsilu).astype(dtype),
                             (dh * silu).astype(dtype)], axis=1)
-
-
-def _joined(gate_up, dtype):
-    """The `(D, 2F)` kernel `[gate up]` in `dtype` from one kernel or a (gate, up) pair (a
-    copy XLA fuses into the cast or quantization that reads the kernels anyway)."""
-    if isinstance(gate_up, tuple):
-        return jnp.concatenate([k.astype(dtype) for k in gate_up], axis=1)
-    return gate_up.astype(dtype)
-
-
-def _written(kernel_dtype, dtype):
-    """The dtype an FP8 GEMM writes a kernel's gradient in: the kernel's own where the GEMM
-    has it (float32, bfloat16, float16), else the compute dtype `dtype`."""
-    return kernel_dtype if kernel_dtype in (jnp.float32, jnp.bfloat16, jnp.float16) else dtype
 
 
 # --- compute dtype -------------------------------------------------------------------------
@@ -174,8 +157,6 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     history = (lambda i: state[i].input) if fp8.delayed and state is not None else (lambda i: None)
     fast = fp8.fast("forward")
     # amaxes that wait for nothing else are taken together, one collective where sharded
-    gate_up = _joined(gate_up, x.dtype)
-    down = down.astype(x.dtype)
     x_amax, w_amax, down_amax = reduced_amaxes([x, gate_up, down], axes)
     x8, x_scale, x_amax = quantize_scaled(x, fmt, margin, history(0), axes, x_amax)
     w8, w_scale, _ = quantize_scaled(gate_up, fmt, margin, x_amax=w_amax)
@@ -185,8 +166,7 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     # g and u (kept for the backward) on scales of their own, their amaxes with h's
     halves = (gu[:, :block.hidden], gu[:, block.hidden:]) if keep else ()
     # one pass reads [g u] for the three amaxes, one more writes h8, g8 and u8 (compiled for
-    # an H200 at 16384 x 4096 x 11008: the step's bytes outside the GEMMs 8.06 -> 7.38 GiB,
-    # temporaries 1010 -> 838 MiB)
+    # an H200 at 16384 x 4096 x 11008: the step's bytes outside the GEMMs 8.81 -> 8.14 GiB)
     h_amax, *half_amaxes = reduced_amaxes([hidden, *halves], axes, one_pass=True)
     h8, h_scale, h_amax = quantize_scaled(hidden, fmt, margin, history(1), axes, h_amax)
     if keep:
@@ -225,13 +205,12 @@ def _fp8_block_bwd(block: Block, residuals, dy):
     axes, fmt, margin = fp8.amax_reduction_axes, fp8.gradient, fp8.margin
     fast_data, fast_weight = fp8.fast("data gradient"), fp8.fast("weight gradient")
     matmul8 = fp8_step._matmul8
-    *gate_up_dtypes, down_dtype = block.kernel_dtypes
     dy8, dy_scale, dy_amax = quantize_scaled(dy, fmt, margin, amax_axes=axes)
     # The weight gradient's K-major operands (h8ᵀ, dy8ᵀ) are made after the barrier, as in
     # the stacks (fp8_step._barrier says why); the data gradient waits for it.
     dy8, h8 = fp8_step._barrier(dy8, s.h8)
-    ddown, _ = matmul8(h8.T, s.h_scale, dy8.T, dy_scale, _written(down_dtype, dtype), "auto",
-                       fast_weight, transpose_b=True)
+    ddown, _ = matmul8(h8.T, s.h_scale, dy8.T, dy_scale, dtype, "auto", fast_weight,
+                       transpose_b=True)
     dy8, ddown = fp8_step._barrier(dy8, ddown)
     dh, _ = matmul8(dy8, dy_scale, s.down8, s.down_scale, dtype, "auto", fast_data,
                     transpose_b=True)
@@ -243,24 +222,15 @@ def _fp8_block_bwd(block: Block, residuals, dy):
         _hidden_gradient(dh, g, u, dtype), fmt, margin, amax_axes=axes,
         x_amax=reduced_amaxes([_gradient_bound(dh, s)], axes)[0])
     dgu8, x8 = fp8_step._barrier(dgu8, s.x8)
-    # Each kernel's gradient written by its GEMM in the kernel's own dtype, a pair's by two
-    # GEMMs over dgu8's column halves: no pass after them converts or splits it (compiled for
-    # an H200 at 16384 x 4096 x 11008, the slice and convert of a (D, 2F) bf16 result read and
-    # wrote 0.77 GB of the step's bytes outside the GEMMs).
-    halves = ((dgu8[:, :block.hidden], dgu8[:, block.hidden:]) if len(gate_up_dtypes) == 2
-              else (dgu8,))
-    dgate_up = [matmul8(x8.T, s.x_scale, half.T, dgu_scale, _written(kernel_dtype, dtype),
-                        "auto", fast_weight, transpose_b=True)[0]
-                for half, kernel_dtype in zip(halves, gate_up_dtypes)]
-    dgu8, *dgate_up = fp8_step._barrier(dgu8, *dgate_up)
-    dgate_up = tuple(d.astype(t) for d, t in zip(dgate_up, gate_up_dtypes))
+    dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T, dgu_scale, dtype, "auto", fast_weight,
+                          transpose_b=True)
+    dgu8, dgate_up = fp8_step._barrier(dgu8, dgate_up)
     dx, _ = matmul8(dgu8, dgu_scale, s.w8, s.w_scale, dtype, "auto", fast_data,
                     transpose_b=True)
     next_state = None if state is None else (
         Fp8History(record(state[0].input, s.x_amax), record(state[0].gradient, dgu_amax)),
         Fp8History(record(state[1].input, s.h_amax), record(state[1].gradient, dy_amax)))
-    return (dx, dgate_up if len(dgate_up) == 2 else dgate_up[0], ddown.astype(down_dtype),
-            next_state)
+    return dx, dgate_up, ddown, next_state
 
 
 _fp8_block.defvjp(_fp8_block_fwd, _fp8_block_bwd)
@@ -334,8 +304,7 @@ def _stored_kernels(x, gate_up, down) -> Optional[tuple[tuple, Fp8Weight, int]]:
 # --- the public block ------------------------------------------------------------------------
 
 def _kernels(x, gate_up, down):
-    """(the `(D, 2F)` kernel `[gate up]` or a (gate, up) tuple of `(D, F)` ones, down, F),
-    checked against x `(..., D)`."""
+    """(the `(D, 2F)` kernel `[gate up]`, down, F), checked against x `(..., D)`."""
     d = jnp.shape(x)[-1] if jnp.ndim(x) else None
     if d is None:
         raise ValueError(f"x: expected an array of shape (..., D), got shape {jnp.shape(x)}")
@@ -352,7 +321,7 @@ def _kernels(x, gate_up, down):
             raise ValueError(f"gate_up: gate and up must have the same shape (D, F), got "
                              f"{jnp.shape(gate)} and {jnp.shape(up)}")
         hidden = jnp.shape(gate)[1]
-        gate_up = (jnp.asarray(gate), jnp.asarray(up))
+        gate_up = jnp.concatenate([gate, up], axis=1)  # fused into the cast or quantization
     else:
         shape = jnp.shape(gate_up)
         if len(shape) != 2 or shape[0] != d or shape[1] % 2:
@@ -411,24 +380,17 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
                          "take it)")
     fp8_state = check_state(fp8, fp8_state, len(FP8_GEMMS))
     gate_up, down, hidden = _kernels(x, gate_up, down)
-    kernels = tuple(jnp.asarray(k) for k in ((*gate_up, down) if isinstance(gate_up, tuple)
-                                              else (gate_up, down)))
-    dtype = _compute_dtype(dtype, [x, *kernels])
-    x = jnp.asarray(x, dtype)
-    lead, d, d_out = x.shape[:-1], x.shape[-1], kernels[-1].shape[1]
+    dtype = _compute_dtype(dtype, [x, gate_up, down])
+    x, gate_up, down = (jnp.asarray(a, dtype) for a in (x, gate_up, down))
+    lead, d, d_out = x.shape[:-1], x.shape[-1], down.shape[1]
     rows = x.reshape(math.prod(lead), d)
-    axes = manual_axes.varying_axes([rows, *kernels])
-    rows, *kernels = (manual_axes.vary(a, axes) for a in (rows, *kernels))
-    gate_up, down = (tuple(kernels[:2]) if len(kernels) == 3 else kernels[0]), kernels[-1]
+    axes = manual_axes.varying_axes([rows, gate_up, down])
+    rows, gate_up, down = (manual_axes.vary(a, axes) for a in (rows, gate_up, down))
     if runs_fp8(fp8, rows.shape[0], d, hidden, d_out):
-        # The kernels go in as passed (cast in the step), so that their gradients come out of
-        # the GEMMs in their own dtype.
-        block = Block(fp8.resolved(fp8_state is not None), precision, hidden,
-                      tuple(k.dtype for k in kernels))
+        block = Block(fp8.resolved(fp8_state is not None), precision, hidden)
         y = _fp8_block(block, rows, gate_up, down, fp8_state)
     else:
-        y = _block(Block(None, precision, hidden), rows, _joined(gate_up, dtype),
-                   down.astype(dtype))
+        y = _block(Block(None, precision, hidden), rows, gate_up, down)
         if fp8_state is not None:
             y = fp8_step.carry_state(y, fp8_state)
     return y.reshape(*lead, d_out)
