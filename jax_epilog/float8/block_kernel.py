@@ -62,14 +62,14 @@ class Prologue(NamedTuple):
         return v.astype(self.dtype).astype(jnp.float32)
 
 
-def _compiler_params(num_warps: int):
-    """Pallas' Triton compiler parameters: `num_warps` per program, one stage (the kernels
-    here have no loop to pipeline)."""
+def compiler_params(num_warps: int, num_stages: int = 1):
+    """Pallas' Triton compiler parameters: `num_warps` per program, `num_stages` tiles in
+    flight (1 for a kernel with no loop to pipeline, as this module's)."""
     from jax.experimental.pallas import triton as plgpu
     # `CompilerParams` in the jax versions this package supports; older ones named it
     # `TritonCompilerParams`.
     params = getattr(plgpu, "CompilerParams", None) or plgpu.TritonCompilerParams
-    return params(num_warps=num_warps, num_stages=1)
+    return params(num_warps=num_warps, num_stages=num_stages)
 
 
 def _kernel(*refs, dtype: str, prologue: Prologue, sums: bool):
@@ -113,7 +113,7 @@ def quantize_both(x, *z, dtype: str, prologue: Prologue = Prologue(), sums: bool
     if sums:  # one row of column sums per row of tiles, added up below
         out_shape.append(jax.ShapeDtypeStruct((rows // BLOCK, k), jnp.float32))
         out_specs.append(row_of_tiles)
-    params = None if interpret else _compiler_params(num_warps or prologue.num_warps)
+    params = None if interpret else compiler_params(num_warps or prologue.num_warps)
     x8, xt8, scale, t_scale, *partial_sums = pl.pallas_call(
         functools.partial(_kernel, dtype=dtype, prologue=prologue, sums=sums),
         out_shape=tuple(out_shape), grid=(rows // BLOCK, k // BLOCK),

@@ -23,7 +23,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_epilog.float8 import scaling
+from jax_epilog.float8 import scaling, weight_only_kernel
 from jax_epilog.float8.blocks import quantize_rows
 from jax_epilog.float8.weights import Fp8Weight, check_weight
 from jax_epilog.op.block_scales import BlockScales
@@ -84,8 +84,8 @@ def _layers(activations: tuple, dtype, x, params):
         check_weight(f"layers[{i}] kernel", kernel, (h if h8 is None else h8[0]).shape[-1])
         recorded = record_input(h, kernel)
         way = serving_way(x.shape[0]).choice  # the same way for every layer
-        if way == "weight_only":
-            h = weight_only(h, kernel, bias, activation)
+        if way in ("weight_only", "weight_only_xla"):
+            h = weight_only(h, kernel, bias, activation, kernel=way == "weight_only")
             continue
         h8, input_scale = quantize_input(h, kernel) if h8 is None else h8
         if way == "xla_fp8":
@@ -129,16 +129,31 @@ def per_channel(weight: Fp8Weight) -> bool:
     return jnp.ndim(weight.scale) == 1
 
 
-def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str]):
-    """`act(h @ (scale · data)ᵀ + bias)` with h unquantized: the FP8 data converted to h's
-    dtype where the GEMM reads it (XLA fuses the convert into its GEMM), the product in
-    float32, then scale, bias and activation in one fusion, the result in h's dtype. Fewer
-    than `WEIGHT_ONLY_MIN_ROWS` rows are padded with zero rows, which are sliced off."""
+def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str], *,
+                kernel: bool = True):
+    """`act(h @ (scale · data)ᵀ + bias)` with h unquantized, the product of h's 16-bit values
+    and the weight's converted to h's dtype summed in float32, then scale, bias and activation
+    in float32, the result in h's dtype. On CUDA, where `weight_only_kernel.fits` and `kernel`
+    is set, one Pallas kernel that reads the weight once; elsewhere XLA's GEMM (the convert
+    fused into its operand read) and one fusion after it."""
+    rows, k = h.shape
+    n = weight.data.shape[0]
+    if kernel and weight_only_kernel.fits(rows, k, n, h.dtype):
+        operands = (h, weight.data, weight.scale) + (() if bias is None else (bias,))
+        gemm = lambda *a: weight_only_kernel.weight_only_gemm(*a, activation=activation)  # noqa: E731
+        xla = lambda *a: _weight_only_xla(*a[:3], a[3] if len(a) > 3 else None, activation)  # noqa: E731
+        return jax.lax.platform_dependent(*operands, cuda=gemm, default=xla)
+    return _weight_only_xla(h, weight.data, weight.scale, bias, activation)
+
+
+def _weight_only_xla(h, data, scale, bias, activation: Optional[str]):
+    """`weight_only` as XLA runs it: fewer than `WEIGHT_ONLY_MIN_ROWS` rows are padded with
+    zero rows (sliced off after), which XLA's GEMM streams the weight faster with."""
     rows = h.shape[0]
     padded = jnp.pad(h, ((0, max(0, WEIGHT_ONLY_MIN_ROWS - rows)), (0, 0)))
-    z = jax.lax.dot_general(padded, weight.data.astype(h.dtype), (((1,), (1,)), ((), ())),
+    z = jax.lax.dot_general(padded, data.astype(h.dtype), (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)[:rows]
-    return _scaled_epilogue(z, weight.scale, bias, activation, h.dtype)
+    return _scaled_epilogue(z, scale, bias, activation, h.dtype)
 
 
 def xla_fp8(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str], dtype):

@@ -244,11 +244,13 @@ def _served_block(hidden: int, dtype, x, gate_up: tuple, down: Fp8Weight):
     for weight in gate_up:
         serving.record_input(x, weight)
     way = serving_way(x.shape[0]).choice
-    if way == "weight_only":
-        gu = jnp.concatenate([serving.weight_only(x, w, None, None) for w in gate_up], axis=1)
+    if way in ("weight_only", "weight_only_xla"):
+        dense = functools.partial(serving.weight_only, bias=None, activation=None,
+                                  kernel=way == "weight_only")
+        gu = jnp.concatenate([dense(x, w) for w in gate_up], axis=1)
         h = _hidden(gu, hidden).astype(dtype)
         serving.record_input(h, down)
-        return serving.weight_only(h, down, None, None)
+        return dense(h, down)
     gemm = functools.partial(_quantized_gemm, way, dtype=dtype)
     x8, x_scale = serving.quantize_input(x, gate_up[0])
     gu = jnp.concatenate([gemm(x8, x_scale, w) for w in gate_up], axis=1)

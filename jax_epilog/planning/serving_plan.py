@@ -10,7 +10,10 @@
   (a convert XLA fuses into the GEMM's operand read), scale, bias and activation in XLA's
   fusion after it. Where very few rows share each weight, the GEMM is bound by reading the
   weight, which is half the bytes either way, and this skips the input's two passes. Only
-  the weight is rounded, so its error is smaller too.
+  the weight is rounded, so its error is smaller too. On CUDA it is one Pallas kernel
+  (`float8.weight_only_kernel`) where the shape fits it.
+- "weight_only_xla": weight-only as XLA's GEMM and fusion on every platform (what
+  "weight_only" runs where the kernel does not fit; chosen only by `JAX_EPILOG_SERVING`).
 
 The choice depends on the rows alone, so every platform makes the same one and computes the
 same values. `JAX_EPILOG_SERVING` overrides it (`runtime.settings.serving_override`).
@@ -21,7 +24,7 @@ from __future__ import annotations
 from jax_epilog.planning.context import Choice
 from jax_epilog.runtime import settings
 
-WAYS = ("fp8", "xla_fp8", "weight_only")
+WAYS = ("fp8", "xla_fp8", "weight_only", "weight_only_xla")
 
 #: The most rows a layer runs weight-only with, and the most it runs XLA's FP8 dot with.
 #: Measured on the H200 (docs/serving.md, benchmarks/results/serving; 8 layers per call, K
