@@ -143,3 +143,64 @@ def test_gpu_served_dense_over_few_rows_is_one_kernel(rows, monkeypatch):
     assert text.count("__gpu$xla.gpu.triton") == 1 and "jax_epilog_matmul" not in text
     assert "__triton_gemm" not in text and "cublas" not in text
     check(fn(x, stored, bias), x, stored, bias, "gelu", jnp.bfloat16)
+
+
+# --- SwiGLU's gate and up in one kernel --------------------------------------------------------
+
+def swiglu_xla(x, weights):
+    """h as the XLA formulation computes it: g and u each rounded to x's dtype."""
+    g, u = (serving._weight_only_xla(x, w.data, w.scale, None, None) for w in weights)
+    return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(x.dtype)
+
+
+def swiglu_model(x, gate, up):
+    """h in float64 from the dequantized stored weights."""
+    g, u = (weight_only_model(np.asarray(x.astype(jnp.float32)), w, None, None)
+            for w in (gate, up))
+    return g / (1 + np.exp(-g)) * u
+
+
+@pytest.mark.parametrize("rows", [1, 16, 23])
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+@pytest.mark.parametrize("fused", [False, True], ids=["pair", "fused"])
+def test_swiglu_kernel_is_the_hidden_of_both_gemms(fused, granularity, rows):
+    """A (gate, up) pair, or one `(D, 2F)` weight whose channels' offset the kernel reads
+    (no slice of the FP8 data): h against the float64 model and the XLA formulation."""
+    d, f = 64, 48
+    kernel = random(7, (d, 2 * f), scale=d ** -0.5)
+    if fused:
+        both = quantize_weight(kernel, granularity=granularity)
+        arg = ((both.data, both.scale),)
+        pieces = [both.data[:f], both.data[f:]]
+        scales = [both.scale[:f], both.scale[f:]] if granularity == "channel" else [both.scale] * 2
+        gate, up = (type(both)(p, s) for p, s in zip(pieces, scales))
+    else:
+        gate, up = (quantize_weight(w, granularity=granularity)
+                    for w in (kernel[:, :f], kernel[:, f:]))
+        arg = ((gate.data, gate.scale), (up.data, up.scale))
+    x = random(3, (rows, d), jnp.bfloat16)
+    h = weight_only_kernel.weight_only_swiglu(x, arg, tiling=SMALL, interpret=True)
+    assert h.shape == (rows, f) and h.dtype == jnp.bfloat16
+    assert_served(h, swiglu_model(x, gate, up), jnp.bfloat16)
+    want = swiglu_xla(x, (gate, up))
+    np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(want, np.float32),
+                               rtol=2 ** -7, atol=2 ** -7 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_gpu_served_swiglu_over_few_rows_is_two_kernels(rows, monkeypatch):
+    """The served SwiGLU block weight-only: the gate/up kernel and the down kernel, nothing
+    else that reads a weight, values as the float64 model's."""
+    monkeypatch.setenv("JAX_EPILOG_SERVING", "weight_only")
+    d, f = 1024, 1536
+    gate, up, down = (quantize_weight(random(i, shape, scale=shape[0] ** -0.5))
+                      for i, shape in enumerate([(d, f), (d, f), (f, d)]))
+    x = random(5, (rows, d), jnp.bfloat16)
+    fn = jax.jit(lambda x, gu, w: jax_epilog.swiglu(x, gu, w))
+    text = fn.lower(x, (gate, up), down).compile().as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 2 and "jax_epilog_matmul" not in text
+    assert "__triton_gemm" not in text and "cublas" not in text
+    h = swiglu_model(x, gate, up).astype(np.float32).astype(jnp.bfloat16)
+    want = weight_only_model(np.asarray(jnp.asarray(h, jnp.float32)), down, None, None)
+    assert_served(fn(x, (gate, up), down), want, jnp.bfloat16)

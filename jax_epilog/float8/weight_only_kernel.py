@@ -80,31 +80,78 @@ def padded_rows(rows: int) -> int:
     return max(MIN_BLOCK, 1 << (rows - 1).bit_length())
 
 
-def _kernel(x_ref, w_ref, scale_ref, *refs, block_m: int, block_n: int, block_k: int,
-            activation: Optional[str], per_channel: bool):
+def _kernel(x_ref, *refs, block_m: int, block_n: int, block_k: int,
+            activation: Optional[str], per_channel: tuple[bool, ...],
+            offsets: tuple[int, ...], has_bias: bool):
+    """One program: `block_n` output channels over every row. `refs`: (data, scale) for each
+    weight (one, or SwiGLU's gate and up, whose channels start at `offsets` in their data
+    and scales), the bias if `has_bias`, the output."""
     from jax.experimental import pallas as pl
-    bias_ref, out_ref = (refs[0], refs[1]) if len(refs) == 2 else (None, refs[0])
+    weights = [refs[2 * i:2 * i + 2] for i in range(len(per_channel))]
+    bias_ref = refs[2 * len(weights)] if has_bias else None
+    out_ref = refs[-1]
     rows, k = x_ref.shape
-    channels = pl.ds(pl.multiple_of(pl.program_id(0) * block_n, block_n), block_n)
+    first = pl.program_id(0) * block_n
+    channels = pl.ds(pl.multiple_of(first, block_n), block_n)
+    weight_channels = [pl.ds(pl.multiple_of(first + offset, block_n), block_n)
+                       for offset in offsets]
     # Rows past x's repeat its last (no padded copy of x), so they store its last row's
     # result again, the same values at the same place.
     row = jnp.minimum(jnp.arange(block_m), rows - 1)
 
-    def step(i, acc):
+    def step(i, sums):
         ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
         x = x_ref[row, ks]
-        w = w_ref[channels, ks].astype(x.dtype)
-        return acc + jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())),
-                                         preferred_element_type=jnp.float32)
+        return tuple(acc + jax.lax.dot_general(x, w_ref[at, ks].astype(x.dtype),
+                                               (((1,), (1,)), ((), ())),
+                                               preferred_element_type=jnp.float32)
+                     for acc, (w_ref, _), at in zip(sums, weights, weight_channels))
 
-    z = jax.lax.fori_loop(0, k // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
-    scale = scale_ref[channels] if per_channel else scale_ref[...]
-    z = z * scale[None, :]
+    zeros = tuple(jnp.zeros((block_m, block_n), jnp.float32) for _ in weights)
+    sums = jax.lax.fori_loop(0, k // block_k, step, zeros)
+    z = [acc * (scale_ref[at] if channel else scale_ref[...])[None, :]
+         for acc, (_, scale_ref), channel, at in zip(sums, weights, per_channel,
+                                                     weight_channels)]
+    if len(z) == 2:  # SwiGLU's h from g and u, each rounded as its own GEMM writes it
+        g, u = (v.astype(out_ref.dtype).astype(jnp.float32) for v in z)
+        out_ref[row, channels] = (jax.nn.silu(g) * u).astype(out_ref.dtype)
+        return
+    z = z[0]
     if bias_ref is not None:
         z = z + bias_ref[channels].astype(jnp.float32)[None, :]
     if activation is not None:
         z = ACTIVATIONS[activation].plain(z)
     out_ref[row, channels] = z.astype(out_ref.dtype)
+
+
+def _call(x, weights, n: int, bias, activation: Optional[str], tiling: Optional[Tiling],
+          interpret: bool, name: str):
+    """The kernel's `n` output channels over x `(rows, K)` and `weights` [(data, scale,
+    offset)], one or two: the channels' rows of data `(·, K)` (and of a per-channel scale)
+    start at `offset`."""
+    from jax.experimental import pallas as pl  # only where the kernel is chosen
+
+    rows, k = x.shape
+    cut = tiling or default_tiling(k, n)
+    if n % cut.block_n or k % cut.block_k:
+        raise ValueError(f"tiling: {cut} does not divide K {k} and N {n}")
+    per_channel = tuple(jnp.ndim(scale) == 1 for _, scale, _ in weights)
+    operands = [x]
+    for (data, scale, _), channel in zip(weights, per_channel):
+        operands += [data, jnp.reshape(scale.astype(jnp.float32), (-1,) if channel else (1,))]
+    if bias is not None:
+        operands.append(bias)
+    params = None
+    if not interpret:
+        from jax_epilog.float8.block_kernel import compiler_params
+        params = compiler_params(cut.num_warps, cut.num_stages)
+    return pl.pallas_call(
+        functools.partial(_kernel, block_m=padded_rows(rows), block_n=cut.block_n,
+                          block_k=cut.block_k, activation=activation, per_channel=per_channel,
+                          offsets=tuple(offset for _, _, offset in weights),
+                          has_bias=bias is not None),
+        out_shape=jax.ShapeDtypeStruct((rows, n), x.dtype), grid=(n // cut.block_n,),
+        interpret=interpret, name=name, compiler_params=params)(*operands)
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "tiling", "interpret"))
@@ -113,25 +160,23 @@ def weight_only_gemm(x, data, scale, bias=None, *, activation: Optional[str] = N
     """`act(x @ (scale · data)ᵀ + bias)` in x's dtype: x `(rows, K)` 16-bit, `data` `(N, K)`
     FP8, `scale` float32 `()` or `(N,)`, `bias` `(N,)` or None; `fits` must hold. `tiling`:
     as given (its blocks must divide K and N), else `default_tiling`."""
-    from jax.experimental import pallas as pl  # only where the kernel is chosen
+    return _call(x, [(data, scale, 0)], data.shape[0], bias, activation, tiling, interpret,
+                 "weight_only_gemm")
 
-    rows, k = x.shape
-    n = data.shape[0]
-    cut = tiling or default_tiling(k, n)
-    if n % cut.block_n or k % cut.block_k:
-        raise ValueError(f"tiling: {cut} does not divide K {k} and N {n}")
-    block_m = padded_rows(rows)
-    per_channel = jnp.ndim(scale) == 1
-    operands = [x, data,
-                jnp.reshape(scale.astype(jnp.float32), (n,) if per_channel else (1,))]
-    if bias is not None:
-        operands.append(bias)
-    params = None
-    if not interpret:
-        from jax_epilog.float8.block_kernel import compiler_params
-        params = compiler_params(cut.num_warps, cut.num_stages)
-    return pl.pallas_call(
-        functools.partial(_kernel, block_m=block_m, block_n=cut.block_n, block_k=cut.block_k,
-                          activation=activation, per_channel=per_channel),
-        out_shape=jax.ShapeDtypeStruct((rows, n), x.dtype), grid=(n // cut.block_n,),
-        interpret=interpret, name="weight_only_gemm", compiler_params=params)(*operands)
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tiling"))
+def weight_only_swiglu(x, gate_up: tuple, *, tiling: Optional[Tiling] = None,
+                       interpret: bool = False):
+    """SwiGLU's hidden `silu(g) · u` in x's dtype, g = x @ (gate_scale · gate)ᵀ and u
+    likewise, each rounded to x's dtype first as its own `weight_only_gemm` would write it:
+    both products and h in one kernel, which reads x once for both and writes neither g nor
+    u. `gate_up`: ((gate `(F, K)`, its scale), (up, its scale)), or ((data `(2F, K)`, its
+    scale `()` or `(2F,)`),): gate's channels the first F rows, up's the last."""
+    if len(gate_up) == 2:
+        (gate, gate_scale), (up, up_scale) = gate_up
+        weights, n = [(gate, gate_scale, 0), (up, up_scale, 0)], gate.shape[0]
+    else:
+        [(data, scale)] = gate_up
+        n = data.shape[0] // 2
+        weights = [(data, scale, 0), (data, scale, n)]
+    return _call(x, weights, n, None, None, tiling, interpret, "weight_only_swiglu")

@@ -53,6 +53,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
 from jax_epilog.float8.scaling import quantize_scaled, record, reduced_amaxes
+from jax_epilog.float8 import weight_only_kernel
 from jax_epilog.float8.weights import Fp8Weight
 from jax_epilog.layers import fp8_step, serving
 from jax_epilog.layers.functional import _compute_dtype, _described
@@ -245,18 +246,32 @@ def _served_block(hidden: int, dtype, x, gate_up: tuple, down: Fp8Weight):
         serving.record_input(x, weight)
     way = serving_way(x.shape[0]).choice
     if way in ("weight_only", "weight_only_xla"):
-        dense = functools.partial(serving.weight_only, bias=None, activation=None,
-                                  kernel=way == "weight_only")
-        gu = jnp.concatenate([dense(x, w) for w in gate_up], axis=1)
-        h = _hidden(gu, hidden).astype(dtype)
+        kernel = way == "weight_only"
+        h = _weight_only_hidden(x, tuple(gate_up), hidden, kernel)
         serving.record_input(h, down)
-        return dense(h, down)
+        return serving.weight_only(h, down, None, None, kernel=kernel)
     gemm = functools.partial(_quantized_gemm, way, dtype=dtype)
     x8, x_scale = serving.quantize_input(x, gate_up[0])
     gu = jnp.concatenate([gemm(x8, x_scale, w) for w in gate_up], axis=1)
     h = _hidden(gu, hidden)
     serving.record_input(h, down)
     return gemm(*serving.quantize_input(h, down), down)
+
+
+def _weight_only_hidden(x, gate_up: tuple, hidden: int, kernel: bool):
+    """h = silu(g)·u in x's dtype, g and u weight-only (`serving.weight_only`), each rounded to
+    x's dtype. On CUDA, where `kernel` is set and the shape fits, one Pallas kernel for both
+    products and h (`weight_only_kernel.weight_only_swiglu`)."""
+    def xla(x, gate_up):
+        gu = jnp.concatenate([serving.weight_only(x, w, None, None, kernel=False)
+                              for w in gate_up], axis=1)
+        return _hidden(gu, hidden).astype(x.dtype)
+
+    if not (kernel and weight_only_kernel.fits(x.shape[0], x.shape[1], hidden, x.dtype)):
+        return xla(x, gate_up)
+    fused = lambda x, gate_up: weight_only_kernel.weight_only_swiglu(  # noqa: E731
+        x, tuple((w.data, w.scale) for w in gate_up))
+    return jax.lax.platform_dependent(x, gate_up, cuda=fused, default=xla)
 
 
 def _quantized_gemm(way: str, h8, h_scale, weight: Fp8Weight, dtype):
