@@ -13,6 +13,7 @@ import pytest
 
 import jax_epilog
 from jax_epilog.float8 import weight_only_kernel
+from jax_epilog.float8.few_rows_fp8_kernel import few_rows_fp8_gemm
 from jax_epilog.float8.weight_only_kernel import Tiling, default_tiling, fits, weight_only_gemm
 from jax_epilog.float8.weights import quantize_weight
 from jax_epilog.layers import serving
@@ -204,3 +205,37 @@ def test_gpu_served_swiglu_over_few_rows_is_two_kernels(rows, monkeypatch):
     h = swiglu_model(x, gate, up).astype(np.float32).astype(jnp.bfloat16)
     want = weight_only_model(np.asarray(jnp.asarray(h, jnp.float32)), down, None, None)
     assert_served(fn(x, (gate, up), down), want, jnp.bfloat16)
+
+
+# --- the FP8 GEMM of few rows (both operands FP8) ------------------------------------------------
+
+def check_fp8(x, stored, bias, activation, **kw):
+    """The kernel on x quantized as the served layers quantize it, against the XLA FP8 way
+    (`serving.xla_fp8`, which rounds the product to bf16 before its epilogue: one rounding more)."""
+    x8, x_scale = serving.quantize_input(x, stored)
+    got = few_rows_fp8_gemm(x8, x_scale, stored.data, stored.scale, bias, activation=activation,
+                            **kw)
+    want = serving.xla_fp8(x8, x_scale, stored, bias, activation, jnp.bfloat16)
+    assert got.shape == want.shape and got.dtype == jnp.bfloat16
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
+    np.testing.assert_allclose(f32(got), f32(want), rtol=2 ** -6,
+                               atol=2 ** -7 * np.max(np.abs(f32(want))))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_few_rows_fp8_kernel_is_the_xla_fp8_way(granularity, rows):
+    """Per tensor: one input scale; per channel: the input per token (the layers' rule)."""
+    stored, bias = layer(96, 64, granularity)
+    x = random(3, (rows, 96), jnp.bfloat16)
+    check_fp8(x, stored, bias, "gelu", tiling=Tiling(32, 32, 4, 2), interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+@pytest.mark.parametrize("tiling", [None, Tiling(64, 256, 4, 3), Tiling(128, 128, 4, 5)],
+                         ids=str)
+def test_gpu_few_rows_fp8_kernel_is_the_xla_fp8_way(tiling, granularity, rows):
+    stored, bias = layer(1024, 1536, granularity)
+    check_fp8(random(3, (rows, 1024), jnp.bfloat16), stored, bias, "relu", tiling=tiling)
