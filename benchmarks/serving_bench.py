@@ -18,7 +18,8 @@ Two parts, each a ratio measured in one process against XLA's bf16 (`xla_bf16`):
      GEMM, which then scales rows (cuBLASLt's outer vector scaling);
    - ours_xla_fp8: always XLA's FP8 dot (`JAX_EPILOG_SERVING=xla_fp8`);
    - ours_weight_only: always weight-only (`JAX_EPILOG_SERVING=weight_only`): the bf16 input
-     times the FP8 weight converted inside XLA's GEMM;
+     times the FP8 weight converted as it is read, on CUDA one Pallas kernel up to 64 rows;
+     ours_weight_only_xla: the same in XLA's GEMM (`JAX_EPILOG_SERVING=weight_only_xla`);
    - xla_fp8: XLA's own FP8 dot on the same stored weight (the input quantized the same way,
      `lax.dot_general` of the FP8 operands to bf16, scales, bias and GELU after it), what a
      user could write without this package.
@@ -135,6 +136,7 @@ def gemm_variants(k: int, n: int, count: int) -> tuple[dict, dict[str, int]]:
         "ours_fp8_static": (Way("fp8", stacked(dense)), ([(s, b) for s in static],)),
         "ours_xla_fp8": (Way("xla_fp8", stacked(dense)), (fp8,)),
         "ours_weight_only": (Way("weight_only", stacked(dense)), (fp8,)),
+        "ours_weight_only_xla": (Way("weight_only_xla", stacked(dense)), (fp8,)),
         "ours_fp8_channel": (stacked(dense), ([(s, b) for s in per_channel],)),
         "ours_fp8_channel_gemm": (Way("fp8", stacked(dense)), ([(s, b) for s in per_channel],)),
         "xla_fp8": (stacked(xla_fp8_dense), (fp8,)),

@@ -46,9 +46,9 @@ SHAPES = {"K4096xN14336": (4096, 14336), "K14336xN4096": (14336, 4096),
 ROWS = (16, 1, 64)
 LAYERS = 8
 GRID = [Tiling(n, k, w, s) for n, k, (w, s) in itertools.product(
-    (16, 32, 64), (256, 512, 1024), ((4, 3), (4, 5), (8, 4)))]
+    (16, 32, 64), (256, 512), ((4, 3), (4, 5)))]
 FP8_GRID = [Tiling(n, k, w, s) for n, k, (w, s) in itertools.product(
-    (32, 64, 128), (128, 256, 512), ((4, 3), (4, 5)))]
+    (32, 64, 128), (128, 256), ((4, 3), (4, 5)))]
 SMOKE = dict(shapes={"K64xN96": (64, 96)}, rows=(16, 3), layers=2,
              grid=[Tiling(16, 32, 4, 2), Tiling(32, 64, 4, 2)], fp8_grid=[Tiling(32, 32, 4, 2)])
 FINALISTS = 3
