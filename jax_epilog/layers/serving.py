@@ -23,13 +23,14 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_epilog.float8 import scaling, weight_only_kernel
+from jax_epilog.float8 import few_rows_fp8_kernel, scaling, weight_only_kernel
 from jax_epilog.float8.blocks import quantize_rows
 from jax_epilog.float8.weights import Fp8Weight, check_weight
 from jax_epilog.op.block_scales import BlockScales
 from jax_epilog.op.epilogs import ACTIVATIONS, Epilog, aux_dtype
 from jax_epilog.op.matmul import matmul
 from jax_epilog.op.reference import saturating_cast
+from jax_epilog.planning import serving_plan
 from jax_epilog.planning.serving_plan import WEIGHT_ONLY_MIN_ROWS, serving_way
 
 #: The activations' FP8 format: e4m3, the forward operands' format in training too.
@@ -130,14 +131,16 @@ def per_channel(weight: Fp8Weight) -> bool:
 
 
 def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str], *,
-                kernel: bool = True):
+                kernel: Optional[bool] = None):
     """`act(h @ (scale · data)ᵀ + bias)` with h unquantized, the product of h's 16-bit values
     and the weight's converted to h's dtype summed in float32, then scale, bias and activation
     in float32, the result in h's dtype. On CUDA, where `weight_only_kernel.fits` and `kernel`
-    is set, one Pallas kernel that reads the weight once; elsewhere XLA's GEMM (the convert
-    fused into its operand read) and one fusion after it."""
+    (default `serving_plan.PALLAS_WEIGHT_ONLY`) is set, one Pallas kernel that reads the
+    weight once; elsewhere XLA's GEMM (the convert fused into its operand read) and one
+    fusion after it."""
     rows, k = h.shape
     n = weight.data.shape[0]
+    kernel = serving_plan.PALLAS_WEIGHT_ONLY if kernel is None else kernel
     if kernel and weight_only_kernel.fits(rows, k, n, h.dtype):
         operands = (h, weight.data, weight.scale) + (() if bias is None else (bias,))
         gemm = lambda *a: weight_only_kernel.weight_only_gemm(*a, activation=activation)  # noqa: E731
@@ -160,7 +163,24 @@ def xla_fp8(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str],
     """`act(input_scale · scale · (h8 @ dataᵀ) + bias)` by XLA's own FP8 dot (its autotuner
     picks the kernel), the product rounded to `dtype` as XLA's FP8 GEMMs write it, then
     scale, bias and activation in float32 in one fusion, the result in `dtype`. Per-token
-    input scales multiply the rows, per-channel weight scales the columns."""
+    input scales multiply the rows, per-channel weight scales the columns. On CUDA, with
+    `serving_plan.PALLAS_FEW_ROWS_FP8` and where the shape fits, one Pallas kernel
+    (`few_rows_fp8_kernel`) instead, which rounds the product once, after the epilogue."""
+    rows, k = h8.shape
+    if serving_plan.PALLAS_FEW_ROWS_FP8 and weight_only_kernel.fits(
+            rows, k, weight.data.shape[0], dtype):
+        operands = (h8, input_scale, weight.data, weight.scale) + (
+            () if bias is None else (bias,))
+        gemm = lambda *a: few_rows_fp8_kernel.few_rows_fp8_gemm(  # noqa: E731
+            *a, activation=activation, dtype=dtype)
+        xla = lambda h8, s, data, w_scale, *b: _xla_fp8(  # noqa: E731
+            h8, s, Fp8Weight(data, w_scale), b[0] if b else None, activation, dtype)
+        return jax.lax.platform_dependent(*operands, cuda=gemm, default=xla)
+    return _xla_fp8(h8, input_scale, weight, bias, activation, dtype)
+
+
+def _xla_fp8(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str], dtype):
+    """`xla_fp8` as XLA runs it."""
     z = jax.lax.dot_general(h8, weight.data, (((1,), (1,)), ((), ())),
                             preferred_element_type=dtype)
     input_scale = input_scale[:, None] if jnp.ndim(input_scale) == 1 else input_scale

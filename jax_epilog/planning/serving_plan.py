@@ -35,6 +35,14 @@ WAYS = ("fp8", "xla_fp8", "weight_only", "weight_only_xla")
 WEIGHT_ONLY_MAX_ROWS = 16
 XLA_FP8_MAX_ROWS = 64
 
+#: On CUDA, where the shape fits (`weight_only_kernel.fits`): whether the "weight_only" way
+#: runs its Pallas kernel (`float8.weight_only_kernel`) rather than XLA's GEMM and fusion, and
+#: whether the "xla_fp8" way runs the FP8 Pallas GEMM of few rows
+#: (`float8.few_rows_fp8_kernel`) rather than XLA's FP8 dot and fusion. The arithmetic is the
+#: same either way (the sums in another order).
+PALLAS_WEIGHT_ONLY = True
+PALLAS_FEW_ROWS_FP8 = False
+
 #: Weight-only GEMMs over fewer rows are padded to this many. Measured on the H200
 #: (docs/serving.md, 8 layers per call): XLA's weight-only GEMM of one row took 25-35 µs
 #: at K4096 x N14336, K14336 x N4096 and K8192 x N8192, where 16 rows took 22-25 µs (its
