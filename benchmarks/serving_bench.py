@@ -8,18 +8,19 @@ Two parts, each a ratio measured in one process against XLA's bf16 (`xla_bf16`):
    - ours_bf16: `jax_epilog.dense(x, w, b, activation="gelu")`, bf16 weights (the decode
      shapes' "never slower" check);
    - ours_fp8: the same with `w` stored in FP8 (`quantize_params`), as it runs by default
-     (`planning.serving_plan`: weight-only up to 16 rows, XLA's FP8 dot up to 64, our FP8
-     GEMM above);
+     (`planning.serving_plan`: the Pallas kernel of few rows up to 64 rows, our FP8 GEMM
+     above);
    - ours_fp8_gemm: always the FP8 GEMM, the input's scale from its amax each call
      (`JAX_EPILOG_SERVING=fp8`);
    - ours_fp8_static: the FP8 GEMM with a static input scale (`calibrate`, no amax pass);
    - ours_fp8_channel: `w` stored with one scale per output channel (`quantize_params(...,
      granularity="channel")`), as it runs by default; ours_fp8_channel_gemm: always the FP8
      GEMM, which then scales rows (cuBLASLt's outer vector scaling);
+   - ours_fp8_pallas: always the Pallas kernel of few rows where it fits
+     (`JAX_EPILOG_SERVING=fp8_pallas`);
    - ours_xla_fp8: always XLA's FP8 dot (`JAX_EPILOG_SERVING=xla_fp8`);
    - ours_weight_only: always weight-only (`JAX_EPILOG_SERVING=weight_only`): the bf16 input
-     times the FP8 weight converted as it is read, on CUDA one Pallas kernel up to 64 rows;
-     ours_weight_only_xla: the same in XLA's GEMM (`JAX_EPILOG_SERVING=weight_only_xla`);
+     times the FP8 weight converted inside XLA's GEMM;
    - xla_fp8: XLA's own FP8 dot on the same stored weight (the input quantized the same way,
      `lax.dot_general` of the FP8 operands to bf16, scales, bias and GELU after it), what a
      user could write without this package.
@@ -134,9 +135,9 @@ def gemm_variants(k: int, n: int, count: int) -> tuple[dict, dict[str, int]]:
         "ours_fp8": (stacked(dense), (fp8,)),
         "ours_fp8_gemm": (Way("fp8", stacked(dense)), (fp8,)),
         "ours_fp8_static": (Way("fp8", stacked(dense)), ([(s, b) for s in static],)),
+        "ours_fp8_pallas": (Way("fp8_pallas", stacked(dense)), (fp8,)),
         "ours_xla_fp8": (Way("xla_fp8", stacked(dense)), (fp8,)),
         "ours_weight_only": (Way("weight_only", stacked(dense)), (fp8,)),
-        "ours_weight_only_xla": (Way("weight_only_xla", stacked(dense)), (fp8,)),
         "ours_fp8_channel": (stacked(dense), ([(s, b) for s in per_channel],)),
         "ours_fp8_channel_gemm": (Way("fp8", stacked(dense)), ([(s, b) for s in per_channel],)),
         "xla_fp8": (stacked(xla_fp8_dense), (fp8,)),

@@ -5,7 +5,7 @@
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt llama gptprofile serving
 #           generate decodelayout blockfp8 blockstep swiglu pallastune rowfp8
-#           weightonly
+#           fewrows
 #   (default: build tests fuzz demo bench)
 #   `tests` is the GPU suite (the gpu-marked tests: about 190 s with PYTEST_WORKERS=6 on one
 #   H200); `suite` runs every test with the GPU as the default device (past 500 s, and the
@@ -262,19 +262,19 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       grep -E "^\| (xla_separate|xla|pallas|ours_fp8_block[a-z_]*) \|" \
         "$OUT/block_step/block_fp8.md" 2>/dev/null | tee -a "$SUMMARY"
       cat "$OUT/block_step/block_fp8.md" 2>/dev/null | head -60 ;;
-    weightonly)
-      # The served weight-only GEMM's Pallas kernel (issue 37's decode sizes): its GPU tests
-      # and the served layers' (which run it over few rows), then its tilings against XLA
-      # (benchmarks/weight_only_tuning.py; WEIGHT_ONLY_ARGS, e.g. "--shapes K4096xN14336").
-      gpu_tests weightonly "${WEIGHT_ONLY_TEST_CAP:-200}" test_weight_only_kernel.py \
+    fewrows)
+      # The served FP8 GEMM of few rows' Pallas kernel (issue 37's decode sizes): its GPU tests
+      # and the served layers' (which run it up to 64 rows), then its tilings against XLA
+      # (benchmarks/few_rows_tuning.py; FEW_ROWS_ARGS, e.g. "--shapes K4096xN14336").
+      gpu_tests fewrows "${FEW_ROWS_TEST_CAP:-200}" test_few_rows_fp8_kernel.py \
         test_serving.py test_swiglu_serving.py
-      (cd "$ROOT/benchmarks" && runs --cap "${WEIGHT_ONLY_CAP:-300}" "$PY" \
-        weight_only_tuning.py ${WEIGHT_ONLY_ARGS:-} --out "$OUT/weight_only" 2>&1) \
-        > "$OUT/weight_only.log"
-      note "weight-only tuning: rc=$? ($((SECONDS - start)) s)"
-      grep -E "^(## |\| )" "$OUT/weight_only/weight_only_tuning.md" 2>/dev/null | \
+      (cd "$ROOT/benchmarks" && runs --cap "${FEW_ROWS_CAP:-300}" "$PY" \
+        few_rows_tuning.py ${FEW_ROWS_ARGS:-} --out "$OUT/few_rows" 2>&1) \
+        > "$OUT/few_rows.log"
+      note "few-rows tuning: rc=$? ($((SECONDS - start)) s)"
+      grep -E "^(## |\| )" "$OUT/few_rows/few_rows_tuning.md" 2>/dev/null | \
         grep -v "^| variant\|^|---" | tee -a "$SUMMARY"
-      grep -E "Error|error:" "$OUT/weight_only.log" | tail -5 ;;
+      grep -E "Error|error:" "$OUT/few_rows.log" | tail -5 ;;
     pallastune)
       # The Pallas quantization kernels (block recipe's both-copies pass, SwiGLU's gradient)
       # at each warp count and tile, against XLA (benchmarks/pallas_tuning.py).

@@ -161,11 +161,11 @@ def test_serving_smoke_report(tmp_path):
     assert [(r["shape"], r["M"]) for r in report["gemm"]] == [("K64xN96", 1), ("K64xN96", 17)]
     for row in report["gemm"]:
         for name in ("xla_bf16", "ours_bf16", "ours_fp8", "ours_fp8_gemm", "ours_fp8_static",
-                     "ours_xla_fp8", "ours_weight_only", "ours_weight_only_xla", "xla_fp8"):
+                     "ours_xla_fp8", "ours_weight_only", "xla_fp8"):
             assert row[name]["careful_ms"] > 0 and row[name]["user_ms"] > 0, name
         assert row["ours_bf16"]["error"] < 0.02
         for name in ("ours_fp8", "ours_fp8_gemm", "ours_xla_fp8", "ours_weight_only",
-                     "ours_weight_only_xla", "ours_fp8_channel", "ours_fp8_channel_gemm"):
+                     "ours_fp8_channel", "ours_fp8_channel_gemm"):
             assert 0 < row[name]["error"] < 0.1, (name, row[name]["error"])
     assert report["weight_bytes"]["gemm"]["fp8"] * 2 <= report["weight_bytes"]["gemm"]["bf16"] + 64
     assert [r["M"] for r in report["block"]] == [3]
@@ -178,22 +178,19 @@ def test_serving_smoke_report(tmp_path):
 
 
 @pytest.mark.slow
-def test_weight_only_tuning_smoke_report(tmp_path):
-    """benchmarks/weight_only_tuning.py end to end on a tiny shape (the Pallas interpreter off
-    a GPU): every variant timed, the kernels' outputs the XLA weight-only formula's."""
-    import weight_only_tuning
+def test_few_rows_tuning_smoke_report(tmp_path):
+    """benchmarks/few_rows_tuning.py end to end on a tiny shape (the Pallas interpreter off a
+    GPU): every variant timed, the kernels' outputs within an FP8 input's error."""
+    import few_rows_tuning
 
-    report = weight_only_tuning.main(["--smoke", "--rounds", "2", "--out", str(tmp_path)])
+    report = few_rows_tuning.main(["--smoke", "--rounds", "2", "--out", str(tmp_path)])
     first, second = report["rows"]
     assert (first["M"], second["M"]) == (16, 3)
-    kernels = [n for n in first["variants"] if n.startswith(("pallas", "fp8k"))]
-    assert len(kernels) == 1 + len(weight_only_tuning.SMOKE["grid"]) + len(
-        weight_only_tuning.SMOKE["fp8_grid"])
+    kernels = [n for n in first["variants"] if n.startswith("fp8k")]
+    assert len(kernels) == 1 + len(few_rows_tuning.SMOKE["grid"])
     for row in report["rows"]:
         for name, v in row["variants"].items():
             assert v["careful_ms"] > 0 and v["user_ms"] > 0, name
-            if name.startswith("pallas"):  # the same formula: within a bf16 rounding
-                assert v["error"] < 2 ** -6, (name, v["error"])
-            elif name != "weight_only_xla":  # bf16 weights or an FP8 input
+            if name != "weight_only_xla":  # bf16 weights or an FP8 input
                 assert 0 < v["error"] < 0.1, (name, v["error"])
-    assert "## K64xN96, M 16" in (tmp_path / "weight_only_tuning.md").read_text()
+    assert "## K64xN96, M 16" in (tmp_path / "few_rows_tuning.md").read_text()

@@ -182,11 +182,11 @@ def test_quantize_params_is_idempotent_and_refuses_fp8_kernels():
 
 # --- the served layers ------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows,way", [(1, "weight_only"), (16, "weight_only"),
-                                      (17, "xla_fp8"), (64, "xla_fp8"), (65, "fp8")])
+@pytest.mark.parametrize("rows,way", [(1, "fp8_pallas"), (16, "fp8_pallas"),
+                                      (64, "fp8_pallas"), (65, "fp8")])
 def test_served_layers_choose_their_way_by_the_rows(rows, way, monkeypatch):
-    """Up to 16 rows weight-only, up to 64 XLA's FP8 dot, then our FP8 GEMM: each way's
-    values, and the call holding that way's GEMM."""
+    """Up to 64 rows the Pallas kernel of few rows (on a CPU XLA's FP8 dot: what this sees),
+    then our FP8 GEMM: each way's values, and the call holding that way's GEMM."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
     kernel = quantize_weight(random(1, (136, 72), scale=0.2))
     bias = random(2, (72,), jnp.float32)
@@ -197,14 +197,13 @@ def test_served_layers_choose_their_way_by_the_rows(rows, way, monkeypatch):
     assert_served(y, model(np.asarray(x), kernel, np.asarray(bias), "gelu"), jnp.float32)
     dots = [e for e in traced_equations(f, x, kernel, bias) if e.primitive.name == "dot_general"]
     fp8_dots = [e for e in dots if all(v.aval.dtype == jnp.float8_e4m3fn for v in e.invars)]
-    assert (len(dots), len(fp8_dots)) == {"weight_only": (1, 0), "xla_fp8": (1, 1),
-                                          "fp8": (0, 0)}[way]
+    assert (len(dots), len(fp8_dots)) == {"fp8_pallas": (1, 1), "fp8": (0, 0)}[way]
 
 
 @pytest.mark.parametrize("rows", [1, 127, 129, 300])
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("way", ["fp8", "xla_fp8", "weight_only"])
+@pytest.mark.parametrize("way", ["fp8", "fp8_pallas", "xla_fp8", "weight_only"])
 @pytest.mark.parametrize("granularity", ["tensor", "channel"])
 def test_dense_with_a_stored_weight_is_its_way_s_formula(granularity, way, rows, activation,
                                                           dtype, monkeypatch):
@@ -223,6 +222,23 @@ def test_dense_with_a_stored_weight_is_its_way_s_formula(granularity, way, rows,
     model = weight_only_model if way == "weight_only" else served_model
     assert_served(y, model(np.asarray(x.astype(jnp.float32)), kernel,
                            np.asarray(bias.astype(jnp.float32)), activation), dtype)
+
+
+@pytest.mark.parametrize("way", ["xla_fp8", "fp8_pallas"])
+@pytest.mark.parametrize("rows", [5, 64])
+def test_float16_xla_fp8_products_do_not_overflow(rows, way, monkeypatch):
+    """The XLA FP8 dot's unscaled product (448² per term) overflows float16: it is taken in
+    float32 before the scales (it was rounded to float16 first, and came out inf)."""
+    monkeypatch.setenv("JAX_EPILOG_SERVING", way)
+    kernel = quantize_weight(random(1, (256, 96), scale=0.05))
+    bias = random(2, (96,), jnp.float16)
+    x = random(3, (rows, 256), jnp.float16, scale=10.0)
+    y = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation="gelu"))(x, kernel, bias)
+    assert y.dtype == jnp.float16 and bool(jnp.all(jnp.isfinite(y)))
+    want = served_model(np.asarray(x.astype(jnp.float32)), kernel,
+                        np.asarray(bias.astype(jnp.float32)), "gelu")
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=0,
+                               atol=2 ** -9 * np.max(np.abs(want)))
 
 
 @pytest.mark.parametrize("way", ["fp8", "xla_fp8"])
@@ -477,7 +493,7 @@ def test_fp8_chain_runs_the_kernel_on_a_gpu(granularity, rows, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_weight_only_runs_xla_on_a_gpu(rows, monkeypatch):
-    monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
+    monkeypatch.setenv("JAX_EPILOG_SERVING", "weight_only")
     kernel = quantize_weight(random(1, (1024, 1536), scale=0.05))
     bias = random(2, (1536,), jnp.bfloat16)
     x = random(3, (rows, 1024), jnp.bfloat16)

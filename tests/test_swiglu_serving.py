@@ -100,8 +100,7 @@ def test_stored_block_is_its_way_s_formula_and_the_16_bit_block_to_fp8_rounding(
     assert relative_error(y, jax_epilog.swiglu(x, (gate, up), down, dtype=jnp.float32)) < 0.08
 
 
-@pytest.mark.parametrize("rows,way", [(16, "weight_only"), (17, "xla_fp8"), (64, "xla_fp8"),
-                                      (65, "fp8")])
+@pytest.mark.parametrize("rows,way", [(16, "fp8_pallas"), (64, "fp8_pallas"), (65, "fp8")])
 def test_the_block_chooses_its_way_by_the_rows(rows, way, monkeypatch):
     """The served `dense`'s ways: the values of the way, and its three GEMMs in the call."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
@@ -113,8 +112,7 @@ def test_the_block_chooses_its_way_by_the_rows(rows, way, monkeypatch):
     dots = [e for e in traced_equations(f, x, gate, up, down)
             if e.primitive.name == "dot_general"]
     fp8_dots = [e for e in dots if all(v.aval.dtype == jnp.float8_e4m3fn for v in e.invars)]
-    assert (len(dots), len(fp8_dots)) == {"weight_only": (3, 0), "xla_fp8": (3, 3),
-                                          "fp8": (0, 0)}[way]
+    assert (len(dots), len(fp8_dots)) == {"fp8_pallas": (3, 3), "fp8": (0, 0)}[way]
 
 
 def test_bad_stored_blocks_raise_the_served_layers_errors():
@@ -237,10 +235,11 @@ def test_served_block_runs_the_kernels_on_a_gpu(granularity, rows, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,way", [(1, "weight_only"), (16, "weight_only"),
-                                      (17, "xla_fp8"), (64, "xla_fp8")])
-def test_served_block_runs_xla_s_gemms_on_a_gpu_over_few_rows(rows, way, monkeypatch):
-    monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
+@pytest.mark.parametrize("rows,way", [(1, "fp8_pallas"), (16, "fp8_pallas"),
+                                      (17, "weight_only"), (64, "xla_fp8")])
+def test_served_block_over_few_rows_runs_no_cublaslt_call_on_a_gpu(rows, way, monkeypatch):
+    """Each way of few rows (the Pallas kernel by default, XLA's GEMMs when asked for)."""
+    monkeypatch.setenv("JAX_EPILOG_SERVING", way)
     stored = [quantize_weight(w) for w in make_block(1, 1024, 1536, 1024)]
     x = random(3, (rows, 1024), jnp.bfloat16)
     fn = jax.jit(lambda x, gu, w: jax_epilog.swiglu(x, gu, w))

@@ -6,8 +6,9 @@ A stored-FP8 layer over many rows is one FP8 GEMM: the input quantized to e4m3 (
 amax, in one XLA fusion with whatever produced it, or with the weight's static
 `input_scale`), the stored `(N, K)` data read as it is (K-major, what the kernel wants), bias
 and ReLU/GELU in the GEMM's epilog, the result in the compute dtype. Over few rows (decoding)
-it runs weight-only (`weight_only`) or through XLA's own FP8 dot (`xla_fp8`);
-`planning.serving_plan` chooses. 16-bit layers of the
+the quantized input meets the weight in one Pallas kernel on CUDA (`fp8_pallas`, XLA's own
+FP8 dot elsewhere); `planning.serving_plan` chooses, and the weight-only and XLA ways run
+where `JAX_EPILOG_SERVING` asks for them. 16-bit layers of the
 same stack run their ordinary forward GEMM. Nothing here is differentiable: a gradient through a stored-FP8 stack
 raises an error that says to train the 16-bit parameters.
 """
@@ -23,14 +24,13 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_epilog.float8 import few_rows_fp8_kernel, scaling, weight_only_kernel
+from jax_epilog.float8 import few_rows_fp8_kernel, scaling
 from jax_epilog.float8.blocks import quantize_rows
 from jax_epilog.float8.weights import Fp8Weight, check_weight
 from jax_epilog.op.block_scales import BlockScales
 from jax_epilog.op.epilogs import ACTIVATIONS, Epilog, aux_dtype
 from jax_epilog.op.matmul import matmul
 from jax_epilog.op.reference import saturating_cast
-from jax_epilog.planning import serving_plan
 from jax_epilog.planning.serving_plan import WEIGHT_ONLY_MIN_ROWS, serving_way
 
 #: The activations' FP8 format: e4m3, the forward operands' format in training too.
@@ -85,12 +85,13 @@ def _layers(activations: tuple, dtype, x, params):
         check_weight(f"layers[{i}] kernel", kernel, (h if h8 is None else h8[0]).shape[-1])
         recorded = record_input(h, kernel)
         way = serving_way(x.shape[0]).choice  # the same way for every layer
-        if way in ("weight_only", "weight_only_xla"):
-            h = weight_only(h, kernel, bias, activation, kernel=way == "weight_only")
+        if way == "weight_only":
+            h = weight_only(h, kernel, bias, activation)
             continue
         h8, input_scale = quantize_input(h, kernel) if h8 is None else h8
-        if way == "xla_fp8":
-            h, h8 = xla_fp8(h8, input_scale, kernel, bias, activation, dtype), None
+        if way in ("xla_fp8", "fp8_pallas"):
+            gemm = xla_fp8 if way == "xla_fp8" else fp8_pallas
+            h, h8 = gemm(h8, input_scale, kernel, bias, activation, dtype), None
             continue
         following = params[i + 1][0] if i + 1 < len(params) else None
         if jnp.dtype(dtype) == jnp.float32 and bias is not None:
@@ -130,61 +131,48 @@ def per_channel(weight: Fp8Weight) -> bool:
     return jnp.ndim(weight.scale) == 1
 
 
-def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str], *,
-                kernel: Optional[bool] = None):
-    """`act(h @ (scale · data)ᵀ + bias)` with h unquantized, the product of h's 16-bit values
-    and the weight's converted to h's dtype summed in float32, then scale, bias and activation
-    in float32, the result in h's dtype. On CUDA, where `weight_only_kernel.fits` and `kernel`
-    (default `serving_plan.PALLAS_WEIGHT_ONLY`) is set, one Pallas kernel that reads the
-    weight once; elsewhere XLA's GEMM (the convert fused into its operand read) and one
-    fusion after it."""
-    rows, k = h.shape
-    n = weight.data.shape[0]
-    kernel = serving_plan.PALLAS_WEIGHT_ONLY if kernel is None else kernel
-    if kernel and weight_only_kernel.fits(rows, k, n, h.dtype):
-        operands = (h, weight.data, weight.scale) + (() if bias is None else (bias,))
-        gemm = lambda *a: weight_only_kernel.weight_only_gemm(*a, activation=activation)  # noqa: E731
-        xla = lambda *a: _weight_only_xla(*a[:3], a[3] if len(a) > 3 else None, activation)  # noqa: E731
-        return jax.lax.platform_dependent(*operands, cuda=gemm, default=xla)
-    return _weight_only_xla(h, weight.data, weight.scale, bias, activation)
-
-
-def _weight_only_xla(h, data, scale, bias, activation: Optional[str]):
-    """`weight_only` as XLA runs it: fewer than `WEIGHT_ONLY_MIN_ROWS` rows are padded with
-    zero rows (sliced off after), which XLA's GEMM streams the weight faster with."""
+def weight_only(h, weight: Fp8Weight, bias, activation: Optional[str]):
+    """`act(h @ (scale · data)ᵀ + bias)` with h unquantized: the FP8 data converted to h's
+    dtype where the GEMM reads it (XLA fuses the convert into its GEMM), the product in
+    float32, then scale, bias and activation in one fusion, the result in h's dtype. Fewer
+    than `WEIGHT_ONLY_MIN_ROWS` rows are padded with zero rows, which are sliced off."""
     rows = h.shape[0]
     padded = jnp.pad(h, ((0, max(0, WEIGHT_ONLY_MIN_ROWS - rows)), (0, 0)))
-    z = jax.lax.dot_general(padded, data.astype(h.dtype), (((1,), (1,)), ((), ())),
+    z = jax.lax.dot_general(padded, weight.data.astype(h.dtype), (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)[:rows]
-    return _scaled_epilogue(z, scale, bias, activation, h.dtype)
+    return _scaled_epilogue(z, weight.scale, bias, activation, h.dtype)
 
 
 def xla_fp8(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str], dtype):
     """`act(input_scale · scale · (h8 @ dataᵀ) + bias)` by XLA's own FP8 dot (its autotuner
-    picks the kernel), the product rounded to `dtype` as XLA's FP8 GEMMs write it, then
-    scale, bias and activation in float32 in one fusion, the result in `dtype`. Per-token
-    input scales multiply the rows, per-channel weight scales the columns. On CUDA, with
-    `serving_plan.PALLAS_FEW_ROWS_FP8` and where the shape fits, one Pallas kernel
-    (`few_rows_fp8_kernel`) instead, which rounds the product once, after the epilogue."""
-    rows, k = h8.shape
-    if serving_plan.PALLAS_FEW_ROWS_FP8 and weight_only_kernel.fits(
-            rows, k, weight.data.shape[0], dtype):
-        operands = (h8, input_scale, weight.data, weight.scale) + (
-            () if bias is None else (bias,))
-        gemm = lambda *a: few_rows_fp8_kernel.few_rows_fp8_gemm(  # noqa: E731
-            *a, activation=activation, dtype=dtype)
-        xla = lambda h8, s, data, w_scale, *b: _xla_fp8(  # noqa: E731
-            h8, s, Fp8Weight(data, w_scale), b[0] if b else None, activation, dtype)
-        return jax.lax.platform_dependent(*operands, cuda=gemm, default=xla)
-    return _xla_fp8(h8, input_scale, weight, bias, activation, dtype)
-
-
-def _xla_fp8(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str], dtype):
-    """`xla_fp8` as XLA runs it."""
+    picks the kernel), the product rounded to `dtype` as XLA's FP8 GEMMs write it (float32
+    for a float16 `dtype`: the unscaled product, up to 448² per term, would overflow it),
+    then scale, bias and activation in float32 in one fusion, the result in `dtype`.
+    Per-token input scales multiply the rows, per-channel weight scales the columns."""
     z = jax.lax.dot_general(h8, weight.data, (((1,), (1,)), ((), ())),
-                            preferred_element_type=dtype)
+                            preferred_element_type=jnp.float32 if jnp.dtype(dtype) == jnp.float16
+                            else dtype)
     input_scale = input_scale[:, None] if jnp.ndim(input_scale) == 1 else input_scale
     return _scaled_epilogue(z, input_scale * weight.scale, bias, activation, dtype)
+
+
+def fp8_pallas(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str], dtype):
+    """`xla_fp8`'s product on CUDA as one Pallas kernel (`few_rows_fp8_kernel`), where the
+    shape fits it: the product rounded once, after scale, bias and activation. Elsewhere
+    `xla_fp8`."""
+    rows, k = h8.shape
+    if not few_rows_fp8_kernel.fits(rows, k, weight.data.shape[0], dtype):
+        return xla_fp8(h8, input_scale, weight, bias, activation, dtype)
+    operands = (h8, input_scale, weight.data, weight.scale) + (() if bias is None else (bias,))
+
+    def kernel(*args):
+        return few_rows_fp8_kernel.few_rows_fp8_gemm(*args, activation=activation, dtype=dtype)
+
+    def xla(h8, h_scale, data, scale, *bias):
+        return xla_fp8(h8, h_scale, Fp8Weight(data, scale), bias[0] if bias else None,
+                       activation, dtype)
+
+    return jax.lax.platform_dependent(*operands, cuda=kernel, default=xla)
 
 
 @functools.partial(jax.jit, static_argnames="activation")

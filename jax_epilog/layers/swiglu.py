@@ -36,6 +36,8 @@ forward of `layers.serving`, the way chosen by the rows as for a served `dense`:
   joining stored weights would copy them every call), results in the compute dtype; one
   fusion reads `[g u]` and writes h = silu(g)·u in e4m3 (the down weight's static scale, else
   h's amax), then the FP8 down GEMM.
+- "fp8_pallas": the same, each GEMM the Pallas kernel of few rows on CUDA
+  (`serving.fp8_pallas`).
 - "xla_fp8": the same, each GEMM XLA's own FP8 dot (`serving.xla_fp8`).
 - "weight_only": each GEMM of the 16-bit activation and the converted FP8 weight
   (`serving.weight_only`), h = silu(g)·u in between.
@@ -53,7 +55,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
 from jax_epilog.float8.scaling import quantize_scaled, record, reduced_amaxes
-from jax_epilog.float8 import weight_only_kernel
 from jax_epilog.float8.weights import Fp8Weight
 from jax_epilog.layers import fp8_step, serving
 from jax_epilog.layers.functional import _compute_dtype, _described
@@ -245,11 +246,11 @@ def _served_block(hidden: int, dtype, x, gate_up: tuple, down: Fp8Weight):
     for weight in gate_up:
         serving.record_input(x, weight)
     way = serving_way(x.shape[0]).choice
-    if way in ("weight_only", "weight_only_xla"):
-        kernel = way == "weight_only"
-        h = _weight_only_hidden(x, tuple(gate_up), hidden, kernel)
+    if way == "weight_only":
+        gu = jnp.concatenate([serving.weight_only(x, w, None, None) for w in gate_up], axis=1)
+        h = _hidden(gu, hidden).astype(dtype)
         serving.record_input(h, down)
-        return serving.weight_only(h, down, None, None, kernel=kernel)
+        return serving.weight_only(h, down, None, None)
     gemm = functools.partial(_quantized_gemm, way, dtype=dtype)
     x8, x_scale = serving.quantize_input(x, gate_up[0])
     gu = jnp.concatenate([gemm(x8, x_scale, w) for w in gate_up], axis=1)
@@ -258,26 +259,12 @@ def _served_block(hidden: int, dtype, x, gate_up: tuple, down: Fp8Weight):
     return gemm(*serving.quantize_input(h, down), down)
 
 
-def _weight_only_hidden(x, gate_up: tuple, hidden: int, kernel: bool):
-    """h = silu(g)·u in x's dtype, g and u weight-only (`serving.weight_only`), each rounded to
-    x's dtype. On CUDA, where `kernel` is set and the shape fits, one Pallas kernel for both
-    products and h (`weight_only_kernel.weight_only_swiglu`)."""
-    def xla(x, gate_up):
-        gu = jnp.concatenate([serving.weight_only(x, w, None, None, kernel=False)
-                              for w in gate_up], axis=1)
-        return _hidden(gu, hidden).astype(x.dtype)
-
-    if not (kernel and weight_only_kernel.fits(x.shape[0], x.shape[1], hidden, x.dtype)):
-        return xla(x, gate_up)
-    fused = lambda x, gate_up: weight_only_kernel.weight_only_swiglu(  # noqa: E731
-        x, tuple((w.data, w.scale) for w in gate_up))
-    return jax.lax.platform_dependent(x, gate_up, cuda=fused, default=xla)
-
-
 def _quantized_gemm(way: str, h8, h_scale, weight: Fp8Weight, dtype):
-    """h8 @ weight in `dtype` by `way`: our FP8 GEMM ("fp8") or XLA's FP8 dot ("xla_fp8")."""
-    if way == "xla_fp8":
-        return serving.xla_fp8(h8, h_scale, weight, None, None, dtype)
+    """h8 @ weight in `dtype` by `way`: our FP8 GEMM ("fp8"), the Pallas kernel of few rows
+    ("fp8_pallas") or XLA's FP8 dot ("xla_fp8")."""
+    if way in ("xla_fp8", "fp8_pallas"):
+        gemm = serving.xla_fp8 if way == "xla_fp8" else serving.fp8_pallas
+        return gemm(h8, h_scale, weight, None, None, dtype)
     return serving.fp8_matmul(h8, h_scale, weight, dtype)
 
 

@@ -145,11 +145,11 @@ def backend_override() -> Optional[str]:
     return None if value == "auto" else value
 
 
-SERVING_WAYS = ("auto", "fp8", "xla_fp8", "weight_only", "weight_only_xla")
+SERVING_WAYS = ("auto", "fp8", "fp8_pallas", "xla_fp8", "weight_only")
 
 
 def serving_override() -> Optional[str]:
-    """`fp8` / `xla_fp8` / `weight_only` / `weight_only_xla` from JAX_EPILOG_SERVING, or None (unset or `auto`)."""
+    """`fp8` / `fp8_pallas` / `xla_fp8` / `weight_only` from JAX_EPILOG_SERVING, or None (unset or `auto`)."""
     value = (_raw("JAX_EPILOG_SERVING") or "auto").strip().lower()
     if value not in SERVING_WAYS:
         raise ValueError(f"JAX_EPILOG_SERVING={value!r}: expected one of "

@@ -1,24 +1,23 @@
-"""The served weight-only GEMM's Pallas kernel against XLA, at each tiling, at decode sizes.
+"""The served FP8 GEMM of few rows' Pallas kernel against XLA, at each tiling, at decode sizes.
 
 `gelu(x @ (scale · W8)ᵀ + b)` for x (M, K) bf16 with M from 1 to 64 and W8 an FP8 weight
 stored `(N, K)`, at the shapes of a Llama-8B-sized layer (K4096×N14336, K14336×N4096,
 K4096×N4096) and K8192×N8192. Variants, each timed over `LAYERS` layers per call (each with
 its own weight, as a decode step runs a model; serving_bench.py's reason):
 - xla_bf16: `jax.nn.gelu(x @ w + b)`, bf16 weights (the baseline);
-- weight_only_xla: the XLA formulation of weight-only (`serving.weight_only(kernel=False)`);
+- weight_only_xla: XLA's weight-only GEMM (`serving.weight_only`);
 - xla_fp8: XLA's own FP8 dot of the quantized input (serving_bench.py's `xla_fp8_dense`);
-- pallas b{block_n}k{block_k}w{warps}s{stages}: `weight_only_kernel.weight_only_gemm` with
-  that tiling; `pallas_default` the tiling it picks by itself (`default_tiling`);
 - fp8k b{block_n}k{block_k}w{warps}s{stages}: `few_rows_fp8_kernel.few_rows_fp8_gemm`, both
-  operands FP8 (x quantized as xla_fp8's is, in XLA), with that tiling.
+  operands FP8 (x quantized as xla_fp8's is, in XLA), with that tiling; `fp8k_default` the
+  tiling it picks by itself (`default_tiling`).
 
-At the first of `--rows` every tiling of both grids runs; at the other rows the three fastest
-of each grid (careful harness) and the default. Both harnesses of benchmarks/README.md. Reported
+At the first of `--rows` every tiling of the grid runs; at the other rows the three fastest
+of those (careful harness) and the default. Both harnesses of benchmarks/README.md. Reported
 per layer: ms, the ratio to xla_bf16 (user harness in brackets), the FP8 weight's GB/s, and
 the error against weight_only_xla (max |y - y_xla| / max |y_xla|).
 
-    python benchmarks/weight_only_tuning.py --out /tmp/wo          # H200: about 2 min
-    python benchmarks/weight_only_tuning.py --smoke --out /tmp/wo  # CPU: the interpreter
+    python benchmarks/few_rows_tuning.py --out /tmp/few          # H200: about 2 min
+    python benchmarks/few_rows_tuning.py --smoke --out /tmp/few  # CPU: the interpreter
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ import numpy as np
 import timing  # benchmarks/timing.py
 import jax_epilog
 from jax_epilog.float8 import scaling
-from jax_epilog.float8.few_rows_fp8_kernel import few_rows_fp8_gemm
-from jax_epilog.float8.weight_only_kernel import Tiling, default_tiling, weight_only_gemm
+from jax_epilog.float8.few_rows_fp8_kernel import Tiling, default_tiling, few_rows_fp8_gemm
 from jax_epilog.layers import serving
 from serving_bench import normal, stacked, xla_fp8_dense
 
@@ -46,16 +44,14 @@ SHAPES = {"K4096xN14336": (4096, 14336), "K14336xN4096": (14336, 4096),
 ROWS = (16, 1, 64)
 LAYERS = 8
 GRID = [Tiling(n, k, w, s) for n, k, (w, s) in itertools.product(
-    (16, 32, 64), (256, 512), ((4, 3), (4, 5)))]
-FP8_GRID = [Tiling(n, k, w, s) for n, k, (w, s) in itertools.product(
     (32, 64, 128), (128, 256), ((4, 3), (4, 5)))]
 SMOKE = dict(shapes={"K64xN96": (64, 96)}, rows=(16, 3), layers=2,
-             grid=[Tiling(16, 32, 4, 2), Tiling(32, 64, 4, 2)], fp8_grid=[Tiling(32, 32, 4, 2)])
+             grid=[Tiling(32, 32, 4, 2), Tiling(32, 64, 4, 2)])
 FINALISTS = 3
 
 
-def name(t: Tiling, kind: str = "pallas") -> str:
-    return f"{kind} b{t.block_n}k{t.block_k}w{t.num_warps}s{t.num_stages}"
+def name(t: Tiling) -> str:
+    return f"fp8k b{t.block_n}k{t.block_k}w{t.num_warps}s{t.num_stages}"
 
 
 def layers(k: int, n: int, count: int):
@@ -67,28 +63,25 @@ def layers(k: int, n: int, count: int):
     return [(w, b) for w in ws], [(s, b) for s in stored]
 
 
-def variants(bf16, fp8, tilings, fp8_tilings, interpret: bool) -> dict:
+def variants(bf16, fp8, tilings, interpret: bool) -> dict:
     """name: (jitted fn of (x, layers), layers)."""
     def kernel(tiling):
-        return lambda x, s, b: weight_only_gemm(x, s.data, s.scale, b, activation="gelu",
-                                                tiling=tiling, interpret=interpret)
-
-    def fp8_kernel(tiling):
         def layer(x, s, b):
             x8, sx = scaling.quantize(x, scaling.amax(x), "float8_e4m3fn", 0)
             return few_rows_fp8_gemm(x8, sx, s.data, s.scale, b, activation="gelu",
                                      tiling=tiling, interpret=interpret)
         return layer
+
     out = {
         "xla_bf16": (stacked(lambda x, w, b: jax.nn.gelu(x @ w + b)), bf16),
-        "weight_only_xla": (stacked(lambda x, s, b: serving.weight_only(
-            x, s, b, "gelu", kernel=False)), fp8),
+        "weight_only_xla": (stacked(lambda x, s, b: serving.weight_only(x, s, b, "gelu")),
+                            fp8),
         "xla_fp8": (stacked(xla_fp8_dense), fp8),
-        "pallas_default": (stacked(kernel(None)), fp8),
+        "fp8k_default": (stacked(kernel(None)), fp8),
     }
-    out.update({name(t): (stacked(kernel(t)), fp8) for t in tilings})
-    out.update({name(t, "fp8k"): (stacked(fp8_kernel(t)), fp8) for t in fp8_tilings
-                if fp8[0][0].data.shape[0] % t.block_n == 0})
+    n, k = fp8[0][0].data.shape
+    out.update({name(t): (stacked(kernel(t)), fp8) for t in tilings
+                if n % t.block_n == 0 and k % t.block_k == 0})
     return out
 
 
@@ -112,7 +105,7 @@ def measure(fns: dict, rows: int, k: int, weight_bytes: int, count: int,
 
 
 def render(report: dict) -> str:
-    lines = ["# The served weight-only GEMM: Pallas kernel tilings against XLA", "",
+    lines = ["# The served FP8 GEMM of few rows: Pallas kernel tilings against XLA", "",
              timing.provenance(report["meta"]), "",
              "Per layer; ratio to xla_bf16, careful harness (user harness in brackets); GB/s: "
              "the FP8 weight's bytes over the careful time; error against weight_only_xla.", ""]
@@ -142,25 +135,23 @@ def main(argv: Optional[list[str]] = None) -> dict:
         parser.error(f"--shapes: unknown {unknown}; choose from {sorted(SHAPES)}")
     grid = SMOKE if args.smoke else dict(
         shapes={s: SHAPES[s] for s in args.shapes or SHAPES}, rows=args.rows or ROWS,
-        layers=LAYERS, grid=GRID, fp8_grid=FP8_GRID)
+        layers=LAYERS, grid=GRID)
     interpret = jax.default_backend() != "gpu"
     report: dict[str, Any] = {"meta": timing.run_metadata(), "rows": []}
     for shape, (k, n) in grid["shapes"].items():
         bf16, fp8 = layers(k, n, grid["layers"])
-        tilings, fp8_tilings = grid["grid"], grid["fp8_grid"]
+        tilings = grid["grid"]
         for i, rows in enumerate(grid["rows"]):
-            fns = variants(bf16, fp8, tilings, fp8_tilings, interpret)
+            fns = variants(bf16, fp8, tilings, interpret)
             row = measure(fns, rows, k, n * k, grid["layers"], args.rounds)
             report["rows"].append({"shape": shape, "M": rows, "variants": row,
-                                   "default_tiling": name(default_tiling(k, n))})
+                                   "default_tiling": name(default_tiling(rows, k, n))})
             print(shape, rows, {v: round(r["careful_ratio"], 2) for v, r in row.items()},
                   flush=True)
             if i == 0:  # the other rows time the fastest few
-                fastest = lambda ts, kind: sorted(  # noqa: E731
-                    (t for t in ts if name(t, kind) in row),
-                    key=lambda t: row[name(t, kind)]["careful_ms"])[:FINALISTS]
-                tilings, fp8_tilings = fastest(tilings, "pallas"), fastest(fp8_tilings, "fp8k")
-            timing.write_report(report, args.out, "weight_only_tuning", render)
+                tilings = sorted((t for t in tilings if name(t) in row),
+                                 key=lambda t: row[name(t)]["careful_ms"])[:FINALISTS]
+            timing.write_report(report, args.out, "few_rows_tuning", render)
     return report
 
 

@@ -1,0 +1,165 @@
+"""The served FP8 GEMM of few rows' Pallas kernel (`float8.few_rows_fp8_kernel`): on the CPU
+with Pallas' interpreter, on a CUDA GPU (`gpu`) compiled by Triton, against the "xla_fp8"
+way (`serving.xla_fp8`: XLA's FP8 dot of the same quantized input, which every other platform
+runs) and, through the served layers, against the float64 model of test_serving."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_epilog
+from jax_epilog.float8 import few_rows_fp8_kernel
+from jax_epilog.float8.few_rows_fp8_kernel import Tiling, default_tiling, few_rows_fp8_gemm, fits
+from jax_epilog.float8.weights import quantize_weight
+from jax_epilog.layers import serving
+from test_serving import assert_served, random, served_model
+
+
+def layer(k, n, granularity="tensor", bias=True, dtype=jnp.bfloat16, key=1):
+    """(stored weight, bias or None): the output channels' sizes spread over 2**6."""
+    columns = 2.0 ** jax.random.uniform(jax.random.key(key + 50), (n,), minval=-6, maxval=0)
+    stored = quantize_weight(random(key, (k, n), scale=k ** -0.5) * columns,
+                             granularity=granularity)
+    return stored, (random(key + 1, (n,), dtype, scale=0.1) if bias else None)
+
+
+def check_fp8(x, stored, bias, activation, **kw):
+    """The kernel on x quantized as the served layers quantize it, against the XLA FP8 way
+    (`serving.xla_fp8`, which rounds the product to bf16 before its epilogue: one rounding more)."""
+    x8, x_scale = serving.quantize_input(x, stored)
+    got = few_rows_fp8_gemm(x8, x_scale, stored.data, stored.scale, bias, activation=activation,
+                            **kw)
+    want = serving.xla_fp8(x8, x_scale, stored, bias, activation, jnp.bfloat16)
+    assert got.shape == want.shape and got.dtype == jnp.bfloat16
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
+    np.testing.assert_allclose(f32(got), f32(want), rtol=2 ** -6,
+                               atol=2 ** -7 * np.max(np.abs(f32(want))))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_few_rows_fp8_kernel_is_the_xla_fp8_way(granularity, rows):
+    """Per tensor: one input scale; per channel: the input per token (the layers' rule)."""
+    stored, bias = layer(96, 64, granularity)
+    x = random(3, (rows, 96), jnp.bfloat16)
+    check_fp8(x, stored, bias, "gelu", tiling=Tiling(32, 32, 4, 2), interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 16, 64])
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+@pytest.mark.parametrize("tiling", [None, Tiling(64, 256, 4, 3), Tiling(128, 128, 4, 5)],
+                         ids=str)
+def test_gpu_few_rows_fp8_kernel_is_the_xla_fp8_way(tiling, granularity, rows):
+    stored, bias = layer(1024, 1536, granularity)
+    check_fp8(random(3, (rows, 1024), jnp.bfloat16), stored, bias, "relu", tiling=tiling)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 33, 64])
+@pytest.mark.parametrize("activation", [None, "relu", "gelu"])
+def test_kernel_at_every_row_count(rows, activation):
+    """Rows not a power of two repeat x's last row in the program (no padded copy of x) and
+    store its result again."""
+    stored, bias = layer(96, 64)
+    check_fp8(random(3, (rows, 96), jnp.bfloat16), stored, bias, activation,
+              tiling=Tiling(32, 32, 4, 2), interpret=True)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
+@pytest.mark.parametrize("k,n", [(32, 32), (96, 160), (1056, 224)])
+def test_kernel_shapes_biases_and_result_types(k, n, dtype, bias):
+    """K and N multiples of 16 that are not powers of two, float16 as well as bfloat16."""
+    stored, b = layer(k, n, "channel", bias, dtype)
+    x = random(4, (5, k), dtype)
+    x8, x_scale = serving.quantize_input(x, stored)
+    got = few_rows_fp8_gemm(x8, x_scale, stored.data, stored.scale, b, activation="gelu",
+                            dtype=dtype, tiling=Tiling(32, 32, 4, 2), interpret=True)
+    want = serving.xla_fp8(x8, x_scale, stored, b, "gelu", dtype)
+    assert got.dtype == dtype and got.shape == (5, n)
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
+    np.testing.assert_allclose(f32(got), f32(want), rtol=2 ** -6,
+                               atol=2 ** -7 * np.max(np.abs(f32(want))))
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096), (4096, 4096), (8192, 8192),
+                                 (96, 160), (1056, 224)])
+def test_the_default_tiling_divides_the_shape_and_fits_shared_memory(k, n, rows):
+    t = default_tiling(rows, k, n)
+    assert n % t.block_n == 0 and k % t.block_k == 0
+    assert (n // t.block_n >= few_rows_fp8_kernel.MIN_PROGRAMS
+            or t.block_n == few_rows_fp8_kernel.MIN_BLOCK)
+    tiles = t.num_stages * (t.block_n + few_rows_fp8_kernel.padded_rows(rows)) * t.block_k
+    assert tiles <= few_rows_fp8_kernel.STAGE_BYTES or t.num_stages == 2
+
+
+def test_the_measured_tiling_at_decode_sizes():
+    """128 channels x 256 of K, 5 stages where they fit; 3 with 64 rows (5 did not launch)."""
+    assert default_tiling(16, 4096, 14336) == Tiling(128, 256, 4, 5)
+    assert default_tiling(64, 4096, 14336) == Tiling(128, 256, 4, 3)
+    assert default_tiling(16, 14336, 4096).block_n == 32  # 128 programs, not 32
+
+
+def test_a_tiling_that_does_not_divide_the_shape_is_refused():
+    stored, _ = layer(96, 160)
+    x8, x_scale = serving.quantize_input(random(3, (2, 96), jnp.bfloat16), stored)
+    with pytest.raises(ValueError, match=r"^tiling: .* does not divide K 96 and N 160"):
+        few_rows_fp8_gemm(x8, x_scale, stored.data, stored.scale,
+                          tiling=Tiling(64, 64, 4, 2), interpret=True)
+
+
+@pytest.mark.parametrize("rows,k,n,dtype,fit", [
+    (1, 64, 64, jnp.bfloat16, True), (64, 96, 160, jnp.float16, True),
+    (65, 64, 64, jnp.bfloat16, False), (0, 64, 64, jnp.bfloat16, False),
+    (4, 80, 64, jnp.bfloat16, False), (4, 64, 48, jnp.bfloat16, False),
+    (4, 64, 64, jnp.float32, False)])
+def test_fits_says_where_the_kernel_runs(rows, k, n, dtype, fit):
+    """At most 64 rows, a 16-bit result, K and N multiples of 32; elsewhere the served layer
+    runs XLA's FP8 dot."""
+    assert fits(rows, k, n, dtype) == fit
+
+
+def test_off_cuda_the_way_is_xla_s_fp8_dot():
+    """Only CUDA runs the kernel: the CPU's program has no Pallas call, and its values are
+    the "xla_fp8" way's."""
+    stored, bias = layer(64, 64)
+    x = jax.device_put(random(3, (4, 64), jnp.bfloat16), jax.devices("cpu")[0])
+    x8, x_scale = serving.quantize_input(x, stored)
+    fn = jax.jit(lambda *a: serving.fp8_pallas(*a, "gelu", jnp.bfloat16))
+    text = fn.lower(x8, x_scale, stored, bias).as_text()
+    assert "few_rows_fp8_gemm" not in text and "triton" not in text
+    np.testing.assert_array_equal(
+        np.asarray(fn(x8, x_scale, stored, bias), np.float32),
+        np.asarray(serving.xla_fp8(x8, x_scale, stored, bias, "gelu", jnp.bfloat16), np.float32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096)])
+def test_gpu_default_tiling_at_llama_sizes(k, n, rows):
+    """The default tiling where it is used most (and where 5 stages of 64 rows overflowed
+    shared memory)."""
+    stored, bias = layer(k, n, "tensor")
+    check_fp8(random(3, (rows, k), jnp.bfloat16), stored, bias, "gelu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+def test_gpu_served_dense_over_few_rows_is_the_kernel(rows, granularity, monkeypatch):
+    """`dense` with a stored weight over few rows: the Pallas call and no other GEMM (no
+    XLA GEMM, no cuBLAS(Lt) call), values as the float64 model's."""
+    monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
+    stored, bias = layer(1024, 1536, granularity)
+    x = random(3, (rows, 1024), jnp.bfloat16)
+    fn = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation="gelu"))
+    text = fn.lower(x, stored, bias).compile().as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "jax_epilog_matmul" not in text
+    assert "__triton_gemm" not in text and "cublas" not in text
+    assert_served(fn(x, stored, bias), served_model(
+        np.asarray(x.astype(jnp.float32)), stored, np.asarray(bias.astype(jnp.float32)),
+        "gelu"), jnp.bfloat16)
