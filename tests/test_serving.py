@@ -183,10 +183,11 @@ def test_quantize_params_is_idempotent_and_refuses_fp8_kernels():
 # --- the served layers ------------------------------------------------------------------
 
 @pytest.mark.parametrize("rows,way", [(1, "fp8_pallas"), (16, "fp8_pallas"),
-                                      (64, "fp8_pallas"), (65, "fp8")])
+                                      (17, "xla_fp8"), (64, "xla_fp8"), (65, "fp8")])
 def test_served_layers_choose_their_way_by_the_rows(rows, way, monkeypatch):
-    """Up to 64 rows the Pallas kernel of few rows (on a CPU XLA's FP8 dot: what this sees),
-    then our FP8 GEMM: each way's values, and the call holding that way's GEMM."""
+    """Up to 16 rows the Pallas kernel of few rows (on a CPU XLA's FP8 dot: what this sees),
+    up to 64 XLA's FP8 dot, then our FP8 GEMM: each way's values, and the call holding that
+    way's GEMM."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
     kernel = quantize_weight(random(1, (136, 72), scale=0.2))
     bias = random(2, (72,), jnp.float32)
@@ -197,7 +198,8 @@ def test_served_layers_choose_their_way_by_the_rows(rows, way, monkeypatch):
     assert_served(y, model(np.asarray(x), kernel, np.asarray(bias), "gelu"), jnp.float32)
     dots = [e for e in traced_equations(f, x, kernel, bias) if e.primitive.name == "dot_general"]
     fp8_dots = [e for e in dots if all(v.aval.dtype == jnp.float8_e4m3fn for v in e.invars)]
-    assert (len(dots), len(fp8_dots)) == {"fp8_pallas": (1, 1), "fp8": (0, 0)}[way]
+    assert (len(dots), len(fp8_dots)) == {"fp8_pallas": (1, 1), "xla_fp8": (1, 1),
+                                          "fp8": (0, 0)}[way]
 
 
 @pytest.mark.parametrize("rows", [1, 127, 129, 300])

@@ -25,12 +25,16 @@ from jax_epilog.runtime import settings
 
 WAYS = ("fp8", "fp8_pallas", "xla_fp8", "weight_only")
 
-#: The most rows a layer runs "fp8_pallas" with (the kernel's `MAX_ROWS`). Measured on the
-#: H200 (docs/serving.md, benchmarks/results/serving; 8 layers per call, K 4096 x N 14336,
+#: The most rows a layer runs "fp8_pallas" with, then "xla_fp8". Measured on the H200
+#: (docs/serving.md, benchmarks/results/serving; 8 layers per call, K 4096 x N 14336,
 #: ratios to XLA's bf16 GEMM with GELU, careful harness (user's)), 2026-12-05: at 1 row the
 #: kernel ran 1.62 (1.56), XLA's weight-only GEMM 1.52 (1.52), XLA's FP8 dot 1.43 (1.36); at
-#: 16 rows 1.68 (1.63), 1.52 (1.50) and 1.67 (1.71).
-FP8_PALLAS_MAX_ROWS = MAX_ROWS
+#: 16 rows 1.68 (1.63), 1.52 (1.50) and 1.67 (1.71). The kernel takes up to `MAX_ROWS` (64)
+#: rows, but was not timed above 16; at 64 rows XLA's FP8 dot ran 1.52-1.69 and our FP8 GEMM
+#: 1.74 (1.15) in that run, and XLA's FP8 dot 1.55 (1.54) on 2026-12-04.
+FP8_PALLAS_MAX_ROWS = 16
+XLA_FP8_MAX_ROWS = 64
+assert FP8_PALLAS_MAX_ROWS <= MAX_ROWS
 
 #: Weight-only GEMMs over fewer rows are padded to this many. Measured on the H200
 #: (docs/serving.md, 8 layers per call): XLA's weight-only GEMM of one row took 25-35 µs
@@ -40,11 +44,15 @@ WEIGHT_ONLY_MIN_ROWS = 16
 
 
 def serving_way(rows: int) -> Choice:
-    """"fp8_pallas" or "fp8" for a served layer over `rows` rows (or the override), with why."""
+    """"fp8_pallas", "xla_fp8" or "fp8" for a served layer over `rows` rows (or the
+    override), with why."""
     override = settings.serving_override()
     if override is not None:
         return Choice(override, f"JAX_EPILOG_SERVING={override}")
     if rows <= FP8_PALLAS_MAX_ROWS:
         return Choice("fp8_pallas", f"rows {rows} <= FP8_PALLAS_MAX_ROWS "
                                     f"({FP8_PALLAS_MAX_ROWS}): reading the weight bounds it")
-    return Choice("fp8", f"rows {rows} > FP8_PALLAS_MAX_ROWS ({FP8_PALLAS_MAX_ROWS})")
+    if rows <= XLA_FP8_MAX_ROWS:
+        return Choice("xla_fp8", f"rows {rows} <= XLA_FP8_MAX_ROWS ({XLA_FP8_MAX_ROWS}): "
+                                 f"XLA's autotuned FP8 dot streams the weight fastest measured")
+    return Choice("fp8", f"rows {rows} > XLA_FP8_MAX_ROWS ({XLA_FP8_MAX_ROWS})")
