@@ -104,6 +104,12 @@ def test_the_measured_tiling_at_decode_sizes():
     assert default_tiling(16, 14336, 4096).block_n == 32  # 128 programs, not 32
 
 
+def test_the_serving_plan_sends_the_kernel_no_more_rows_than_it_takes():
+    from jax_epilog.planning import serving_plan
+    assert serving_plan.FP8_PALLAS_MAX_ROWS <= few_rows_fp8_kernel.MAX_ROWS
+    assert serving_plan.serving_way(serving_plan.FP8_PALLAS_MAX_ROWS).choice == "fp8_pallas"
+
+
 def test_a_tiling_that_does_not_divide_the_shape_is_refused():
     stored, _ = layer(96, 160)
     x8, x_scale = serving.quantize_input(random(3, (2, 96), jnp.bfloat16), stored)

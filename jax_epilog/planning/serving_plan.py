@@ -19,7 +19,6 @@ same values. `JAX_EPILOG_SERVING` overrides it (`runtime.settings.serving_overri
 
 from __future__ import annotations
 
-from jax_epilog.float8.few_rows_fp8_kernel import MAX_ROWS
 from jax_epilog.planning.context import Choice
 from jax_epilog.runtime import settings
 
@@ -29,12 +28,11 @@ WAYS = ("fp8", "fp8_pallas", "xla_fp8", "weight_only")
 #: (docs/serving.md, benchmarks/results/serving; 8 layers per call, K 4096 x N 14336,
 #: ratios to XLA's bf16 GEMM with GELU, careful harness (user's)), 2026-12-05: at 1 row the
 #: kernel ran 1.62 (1.56), XLA's weight-only GEMM 1.52 (1.52), XLA's FP8 dot 1.43 (1.36); at
-#: 16 rows 1.68 (1.63), 1.52 (1.50) and 1.67 (1.71). The kernel takes up to `MAX_ROWS` (64)
+#: 16 rows 1.68 (1.63), 1.52 (1.50) and 1.67 (1.71). The kernel takes up to its `MAX_ROWS` (64)
 #: rows, but was not timed above 16; at 64 rows XLA's FP8 dot ran 1.52-1.69 and our FP8 GEMM
 #: 1.74 (1.15) in that run, and XLA's FP8 dot 1.55 (1.54) on 2026-12-04.
 FP8_PALLAS_MAX_ROWS = 16
 XLA_FP8_MAX_ROWS = 64
-assert FP8_PALLAS_MAX_ROWS <= MAX_ROWS
 
 #: Weight-only GEMMs over fewer rows are padded to this many. Measured on the H200
 #: (docs/serving.md, 8 layers per call): XLA's weight-only GEMM of one row took 25-35 µs
