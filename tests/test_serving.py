@@ -182,12 +182,12 @@ def test_quantize_params_is_idempotent_and_refuses_fp8_kernels():
 
 # --- the served layers ------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows,way", [(1, "fp8_pallas"), (16, "fp8_pallas"),
+@pytest.mark.parametrize("rows,way", [(1, "weight_only"), (16, "weight_only"),
                                       (17, "xla_fp8"), (64, "xla_fp8"), (65, "fp8")])
 def test_served_layers_choose_their_way_by_the_rows(rows, way, monkeypatch):
-    """Up to 16 rows the Pallas kernel of few rows (on a CPU XLA's FP8 dot: what this sees),
-    up to 64 XLA's FP8 dot, then our FP8 GEMM: each way's values, and the call holding that
-    way's GEMM."""
+    """Up to 16 rows weight-only, up to 64 XLA's FP8 dot, then our FP8 GEMM (the Pallas
+    kernel only where asked for, `serving_plan.FP8_PALLAS_MAX_ROWS`): each way's values, and
+    the call holding that way's GEMM."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
     kernel = quantize_weight(random(1, (136, 72), scale=0.2))
     bias = random(2, (72,), jnp.float32)
@@ -198,7 +198,7 @@ def test_served_layers_choose_their_way_by_the_rows(rows, way, monkeypatch):
     assert_served(y, model(np.asarray(x), kernel, np.asarray(bias), "gelu"), jnp.float32)
     dots = [e for e in traced_equations(f, x, kernel, bias) if e.primitive.name == "dot_general"]
     fp8_dots = [e for e in dots if all(v.aval.dtype == jnp.float8_e4m3fn for v in e.invars)]
-    assert (len(dots), len(fp8_dots)) == {"fp8_pallas": (1, 1), "xla_fp8": (1, 1),
+    assert (len(dots), len(fp8_dots)) == {"weight_only": (1, 0), "xla_fp8": (1, 1),
                                           "fp8": (0, 0)}[way]
 
 
@@ -495,7 +495,7 @@ def test_fp8_chain_runs_the_kernel_on_a_gpu(granularity, rows, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_weight_only_runs_xla_on_a_gpu(rows, monkeypatch):
-    monkeypatch.setenv("JAX_EPILOG_SERVING", "weight_only")
+    monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
     kernel = quantize_weight(random(1, (1024, 1536), scale=0.05))
     bias = random(2, (1536,), jnp.bfloat16)
     x = random(3, (rows, 1024), jnp.bfloat16)

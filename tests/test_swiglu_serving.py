@@ -100,7 +100,7 @@ def test_stored_block_is_its_way_s_formula_and_the_16_bit_block_to_fp8_rounding(
     assert relative_error(y, jax_epilog.swiglu(x, (gate, up), down, dtype=jnp.float32)) < 0.08
 
 
-@pytest.mark.parametrize("rows,way", [(16, "fp8_pallas"), (17, "xla_fp8"), (64, "xla_fp8"),
+@pytest.mark.parametrize("rows,way", [(16, "weight_only"), (17, "xla_fp8"), (64, "xla_fp8"),
                                       (65, "fp8")])
 def test_the_block_chooses_its_way_by_the_rows(rows, way, monkeypatch):
     """The served `dense`'s ways: the values of the way, and its three GEMMs in the call."""
@@ -113,7 +113,7 @@ def test_the_block_chooses_its_way_by_the_rows(rows, way, monkeypatch):
     dots = [e for e in traced_equations(f, x, gate, up, down)
             if e.primitive.name == "dot_general"]
     fp8_dots = [e for e in dots if all(v.aval.dtype == jnp.float8_e4m3fn for v in e.invars)]
-    assert (len(dots), len(fp8_dots)) == {"fp8_pallas": (3, 3), "xla_fp8": (3, 3),
+    assert (len(dots), len(fp8_dots)) == {"weight_only": (3, 0), "xla_fp8": (3, 3),
                                           "fp8": (0, 0)}[way]
 
 

@@ -24,14 +24,21 @@ from jax_epilog.runtime import settings
 
 WAYS = ("fp8", "fp8_pallas", "xla_fp8", "weight_only")
 
-#: The most rows a layer runs "fp8_pallas" with, then "xla_fp8". Measured on the H200
-#: (docs/serving.md, benchmarks/results/serving; 8 layers per call, K 4096 x N 14336,
-#: ratios to XLA's bf16 GEMM with GELU, careful harness (user's)), 2026-12-05: at 1 row the
-#: kernel ran 1.62 (1.56), XLA's weight-only GEMM 1.52 (1.52), XLA's FP8 dot 1.43 (1.36); at
-#: 16 rows 1.68 (1.63), 1.52 (1.50) and 1.67 (1.71). The kernel takes up to its `MAX_ROWS` (64)
-#: rows, but was not timed above 16; at 64 rows XLA's FP8 dot ran 1.52-1.69 and our FP8 GEMM
-#: 1.74 (1.15) in that run, and XLA's FP8 dot 1.55 (1.54) on 2026-12-04.
-FP8_PALLAS_MAX_ROWS = 16
+#: The most rows a layer runs "fp8_pallas" with by default. Measured on the H200
+#: (docs/serving.md, benchmarks/results/serving/weight_only_sweep.md; 8 layers per call,
+#: K 4096 x N 14336, ratios to XLA's bf16 GEMM with GELU, careful harness (user's)),
+#: 2026-12-05: at 1 row the kernel ran 1.62 (1.56), XLA's weight-only GEMM 1.52 (1.52), XLA's
+#: FP8 dot 1.43 (1.36); at 16 rows 1.68 (1.63), 1.52 (1.50) and 1.67 (1.71). It stays 0
+#: (the kernel only where JAX_EPILOG_SERVING=fp8_pallas asks) until the served layers' path
+#: to it has passed the GPU suite on the H200; then 16.
+FP8_PALLAS_MAX_ROWS = 0
+
+#: The most rows a layer runs weight-only with, and the most it runs XLA's FP8 dot with.
+#: Measured on the H200 (2026-12-04, same setup): at 1 and 16 rows weight-only ran 1.53
+#: (1.32) and 1.50 (1.49), XLA's FP8 dot 1.36 (1.07) and 1.70 (1.39); at 64 rows weight-only
+#: 1.25 (1.21), XLA's FP8 dot 1.55 (1.54), our FP8 GEMM 1.25 (1.21); at 256 rows our FP8
+#: GEMM 1.87 (2.12), XLA's FP8 dot 1.29 (1.54).
+WEIGHT_ONLY_MAX_ROWS = 16
 XLA_FP8_MAX_ROWS = 64
 
 #: Weight-only GEMMs over fewer rows are padded to this many. Measured on the H200
@@ -42,7 +49,7 @@ WEIGHT_ONLY_MIN_ROWS = 16
 
 
 def serving_way(rows: int) -> Choice:
-    """"fp8_pallas", "xla_fp8" or "fp8" for a served layer over `rows` rows (or the
+    """"fp8_pallas", "weight_only", "xla_fp8" or "fp8" for a served layer over `rows` rows (or the
     override), with why."""
     override = settings.serving_override()
     if override is not None:
@@ -50,6 +57,9 @@ def serving_way(rows: int) -> Choice:
     if rows <= FP8_PALLAS_MAX_ROWS:
         return Choice("fp8_pallas", f"rows {rows} <= FP8_PALLAS_MAX_ROWS "
                                     f"({FP8_PALLAS_MAX_ROWS}): reading the weight bounds it")
+    if rows <= WEIGHT_ONLY_MAX_ROWS:
+        return Choice("weight_only", f"rows {rows} <= WEIGHT_ONLY_MAX_ROWS "
+                                     f"({WEIGHT_ONLY_MAX_ROWS}): reading the weight bounds it")
     if rows <= XLA_FP8_MAX_ROWS:
         return Choice("xla_fp8", f"rows {rows} <= XLA_FP8_MAX_ROWS ({XLA_FP8_MAX_ROWS}): "
                                  f"XLA's autotuned FP8 dot streams the weight fastest measured")
