@@ -164,7 +164,8 @@ def test_env_sh_finds_python_on_path_or_through_pyenv(setup, tmp_path, env, chos
         capture_output=True, text=True, timeout=60,
         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "JAX_EPILOG_VENV": str(setup.venv), **env})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == sys.executable  # the interpreter itself, not a shim
+    # The interpreter itself, not a shim (resolved: pytest may run from a relative path)
+    assert Path(done.stdout.strip()).resolve() == Path(sys.executable).resolve()
     assert ((bin_dir / "chosen").read_text().strip() if chosen else None) == chosen
 
 
