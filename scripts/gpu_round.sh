@@ -382,21 +382,25 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # traces' cache writes and attention.
       gpu_tests decodelayout "${DECODE_LAYOUT_TEST_CAP:-120}" test_gpt_generate.py
       # DECODE_LAYOUTS: the layouts to run (positions_major too, measured slower on
-      # 2026-12-04); DECODE_LAYOUT_PROFILE=0: no traces.
+      # 2026-12-04); DECODE_LAYOUT_PROFILE=0: no traces; DECODE_LAYOUT_SERVING: the runs'
+      # JAX_EPILOG_SERVING (e.g. fp8_pallas: decode steps by the few-row kernel, prefills, past
+      # its 64 rows, by XLA's FP8 dot), its report then in $OUT/decode_<layout>_<way>.
       for layout in ${DECODE_LAYOUTS:-heads_major heads_major_rows}; do
         profile_args=""
         [ "${DECODE_LAYOUT_PROFILE:-1}" = 1 ] && profile_args="--profile /tmp/decode_$layout"
-        (cd "$ROOT" && runs --cap "${DECODE_LAYOUT_CAP:-300}" "$PY" examples/gpt/generate.py \
+        run="decode_$layout${DECODE_LAYOUT_SERVING:+_$DECODE_LAYOUT_SERVING}"
+        (cd "$ROOT" && JAX_EPILOG_SERVING="${DECODE_LAYOUT_SERVING:-auto}" \
+          runs --cap "${DECODE_LAYOUT_CAP:-300}" "$PY" examples/gpt/generate.py \
           --random-init --config "${DECODE_LAYOUT_CONFIG:-large}" --compare \
           --variants stock,epilog_fp8 --batch ${DECODE_LAYOUT_BATCHES:-1 64} --repeats 2 --eval-batches 1 \
           --fp8-cache-layout "$layout" ${DECODE_LAYOUT_ARGS:-} $profile_args \
-          --no-progress --out "$OUT/decode_$layout" 2>&1) > "$OUT/decode_$layout.log"
-        note "decodelayout $layout: rc=$? ($((SECONDS - start)) s)"
-        grep -E "^(\| |- )(stock|epilog_fp8)( \||: )" "$OUT/decode_$layout/gpt_generate.md" \
+          --no-progress --out "$OUT/$run" 2>&1) > "$OUT/$run.log"
+        note "decodelayout $run: rc=$? ($((SECONDS - start)) s)"
+        grep -E "^(\| |- )(stock|epilog_fp8)( \||: )" "$OUT/$run/gpt_generate.md" \
           2>/dev/null | tee -a "$SUMMARY"
-        note "decodelayout $layout: report lines naming a transpose: $(grep -ci transpose \
-          "$OUT/decode_$layout/gpt_generate.md" 2>/dev/null)"
-        grep -E "FAILED|Error" "$OUT/decode_$layout.log" | head -20 | tee -a "$SUMMARY"
+        note "decodelayout $run: report lines naming a transpose: $(grep -ci transpose \
+          "$OUT/$run/gpt_generate.md" 2>/dev/null)"
+        grep -E "FAILED|Error" "$OUT/$run.log" | head -20 | tee -a "$SUMMARY"
       done ;;
     gptprofile)
       # Where the GPT step's time goes, per variant (GPT_PROFILE_ARGS, default large, Flax's
