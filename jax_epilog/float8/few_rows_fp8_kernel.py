@@ -14,7 +14,7 @@ The arithmetic is the "xla_fp8" way's (`serving.xla_fp8`, what every other platf
 exact FP8 products summed in float32, then `act(z · x_scale · w_scale + bias)` in float32;
 XLA's FP8 dot rounds the product to the result dtype before that epilogue, this kernel only
 after it. It runs where `fits` says so (at most `MAX_ROWS` rows, a 16-bit result, K and N
-multiples of 16); the tests run it with `interpret=True`.
+multiples of `MIN_BLOCK`); the tests run it with `interpret=True`.
 """
 
 from __future__ import annotations
