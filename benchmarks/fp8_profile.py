@@ -13,7 +13,10 @@ minus kernel time), each GEMM's duration in launch order, and the kernels that t
 
 `--peer` profiles fp8_peer.py's rows and variants instead (default Flax's
 `Fp8DirectDotGeneralOp` and our `fp8=True`), from the same parameters after fp8_peer's
-calibrating steps: where Flax's FP8 step and ours differ, kernel by kind.
+calibrating steps: where Flax's FP8 step and ours differ, kernel by kind. `--swiglu` does the
+same for swiglu_bench.py's SwiGLU block (default row EX, Flax's FP8 and `SwiGLU(fp8=True)`):
+
+    python benchmarks/fp8_profile.py --swiglu --row EX --out /tmp/swiglu_profile  # H200
 
 On a CPU the trace has no GPU kernels: the report then says so (the smoke run checks the
 plumbing only). Writes `<out>/fp8_profile.json`, `.md`, each variant's optimized HLO
@@ -82,16 +85,34 @@ def profile_variant(w, name: str, steps: int, folder: Path, table=None) -> dict[
 def profile_peer_variant(w, name: str, steps: int, folder: Path) -> dict[str, Any]:
     """A variant of fp8_peer.py (Flax's FP8 or one of our linen recipes) on its row `w`,
     from the same parameters as every other, after fp8_peer's calibrating steps."""
-    model = fp8_peer.VARIANTS[name](w)
-    x = jax.random.normal(jax.random.key(0), (w.batch, w.widths[0]), fp8_peer.DTYPE)
-    params = fp8_peer.initial_variables(fp8_peer.VARIANTS["flax_bf16"](w), x)["params"]
+    return _profile_linen(fp8_peer.VARIANTS[name](w), fp8_peer.VARIANTS["flax_bf16"](w),
+                          (w.batch, w.widths[0]), name, steps, folder, fp8_peer.describe)
+
+
+def profile_swiglu_variant(row: tuple[int, int, int], name: str, steps: int,
+                           folder: Path) -> dict[str, Any]:
+    """A variant of swiglu_bench.py (the RMSNorm + SwiGLU + residual step) on its row
+    `(tokens, D, F)`, from flax_bf16's parameters, after fp8_peer's calibrating steps."""
+    import swiglu_bench  # only here: it imports Flax's FP8 ops
+
+    tokens, d, f = row
+    return _profile_linen(swiglu_bench.VARIANTS[name](f), swiglu_bench.VARIANTS["flax_bf16"](f),
+                          (tokens, d), name, steps, folder, swiglu_bench.describe)
+
+
+def _profile_linen(model, bf16_model, x_shape, name: str, steps: int, folder: Path,
+                   describe) -> dict[str, Any]:
+    """fp8_peer's training step of the linen `model`, from `bf16_model`'s parameters, traced
+    after fp8_peer's calibrating steps."""
+    x = jax.random.normal(jax.random.key(0), x_shape, fp8_peer.DTYPE)
+    params = fp8_peer.initial_variables(bf16_model, x)["params"]
     variables = fp8_peer.initial_variables(model, x, params)
     compiled, fallbacks = fp8_bench.compile_without_fallbacks(fp8_peer.make_step(model),
                                                               (variables, x))
     for _ in range(fp8_peer.CALIBRATION_STEPS):
         variables = fp8_peer.next_variables(variables, compiled(variables, x)[1])
     return {**profile_compiled(compiled, (variables, x), name, steps, folder),
-            "model": fp8_peer.describe(model), "fallbacks": fallbacks}
+            "model": describe(model), "fallbacks": fallbacks}
 
 
 def profile_compiled(compiled, args, name: str, steps: int, folder: Path) -> dict[str, Any]:
@@ -148,6 +169,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 PEER_VARIANTS = ("flax_fp8_direct", "ours_fp8")
+SWIGLU_VARIANTS = ("flax_fp8_direct", "ours_swiglu_fp8")
 BLOCK_VARIANTS = ("ours_fp8", "ours_fp8_block")
 
 
@@ -155,8 +177,9 @@ def main(argv=None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/fp8_profile"))
     parser.add_argument("--row", default=None,
-                        help="rows of fp8_bench, or of fp8_peer with --peer, comma-separated "
-                             "(default M1; smoke S1); with several, each goes to <out>/<row>")
+                        help="rows of fp8_bench, of fp8_peer with --peer or of swiglu_bench "
+                             "with --swiglu, comma-separated (default M1, --swiglu EX; smoke "
+                             "S1, T1); with several, each goes to <out>/<row>")
     parser.add_argument("--peer", action="store_true",
                         help=f"fp8_peer's rows and variants (default {','.join(PEER_VARIANTS)}): "
                              "Flax's FP8 beside ours")
@@ -168,16 +191,30 @@ def main(argv=None) -> dict[str, Any]:
                         help="block_fp8_bench.py's step variants (default "
                              f"{','.join(BLOCK_VARIANTS)}): block-scaled training beside "
                              "per-tensor")
+    parser.add_argument("--swiglu", action="store_true",
+                        help="swiglu_bench.py's rows (default EX; smoke T1) and variants "
+                             f"(default {','.join(SWIGLU_VARIANTS)}): the SwiGLU block's step, "
+                             "Flax's FP8 beside ours")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on a CPU)")
     args = parser.parse_args(argv)
-    source = fp8_peer if args.peer else fp8_bench
+    if sum((args.peer, args.block, args.swiglu)) > 1:
+        parser.error("--peer, --block and --swiglu: at most one")
+    if args.swiglu:
+        import swiglu_bench  # only here: it imports Flax's FP8 ops
+
+        source, default_row, defaults = swiglu_bench, ("T1", "EX"), SWIGLU_VARIANTS
+    elif args.peer:
+        source, default_row, defaults = fp8_peer, ("S1", "M1"), PEER_VARIANTS
+    else:
+        source, default_row = fp8_bench, ("S1", "M1")
+        defaults = BLOCK_VARIANTS if args.block else DEFAULT_VARIANTS
     table = source.SMOKE_ROWS if args.smoke else source.ROWS
-    rows = [r.strip() for r in (args.row or ("S1" if args.smoke else "M1")).split(",")]
-    defaults = PEER_VARIANTS if args.peer else BLOCK_VARIANTS if args.block else DEFAULT_VARIANTS
+    rows = [r.strip() for r in (args.row or default_row[0 if args.smoke else 1]).split(",")]
     variants = [v.strip() for v in (args.variants or ",".join(defaults)).split(",") if v.strip()]
     known = source.VARIANTS
-    profile = profile_peer_variant if args.peer else profile_variant
+    profile = (profile_swiglu_variant if args.swiglu else profile_peer_variant if args.peer
+               else profile_variant)
     if args.block:
         import block_fp8_bench  # only here: it builds its variants when imported
 
@@ -189,7 +226,8 @@ def main(argv=None) -> dict[str, Any]:
     for row in rows:
         out = args.out / row if len(rows) > 1 else args.out
         report = {"benchmark": "fp8_profile", "metadata": timing.run_metadata(), "row": row,
-                  "peer": args.peer, "steps": args.steps, "variants": {}}
+                  "peer": args.peer, "swiglu": args.swiglu, "steps": args.steps,
+                  "variants": {}}
         for name in variants:
             try:
                 report["variants"][name] = profile(table[row], name, args.steps,

@@ -53,3 +53,19 @@ def test_peer_rows_each_write_a_report(tmp_path):
     assert all("step_ms" in v and "model" in v for v in report["variants"].values())
     assert "Fp8DirectDotGeneralOp" in report["variants"]["flax_fp8_direct"]["model"]
     assert (tmp_path / "S1" / "fp8_profile.md").read_text().startswith("# Where the FP8 step")
+
+
+@pytest.mark.slow
+def test_swiglu_rows_profile_flax_fp8_beside_ours(tmp_path):
+    report = fp8_profile.main(["--smoke", "--swiglu", "--steps", "1", "--out", str(tmp_path)])
+    assert report["swiglu"] and report["row"] == "T1"
+    assert set(report["variants"]) == set(fp8_profile.SWIGLU_VARIANTS)
+    assert all("step_ms" in v and "model" in v for v in report["variants"].values())
+    assert "SwiGLU" in report["variants"]["ours_swiglu_fp8"]["model"]
+    assert (tmp_path / "fp8_profile.md").read_text().startswith("# Where the FP8 step")
+
+
+def test_one_kind_of_rows_at_a_time(capsys):
+    with pytest.raises(SystemExit):
+        fp8_profile.main(["--peer", "--swiglu", "--out", "/tmp/unused"])
+    assert "at most one" in capsys.readouterr().err
