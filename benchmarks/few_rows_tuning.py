@@ -3,13 +3,15 @@
 `gelu(x @ (scale · W8)ᵀ + b)` for x (M, K) bf16 with M from 1 to 64 and W8 an FP8 weight
 stored `(N, K)`, at the shapes of a Llama-8B-sized layer (K4096×N14336, K14336×N4096,
 K4096×N4096) and K8192×N8192. Variants, each timed over `LAYERS` layers per call (each with
-its own weight, as a decode step runs a model; serving_bench.py's reason):
+its own weight and input, as a decode step runs a model; serving_bench.py's `stacked`):
 - xla_bf16: `jax.nn.gelu(x @ w + b)`, bf16 weights (the baseline);
 - weight_only_xla: XLA's weight-only GEMM (`serving.weight_only`);
 - xla_fp8: XLA's own FP8 dot of the quantized input (serving_bench.py's `xla_fp8_dense`);
 - fp8k b{block_n}k{block_k}w{warps}s{stages}: `few_rows_fp8_kernel.few_rows_fp8_gemm`, both
-  operands FP8 (x quantized as xla_fp8's is, in XLA), with that tiling; `fp8k_default` the
-  tiling it picks by itself (`default_tiling`).
+  operands FP8, x quantized per tensor by the kernel itself (as the served layers run it),
+  with that tiling; `fp8k_default` the tiling it picks by itself (`default_tiling`);
+  `fp8k_default_xla_quantized` the same with x quantized by XLA before it (as xla_fp8's is:
+  three more kernels a layer).
 
 At the first of `--rows` every tiling of the grid runs; at the other rows the three fastest
 of those (careful harness) and the default. Both harnesses of benchmarks/README.md. Reported
@@ -37,7 +39,7 @@ import jax_epilog
 from jax_epilog.float8 import scaling
 from jax_epilog.float8.few_rows_fp8_kernel import Tiling, default_tiling, few_rows_fp8_gemm
 from jax_epilog.layers import serving
-from serving_bench import normal, stacked, xla_fp8_dense
+from serving_bench import layer_inputs, normal, stacked, xla_fp8_dense
 
 SHAPES = {"K4096xN14336": (4096, 14336), "K14336xN4096": (14336, 4096),
           "K4096xN4096": (4096, 4096), "K8192xN8192": (8192, 8192)}
@@ -65,11 +67,15 @@ def layers(k: int, n: int, count: int):
 
 def variants(bf16, fp8, tilings, interpret: bool) -> dict:
     """name: (jitted fn of (x, layers), layers)."""
-    def kernel(tiling):
+    def kernel(tiling, quantized_by_xla: bool = False):
         def layer(x, s, b):
-            x8, sx = scaling.quantize(x, scaling.amax(x), "float8_e4m3fn", 0)
-            return few_rows_fp8_gemm(x8, sx, s.data, s.scale, b, activation="gelu",
-                                     tiling=tiling, interpret=interpret)
+            if quantized_by_xla:
+                x8, sx = scaling.quantize(x, scaling.amax(x), "float8_e4m3fn", 0)
+                return few_rows_fp8_gemm(x8, sx, s.data, s.scale, b, activation="gelu",
+                                         tiling=tiling, interpret=interpret)
+            return few_rows_fp8_gemm(x, None, s.data, s.scale, b, activation="gelu",
+                                     input_scaling="tensor", tiling=tiling,
+                                     interpret=interpret)
         return layer
 
     out = {
@@ -78,6 +84,7 @@ def variants(bf16, fp8, tilings, interpret: bool) -> dict:
                             fp8),
         "xla_fp8": (stacked(xla_fp8_dense), fp8),
         "fp8k_default": (stacked(kernel(None)), fp8),
+        "fp8k_default_xla_quantized": (stacked(kernel(None, True)), fp8),
     }
     n, k = fp8[0][0].data.shape
     out.update({name(t): (stacked(kernel(t)), fp8) for t in tilings
@@ -87,7 +94,8 @@ def variants(bf16, fp8, tilings, interpret: bool) -> dict:
 
 def measure(fns: dict, rows: int, k: int, weight_bytes: int, count: int,
             rounds: int) -> dict[str, Any]:
-    xs = [normal(10 + i, (rows, k)) for i in range(timing.input_copies(rows * k * 2))]
+    xs = [layer_inputs(10 + i, (rows, k), count)
+          for i in range(timing.input_copies(rows * k * 2 * count))]
     careful = timing.time_interleaved({n: (fn, [(x, ws) for x in xs])
                                        for n, (fn, ws) in fns.items()}, rounds=rounds)
     user = {n: timing.time_calls(fn, [(xs[0], ws)], rounds=rounds) for n, (fn, ws) in fns.items()}

@@ -34,12 +34,15 @@ Two parts, each a ratio measured in one process against XLA's bf16 (`xla_bf16`):
    (Llama 3 8B's) and variants, ours `jax_epilog.linen.SwiGLU` (`--parts swiglu`; not in the
    default parts).
 
-Every timed call runs `LAYERS` layers (or blocks), each with its own weights, on the same
+Every timed call runs `LAYERS` layers (or blocks), each with its own weights and its own
 input, as a decode step runs a whole model per call: timing one small layer per call measures
 the host's dispatch (tens of microseconds) rather than the kernels. Times are per layer.
+(Until 2026-12-05 the layers of a call shared one input, so XLA quantized it once for all of
+them and merged pairs of its FP8 dots: results before then flatter the ways that quantize the
+input, most at decode sizes.)
 
 Both harnesses of benchmarks/README.md: careful (inputs rotated past L2, the variants' rounds
-interleaved, median) and user (the same input every call, each variant's own wall-clock loop,
+interleaved, median) and user (the same inputs every call, each variant's own wall-clock loop,
 one `block_until_ready` a round). Reported: ms, the ratio to xla_bf16 (or flax_bf16) in each
 harness, the output error against bf16 (max |y - y_bf16| / max |y_bf16|), the weights' bytes.
 
@@ -107,12 +110,22 @@ def xla_fp8_dense(x, stored: Fp8Weight, bias):
 
 
 def stacked(fn, x_first: bool = True):
-    """One jitted call of `fn` over every layer's weights in turn, on the same input: a
-    decode step runs a whole model per call, so the host's dispatch (tens of microseconds)
-    overlaps the kernels instead of being what is timed at decode sizes."""
+    """One jitted call of `fn` over every layer's weights in turn, each layer on its own input
+    (`xs`, one array per layer): a decode step runs a whole model per call, so the host's
+    dispatch (tens of microseconds) overlaps the kernels instead of being what is timed at
+    decode sizes. Own inputs, since a model's layers do not share one: on one shared input
+    XLA computed its FP8 quantization once for all 8 layers and merged pairs of its FP8 dots
+    into one GEMM (compiled for an H200), which flattered every way that quantizes."""
     if x_first:
-        return jax.jit(lambda x, layers: [fn(x, *layer) for layer in layers])
-    return jax.jit(lambda layers, x: [fn(*layer, x) for layer in layers])
+        return jax.jit(lambda xs, layers: [fn(x, *layer) for x, layer in zip(xs, layers,
+                                                                             strict=True)])
+    return jax.jit(lambda layers, xs: [fn(*layer, x) for layer, x in zip(layers, xs,
+                                                                         strict=True)])
+
+
+def layer_inputs(seed: int, shape, count: int) -> list:
+    """`count` random inputs of `shape`, one per layer of a `stacked` call."""
+    return [normal(seed + 1000 * i, shape) for i in range(count)]
 
 
 def gemm_variants(k: int, n: int, count: int) -> tuple[dict, dict[str, int]]:
@@ -257,10 +270,10 @@ def measure_row(variants: dict, x_shape, baseline: str, x_first: bool,
                 rounds: int) -> dict[str, Any]:
     """Both harnesses and the error against `baseline` for one input shape, times per layer
     (or block). `x_first`: the functions take `(x, layers)`, else `(layers, x)`; `layers`
-    lists each layer's weights (`stacked`)."""
+    lists each layer's weights and `x` each layer's input (`stacked`)."""
     layers = len(next(iter(variants.values()))[1][0])
-    xs = [normal(10 + i, x_shape) for i in range(timing.input_copies(
-        int(np.prod(x_shape)) * 2))]
+    xs = [layer_inputs(10 + i, x_shape, layers) for i in range(timing.input_copies(
+        int(np.prod(x_shape)) * 2 * layers))]
     args = lambda weights, x: (x, *weights) if x_first else (*weights, x)
     careful = timing.time_interleaved(
         {name: (fn, [args(weights, x) for x in xs]) for name, (fn, weights) in variants.items()},

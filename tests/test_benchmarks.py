@@ -187,7 +187,8 @@ def test_few_rows_tuning_smoke_report(tmp_path):
     first, second = report["rows"]
     assert (first["M"], second["M"]) == (16, 3)
     kernels = [n for n in first["variants"] if n.startswith("fp8k")]
-    assert len(kernels) == 1 + len(few_rows_tuning.SMOKE["grid"])
+    assert len(kernels) == 2 + len(few_rows_tuning.SMOKE["grid"])
+    assert "fp8k_default" in kernels and "fp8k_default_xla_quantized" in kernels
     for row in report["rows"]:
         for name, v in row["variants"].items():
             assert v["careful_ms"] > 0 and v["user_ms"] > 0, name

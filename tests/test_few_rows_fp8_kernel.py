@@ -5,6 +5,8 @@ runs) and, through the served layers, against the float64 model of test_serving.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -133,16 +135,73 @@ def test_off_cuda_the_way_is_xla_s_fp8_dot():
     the "xla_fp8" way's."""
     stored, bias = layer(64, 64)
     x = jax.device_put(random(3, (4, 64), jnp.bfloat16), jax.devices("cpu")[0])
-    x8, x_scale = serving.quantize_input(x, stored)
     fn = jax.jit(lambda *a: serving.fp8_pallas(*a, "gelu", jnp.bfloat16))
-    text = fn.lower(x8, x_scale, stored, bias).as_text()
+    text = fn.lower(x, stored, bias).as_text()
     assert "few_rows_fp8_gemm" not in text and "triton" not in text
     # Both compiled: run op by op (as older jax does outside jit), the reference would round
     # its intermediates to bfloat16 where the fused program keeps float32.
-    xla_way = jax.jit(lambda *a: serving.xla_fp8(*a, "gelu", jnp.bfloat16))
-    np.testing.assert_array_equal(
-        np.asarray(fn(x8, x_scale, stored, bias), np.float32),
-        np.asarray(xla_way(x8, x_scale, stored, bias), np.float32))
+    xla_way = jax.jit(lambda x, w, b: serving.xla_fp8(*serving.quantize_input(x, w), w, b,
+                                                      "gelu", jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(fn(x, stored, bias), np.float32),
+                                  np.asarray(xla_way(x, stored, bias), np.float32))
+
+
+def with_input_scale(stored, x):
+    """`stored` with the static input scale `calibrate` would give it for `x` alone."""
+    amax = float(jnp.max(jnp.abs(x.astype(jnp.float32))))
+    return dataclasses.replace(stored, input_scale=jnp.float32(amax / 448.0))
+
+
+def check_quantizing(x, stored, bias, **kw):
+    """The kernel quantizing 16-bit x itself (as `serving.fp8_pallas` calls it) against the
+    kernel on x quantized by XLA (`serving.quantize_input`): the same e4m3 operands and
+    scales, so the same bits."""
+    static = stored.input_scale is not None
+    scaling = None if static else "row" if jnp.ndim(stored.scale) == 1 else "tensor"
+    got = few_rows_fp8_gemm(x, stored.input_scale, stored.data, stored.scale, bias,
+                            activation="gelu", dtype=x.dtype, input_scaling=scaling, **kw)
+    x8, x_scale = serving.quantize_input(x, stored)
+    want = few_rows_fp8_gemm(x8, x_scale, stored.data, stored.scale, bias, activation="gelu",
+                             dtype=x.dtype, **kw)
+    assert got.dtype == x.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+@pytest.mark.parametrize("scaling", ["tensor", "row", "static"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
+def test_the_kernel_quantizes_a_16_bit_input_as_xla_does(dtype, scaling, rows):
+    """Per tensor (one amax over every row), per row (before a per-channel weight), or by a
+    static scale (`calibrate`'s, by division), with rows past x's repeating its last."""
+    stored, bias = layer(96, 160, "channel" if scaling == "row" else "tensor", dtype=dtype)
+    x = random(5, (rows, 96), dtype) * (1.0 + jnp.arange(rows, dtype=dtype)[:, None])
+    if scaling == "static":
+        stored = with_input_scale(stored, x * 0.5)  # saturates the larger half
+    check_quantizing(x, stored, bias, tiling=Tiling(32, 32, 4, 2), interpret=True)
+
+
+def test_a_zero_row_quantized_alone_keeps_scale_one():
+    """A row of zeros has amax 0: its multiplier is 1 (`scaling.multiplier`), its output the
+    bias's activation; the other rows are untouched by it."""
+    stored, bias = layer(96, 64, "channel")
+    x = random(6, (5, 96), jnp.bfloat16).at[2].set(0.0)
+    check_quantizing(x, stored, bias, tiling=Tiling(32, 32, 4, 2), interpret=True)
+
+
+@pytest.mark.parametrize("x_dtype,x_scale,scaling,message", [
+    (jnp.float8_e4m3fn, None, None, "x_scale: an e4m3 x comes with"),
+    (jnp.float8_e4m3fn, 1.0, "tensor", "x_scale: an e4m3 x comes with"),
+    (jnp.bfloat16, None, None, "x_scale: a 16-bit x is quantized with one static"),
+    (jnp.bfloat16, np.ones(4, np.float32), None, "x_scale: a 16-bit x is quantized"),
+    (jnp.bfloat16, 1.0, "tensor", "input_scaling: expected one of"),
+    (jnp.bfloat16, None, "column", "input_scaling: expected one of"),
+    (jnp.float32, None, "tensor", "x: expected e4m3 or a 16-bit float, got float32")])
+def test_inputs_the_kernel_cannot_take_are_named(x_dtype, x_scale, scaling, message):
+    stored, _ = layer(64, 64)
+    x = random(3, (4, 64), jnp.bfloat16).astype(x_dtype)
+    with pytest.raises(ValueError, match=message):
+        few_rows_fp8_gemm(x, x_scale, stored.data, stored.scale, input_scaling=scaling,
+                          tiling=Tiling(32, 32, 4, 2), interpret=True)
 
 
 @pytest.mark.gpu
@@ -156,18 +215,32 @@ def test_gpu_default_tiling_at_llama_sizes(k, n, rows):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("scaling", ["tensor", "row", "static"])
+@pytest.mark.parametrize("k,n", [(1024, 1536), (14336, 4096)])
+def test_gpu_the_kernel_quantizes_a_16_bit_input_as_xla_does(k, n, scaling, rows):
+    """Triton's amax, multiplier and cast against XLA's quantization, bit for bit."""
+    stored, bias = layer(k, n, "channel" if scaling == "row" else "tensor")
+    x = random(5, (rows, k), jnp.bfloat16)
+    if scaling == "static":
+        stored = with_input_scale(stored, x * 0.5)
+    check_quantizing(x, stored, bias)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("granularity", ["tensor", "channel"])
 def test_gpu_served_dense_over_few_rows_is_the_kernel(rows, granularity, monkeypatch):
     """`dense` with a stored weight over few rows by the fp8_pallas way: the Pallas call and
-    no other GEMM (no XLA GEMM, no cuBLAS(Lt) call), values as the float64 model's."""
+    no other GEMM (no XLA GEMM, no cuBLAS(Lt) call) nor XLA's amax (the kernel takes it),
+    values as the float64 model's."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", "fp8_pallas")
     stored, bias = layer(1024, 1536, granularity)
     x = random(3, (rows, 1024), jnp.bfloat16)
     fn = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation="gelu"))
     text = fn.lower(x, stored, bias).compile().as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "jax_epilog_matmul" not in text
-    assert "__triton_gemm" not in text and "cublas" not in text
+    assert "__triton_gemm" not in text and "cublas" not in text and " reduce(" not in text
     assert_served(fn(x, stored, bias), served_model(
         np.asarray(x.astype(jnp.float32)), stored, np.asarray(bias.astype(jnp.float32)),
         "gelu"), jnp.bfloat16)

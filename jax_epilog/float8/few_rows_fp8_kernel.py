@@ -7,8 +7,14 @@ Each program computes `block_n` output channels as the product `W8[channels] @ x
 weight's channels are the MMA's long side and the few rows its short side, so Hopper's FP8
 tensor-core instructions take both operands as they lie (K-major, 1 byte) and nothing is
 converted. Then the scales (x's one or one per row, the weight's one or one per channel), the
-bias and the activation in float32, and one store in the result dtype. The input's
-quantization (`serving.quantize_input`) stays in XLA.
+bias and the activation in float32, and one store in the result dtype.
+
+x comes quantized (e4m3 and its scale), or 16-bit, and then the kernel quantizes it as
+`serving.quantize_input` would, in the same program: with a given static scale (`x / scale`,
+saturated), or from x's amax (`input_scaling`: "tensor", one amax over x; "row", one per
+row), which each program takes in a first pass over x (x is a few rows, read from L2; a
+served layer is then one kernel where XLA's quantization made it five, on the H200's compile:
+two reductions, the scale and the cast before the GEMM).
 
 The arithmetic is the "xla_fp8" way's (`serving.xla_fp8`, what every other platform runs):
 exact FP8 products summed in float32, then `act(z · x_scale · w_scale + bias)` in float32;
@@ -33,6 +39,10 @@ MAX_ROWS = 64
 MIN_BLOCK = 32
 #: The fewest rows a program computes (Triton's dot needs 16 along every side).
 MIN_ROWS = 16
+#: The format a 16-bit x is quantized to (the served layers' `serving.INPUT_FORMAT`), and its
+#: largest finite value.
+INPUT_FORMAT = jnp.float8_e4m3fn
+INPUT_LARGEST = float(jnp.finfo(INPUT_FORMAT).max)
 
 
 class Tiling(NamedTuple):
@@ -96,24 +106,72 @@ def default_tiling(rows: int, k: int, n: int) -> Tiling:
     return Tiling(block_n, block_k, NUM_WARPS, max(2, stages))
 
 
+#: `few_rows_fp8_gemm`'s `input_scaling`: where a 16-bit x takes its scale from its amax.
+INPUT_SCALINGS = ("tensor", "row")
+
+
+def _ieee_divide(a, b):
+    """a / b in float32 rounded to nearest, as XLA divides: Triton's `/` is `div.full.f32`
+    (within 2 ulp), which would move a scale, and so an FP8 value, off XLA's."""
+    from jax.experimental.pallas import triton as pltriton
+    a, b = jnp.broadcast_arrays(a, b)
+    return pltriton.elementwise_inline_asm(
+        "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]
+
+
+def _multiplier(x_amax, divide):
+    """`scaling.multiplier(x_amax, INPUT_FORMAT, 0)` for an amax >= 0 (or NaN) in Triton's
+    terms (comparisons, no isfinite): `largest / amax`, 1 where that or the amax is 0, not
+    finite or NaN."""
+    q = divide(jnp.full(x_amax.shape, INPUT_LARGEST, jnp.float32), x_amax)
+    ok = (x_amax > 0) & (x_amax < jnp.inf) & (q < jnp.inf)
+    return jnp.where(ok, q, 1.0)
+
+
 def _kernel(x_ref, x_scale_ref, w_ref, w_scale_ref, *refs, block_m: int, block_n: int,
             block_k: int, activation: Optional[str], per_row: bool, per_channel: bool,
-            has_bias: bool):
+            has_bias: bool, quantize: Optional[str], divide):
+    """`quantize`: None (x is e4m3), "static" (x 16-bit, x_scale its scale) or an
+    `INPUT_SCALINGS` (x 16-bit, its scale from its amax here); `divide`: float32 division
+    rounded to nearest."""
     from jax.experimental import pallas as pl
     bias_ref, out_ref = (refs[0], refs[1]) if has_bias else (None, refs[0])
     rows, k = x_ref.shape
     channels = pl.ds(pl.multiple_of(pl.program_id(0) * block_n, block_n), block_n)
     row = jnp.minimum(jnp.arange(block_m), rows - 1)  # past x's rows, its last again
+    k_block = lambda i: pl.ds(pl.multiple_of(i * block_k, block_k), block_k)  # noqa: E731
+
+    if quantize in INPUT_SCALINGS:
+        def largest(i, found):
+            return jnp.maximum(found, jnp.max(jnp.abs(x_ref[row, k_block(i)].astype(
+                jnp.float32)), axis=1))
+
+        x_amax = jax.lax.fori_loop(0, k // block_k, largest, jnp.zeros((block_m,), jnp.float32))
+        if quantize == "tensor":
+            x_amax = jnp.broadcast_to(jnp.max(x_amax), (block_m,))
+        q = _multiplier(x_amax, divide)
+        x_scale = divide(jnp.ones((block_m,), jnp.float32), q)
+        q = q[:, None]  # (block_m, 1)
+        cast = lambda x: x.astype(jnp.float32) * q  # noqa: E731
+    elif quantize == "static":
+        static = x_scale_ref[...]
+        x_scale = jnp.broadcast_to(static, (block_m,))
+        cast = lambda x: divide(x.astype(jnp.float32), static)  # noqa: E731
+    else:
+        x_scale = x_scale_ref[row] if per_row else x_scale_ref[...]
+        cast = None
 
     def step(i, acc):
-        ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
-        return acc + jax.lax.dot_general(w_ref[channels, ks], x_ref[row, ks],
-                                         (((1,), (1,)), ((), ())),
+        ks = k_block(i)
+        x8 = x_ref[row, ks]
+        if cast is not None:  # saturate, then round to e4m3 (`saturating_cast`)
+            x8 = jnp.clip(cast(x8), -INPUT_LARGEST, INPUT_LARGEST).astype(INPUT_FORMAT)
+        return acc + jax.lax.dot_general(w_ref[channels, ks], x8, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32)
 
     zt = jax.lax.fori_loop(0, k // block_k, step, jnp.zeros((block_n, block_m), jnp.float32))
     w_scale = w_scale_ref[channels] if per_channel else w_scale_ref[...]
-    x_scale = x_scale_ref[row] if per_row else x_scale_ref[...]
     z = zt.T * x_scale[:, None] * w_scale[None, :]
     if bias_ref is not None:
         z = z + bias_ref[channels].astype(jnp.float32)[None, :]
@@ -122,24 +180,35 @@ def _kernel(x_ref, x_scale_ref, w_ref, w_scale_ref, *refs, block_m: int, block_n
     out_ref[row, channels] = z.astype(out_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "dtype", "tiling", "interpret"))
-def few_rows_fp8_gemm(x8, x_scale, data, w_scale, bias=None, *,
+@functools.partial(jax.jit, static_argnames=("activation", "dtype", "input_scaling", "tiling",
+                                             "interpret"))
+def few_rows_fp8_gemm(x, x_scale, data, w_scale, bias=None, *,
                       activation: Optional[str] = None, dtype=jnp.bfloat16,
-                      tiling: Optional[Tiling] = None, interpret: bool = False):
-    """`act(x_scale · w_scale · (x8 @ dataᵀ) + bias)` in `dtype`: x8 `(rows, K)` and data
-    `(N, K)` e4m3, `x_scale` float32 `()` or `(rows,)`, `w_scale` `()` or `(N,)`, bias `(N,)`
-    or None; `fits` must hold for (rows, K, N, dtype). `tiling`: as given (its blocks must
-    divide K and N), else `default_tiling`."""
+                      input_scaling: Optional[str] = None, tiling: Optional[Tiling] = None,
+                      interpret: bool = False):
+    """`act(x_scale · w_scale · (x8 @ dataᵀ) + bias)` in `dtype`, data `(N, K)` e4m3,
+    `w_scale` `()` or `(N,)`, bias `(N,)` or None, and x `(rows, K)` one of:
+
+    - e4m3 (x8 itself), `x_scale` float32 `()` or `(rows,)` its dequantization scale;
+    - 16-bit with `x_scale` a float32 `()` static scale: x8 = x / x_scale, saturated;
+    - 16-bit with `input_scaling` "tensor" or "row" (`x_scale` None): x8 = x · q saturated, q
+      = `scaling.multiplier` of x's amax (of each row's, for "row"), x_scale = 1 / q.
+
+    `fits` must hold for (rows, K, N, dtype). `tiling`: as given (its blocks must divide K and
+    N), else `default_tiling`."""
     from jax.experimental import pallas as pl  # only where the kernel is chosen
 
-    rows, k = x8.shape
+    rows, k = x.shape
     n = data.shape[0]
     cut = tiling or default_tiling(rows, k, n)
     if n % cut.block_n or k % cut.block_k:
         raise ValueError(f"tiling: {cut} does not divide K {k} and N {n}")
+    quantize = _quantize_mode(x, x_scale, input_scaling)
+    if quantize in INPUT_SCALINGS:
+        x_scale = jnp.ones((), jnp.float32)  # unread: a placeholder operand
     per_row, per_channel = jnp.ndim(x_scale) == 1, jnp.ndim(w_scale) == 1
     flat = lambda s, vector: jnp.reshape(s.astype(jnp.float32), (-1,) if vector else (1,))  # noqa: E731
-    operands = [x8, flat(x_scale, per_row), data, flat(w_scale, per_channel)]
+    operands = [x, flat(x_scale, per_row), data, flat(w_scale, per_channel)]
     if bias is not None:
         operands.append(bias)
     params = None
@@ -149,6 +218,28 @@ def few_rows_fp8_gemm(x8, x_scale, data, w_scale, bias=None, *,
     return pl.pallas_call(
         functools.partial(_kernel, block_m=padded_rows(rows), block_n=cut.block_n,
                           block_k=cut.block_k, activation=activation, per_row=per_row,
-                          per_channel=per_channel, has_bias=bias is not None),
+                          per_channel=per_channel, has_bias=bias is not None,
+                          quantize=quantize,
+                          divide=jnp.divide if interpret else _ieee_divide),
         out_shape=jax.ShapeDtypeStruct((rows, n), dtype), grid=(n // cut.block_n,),
         interpret=interpret, name="few_rows_fp8_gemm", compiler_params=params)(*operands)
+
+
+def _quantize_mode(x, x_scale, input_scaling: Optional[str]) -> Optional[str]:
+    """`_kernel`'s `quantize` for these arguments, or a ValueError naming the one at fault."""
+    if jnp.dtype(x.dtype) == INPUT_FORMAT:
+        if input_scaling is not None or x_scale is None:
+            raise ValueError("x_scale: an e4m3 x comes with its float32 dequantization scale "
+                             "(input_scaling quantizes a 16-bit x)")
+        return None
+    if jnp.dtype(x.dtype) not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"x: expected e4m3 or a 16-bit float, got {jnp.dtype(x.dtype)}")
+    if input_scaling is None:
+        if x_scale is None or jnp.ndim(x_scale) != 0:
+            raise ValueError("x_scale: a 16-bit x is quantized with one static float32 scale, "
+                             f"or from its amax (input_scaling={INPUT_SCALINGS})")
+        return "static"
+    if input_scaling not in INPUT_SCALINGS or x_scale is not None:
+        raise ValueError(f"input_scaling: expected one of {INPUT_SCALINGS} with x_scale None, "
+                         f"got {input_scaling!r}")
+    return input_scaling

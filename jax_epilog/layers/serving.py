@@ -6,10 +6,10 @@ A stored-FP8 layer over many rows is one FP8 GEMM: the input quantized to e4m3 (
 amax, in one XLA fusion with whatever produced it, or with the weight's static
 `input_scale`), the stored `(N, K)` data read as it is (K-major, what the kernel wants), bias
 and ReLU/GELU in the GEMM's epilog, the result in the compute dtype. Over few rows (decoding)
-the quantized input meets the weight in one Pallas kernel on CUDA (`fp8_pallas`, XLA's own
-FP8 dot elsewhere); `planning.serving_plan` chooses, and the weight-only and XLA ways run
-where `JAX_EPILOG_SERVING` asks for them. 16-bit layers of the
-same stack run their ordinary forward GEMM. Nothing here is differentiable: a gradient through a stored-FP8 stack
+a layer is weight-only (the 16-bit input times the weight converted inside XLA's GEMM), XLA's
+own FP8 dot of the quantized input, or one Pallas kernel on CUDA that quantizes the input
+and multiplies (`fp8_pallas`); `planning.serving_plan` chooses, `JAX_EPILOG_SERVING`
+overrides. 16-bit layers of the same stack run their ordinary forward GEMM. Nothing here is differentiable: a gradient through a stored-FP8 stack
 raises an error that says to train the 16-bit parameters.
 """
 
@@ -88,10 +88,12 @@ def _layers(activations: tuple, dtype, x, params):
         if way == "weight_only":
             h = weight_only(h, kernel, bias, activation)
             continue
+        if way == "fp8_pallas":  # h is 16-bit: only the "fp8" way writes FP8 between layers
+            h = fp8_pallas(h, kernel, bias, activation, dtype)
+            continue
         h8, input_scale = quantize_input(h, kernel) if h8 is None else h8
-        if way in ("xla_fp8", "fp8_pallas"):
-            gemm = xla_fp8 if way == "xla_fp8" else fp8_pallas
-            h, h8 = gemm(h8, input_scale, kernel, bias, activation, dtype), None
+        if way == "xla_fp8":
+            h, h8 = xla_fp8(h8, input_scale, kernel, bias, activation, dtype), None
             continue
         following = params[i + 1][0] if i + 1 < len(params) else None
         if jnp.dtype(dtype) == jnp.float32 and bias is not None:
@@ -156,21 +158,36 @@ def xla_fp8(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str],
     return _scaled_epilogue(z, input_scale * weight.scale, bias, activation, dtype)
 
 
-def fp8_pallas(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str], dtype):
-    """`xla_fp8`'s product on CUDA as one Pallas kernel (`few_rows_fp8_kernel`), where the
-    shape fits it: the product rounded once, after scale, bias and activation. Elsewhere
-    `xla_fp8`."""
-    rows, k = h8.shape
+def fp8_pallas(h, weight: Fp8Weight, bias, activation: Optional[str], dtype):
+    """`act(h @ weight + bias)` over few rows of a 16-bit `h`: on CUDA, where the shape fits
+    it, one Pallas kernel (`few_rows_fp8_kernel`) that quantizes h as `quantize_input` does
+    (static scale, or the amax of h or of each row), multiplies it by the stored weight and
+    applies scale, bias and activation before rounding once. Elsewhere `quantize_input`, then
+    `xla_fp8`: the same FP8 operands, the product rounded once more."""
+    rows, k = h.shape
     if not few_rows_fp8_kernel.fits(rows, k, weight.data.shape[0], dtype):
-        return xla_fp8(h8, input_scale, weight, bias, activation, dtype)
-    operands = (h8, input_scale, weight.data, weight.scale) + (() if bias is None else (bias,))
+        return xla_fp8(*quantize_input(h, weight), weight, bias, activation, dtype)
+    static = weight.input_scale is not None
+    operands = (h, weight.data, weight.scale) + (
+        (jnp.asarray(weight.input_scale, jnp.float32),) if static else ()) + (
+        () if bias is None else (bias,))
+
+    def split(args):
+        """(h, the weight, bias or None) from `operands`."""
+        h, data, scale, *rest = args
+        input_scale = rest.pop(0) if static else None
+        return h, Fp8Weight(data, scale, input_scale), rest[0] if rest else None
 
     def kernel(*args):
-        return few_rows_fp8_kernel.few_rows_fp8_gemm(*args, activation=activation, dtype=dtype)
+        h, w, b = split(args)
+        scaling = None if static else "row" if per_channel(w) else "tensor"
+        return few_rows_fp8_kernel.few_rows_fp8_gemm(
+            h, w.input_scale, w.data, w.scale, b, activation=activation, dtype=dtype,
+            input_scaling=scaling)
 
-    def xla(h8, h_scale, data, scale, *bias):
-        return xla_fp8(h8, h_scale, Fp8Weight(data, scale), bias[0] if bias else None,
-                       activation, dtype)
+    def xla(*args):
+        h, w, b = split(args)
+        return xla_fp8(*quantize_input(h, w), w, b, activation, dtype)
 
     return jax.lax.platform_dependent(*operands, cuda=kernel, default=xla)
 

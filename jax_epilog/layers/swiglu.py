@@ -36,8 +36,9 @@ forward of `layers.serving`, the way chosen by the rows as for a served `dense`:
   joining stored weights would copy them every call), results in the compute dtype; one
   fusion reads `[g u]` and writes h = silu(g)·u in e4m3 (the down weight's static scale, else
   h's amax), then the FP8 down GEMM.
-- "fp8_pallas": the same, each GEMM the Pallas kernel of few rows on CUDA
-  (`serving.fp8_pallas`).
+- "fp8_pallas": each GEMM the Pallas kernel of few rows on CUDA (`serving.fp8_pallas`),
+  which quantizes its 16-bit input as "fp8" does, in the kernel; h = silu(g)·u is rounded to
+  the compute dtype first.
 - "xla_fp8": the same, each GEMM XLA's own FP8 dot (`serving.xla_fp8`).
 - "weight_only": each GEMM of the 16-bit activation and the converted FP8 weight
   (`serving.weight_only`), h = silu(g)·u in between.
@@ -251,6 +252,12 @@ def _served_block(hidden: int, dtype, x, gate_up: tuple, down: Fp8Weight):
         h = _hidden(gu, hidden).astype(dtype)
         serving.record_input(h, down)
         return serving.weight_only(h, down, None, None)
+    if way == "fp8_pallas":  # each kernel quantizes its 16-bit input itself
+        gu = jnp.concatenate([serving.fp8_pallas(x, w, None, None, dtype) for w in gate_up],
+                             axis=1)
+        h = _hidden(gu, hidden).astype(dtype)
+        serving.record_input(h, down)
+        return serving.fp8_pallas(h, down, None, None, dtype)
     gemm = functools.partial(_quantized_gemm, way, dtype=dtype)
     x8, x_scale = serving.quantize_input(x, gate_up[0])
     gu = jnp.concatenate([gemm(x8, x_scale, w) for w in gate_up], axis=1)
@@ -260,11 +267,9 @@ def _served_block(hidden: int, dtype, x, gate_up: tuple, down: Fp8Weight):
 
 
 def _quantized_gemm(way: str, h8, h_scale, weight: Fp8Weight, dtype):
-    """h8 @ weight in `dtype` by `way`: our FP8 GEMM ("fp8"), the Pallas kernel of few rows
-    ("fp8_pallas") or XLA's FP8 dot ("xla_fp8")."""
-    if way in ("xla_fp8", "fp8_pallas"):
-        gemm = serving.xla_fp8 if way == "xla_fp8" else serving.fp8_pallas
-        return gemm(h8, h_scale, weight, None, None, dtype)
+    """h8 @ weight in `dtype` by `way`: our FP8 GEMM ("fp8") or XLA's FP8 dot ("xla_fp8")."""
+    if way == "xla_fp8":
+        return serving.xla_fp8(h8, h_scale, weight, None, None, dtype)
     return serving.fp8_matmul(h8, h_scale, weight, dtype)
 
 

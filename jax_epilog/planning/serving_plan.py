@@ -3,12 +3,13 @@
 - "fp8": the input quantized to e4m3 (an amax pass and a cast, or a static scale), one
   cuBLASLt FP8 GEMM with bias and activation in its epilog. Twice bf16's rate where the GEMM
   is compute-bound.
-- "fp8_pallas": the same quantized input times the stored weight in one Pallas kernel on
-  CUDA (`float8.few_rows_fp8_kernel`: both operands FP8, scale, bias and activation before
-  its store), XLA's FP8 dot ("xla_fp8") on other platforms or where the shape does not fit
-  it. Few rows share each weight, so the GEMM is bound by reading the weight.
-- "xla_fp8": the same quantized input times the stored weight by XLA's own FP8 dot, scale,
-  bias and activation in XLA's fusion after it.
+- "fp8_pallas": one Pallas kernel on CUDA (`float8.few_rows_fp8_kernel`) that quantizes the
+  input as "fp8" does and multiplies it by the stored weight (both operands FP8), scale,
+  bias and activation before its store; the input quantized in XLA and XLA's FP8 dot
+  ("xla_fp8") on other platforms or where the shape does not fit it. Few rows share each
+  weight, so the GEMM is bound by reading the weight.
+- "xla_fp8": the input quantized as for "fp8" (in XLA) times the stored weight by XLA's own
+  FP8 dot, scale, bias and activation in XLA's fusion after it.
 - "weight_only": the 16-bit input times the FP8 weight converted to 16 bits inside XLA's GEMM
   (a convert XLA fuses into the GEMM's operand read), scale, bias and activation in XLA's
   fusion after it. Only the weight is rounded, so its error is smaller.
@@ -28,16 +29,19 @@ WAYS = ("fp8", "fp8_pallas", "xla_fp8", "weight_only")
 #: (docs/serving.md, benchmarks/results/serving/weight_only_sweep.md; 8 layers per call,
 #: K 4096 x N 14336, ratios to XLA's bf16 GEMM with GELU, careful harness (user's)),
 #: 2026-12-05: at 1 row the kernel ran 1.62 (1.56), XLA's weight-only GEMM 1.52 (1.52), XLA's
-#: FP8 dot 1.43 (1.36); at 16 rows 1.68 (1.63), 1.52 (1.50) and 1.67 (1.71). It stays 0
-#: (the kernel only where JAX_EPILOG_SERVING=fp8_pallas asks) until the served layers' path
-#: to it has passed the GPU suite on the H200; then 16.
+#: FP8 dot 1.43 (1.36); at 16 rows 1.68 (1.63), 1.52 (1.50) and 1.67 (1.71). Those layers
+#: shared one input, so XLA quantized it once per call where a model's layers each quantize
+#: theirs (three kernels a layer for XLA's FP8 dot; the kernel now quantizes inside). It
+#: stays 0 (the kernel only where JAX_EPILOG_SERVING=fp8_pallas asks) until it has passed
+#: the GPU suite and measured faster than weight-only with each layer's own input.
 FP8_PALLAS_MAX_ROWS = 0
 
 #: The most rows a layer runs weight-only with, and the most it runs XLA's FP8 dot with.
 #: Measured on the H200 (2026-12-04, same setup): at 1 and 16 rows weight-only ran 1.53
 #: (1.32) and 1.50 (1.49), XLA's FP8 dot 1.36 (1.07) and 1.70 (1.39); at 64 rows weight-only
 #: 1.25 (1.21), XLA's FP8 dot 1.55 (1.54), our FP8 GEMM 1.25 (1.21); at 256 rows our FP8
-#: GEMM 1.87 (2.12), XLA's FP8 dot 1.29 (1.54).
+#: GEMM 1.87 (2.12), XLA's FP8 dot 1.29 (1.54). With one input shared by the layers (see
+#: above), which favoured XLA's FP8 dot over weight-only at 64 rows.
 WEIGHT_ONLY_MAX_ROWS = 16
 XLA_FP8_MAX_ROWS = 64
 
