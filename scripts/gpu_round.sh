@@ -383,13 +383,16 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       gpu_tests decodelayout "${DECODE_LAYOUT_TEST_CAP:-120}" test_gpt_generate.py
       # DECODE_LAYOUTS: the layouts to run (positions_major too, measured slower on
       # 2026-12-04); DECODE_LAYOUT_PROFILE=0: no traces; DECODE_LAYOUT_SERVING: the runs'
-      # JAX_EPILOG_SERVING (e.g. fp8_pallas: decode steps by the few-row kernel, prefills, past
-      # its 64 rows, by XLA's FP8 dot), its report then in $OUT/decode_<layout>_<way>.
+      # JAX_EPILOG_SERVING ways, one run each (e.g. "auto fp8_pallas": fp8_pallas decodes by
+      # the few-row kernel, and prefills, past its 64 rows, by XLA's FP8 dot), a way's
+      # report in $OUT/decode_<layout>_<way> (auto's in $OUT/decode_<layout>).
       for layout in ${DECODE_LAYOUTS:-heads_major heads_major_rows}; do
+      for way in ${DECODE_LAYOUT_SERVING:-auto}; do
         profile_args=""
         [ "${DECODE_LAYOUT_PROFILE:-1}" = 1 ] && profile_args="--profile /tmp/decode_$layout"
-        run="decode_$layout${DECODE_LAYOUT_SERVING:+_$DECODE_LAYOUT_SERVING}"
-        (cd "$ROOT" && JAX_EPILOG_SERVING="${DECODE_LAYOUT_SERVING:-auto}" \
+        run="decode_$layout"
+        [ "$way" = auto ] || run="${run}_$way"
+        (cd "$ROOT" && JAX_EPILOG_SERVING="$way" \
           runs --cap "${DECODE_LAYOUT_CAP:-300}" "$PY" examples/gpt/generate.py \
           --random-init --config "${DECODE_LAYOUT_CONFIG:-large}" --compare \
           --variants stock,epilog_fp8 --batch ${DECODE_LAYOUT_BATCHES:-1 64} --repeats 2 --eval-batches 1 \
@@ -401,6 +404,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
         note "decodelayout $run: report lines naming a transpose: $(grep -ci transpose \
           "$OUT/$run/gpt_generate.md" 2>/dev/null)"
         grep -E "FAILED|Error" "$OUT/$run.log" | head -20 | tee -a "$SUMMARY"
+      done
       done ;;
     gptprofile)
       # Where the GPT step's time goes, per variant (GPT_PROFILE_ARGS, default large, Flax's
