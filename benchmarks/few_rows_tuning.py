@@ -8,10 +8,10 @@ its own weight and input, as a decode step runs a model; serving_bench.py's `sta
 - weight_only_xla: XLA's weight-only GEMM (`serving.weight_only`);
 - xla_fp8: XLA's own FP8 dot of the quantized input (serving_bench.py's `xla_fp8_dense`);
 - fp8k b{block_n}k{block_k}w{warps}s{stages}: `few_rows_fp8_kernel.few_rows_fp8_gemm`, both
-  operands FP8, x quantized per tensor by the kernel itself (as the served layers run it),
-  with that tiling; `fp8k_default` the tiling it picks by itself (`default_tiling`);
-  `fp8k_default_xla_quantized` the same with x quantized by XLA before it (as xla_fp8's is:
-  three more kernels a layer).
+  operands FP8, x quantized per tensor by the kernel itself from its rows' amaxes (one XLA
+  reduction; as the served layers run it), with that tiling; `fp8k_default` the tiling it
+  picks by itself (`default_tiling`); `fp8k_default_xla_quantized` the same with x quantized
+  by XLA before it (as xla_fp8's is: three more kernels a layer).
 
 At the first of `--rows` every tiling of the grid runs; at the other rows the three fastest
 of those (careful harness) and the default. Both harnesses of benchmarks/README.md. Reported
@@ -37,7 +37,8 @@ import numpy as np
 import timing  # benchmarks/timing.py
 import jax_epilog
 from jax_epilog.float8 import scaling
-from jax_epilog.float8.few_rows_fp8_kernel import Tiling, default_tiling, few_rows_fp8_gemm
+from jax_epilog.float8.few_rows_fp8_kernel import (Tiling, default_tiling, few_rows_fp8_gemm,
+                                                   row_amax)
 from jax_epilog.layers import serving
 from serving_bench import layer_inputs, normal, stacked, xla_fp8_dense
 
@@ -73,9 +74,9 @@ def variants(bf16, fp8, tilings, interpret: bool) -> dict:
                 x8, sx = scaling.quantize(x, scaling.amax(x), "float8_e4m3fn", 0)
                 return few_rows_fp8_gemm(x8, sx, s.data, s.scale, b, activation="gelu",
                                          tiling=tiling, interpret=interpret)
-            return few_rows_fp8_gemm(x, None, s.data, s.scale, b, activation="gelu",
-                                     input_scaling="tensor", tiling=tiling,
-                                     interpret=interpret)
+            return few_rows_fp8_gemm(x, None, s.data, s.scale, b, row_amax=row_amax(x),
+                                     activation="gelu", input_scaling="tensor",
+                                     tiling=tiling, interpret=interpret)
         return layer
 
     out = {

@@ -159,6 +159,7 @@ def check_quantizing(x, stored, bias, **kw):
     static = stored.input_scale is not None
     scaling = None if static else "row" if jnp.ndim(stored.scale) == 1 else "tensor"
     got = few_rows_fp8_gemm(x, stored.input_scale, stored.data, stored.scale, bias,
+                            row_amax=None if static else few_rows_fp8_kernel.row_amax(x),
                             activation="gelu", dtype=x.dtype, input_scaling=scaling, **kw)
     x8, x_scale = serving.quantize_input(x, stored)
     want = few_rows_fp8_gemm(x8, x_scale, stored.data, stored.scale, bias, activation="gelu",
@@ -188,20 +189,38 @@ def test_a_zero_row_quantized_alone_keeps_scale_one():
     check_quantizing(x, stored, bias, tiling=Tiling(32, 32, 4, 2), interpret=True)
 
 
-@pytest.mark.parametrize("x_dtype,x_scale,scaling,message", [
-    (jnp.float8_e4m3fn, None, None, "x_scale: an e4m3 x comes with"),
-    (jnp.float8_e4m3fn, 1.0, "tensor", "x_scale: an e4m3 x comes with"),
-    (jnp.bfloat16, None, None, "x_scale: a 16-bit x is quantized with one static"),
-    (jnp.bfloat16, np.ones(4, np.float32), None, "x_scale: a 16-bit x is quantized"),
-    (jnp.bfloat16, 1.0, "tensor", "input_scaling: expected one of"),
-    (jnp.bfloat16, None, "column", "input_scaling: expected one of"),
-    (jnp.float32, None, "tensor", "x: expected e4m3 or a 16-bit float, got float32")])
-def test_inputs_the_kernel_cannot_take_are_named(x_dtype, x_scale, scaling, message):
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_input_is_quantized_as_xla_quantizes_it(bad, granularity):
+    """A NaN or an infinity in a row: XLA's amax is then NaN or inf, its multiplier 1 (for
+    every row per tensor, for that row per token); the kernel's the same (Triton's max drops
+    NaN, so the kernel reads a NaN amax as inf)."""
+    stored, bias = layer(96, 64, granularity)
+    x = random(6, (5, 96), jnp.bfloat16).at[3, 7].set(bad)
+    check_quantizing(x, stored, bias, tiling=Tiling(32, 32, 4, 2), interpret=True)
+
+
+AMAXES = np.ones(4, np.float32)
+
+
+@pytest.mark.parametrize("x_dtype,x_scale,amaxes,scaling,message", [
+    (jnp.float8_e4m3fn, None, None, None, "x_scale: an e4m3 x comes with"),
+    (jnp.float8_e4m3fn, 1.0, AMAXES, "tensor", "x_scale: an e4m3 x comes with"),
+    (jnp.bfloat16, None, None, None, "x_scale: a 16-bit x is quantized with one static"),
+    (jnp.bfloat16, AMAXES, None, None, "x_scale: a 16-bit x is quantized"),
+    (jnp.bfloat16, 1.0, AMAXES, None, "x_scale: a 16-bit x is quantized"),
+    (jnp.bfloat16, 1.0, AMAXES, "tensor", "input_scaling: expected one of"),
+    (jnp.bfloat16, None, AMAXES, "column", "input_scaling: expected one of"),
+    (jnp.bfloat16, None, None, "row", r"row_amax: expected x's rows' amaxes, shape \(4,\), "
+                                      "got None"),
+    (jnp.bfloat16, None, AMAXES[:3], "row", r"shape \(4,\), got \(3,\)"),
+    (jnp.float32, None, AMAXES, "tensor", "x: expected e4m3 or a 16-bit float, got float32")])
+def test_inputs_the_kernel_cannot_take_are_named(x_dtype, x_scale, amaxes, scaling, message):
     stored, _ = layer(64, 64)
     x = random(3, (4, 64), jnp.bfloat16).astype(x_dtype)
     with pytest.raises(ValueError, match=message):
-        few_rows_fp8_gemm(x, x_scale, stored.data, stored.scale, input_scaling=scaling,
-                          tiling=Tiling(32, 32, 4, 2), interpret=True)
+        few_rows_fp8_gemm(x, x_scale, stored.data, stored.scale, row_amax=amaxes,
+                          input_scaling=scaling, tiling=Tiling(32, 32, 4, 2), interpret=True)
 
 
 @pytest.mark.gpu
@@ -228,19 +247,26 @@ def test_gpu_the_kernel_quantizes_a_16_bit_input_as_xla_does(k, n, scaling, rows
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("granularity", ["tensor", "channel"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_gpu_a_non_finite_input_is_quantized_as_xla_quantizes_it(bad, granularity):
+    stored, bias = layer(1024, 1536, granularity)
+    check_quantizing(random(6, (5, 1024), jnp.bfloat16).at[3, 7].set(bad), stored, bias)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("granularity", ["tensor", "channel"])
 def test_gpu_served_dense_over_few_rows_is_the_kernel(rows, granularity, monkeypatch):
     """`dense` with a stored weight over few rows by the fp8_pallas way: the Pallas call and
-    no other GEMM (no XLA GEMM, no cuBLAS(Lt) call) nor XLA's amax (the kernel takes it),
-    values as the float64 model's."""
+    no other GEMM (no XLA GEMM, no cuBLAS(Lt) call), values as the float64 model's."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", "fp8_pallas")
     stored, bias = layer(1024, 1536, granularity)
     x = random(3, (rows, 1024), jnp.bfloat16)
     fn = jax.jit(lambda x, w, b: jax_epilog.dense(x, w, b, activation="gelu"))
     text = fn.lower(x, stored, bias).compile().as_text()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "jax_epilog_matmul" not in text
-    assert "__triton_gemm" not in text and "cublas" not in text and " reduce(" not in text
+    assert "__triton_gemm" not in text and "cublas" not in text
     assert_served(fn(x, stored, bias), served_model(
         np.asarray(x.astype(jnp.float32)), stored, np.asarray(bias.astype(jnp.float32)),
         "gelu"), jnp.bfloat16)

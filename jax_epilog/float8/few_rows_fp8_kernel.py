@@ -10,11 +10,12 @@ converted. Then the scales (x's one or one per row, the weight's one or one per 
 bias and the activation in float32, and one store in the result dtype.
 
 x comes quantized (e4m3 and its scale), or 16-bit, and then the kernel quantizes it as
-`serving.quantize_input` would, in the same program: with a given static scale (`x / scale`,
-saturated), or from x's amax (`input_scaling`: "tensor", one amax over x; "row", one per
-row), which each program takes in a first pass over x (x is a few rows, read from L2; a
-served layer is then one kernel where XLA's quantization made it five, on the H200's compile:
-two reductions, the scale and the cast before the GEMM).
+`serving.quantize_input` would, tile by tile as it reads it: with a given static scale
+(`x / scale`, saturated), or from x's amax (`input_scaling`: "tensor", one amax over x;
+"row", one per row), which it takes from the rows' amaxes (`row_amax`, one XLA reduction
+over the few rows: a first pass over x in every program would wait on each load in turn).
+A served layer is then two kernels (one with a static scale) where XLA's quantization made
+it five, on the H200's compile: two reductions, the scale and the cast before the GEMM.
 
 The arithmetic is the "xla_fp8" way's (`serving.xla_fp8`, what every other platform runs):
 exact FP8 products summed in float32, then `act(z · x_scale · w_scale + bias)` in float32;
@@ -132,22 +133,19 @@ def _multiplier(x_amax, divide):
 def _kernel(x_ref, x_scale_ref, w_ref, w_scale_ref, *refs, block_m: int, block_n: int,
             block_k: int, activation: Optional[str], per_row: bool, per_channel: bool,
             has_bias: bool, quantize: Optional[str], divide):
-    """`quantize`: None (x is e4m3), "static" (x 16-bit, x_scale its scale) or an
-    `INPUT_SCALINGS` (x 16-bit, its scale from its amax here); `divide`: float32 division
+    """`quantize`: None (x is e4m3), "static" (x 16-bit, x_scale_ref its scale) or an
+    `INPUT_SCALINGS` (x 16-bit, x_scale_ref its rows' amaxes); `divide`: float32 division
     rounded to nearest."""
     from jax.experimental import pallas as pl
     bias_ref, out_ref = (refs[0], refs[1]) if has_bias else (None, refs[0])
     rows, k = x_ref.shape
     channels = pl.ds(pl.multiple_of(pl.program_id(0) * block_n, block_n), block_n)
     row = jnp.minimum(jnp.arange(block_m), rows - 1)  # past x's rows, its last again
-    k_block = lambda i: pl.ds(pl.multiple_of(i * block_k, block_k), block_k)  # noqa: E731
 
     if quantize in INPUT_SCALINGS:
-        def largest(i, found):
-            return jnp.maximum(found, jnp.max(jnp.abs(x_ref[row, k_block(i)].astype(
-                jnp.float32)), axis=1))
-
-        x_amax = jax.lax.fori_loop(0, k // block_k, largest, jnp.zeros((block_m,), jnp.float32))
+        x_amax = x_scale_ref[row]  # the rows' amaxes
+        # NaN as +inf (both give multiplier 1): Triton's max drops NaN, XLA's keeps it
+        x_amax = jnp.where(x_amax == x_amax, x_amax, jnp.inf)
         if quantize == "tensor":
             x_amax = jnp.broadcast_to(jnp.max(x_amax), (block_m,))
         q = _multiplier(x_amax, divide)
@@ -163,7 +161,7 @@ def _kernel(x_ref, x_scale_ref, w_ref, w_scale_ref, *refs, block_m: int, block_n
         cast = None
 
     def step(i, acc):
-        ks = k_block(i)
+        ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
         x8 = x_ref[row, ks]
         if cast is not None:  # saturate, then round to e4m3 (`saturating_cast`)
             x8 = jnp.clip(cast(x8), -INPUT_LARGEST, INPUT_LARGEST).astype(INPUT_FORMAT)
@@ -180,9 +178,15 @@ def _kernel(x_ref, x_scale_ref, w_ref, w_scale_ref, *refs, block_m: int, block_n
     out_ref[row, channels] = z.astype(out_ref.dtype)
 
 
+def row_amax(x):
+    """max |x| of each row of x `(rows, K)`, float32 `(rows,)`: what `few_rows_fp8_gemm`
+    quantizes a 16-bit x from (`input_scaling`)."""
+    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)
+
+
 @functools.partial(jax.jit, static_argnames=("activation", "dtype", "input_scaling", "tiling",
                                              "interpret"))
-def few_rows_fp8_gemm(x, x_scale, data, w_scale, bias=None, *,
+def few_rows_fp8_gemm(x, x_scale, data, w_scale, bias=None, *, row_amax=None,
                       activation: Optional[str] = None, dtype=jnp.bfloat16,
                       input_scaling: Optional[str] = None, tiling: Optional[Tiling] = None,
                       interpret: bool = False):
@@ -191,8 +195,9 @@ def few_rows_fp8_gemm(x, x_scale, data, w_scale, bias=None, *,
 
     - e4m3 (x8 itself), `x_scale` float32 `()` or `(rows,)` its dequantization scale;
     - 16-bit with `x_scale` a float32 `()` static scale: x8 = x / x_scale, saturated;
-    - 16-bit with `input_scaling` "tensor" or "row" (`x_scale` None): x8 = x · q saturated, q
-      = `scaling.multiplier` of x's amax (of each row's, for "row"), x_scale = 1 / q.
+    - 16-bit with `input_scaling` "tensor" or "row", `x_scale` None and `row_amax` the rows'
+      amaxes (`row_amax(x)`): x8 = x · q saturated, q = `scaling.multiplier` of x's amax (of
+      each row's, for "row"), x_scale = 1 / q.
 
     `fits` must hold for (rows, K, N, dtype). `tiling`: as given (its blocks must divide K and
     N), else `default_tiling`."""
@@ -203,9 +208,9 @@ def few_rows_fp8_gemm(x, x_scale, data, w_scale, bias=None, *,
     cut = tiling or default_tiling(rows, k, n)
     if n % cut.block_n or k % cut.block_k:
         raise ValueError(f"tiling: {cut} does not divide K {k} and N {n}")
-    quantize = _quantize_mode(x, x_scale, input_scaling)
+    quantize = _quantize_mode(x, x_scale, row_amax, input_scaling)
     if quantize in INPUT_SCALINGS:
-        x_scale = jnp.ones((), jnp.float32)  # unread: a placeholder operand
+        x_scale = row_amax  # the kernel's second operand: the rows' amaxes
     per_row, per_channel = jnp.ndim(x_scale) == 1, jnp.ndim(w_scale) == 1
     flat = lambda s, vector: jnp.reshape(s.astype(jnp.float32), (-1,) if vector else (1,))  # noqa: E731
     operands = [x, flat(x_scale, per_row), data, flat(w_scale, per_channel)]
@@ -225,21 +230,26 @@ def few_rows_fp8_gemm(x, x_scale, data, w_scale, bias=None, *,
         interpret=interpret, name="few_rows_fp8_gemm", compiler_params=params)(*operands)
 
 
-def _quantize_mode(x, x_scale, input_scaling: Optional[str]) -> Optional[str]:
+def _quantize_mode(x, x_scale, amaxes, input_scaling: Optional[str]) -> Optional[str]:
     """`_kernel`'s `quantize` for these arguments, or a ValueError naming the one at fault."""
+    rows = x.shape[0]
     if jnp.dtype(x.dtype) == INPUT_FORMAT:
-        if input_scaling is not None or x_scale is None:
+        if input_scaling is not None or amaxes is not None or x_scale is None:
             raise ValueError("x_scale: an e4m3 x comes with its float32 dequantization scale "
-                             "(input_scaling quantizes a 16-bit x)")
+                             "(input_scaling and row_amax quantize a 16-bit x)")
         return None
     if jnp.dtype(x.dtype) not in (jnp.bfloat16, jnp.float16):
         raise ValueError(f"x: expected e4m3 or a 16-bit float, got {jnp.dtype(x.dtype)}")
     if input_scaling is None:
-        if x_scale is None or jnp.ndim(x_scale) != 0:
+        if x_scale is None or jnp.ndim(x_scale) != 0 or amaxes is not None:
             raise ValueError("x_scale: a 16-bit x is quantized with one static float32 scale, "
-                             f"or from its amax (input_scaling={INPUT_SCALINGS})")
+                             f"or from its rows' amaxes (input_scaling={INPUT_SCALINGS}, "
+                             "row_amax)")
         return "static"
     if input_scaling not in INPUT_SCALINGS or x_scale is not None:
         raise ValueError(f"input_scaling: expected one of {INPUT_SCALINGS} with x_scale None, "
                          f"got {input_scaling!r}")
+    if amaxes is None or jnp.shape(amaxes) != (rows,):
+        raise ValueError(f"row_amax: expected x's rows' amaxes, shape ({rows},), got "
+                         f"{None if amaxes is None else jnp.shape(amaxes)}")
     return input_scaling

@@ -161,9 +161,10 @@ def xla_fp8(h8, input_scale, weight: Fp8Weight, bias, activation: Optional[str],
 def fp8_pallas(h, weight: Fp8Weight, bias, activation: Optional[str], dtype):
     """`act(h @ weight + bias)` over few rows of a 16-bit `h`: on CUDA, where the shape fits
     it, one Pallas kernel (`few_rows_fp8_kernel`) that quantizes h as `quantize_input` does
-    (static scale, or the amax of h or of each row), multiplies it by the stored weight and
-    applies scale, bias and activation before rounding once. Elsewhere `quantize_input`, then
-    `xla_fp8`: the same FP8 operands, the product rounded once more."""
+    (static scale, or the amax of h or of each row, from h's row amaxes: one XLA reduction),
+    multiplies it by the stored weight and applies scale, bias and activation before
+    rounding once. Elsewhere `quantize_input`, then `xla_fp8`: the same FP8 operands, the
+    product rounded once more."""
     rows, k = h.shape
     if not few_rows_fp8_kernel.fits(rows, k, weight.data.shape[0], dtype):
         return xla_fp8(*quantize_input(h, weight), weight, bias, activation, dtype)
@@ -181,9 +182,10 @@ def fp8_pallas(h, weight: Fp8Weight, bias, activation: Optional[str], dtype):
     def kernel(*args):
         h, w, b = split(args)
         scaling = None if static else "row" if per_channel(w) else "tensor"
+        amaxes = None if static else few_rows_fp8_kernel.row_amax(h)
         return few_rows_fp8_kernel.few_rows_fp8_gemm(
-            h, w.input_scale, w.data, w.scale, b, activation=activation, dtype=dtype,
-            input_scaling=scaling)
+            h, w.input_scale, w.data, w.scale, b, row_amax=amaxes, activation=activation,
+            dtype=dtype, input_scaling=scaling)
 
     def xla(*args):
         h, w, b = split(args)
