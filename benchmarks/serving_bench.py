@@ -3,7 +3,8 @@
 Two parts, each a ratio measured in one process against XLA's bf16 (`xla_bf16`):
 
 1. **One GEMM**, `gelu(x @ w + b)` (tanh GELU) at K x N = 4096 x 14336 (a Llama FFN
-   up-projection) and 8192 x 8192, for M (the rows: tokens of a batch) from 1 to 8192:
+   up-projection) and 8192 x 8192 (and, with `--shapes`, 14336 x 4096: the down
+   projection), for M (the rows: tokens of a batch) from 1 to 8192:
    - xla_bf16: `jax.nn.gelu(x @ w + b)` under `jax.jit`, bf16 weights;
    - ours_bf16: `jax_epilog.dense(x, w, b, activation="gelu")`, bf16 weights (the decode
      shapes' "never slower" check);
@@ -69,7 +70,11 @@ import jax_epilog.linen
 from jax_epilog.float8 import scaling
 from jax_epilog.float8.weights import Fp8Weight
 
-GEMM_SHAPES = {"K4096xN14336": (4096, 14336), "K8192xN8192": (8192, 8192)}
+#: K x N: a Llama-8B FFN's up (and gate) and down projections, and a square one; the down
+#: projection (the MLP block's second GEMM) only where `--shapes` asks.
+GEMM_SHAPES = {"K4096xN14336": (4096, 14336), "K8192xN8192": (8192, 8192),
+               "K14336xN4096": (14336, 4096)}
+DEFAULT_SHAPES = ("K4096xN14336", "K8192xN8192")
 GEMM_ROWS = (1, 16, 64, 256, 1024, 2048, 8192)
 BLOCK = (4096, 14336)
 BLOCK_ROWS = (16, 64, 256, 2048, 8192)
@@ -350,12 +355,13 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--block-rows", type=rows, help="the block's rows "
                         f"(default {','.join(map(str, BLOCK_ROWS))})")
     parser.add_argument("--shapes", type=lambda text: text.split(","),
-                        help=f"the GEMM's shapes (default {','.join(GEMM_SHAPES)})")
+                        help=f"the GEMM's shapes, of {','.join(GEMM_SHAPES)} (default "
+                             f"{','.join(DEFAULT_SHAPES)})")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.shapes or ()) - set(GEMM_SHAPES))
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; choose from {sorted(GEMM_SHAPES)}")
-    shapes = {name: GEMM_SHAPES[name] for name in args.shapes or GEMM_SHAPES}
+    shapes = {name: GEMM_SHAPES[name] for name in args.shapes or DEFAULT_SHAPES}
     grid = SMOKE if args.smoke else dict(shapes=shapes, rows=args.rows or GEMM_ROWS,
                                          block=BLOCK, block_rows=args.block_rows or BLOCK_ROWS,
                                          layers=LAYERS)
