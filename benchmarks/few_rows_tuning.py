@@ -10,7 +10,7 @@ its own weight and input, as a decode step runs a model; serving_bench.py's `sta
 - fp8k b{block_n}k{block_k}w{warps}s{stages}: `few_rows_fp8_kernel.few_rows_fp8_gemm`, both
   operands FP8, x quantized per tensor by the kernel itself from its rows' amaxes (one XLA
   reduction; as the served layers run it), with that tiling; `fp8k_default` the tiling it
-  picks by itself (`default_tiling`); `fp8k_default_xla_quantized` the same with x quantized
+  picks by itself (`default_tiling`); `fp8k_default_xla_quantized` the kernel with x quantized
   by XLA before it (as xla_fp8's is: three more kernels a layer).
 
 At the first of `--rows` every tiling of the grid runs; at the other rows the three fastest
@@ -37,8 +37,8 @@ import numpy as np
 import timing  # benchmarks/timing.py
 import jax_epilog
 from jax_epilog.float8 import scaling
-from jax_epilog.float8.few_rows_fp8_kernel import (Tiling, default_tiling, few_rows_fp8_gemm,
-                                                   row_amax)
+from jax_epilog.float8.few_rows_fp8_kernel import (SHARED_MEMORY, Tiling, default_tiling,
+                                                   few_rows_fp8_gemm, row_amax, stage_bytes)
 from jax_epilog.layers import serving
 from serving_bench import layer_inputs, normal, stacked, xla_fp8_dense
 
@@ -66,7 +66,7 @@ def layers(k: int, n: int, count: int):
     return [(w, b) for w in ws], [(s, b) for s in stored]
 
 
-def variants(bf16, fp8, tilings, interpret: bool) -> dict:
+def variants(bf16, fp8, tilings, rows: int, interpret: bool) -> dict:
     """name: (jitted fn of (x, layers), layers)."""
     def kernel(tiling, quantized_by_xla: bool = False):
         def layer(x, s, b):
@@ -89,8 +89,14 @@ def variants(bf16, fp8, tilings, interpret: bool) -> dict:
     }
     n, k = fp8[0][0].data.shape
     out.update({name(t): (stacked(kernel(t)), fp8) for t in tilings
-                if n % t.block_n == 0 and k % t.block_k == 0})
+                if n % t.block_n == 0 and k % t.block_k == 0 and fits_shared_memory(t, rows)})
     return out
+
+
+def fits_shared_memory(t: Tiling, rows: int) -> bool:
+    """Whether the tiling's stages fit a program's shared memory with a 16-bit x (5 stages of
+    64 rows did not, and the launch failure ended the run of 2026-12-05 10:16)."""
+    return t.num_stages * stage_bytes(rows, t.block_n, t.block_k, 2) <= SHARED_MEMORY
 
 
 def measure(fns: dict, rows: int, k: int, weight_bytes: int, count: int,
@@ -151,10 +157,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
         bf16, fp8 = layers(k, n, grid["layers"])
         tilings = grid["grid"]
         for i, rows in enumerate(grid["rows"]):
-            fns = variants(bf16, fp8, tilings, interpret)
+            fns = variants(bf16, fp8, tilings, rows, interpret)
             row = measure(fns, rows, k, n * k, grid["layers"], args.rounds)
             report["rows"].append({"shape": shape, "M": rows, "variants": row,
-                                   "default_tiling": name(default_tiling(rows, k, n))})
+                                   "default_tiling": name(default_tiling(rows, k, n, 2))})
             print(shape, rows, {v: round(r["careful_ratio"], 2) for v, r in row.items()},
                   flush=True)
             if i == 0:  # the other rows time the fastest few

@@ -87,16 +87,20 @@ def test_kernel_shapes_biases_and_result_types(k, n, dtype, bias):
                                atol=2 ** -7 * np.max(np.abs(f32(want))))
 
 
+@pytest.mark.parametrize("x_itemsize", [1, 2])
 @pytest.mark.parametrize("rows", [1, 16, 64])
 @pytest.mark.parametrize("k,n", [(4096, 14336), (14336, 4096), (4096, 4096), (8192, 8192),
                                  (96, 160), (1056, 224)])
-def test_the_default_tiling_divides_the_shape_and_fits_shared_memory(k, n, rows):
-    t = default_tiling(rows, k, n)
+def test_the_default_tiling_divides_the_shape_and_fits_shared_memory(k, n, rows, x_itemsize):
+    """For an e4m3 x and for a 16-bit x (twice the input tile's bytes)."""
+    t = default_tiling(rows, k, n, x_itemsize)
     assert n % t.block_n == 0 and k % t.block_k == 0
     assert (n // t.block_n >= few_rows_fp8_kernel.MIN_PROGRAMS
             or t.block_n == few_rows_fp8_kernel.MIN_BLOCK)
-    tiles = t.num_stages * (t.block_n + few_rows_fp8_kernel.padded_rows(rows)) * t.block_k
+    padded = few_rows_fp8_kernel.padded_rows(rows)
+    tiles = t.num_stages * (t.block_n + x_itemsize * padded) * t.block_k
     assert tiles <= few_rows_fp8_kernel.STAGE_BYTES or t.num_stages == 2
+    assert tiles <= few_rows_fp8_kernel.SHARED_MEMORY
 
 
 def test_the_measured_tiling_at_decode_sizes():
@@ -104,6 +108,9 @@ def test_the_measured_tiling_at_decode_sizes():
     assert default_tiling(16, 4096, 14336) == Tiling(128, 256, 4, 5)
     assert default_tiling(64, 4096, 14336) == Tiling(128, 256, 4, 3)
     assert default_tiling(16, 14336, 4096).block_n == 32  # 128 programs, not 32
+    # A 16-bit x's tiles take twice the bytes: fewer stages
+    assert default_tiling(16, 4096, 14336, 2) == Tiling(128, 256, 4, 4)
+    assert default_tiling(64, 4096, 14336, 2) == Tiling(128, 256, 4, 2)
 
 
 def test_the_serving_plan_sends_the_kernel_no_more_rows_than_it_takes():

@@ -69,9 +69,10 @@ NUM_STAGES = 5
 #: Programs `default_tiling` keeps at least (narrower blocks where N is small): 132 SMs on
 #: the H200.
 MIN_PROGRAMS = 100
-#: Shared memory `default_tiling` gives the pipeline's tiles at most: 227 KiB per program
-#: on Hopper, with room for the epilogue's transpose. (5 stages of 128 x 256 weight and
-#: 64 x 256 input tiles, 240 KiB, failed to launch on the H200.)
+#: Shared memory a program may have on Hopper, and what `default_tiling` gives the
+#: pipeline's tiles at most, with room for the epilogue's transpose. (5 stages of 128 x 256
+#: weight and 64 x 256 e4m3 input tiles, 240 KiB, failed to launch on the H200.)
+SHARED_MEMORY = 227 * 1024
 STAGE_BYTES = 180 * 1024
 
 
@@ -95,7 +96,14 @@ def padded_rows(rows: int) -> int:
     return max(MIN_ROWS, 1 << (rows - 1).bit_length())
 
 
-def default_tiling(rows: int, k: int, n: int) -> Tiling:
+def stage_bytes(rows: int, block_n: int, block_k: int, x_itemsize: int) -> int:
+    """The bytes of one pipeline stage's tiles: the weight's `block_n` x `block_k` (e4m3) and
+    the input's `padded_rows` x `block_k` (`x_itemsize` bytes each: 1 for e4m3, 2 for a
+    16-bit x the kernel quantizes)."""
+    return (block_n + x_itemsize * padded_rows(rows)) * block_k
+
+
+def default_tiling(rows: int, k: int, n: int, x_itemsize: int = 1) -> Tiling:
     """The measured tiling fitted to the shape: blocks that divide K and N, `block_n` halved
     (not below `MIN_BLOCK`) while there are fewer than `MIN_PROGRAMS` programs, and no more
     stages than fit `STAGE_BYTES`."""
@@ -103,7 +111,7 @@ def default_tiling(rows: int, k: int, n: int) -> Tiling:
     while block_n > MIN_BLOCK and n // block_n < MIN_PROGRAMS:
         block_n //= 2
     block_k = _largest_divisor(BLOCK_K, k)
-    stages = min(NUM_STAGES, STAGE_BYTES // ((block_n + padded_rows(rows)) * block_k))
+    stages = min(NUM_STAGES, STAGE_BYTES // stage_bytes(rows, block_n, block_k, x_itemsize))
     return Tiling(block_n, block_k, NUM_WARPS, max(2, stages))
 
 
@@ -205,7 +213,7 @@ def few_rows_fp8_gemm(x, x_scale, data, w_scale, bias=None, *, row_amax=None,
 
     rows, k = x.shape
     n = data.shape[0]
-    cut = tiling or default_tiling(rows, k, n)
+    cut = tiling or default_tiling(rows, k, n, jnp.dtype(x.dtype).itemsize)
     if n % cut.block_n or k % cut.block_k:
         raise ValueError(f"tiling: {cut} does not divide K {k} and N {n}")
     quantize = _quantize_mode(x, x_scale, row_amax, input_scaling)
