@@ -32,6 +32,7 @@ from typing import NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from jax_epilog.float8.weights import INPUT_FORMAT
 from jax_epilog.op.epilogs import ACTIVATIONS
 
 #: The most rows the kernel takes: each program keeps all of them in its accumulator.
@@ -40,9 +41,7 @@ MAX_ROWS = 64
 MIN_BLOCK = 32
 #: The fewest rows a program computes (Triton's dot needs 16 along every side).
 MIN_ROWS = 16
-#: The format a 16-bit x is quantized to (the served layers' `serving.INPUT_FORMAT`), and its
-#: largest finite value.
-INPUT_FORMAT = jnp.float8_e4m3fn
+#: The largest finite value of the format a 16-bit x is quantized to (`weights.INPUT_FORMAT`).
 INPUT_LARGEST = float(jnp.finfo(INPUT_FORMAT).max)
 
 

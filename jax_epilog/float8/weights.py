@@ -40,6 +40,10 @@ GRANULARITIES = ("tensor", "channel")
 #: kernels together or not at all, since the block serves them only together.
 SWIGLU_PARTS = ("gate", "up", "down")
 
+#: The format a stored weight's input is quantized to (by the served layers, or inside the
+#: few-row kernel): e4m3, the forward operands' format in training too.
+INPUT_FORMAT = "float8_e4m3fn"
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -26,15 +26,13 @@ import jax.numpy as jnp
 
 from jax_epilog.float8 import few_rows_fp8_kernel, scaling
 from jax_epilog.float8.blocks import quantize_rows
-from jax_epilog.float8.weights import Fp8Weight, check_weight
+from jax_epilog.float8.weights import INPUT_FORMAT, Fp8Weight, check_weight
 from jax_epilog.op.block_scales import BlockScales
 from jax_epilog.op.epilogs import ACTIVATIONS, Epilog, aux_dtype
 from jax_epilog.op.matmul import matmul
 from jax_epilog.op.reference import saturating_cast
 from jax_epilog.planning.serving_plan import WEIGHT_ONLY_MIN_ROWS, serving_way
 
-#: The activations' FP8 format: e4m3, the forward operands' format in training too.
-INPUT_FORMAT = "float8_e4m3fn"
 
 #: The stored-FP8 GEMMs use cuBLASLt's fast accumulation, as the training recipe's forward
 #: GEMMs do (`Fp8()`'s default) and TransformerEngine's forward does.

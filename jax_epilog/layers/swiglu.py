@@ -247,17 +247,16 @@ def _served_block(hidden: int, dtype, x, gate_up: tuple, down: Fp8Weight):
     for weight in gate_up:
         serving.record_input(x, weight)
     way = serving_way(x.shape[0]).choice
-    if way == "weight_only":
-        gu = jnp.concatenate([serving.weight_only(x, w, None, None) for w in gate_up], axis=1)
+    if way in ("weight_only", "fp8_pallas"):  # each GEMM takes the 16-bit input as it is
+        def layer(h, w):
+            if way == "weight_only":
+                return serving.weight_only(h, w, None, None)
+            return serving.fp8_pallas(h, w, None, None, dtype)  # quantizes h itself
+
+        gu = jnp.concatenate([layer(x, w) for w in gate_up], axis=1)
         h = _hidden(gu, hidden).astype(dtype)
         serving.record_input(h, down)
-        return serving.weight_only(h, down, None, None)
-    if way == "fp8_pallas":  # each kernel quantizes its 16-bit input itself
-        gu = jnp.concatenate([serving.fp8_pallas(x, w, None, None, dtype) for w in gate_up],
-                             axis=1)
-        h = _hidden(gu, hidden).astype(dtype)
-        serving.record_input(h, down)
-        return serving.fp8_pallas(h, down, None, None, dtype)
+        return layer(h, down)
     gemm = functools.partial(_quantized_gemm, way, dtype=dtype)
     x8, x_scale = serving.quantize_input(x, gate_up[0])
     gu = jnp.concatenate([gemm(x8, x_scale, w) for w in gate_up], axis=1)
