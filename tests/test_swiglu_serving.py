@@ -53,7 +53,7 @@ def served_block(way, x, gate_up, down, dtype):
     f = gu.shape[1] // 2
     g, u = gu[:, :f], gu[:, f:]
     h = g / (1 + np.exp(-g)) * u
-    if way == "weight_only":  # h enters the down GEMM in the compute dtype
+    if way in ("weight_only", "fp8_pallas"):  # h enters the down GEMM in the compute dtype
         h = rounded(h)
     return layer(h, down, None, None), np.max(np.abs(h))
 
@@ -240,7 +240,8 @@ def test_served_block_runs_the_kernels_on_a_gpu(granularity, rows, monkeypatch):
 @pytest.mark.parametrize("rows,way", [(1, "fp8_pallas"), (16, "fp8_pallas"),
                                       (17, "weight_only"), (64, "xla_fp8")])
 def test_served_block_over_few_rows_runs_no_cublaslt_call_on_a_gpu(rows, way, monkeypatch):
-    """Each way of few rows (the Pallas kernel by default, XLA's GEMMs when asked for)."""
+    """Each way of few rows, asked for by JAX_EPILOG_SERVING (the Pallas kernel, XLA's GEMMs):
+    no cuBLASLt call, values as the model's."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", way)
     stored = [quantize_weight(w) for w in make_block(1, 1024, 1536, 1024)]
     x = random(3, (rows, 1024), jnp.bfloat16)
