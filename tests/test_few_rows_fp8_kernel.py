@@ -9,6 +9,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -159,16 +160,40 @@ def with_input_scale(stored, x):
     return dataclasses.replace(stored, input_scale=jnp.float32(amax / 448.0))
 
 
+def ieee_quantize(x, stored):
+    """`serving.quantize_input(x, stored)` in numpy: every division correctly rounded to
+    float32, as the kernel divides on a GPU (`div.rn.f32`). XLA's own divisions are not always
+    (a vectorised loop on the CPU gave 336.0 for 2.90625 / 0.008649553, whose float32 is
+    336.00003, so the tie at 336 went to 320 where the kernel rounds to 352; on the H200, at
+    64 x 1024, 15 of 64 row scales were an ulp off and 16 of 65536 e4m3 values a step off)."""
+    largest = np.float32(few_rows_fp8_kernel.INPUT_LARGEST)
+    h = np.asarray(x, np.float32)
+    if stored.input_scale is not None:
+        scale = np.float32(stored.input_scale)
+        values = h / scale
+    else:
+        amax = np.max(np.abs(h), axis=1, keepdims=True)  # NaN propagates, as XLA's max
+        if jnp.ndim(stored.scale) == 0:
+            amax = np.full_like(amax, np.max(amax))
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            q = largest / amax
+        q = np.where((amax > 0) & np.isfinite(amax) & np.isfinite(q), q, np.float32(1))
+        values, scale = h * q, np.float32(1) / q
+        scale = scale[:, 0] if jnp.ndim(stored.scale) == 1 else scale[0, 0]
+    x8 = np.clip(values, -largest, largest).astype(ml_dtypes.float8_e4m3fn)  # keeps NaN
+    return jnp.asarray(x8), jnp.asarray(scale, jnp.float32)
+
+
 def check_quantizing(x, stored, bias, **kw):
     """The kernel quantizing 16-bit x itself (as `serving.fp8_pallas` calls it) against the
-    kernel on x quantized by XLA (`serving.quantize_input`): the same e4m3 operands and
-    scales, so the same bits."""
+    kernel on x quantized as `serving.quantize_input` quantizes it with correctly rounded
+    divisions (`ieee_quantize`): the same e4m3 operands and scales, so the same bits."""
     static = stored.input_scale is not None
     scaling = None if static else "row" if jnp.ndim(stored.scale) == 1 else "tensor"
     got = few_rows_fp8_gemm(x, stored.input_scale, stored.data, stored.scale, bias,
                             row_amax=None if static else few_rows_fp8_kernel.row_amax(x),
                             activation="gelu", dtype=x.dtype, input_scaling=scaling, **kw)
-    x8, x_scale = serving.quantize_input(x, stored)
+    x8, x_scale = jax.device_put(ieee_quantize(x, stored), next(iter(x.devices())))
     want = few_rows_fp8_gemm(x8, x_scale, stored.data, stored.scale, bias, activation="gelu",
                              dtype=x.dtype, **kw)
     assert got.dtype == x.dtype and got.shape == want.shape

@@ -8,6 +8,7 @@ fallback warning and the TypeError under `jax.grad`.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
 import pytest
 
 import fp8_reference
@@ -381,8 +383,11 @@ def test_no_fp8_kernel_takes_the_reference_with_a_warning(monkeypatch):
     with pytest.warns(RuntimeWarning, match="runs no FP8 kernel for epilog BGRADB.*reference"):
         text = _lower_for_cuda(monkeypatch, fp8_library=True, supported=False)
     assert "@jax_epilog_matmul" not in text
-    # ... and the reference is XLA's FP8 dot on widened operands, not a bf16 dot.
-    assert "f8E4M3FN" in text
+    # ... and its product is XLA's FP8 dot to float32 (which XLA runs as cuBLASLt's FP8 GEMM),
+    # not a float32 GEMM on widened operands nor a bf16 dot.
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert dots and all(re.search(r"\(tensor<[^>]*f8E4M3FN>, tensor<[^>]*f8E\w+>\) -> "
+                                  r"tensor<[^>]*xf32>", line) for line in dots), dots
 
 
 def test_a_library_without_fp8_takes_the_reference_with_a_warning(monkeypatch):

@@ -192,6 +192,46 @@ def test_cuda_lowering_calls_the_block_target_with_row_scales(monkeypatch):
     assert "1x129xf32" in call and "1x112xf32" in call, call
 
 
+def test_cuda_fallback_is_xla_s_fp8_dot_with_the_row_scales_after(monkeypatch):
+    """Where cuBLASLt has no kernel, CUDA runs the reference with XLA's FP8 dot to float32
+    and the row scales applied after it (dequantized operands would make it a float32 GEMM,
+    0.06x XLA's bf16 GEMM at 256 x 14336 x 4096 on the H200), with the warning."""
+    from jax_epilog.op import lowering
+    monkeypatch.setattr(lowering.cuda_library, "available", lambda: True)
+    monkeypatch.setattr(lowering.cuda_library, "query_support",
+                        lambda *a, **k: (False, "CUBLAS_STATUS_NOT_SUPPORTED (test)"))
+    a, b, sa, sb = make(np.random.default_rng(0), 129, 100, 40, False, True)
+    f = jax.jit(lambda a, b, sa, sb: _call(a, b, sa, sb, False, True, "gelu_bias",
+                                           jnp.ones(100, jnp.bfloat16), backend="cublaslt"))
+    with pytest.warns(RuntimeWarning, match="runs no FP8 kernel for epilog GELU_BIAS"):
+        text = f.trace(a, b, sa, sb).lower(lowering_platforms=("cuda",)).as_text()
+    assert "@jax_epilog_matmul" not in text
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 1 and "xf8E4M3FN>, tensor<100x40xf8E4M3FN>) -> tensor<1x129x100xf32>" \
+        in dots[0], dots
+
+
+@pytest.mark.parametrize("shape", [(1, 33, 40), (129, 100, 40), (127, 130, 300)], ids=str)
+@pytest.mark.parametrize("epilog", ["default", "gelu_bias"])
+def test_the_fallback_s_fp8_dot_matches_the_model(shape, epilog):
+    """The fallback's product (`fp8_dot`: XLA's FP8 dot, the row scales after) against the
+    float64 model, as tight as the exact reference, in every layout."""
+    from jax_epilog.op import reference
+    from jax_epilog.op.epilogs import Epilog
+    rng = np.random.default_rng(sum(shape) + 1)
+    m, n, k = shape
+    for ta, tb in LAYOUTS:
+        a, b, sa, sb = make(rng, m, n, k, ta, tb)
+        bias = jnp.asarray(rng.standard_normal(n), jnp.bfloat16) if "bias" in epilog else None
+        inputs = [] if bias is None else [bias[None]]
+        y, = jax.jit(lambda a, b, *rest: reference.epilog_matmul(
+            a[None], b[None], *rest, epilog=int(getattr(Epilog, epilog.upper())),
+            transpose_a=ta, transpose_b=tb, result_dtype="bfloat16",
+            block_scaling=("row", "row"), fp8_dot=True))(a, b, *inputs, sa.values, sb.values)
+        r, size = model(a, b, sa, sb, ta, tb, epilog, bias)
+        check(y[0], r, size, jnp.bfloat16, slack=2.0**-20)
+
+
 # --- the GPU --------------------------------------------------------------------------------
 
 GPU_SHAPES = [(256, 256, 512), (129, 384, 256), (1, 128, 128), (127, 130, 100)]

@@ -182,12 +182,12 @@ def test_quantize_params_is_idempotent_and_refuses_fp8_kernels():
 
 # --- the served layers ------------------------------------------------------------------
 
-@pytest.mark.parametrize("rows,way", [(1, "weight_only"), (16, "weight_only"),
-                                      (17, "xla_fp8"), (64, "xla_fp8"), (65, "fp8")])
+@pytest.mark.parametrize("rows,way", [(1, "weight_only"), (17, "weight_only"),
+                                      (64, "weight_only"), (65, "fp8")])
 def test_served_layers_choose_their_way_by_the_rows(rows, way, monkeypatch):
-    """Up to 16 rows weight-only, up to 64 XLA's FP8 dot, then our FP8 GEMM (the Pallas
-    kernel only where asked for, `serving_plan.FP8_PALLAS_MAX_ROWS`): each way's values, and
-    the call holding that way's GEMM."""
+    """Up to 64 rows weight-only, then our FP8 GEMM (the Pallas kernel and XLA's FP8 dot only
+    where asked for, `serving_plan`): each way's values, and the call holding that way's
+    GEMM."""
     monkeypatch.setenv("JAX_EPILOG_SERVING", "auto")
     kernel = quantize_weight(random(1, (136, 72), scale=0.2))
     bias = random(2, (72,), jnp.float32)

@@ -9,7 +9,9 @@ elsewhere. On CUDA one plan (`call_plan.plan_call`) decides, at lowering time, a
   tables as the faster way for this problem on this GPU): the reference in XLA's way
   (`exact=False`), so XLA runs its own GEMM and fusions;
 - CUDA, a problem cuBLASLt has no kernel for in any layout (it says so when asked): the
-  reference, exact (for FP8 operands with a `RuntimeWarning`: SPEC §5);
+  reference, exact (for FP8 operands with a `RuntimeWarning`: SPEC §5), its FP8 product by
+  XLA's FP8 dot at HIGHEST precision to float32 (`fp8_dot`: exact products summed in float32
+  as cuBLASLt sums them, where widened operands would make it a float32 GEMM, 14x slower);
 - otherwise the XLA FFI custom call (`runtime.targets`: `jax_epilog_matmul`, or
   `jax_epilog_matmul_c` for a call with a C matrix, SPEC §6), on XLA's stream, with
   cuBLASLt's workspace as an extra result buffer that XLA allocates (so the handler never
@@ -39,17 +41,18 @@ from jax_epilog.runtime import library as cuda_library
 from jax_epilog.runtime import settings, targets
 
 
-def lower_reference(ctx, *args, exact: bool = True, **params):
+def lower_reference(ctx, *args, exact: bool = True, fp8_dot: bool = False, **params):
     # `fast_accumulation`: the exact reference computes the float32 formula whatever the call
     # asks; XLA's way (not `exact`) asks XLA's FP8 dot for it (DEFAULT precision, which XLA
-    # runs with fast accumulation; HIGHEST otherwise).
+    # runs with fast accumulation; HIGHEST otherwise). `fp8_dot`: `reference.epilog_matmul`'s.
     params = Params(**params)
     fn = functools.partial(reference.epilog_matmul, epilog=params.epilog,
                            transpose_a=params.transpose_a, transpose_b=params.transpose_b,
                            allow_tf32=params.allow_tf32, exact=exact,
                            fast_accumulation=params.fast_accumulation,
                            result_dtype=params.result_dtype, result_amax=params.result_amax,
-                           has_c=params.has_c, block_scaling=params.block_scaling)
+                           has_c=params.has_c, block_scaling=params.block_scaling,
+                           fp8_dot=fp8_dot)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
 
@@ -67,7 +70,8 @@ def _warn_fp8_reference(avals_in, params: Params, why: str) -> None:
         f"{' and result_amax' if params.result_amax else ''}"
         f"{' with fast_accumulation' if params.fast_accumulation else ''}"
         f" ({_sizes(avals_in, params)}): "
-        f"{why}; this call runs the plain-XLA reference instead (same results, slower)",
+        f"{why}; this call runs the plain-XLA reference instead (XLA's FP8 GEMM and the epilog in "
+        "fusions: the same results, slower than a fused kernel)",
         RuntimeWarning, stacklevel=2)
 
 
@@ -175,7 +179,8 @@ def lower_cuda(ctx, *args, **params):
     elif plan.warning == "fp8-reference":
         _warn_fp8_reference(ctx.avals_in, params, plan.why)
     if plan.way in ("reference", "xla"):
-        return lower_reference(ctx, *args, exact=plan.way == "reference", **params._asdict())
+        return lower_reference(ctx, *args, exact=plan.way == "reference", fp8_dot=True,
+                               **params._asdict())
     inner = params._replace(transpose_a=plan.layout[0], transpose_b=plan.layout[1])
     fn = around_kernel(_custom_call(inner), params, plan.layout, plan.padded)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
