@@ -9,8 +9,7 @@ Two parts, each a ratio measured in one process against XLA's bf16 (`xla_bf16`):
    - ours_bf16: `jax_epilog.dense(x, w, b, activation="gelu")`, bf16 weights (the decode
      shapes' "never slower" check);
    - ours_fp8: the same with `w` stored in FP8 (`quantize_params`), as it runs by default
-     (`planning.serving_plan`: weight-only up to 16 rows, XLA's FP8 dot up to 64, our FP8
-     GEMM above);
+     (`planning.serving_plan`: weight-only up to 64 rows, our FP8 GEMM above);
    - ours_fp8_gemm: always the FP8 GEMM, the input's scale from its amax each call
      (`JAX_EPILOG_SERVING=fp8`);
    - ours_fp8_static: the FP8 GEMM with a static input scale (`calibrate`, no amax pass);
