@@ -10,8 +10,9 @@ elsewhere. On CUDA one plan (`call_plan.plan_call`) decides, at lowering time, a
   (`exact=False`), so XLA runs its own GEMM and fusions;
 - CUDA, a problem cuBLASLt has no kernel for in any layout (it says so when asked): the
   reference, exact (for FP8 operands with a `RuntimeWarning`: SPEC §5), its FP8 product by
-  XLA's FP8 dot at HIGHEST precision to float32 (`fp8_dot`: exact products summed in float32
-  as cuBLASLt sums them, where widened operands would make it a float32 GEMM, 14x slower);
+  XLA's FP8 dot to float32 (`fp8_dot`: exact products summed in float32 as cuBLASLt sums
+  them, where widened operands made it a float32 GEMM: with row scales 0.06x XLA's bf16 at
+  256 x 14336 x 4096 on the H200);
 - otherwise the XLA FFI custom call (`runtime.targets`: `jax_epilog_matmul`, or
   `jax_epilog_matmul_c` for a call with a C matrix, SPEC §6), on XLA's stream, with
   cuBLASLt's workspace as an extra result buffer that XLA allocates (so the handler never
