@@ -213,9 +213,11 @@ def test_cuda_fallback_is_xla_s_fp8_dot_with_the_row_scales_after(monkeypatch):
 
 @pytest.mark.parametrize("shape", [(1, 33, 40), (129, 100, 40), (127, 130, 300)], ids=str)
 @pytest.mark.parametrize("epilog", ["default", "gelu_bias"])
-def test_the_fallback_s_fp8_dot_matches_the_model(shape, epilog):
-    """The fallback's product (`fp8_dot`: XLA's FP8 dot, the row scales after) against the
-    float64 model, as tight as the exact reference, in every layout."""
+@pytest.mark.parametrize("exact", [True, False], ids=["fallback", "backend_xla"])
+def test_the_fallback_s_fp8_dot_matches_the_model(shape, epilog, exact):
+    """CUDA's product with row scales where it runs no kernel (`fp8_dot`: XLA's FP8 dot, the
+    row scales after; the fallback, and `backend="xla"`) against the float64 model, as tight
+    as the exact reference, in every layout."""
     from jax_epilog.op import reference
     from jax_epilog.op.epilogs import Epilog
     rng = np.random.default_rng(sum(shape) + 1)
@@ -227,7 +229,8 @@ def test_the_fallback_s_fp8_dot_matches_the_model(shape, epilog):
         y, = jax.jit(lambda a, b, *rest: reference.epilog_matmul(
             a[None], b[None], *rest, epilog=int(getattr(Epilog, epilog.upper())),
             transpose_a=ta, transpose_b=tb, result_dtype="bfloat16",
-            block_scaling=("row", "row"), fp8_dot=True))(a, b, *inputs, sa.values, sb.values)
+            block_scaling=("row", "row"), exact=exact, fp8_dot=True))(
+                a, b, *inputs, sa.values, sb.values)
         r, size = model(a, b, sa, sb, ta, tb, epilog, bias)
         check(y[0], r, size, jnp.bfloat16, slack=2.0**-20)
 

@@ -163,13 +163,12 @@ def epilog_matmul(a, b, *args, epilog: int, transpose_a: bool, transpose_b: bool
     dequantized operands (a float32 GEMM: 0.06x XLA's bf16 GEMM at 256 x 14336 x 4096 with
     row scales on the H200)."""
     out = jnp.dtype(result_dtype or a.dtype)
-    if tuple(block_scaling or ()) == ("row", "row") and fp8_dot:  # the rows' scales after the FP8 dot
-        n_inputs = len(Epilog(epilog).input_names)
+    n_inputs = len(Epilog(epilog).input_names)
+    if tuple(block_scaling or ()) == ("row", "row") and fp8_dot:  # row scales after the dot
         sa, sb = (jnp.asarray(s, jnp.float32) for s in args[n_inputs:n_inputs + 2])
         p = (_product(a, b, transpose_a, transpose_b, fast_accumulation, jnp.float32)
              * sa[None, :, None] * sb[None, None, :])
     elif block_scaling:
-        n_inputs = len(Epilog(epilog).input_names)
         p = _block_product(a, b, args[n_inputs:n_inputs + 2], block_scaling, transpose_a,
                            transpose_b)
     elif is_fp8(a.dtype):
