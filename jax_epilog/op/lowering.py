@@ -9,10 +9,10 @@ elsewhere. On CUDA one plan (`call_plan.plan_call`) decides, at lowering time, a
   tables as the faster way for this problem on this GPU): the reference in XLA's way
   (`exact=False`), so XLA runs its own GEMM and fusions;
 - CUDA, a problem cuBLASLt has no kernel for in any layout (it says so when asked): the
-  reference, exact (for FP8 operands with a `RuntimeWarning`: SPEC §5), its FP8 product by
-  XLA's FP8 dot to float32 (`fp8_dot`: exact products summed in float32 as cuBLASLt sums
-  them, where widened operands made it a float32 GEMM: with row scales 0.06x XLA's bf16 at
-  256 x 14336 x 4096 on the H200);
+  reference, exact (for FP8 operands with a `RuntimeWarning`: SPEC §5), its per-tensor or
+  row-scaled FP8 product by XLA's FP8 dot to float32 (`fp8_dot`: exact products summed in
+  float32 as cuBLASLt sums them, where widened operands made it a float32 GEMM: with row
+  scales 0.06x XLA's bf16 at 256 x 14336 x 4096 on the H200);
 - otherwise the XLA FFI custom call (`runtime.targets`: `jax_epilog_matmul`, or
   `jax_epilog_matmul_c` for a call with a C matrix, SPEC §6), on XLA's stream, with
   cuBLASLt's workspace as an extra result buffer that XLA allocates (so the handler never
@@ -43,9 +43,9 @@ from jax_epilog.runtime import settings, targets
 
 
 def lower_reference(ctx, *args, exact: bool = True, fp8_dot: bool = False, **params):
-    # `fast_accumulation`: the exact reference computes the float32 formula whatever the call
-    # asks; XLA's way (not `exact`) asks XLA's FP8 dot for it (DEFAULT precision, which XLA
-    # runs with fast accumulation; HIGHEST otherwise). `fp8_dot`: `reference.epilog_matmul`'s.
+    # `fast_accumulation`: XLA's FP8 dot runs it (DEFAULT precision; HIGHEST otherwise) in
+    # XLA's way and with `fp8_dot` (`reference.epilog_matmul`'s); the reference on widened
+    # operands computes the float32 formula whatever the call asks.
     params = Params(**params)
     fn = functools.partial(reference.epilog_matmul, epilog=params.epilog,
                            transpose_a=params.transpose_a, transpose_b=params.transpose_b,
@@ -71,8 +71,8 @@ def _warn_fp8_reference(avals_in, params: Params, why: str) -> None:
         f"{' and result_amax' if params.result_amax else ''}"
         f"{' with fast_accumulation' if params.fast_accumulation else ''}"
         f" ({_sizes(avals_in, params)}): "
-        f"{why}; this call runs the plain-XLA reference instead (XLA's FP8 GEMM and the epilog in "
-        "fusions: the same results, slower than a fused kernel)",
+        f"{why}; this call runs the plain-XLA reference instead (the same results, slower "
+        "than a fused kernel)",
         RuntimeWarning, stacklevel=2)
 
 
