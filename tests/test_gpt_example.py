@@ -201,14 +201,18 @@ def test_the_fp8_step_has_no_host_round_trip(corpus, monkeypatch, config):
     assert " conditional(" not in hlo and " while(" not in hlo
 
 
-def test_the_block_recipe_trains_in_fp8_with_no_scaling_state(corpus, monkeypatch):
-    """`--fp8-scaling block`: no scaling state in the model; with every projection
-    block-scaled (forced: `tiny` is too small for "auto", widened to 128 so every width is a
-    multiple of 128), the step is e4m3 throughout (no e5m2 gradient) and the loss falls."""
+@pytest.mark.parametrize("arch", ["gpt", "llama"])
+def test_the_block_recipe_trains_in_fp8_with_no_scaling_state(corpus, monkeypatch, arch):
+    """`--fp8-scaling block`: no scaling state in the model; with every projection (and the
+    Llama arch's SwiGLU block) block-scaled (forced: the tiny configs are too small for
+    "auto", widened so every width is a multiple of 128), the step is e4m3 throughout (no
+    e5m2 gradient) and the loss falls."""
+    tiny = TINY if arch == "gpt" else configs.get("llama_tiny").replace(n_layers=1,
+                                                                        mlp_hidden=256)
     assert not jax.tree.leaves(model.split(
-        train.build_model(TINY, "epilog", fp8=True, fp8_scaling="block"))[2])
+        train.build_model(tiny, "epilog", fp8=True, fp8_scaling="block"))[2])
     monkeypatch.setattr(train, "FP8_BLOCK_RECIPE", jax_epilog.Fp8(scaling="block", layers="all"))
-    config = TINY.replace(d_model=128, steps=6, warmup_steps=2, eval_every=6, log_every=1)
+    config = tiny.replace(d_model=128, steps=6, warmup_steps=2, eval_every=6, log_every=1)
     trainer = train.Trainer(train.build_model(config, "epilog", fp8=True, fp8_scaling="block"),
                             train.make_optimizer(config))
     batches = data.Batches(corpus.train, config.batch_size, config.model.seq_len, config.seed)

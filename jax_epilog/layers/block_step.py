@@ -29,6 +29,11 @@ The layers' feature widths must be multiples of 128 (every GEMM contracts one of
 such a layer, and one too small for FP8 to pay (`stack_plan.fp8_pays`), in the compute dtype
 (`layers.functional`'s layer). There is no state: the Flax modules hold no amax histories.
 On a CPU every GEMM is the exact reference (block dequantization, float32 product).
+
+The SwiGLU block under this recipe (`swiglu`, which `layers.swiglu.swiglu` runs where
+`runs_swiglu` says) is one more custom VJP of six such GEMMs: x, h = silu(g)·u, dy and
+`[dg du]` quantized into both their copies, `[gate up]` and down in 128×128 blocks, g and u
+kept in 1×128 tiles along F for the backward.
 """
 
 from __future__ import annotations
@@ -40,9 +45,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from jax_epilog.float8.blocks import (both_copies_kernel, quantize_1x128, quantize_1x128_both,
-                                     quantize_128x128)
-from jax_epilog.layers.gemms import LAYER_INPUT_NAME, residual_name
+from jax_epilog.float8.blocks import (both_copies_kernel, dequantize, quantize_1x128,
+                                     quantize_1x128_both, quantize_128x128)
+from jax_epilog.layers import gating
+from jax_epilog.layers.gemms import LAYER_INPUT_NAME, SWIGLU_HIDDEN_NAME, residual_name
+from jax_epilog.op import barrier
 from jax_epilog.op.block_scales import BLOCK, BlockScales
 from jax_epilog.op.epilogs import ACTIVATIONS, Epilog
 from jax_epilog.op.matmul import activation_gradient, matmul
@@ -200,3 +207,92 @@ def stack(fp8, rows, params, activations, dtype, plain_layer):
         else:
             h = plain_layer(run_segment(h), kernel, bias, activation)
     return run_segment(h)
+
+
+# --- the SwiGLU block (`swiglu(..., fp8=Fp8(scaling="block"))`) ------------------------------
+
+class SwiGLU(NamedTuple):
+    """What is static about a block-scaled SwiGLU block: F, and how x, h, dy and `[dg du]`
+    are quantized into both their copies (`blocks.BOTH_COPIES`, read when it is traced)."""
+
+    hidden: int
+    both_copies: str
+
+
+def runs_swiglu(fp8, rows: int, d: int, hidden: int, d_out: int) -> bool:
+    """Whether the SwiGLU block runs block-scaled under `fp8` for `rows` rows: D, F and D_out
+    multiples of 128 (each is some GEMM's contraction) and, with `layers="auto"`, both GEMMs
+    large enough (`fp8_pays`); `layers="all"` refuses other widths, naming the argument."""
+    widths = (("x", "D, its features (last axis)", d), ("gate_up", "F, its columns", hidden),
+              ("down", "D_out, its columns", d_out))
+    unaligned = [(name, axis, n) for name, axis, n in widths if n % BLOCK]
+    if unaligned and fp8.layers == "all":
+        name, axis, n = unaligned[0]
+        raise ValueError(f"{name}: Fp8(scaling=\"block\") needs {axis} a multiple of {BLOCK} "
+                         f"(each width is the contraction of one of the block's GEMMs), got "
+                         f"{n}; zero-pad it to {-(-n // BLOCK) * BLOCK}, or pass "
+                         f"Fp8(scaling=\"block\", layers=\"auto\") to run such a block in the "
+                         f"compute dtype")
+    return not unaligned and (fp8.layers == "all" or (
+        fp8_pays(rows, d, 2 * hidden) and fp8_pays(rows, hidden, d_out)))
+
+
+def _gemm(a8, sa, w8, sw, dtype):
+    """a8 (M, K) in 1×128 tiles times a weight (K, N) in 128×128 blocks, in `dtype`."""
+    return matmul(a8, w8, quantization_scales={"a": sa, "b": _transposed(sw)},
+                  preferred_element_type=dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def swiglu(block: SwiGLU, x, gate_up, down):
+    """`down(silu(x gate) * (x up))` over x (M, D), `gate_up` (D, 2F), six block-scaled
+    GEMMs with its gradient (`layers.swiglu` checks the arguments)."""
+    # Nothing differentiates it here: no transposed copies, no g8 and u8.
+    dtype = x.dtype
+    gu = _gemm(*quantize_1x128(x, FORMAT), *quantize_128x128(gate_up, FORMAT), dtype)
+    h = gating.hidden(gu, block.hidden).astype(dtype)
+    return _gemm(*quantize_1x128(h, FORMAT), *quantize_128x128(down, FORMAT), dtype)
+
+
+def _swiglu_fwd(block: SwiGLU, x, gate_up, down):
+    dtype, rows = x.dtype, x.shape[0]
+    both = functools.partial(quantize_1x128_both, dtype=FORMAT, kernel=block.both_copies)
+    (x8, sx), (xt8, sxt) = both(_padded_rows(x))
+    w8, sw = quantize_128x128(gate_up, FORMAT)
+    down8, sdown = quantize_128x128(down, FORMAT)
+    gu = _gemm(x8, sx, w8, sw, dtype)[:rows]
+    # g and u kept for the backward in 1×128 tiles along F; h rounded to the compute dtype
+    # (the quantizing pass reads a tensor), then both its copies
+    (g8, sg), (u8, su) = (quantize_1x128(half, FORMAT)
+                          for half in (gu[:, :block.hidden], gu[:, block.hidden:]))
+    (h8, sh), (ht8, sht) = both(_padded_rows(gating.hidden(gu, block.hidden).astype(dtype)))
+    # As in the per-tensor block: the barrier keeps XLA from moving g8's and u8's casts into
+    # the backward, which would keep the 16-bit [g u] alive until then.
+    h8, g8, u8 = barrier.flat_barrier(h8, g8, u8)
+    y = _gemm(h8, sh, down8, sdown, dtype)[:rows]
+    named = functools.partial(checkpoint_name, name=SWIGLU_HIDDEN_NAME)
+    return y, ((checkpoint_name(xt8, LAYER_INPUT_NAME), sxt), (named(g8), sg), (named(u8), su),
+               (named(ht8), sht), (w8, sw), (down8, sdown))
+
+
+def _swiglu_bwd(block: SwiGLU, saved, dy):
+    (xt8, sxt), (g8, sg), (u8, su), (ht8, sht), (w8, sw), (down8, sdown) = saved
+    dtype, rows = dy.dtype, dy.shape[0]
+    both = functools.partial(quantize_1x128_both, dtype=FORMAT, kernel=block.both_copies)
+    (dy8, sdy), (dyt8, sdyt) = both(_padded_rows(dy))
+    # As in `_segment_bwd`: weight gradients from both operands' copies along the tokens,
+    # data gradients from the kernels' blocks read transposed.
+    ddown = matmul(ht8, dyt8, transpose_b=True, quantization_scales={"a": sht, "b": sdyt},
+                   preferred_element_type=dtype)
+    dh = matmul(dy8, down8, transpose_b=True, quantization_scales={"a": sdy, "b": sdown},
+                preferred_element_type=dtype)[:rows]
+    dgu = gating.hidden_gradient(dh, dequantize(g8, sg), dequantize(u8, su), dtype)
+    (dgu8, sdgu), (dgut8, sdgut) = both(_padded_rows(dgu))
+    dgate_up = matmul(xt8, dgut8, transpose_b=True, quantization_scales={"a": sxt, "b": sdgut},
+                      preferred_element_type=dtype)
+    dx = matmul(dgu8, w8, transpose_b=True, quantization_scales={"a": sdgu, "b": sw},
+                preferred_element_type=dtype)[:rows]
+    return dx, dgate_up, ddown
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)

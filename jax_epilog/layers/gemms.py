@@ -18,6 +18,9 @@ from jax_epilog.planning.stack_plan import Layer, Stack
 RELU_MASK_NAME = "jax_epilog_relu_mask"
 GELU_PRE_ACTIVATION_NAME = "jax_epilog_gelu_pre_activation"
 LAYER_INPUT_NAME = "jax_epilog_layer_input"
+#: The SwiGLU block's saved hidden activations (`[g u]`; g8, u8, h8 under FP8); its input is
+#: saved as `LAYER_INPUT_NAME`, as the stacks' are.
+SWIGLU_HIDDEN_NAME = "jax_epilog_swiglu_hidden"
 
 
 def residual_name(activation: Optional[str]) -> str:

@@ -28,6 +28,14 @@ With `fp8=` (SPEC §5's recipe, `Fp8`; docs/fp8.md, "SwiGLU"):
 enough, widths multiples of 16), else in the compute dtype (an `fp8_state` then passes
 through unchanged); `layers="all"` always.
 
+With `Fp8(scaling="block")` (DeepSeek-V3's recipe, `layers.block_step`'s; docs/fp8.md,
+"Block-scaled training") the block is another custom VJP, `block_step.swiglu`, of six
+block-scaled e4m3 GEMMs: x, h and, in the backward, dy and `[dg du]` in 1×128 tiles, each
+quantized once into both its copies (the forward's and the weight gradient's, tokens padded
+to a multiple of 128); `[gate up]` and down in 128×128 blocks, read transposed by the data
+gradients; g and u kept in 1×128 tiles along F. D, F and D_out must be multiples of 128
+(`block_step.runs_swiglu`); no state.
+
 Kernels stored in FP8 (`Fp8Weight`s, `quantize_params`; docs/serving.md) run the inference
 forward of `layers.serving`, the way chosen by the rows as for a served `dense`:
 
@@ -54,19 +62,17 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_epilog.float8.blocks import both_copies_kernel
 from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
 from jax_epilog.float8.scaling import quantize_scaled, record, reduced_amaxes
 from jax_epilog.float8.weights import Fp8Weight
-from jax_epilog.layers import fp8_step, serving
+from jax_epilog.layers import block_step, fp8_step, gating, serving
 from jax_epilog.layers.functional import _compute_dtype, _described
-from jax_epilog.layers.gemms import LAYER_INPUT_NAME
+from jax_epilog.layers.gemms import LAYER_INPUT_NAME, SWIGLU_HIDDEN_NAME
 from jax_epilog.op import manual_axes
 from jax_epilog.planning.serving_plan import serving_way
 from jax_epilog.planning.stack_plan import quantized_layers
 
-#: `checkpoint_name` of the block's saved hidden activations (`[g u]`; g8, u8, h8 under FP8), for
-#: remat policies; its input is saved as `LAYER_INPUT_NAME`, as the stacks' are.
-SWIGLU_HIDDEN_NAME = "jax_epilog_swiglu_hidden"
 
 #: `fp8_state=` of the block: one `Fp8History` per GEMM, in this order.
 FP8_GEMMS = ("gate_up", "down")
@@ -81,17 +87,10 @@ class Block(NamedTuple):
     hidden: int
 
 
-def _silu_and_derivative(g):
-    """(silu(g), silu'(g)) in float32: silu = g·σ(g), silu' = σ(g)·(1 + g·(1 - σ(g)))."""
-    g = g.astype(jnp.float32)
-    sigmoid = jax.nn.sigmoid(g)
-    return g * sigmoid, sigmoid * (1.0 + g * (1.0 - sigmoid))
-
-
 def _gradient_bound(dh, s: "Saved"):
     """|dh| · max(|u·silu'(g)|, |silu(g)|) in float32, whose amax is `[dg du]`'s (to the
     compute dtype's rounding of dg and du, which the saturating cast absorbs). Written apart
-    from `_hidden_gradient` (σ from tanh, g and u dequantized again) so that XLA shares no
+    from `gating.hidden_gradient` (σ from tanh, g and u dequantized again) so that XLA shares no
     subexpression between the amax pass and the cast: it then computes the gradient in each
     instead of writing `[dg du]` (and σ) between them. Compiled for an H200 at 16384 x 4096 x
     14336, the step's bytes outside the GEMMs fell from 12.77 to 11.02 GiB."""
@@ -100,19 +99,6 @@ def _gradient_bound(dh, s: "Saved"):
     sigmoid = 0.5 * (1.0 + jnp.tanh(0.5 * g))
     return jnp.abs(dh.astype(jnp.float32)) * jnp.maximum(
         jnp.abs(u * sigmoid * (1.0 + g * (1.0 - sigmoid))), jnp.abs(g * sigmoid))
-
-
-def _hidden(gu, hidden: int):
-    """h = silu(g)·u in float32 from `[g u]` `(M, 2F)`."""
-    return jax.nn.silu(gu[:, :hidden].astype(jnp.float32)) * gu[:, hidden:].astype(jnp.float32)
-
-
-def _hidden_gradient(dh, g, u, dtype):
-    """`[dg du]` in `dtype`, each computed in float32: dg = dh·u·silu'(g), du = dh·silu(g)."""
-    silu, dsilu = _silu_and_derivative(g)
-    dh = dh.astype(jnp.float32)
-    return jnp.concatenate([(dh * u.astype(jnp.float32) * dsilu).astype(dtype),
-                            (dh * silu).astype(dtype)], axis=1)
 
 
 # --- compute dtype -------------------------------------------------------------------------
@@ -125,7 +111,7 @@ def _dot(a, b, precision, dtype):
 def _block(block: Block, x, gate_up, down):
     """The block in the compute dtype, differentiated by JAX (the module docstring says why)."""
     gu = checkpoint_name(_dot(_input(x), gate_up, block.precision, x.dtype), SWIGLU_HIDDEN_NAME)
-    return _dot(_hidden(gu, block.hidden).astype(x.dtype), down, block.precision, x.dtype)
+    return _dot(gating.hidden(gu, block.hidden).astype(x.dtype), down, block.precision, x.dtype)
 
 
 def _input(x):
@@ -165,13 +151,13 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     w8, w_scale, _ = quantize_scaled(gate_up, fmt, margin, x_amax=w_amax)
     down8, down_scale, _ = quantize_scaled(down, fmt, margin, x_amax=down_amax)
     gu, _ = fp8_step._matmul8(x8, x_scale, w8, w_scale, x.dtype, "auto", fast)
-    hidden = _hidden(gu, block.hidden)
+    h = gating.hidden(gu, block.hidden)
     # g and u (kept for the backward) on scales of their own, their amaxes with h's
     halves = (gu[:, :block.hidden], gu[:, block.hidden:]) if keep else ()
     # one pass reads [g u] for the three amaxes, one more writes h8, g8 and u8 (compiled for
     # an H200 at 16384 x 4096 x 11008: the step's bytes outside the GEMMs 8.81 -> 8.14 GiB)
-    h_amax, *half_amaxes = reduced_amaxes([hidden, *halves], axes, one_pass=True)
-    h8, h_scale, h_amax = quantize_scaled(hidden, fmt, margin, history(1), axes, h_amax)
+    h_amax, *half_amaxes = reduced_amaxes([h, *halves], axes, one_pass=True)
+    h8, h_scale, h_amax = quantize_scaled(h, fmt, margin, history(1), axes, h_amax)
     if keep:
         (g8, g_scale, _), (u8, u_scale, _) = (quantize_scaled(half, fmt, margin, x_amax=a)
                                               for half, a in zip(halves, half_amaxes))
@@ -222,7 +208,7 @@ def _fp8_block_bwd(block: Block, residuals, dy):
     # [dg du] in the compute dtype (FP8 rounds far coarser), its amax from `_gradient_bound`
     # so that XLA does not write it between the amax pass and the cast.
     dgu8, dgu_scale, dgu_amax = quantize_scaled(
-        _hidden_gradient(dh, g, u, dtype), fmt, margin, amax_axes=axes,
+        gating.hidden_gradient(dh, g, u, dtype), fmt, margin, amax_axes=axes,
         x_amax=reduced_amaxes([_gradient_bound(dh, s)], axes)[0])
     dgu8, x8 = fp8_step._barrier(dgu8, s.x8)
     dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T, dgu_scale, dtype, "auto", fast_weight,
@@ -254,13 +240,13 @@ def _served_block(hidden: int, dtype, x, gate_up: tuple, down: Fp8Weight):
             return serving.fp8_pallas(h, w, None, None, dtype)  # quantizes h itself
 
         gu = jnp.concatenate([layer(x, w) for w in gate_up], axis=1)
-        h = _hidden(gu, hidden).astype(dtype)
+        h = gating.hidden(gu, hidden).astype(dtype)
         serving.record_input(h, down)
         return layer(h, down)
     gemm = functools.partial(_quantized_gemm, way, dtype=dtype)
     x8, x_scale = serving.quantize_input(x, gate_up[0])
     gu = jnp.concatenate([gemm(x8, x_scale, w) for w in gate_up], axis=1)
-    h = _hidden(gu, hidden)
+    h = gating.hidden(gu, hidden)
     serving.record_input(h, down)
     return gemm(*serving.quantize_input(h, down), down)
 
@@ -371,6 +357,8 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
         gradients by default), h = silu(g)·u quantized in the fusion that computes it, the
         backward's activations kept in FP8 (docs/fp8.md, "SwiGLU"). `Fp8()` runs FP8 where
         both GEMMs are large enough (`layers="auto"`), `Fp8(layers="all")` always.
+        `Fp8(scaling="block")`: block-scaled e4m3 throughout (1×128 tiles, 128×128 kernel
+        blocks; D, F and D_out multiples of 128), no `fp8_state`.
       fp8_state: two `jax_epilog.Fp8History` (`Fp8(...).init_state(2)`: the gate/up GEMM's,
         then the down GEMM's): delayed scaling, as for `dense`; its gradient is its next value.
 
@@ -382,10 +370,6 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
     if stored is not None:  # inference; the training arguments do not apply
         return _served(x, *stored, dtype)
     fp8 = as_fp8(fp8)
-    if fp8 is not None and fp8.block:
-        raise ValueError("fp8: swiglu runs per-tensor FP8 (Fp8(scaling=\"auto\" | \"current\" | "
-                         "\"delayed\")); Fp8(scaling=\"block\") is not built for it (dense and mlp "
-                         "take it)")
     fp8_state = check_state(fp8, fp8_state, len(FP8_GEMMS))
     gate_up, down, hidden = _kernels(x, gate_up, down)
     dtype = _compute_dtype(dtype, [x, gate_up, down])
@@ -394,7 +378,11 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
     rows = x.reshape(math.prod(lead), d)
     axes = manual_axes.varying_axes([rows, gate_up, down])
     rows, gate_up, down = (manual_axes.vary(a, axes) for a in (rows, gate_up, down))
-    if runs_fp8(fp8, rows.shape[0], d, hidden, d_out):
+    block_scaled = fp8 is not None and fp8.block
+    if block_scaled and block_step.runs_swiglu(fp8, rows.shape[0], d, hidden, d_out):
+        y = block_step.swiglu(block_step.SwiGLU(hidden, both_copies_kernel()), rows, gate_up,
+                              down)
+    elif not block_scaled and runs_fp8(fp8, rows.shape[0], d, hidden, d_out):
         block = Block(fp8.resolved(fp8_state is not None), precision, hidden)
         y = _fp8_block(block, rows, gate_up, down, fp8_state)
     else:
