@@ -12,7 +12,9 @@ up(h))` without biases, as a Flax linen model whose parameters are `norm/scale` 
   the block before `SwiGLU`;
 - ours_swiglu_bf16: `jax_epilog.linen.SwiGLU` (no FP8);
 - ours_swiglu_fp8: `SwiGLU(fp8=True)` (delayed scaling from the module's histories);
-- ours_swiglu_fp8_current: `SwiGLU(fp8=Fp8(scaling="current"))`.
+- ours_swiglu_fp8_current: `SwiGLU(fp8=Fp8(scaling="current"))`;
+- ours_swiglu_fp8_block: `SwiGLU(fp8=Fp8(scaling="block"))`, DeepSeek-V3's block-scaled
+  recipe (every row's widths are multiples of 128).
 
 Rows (tokens, D, F): S1 (8192, 2048, 8192), S2 (16384, 4096, 14336), and EX (16384, 4096,
 11008): the GPT example's `large` (16 × 1024 tokens, d_model 4096) with Llama's SwiGLU width
@@ -97,7 +99,9 @@ VARIANTS: dict[str, Callable[[int], linen.Module]] = {
     "ours_swiglu_bf16": lambda f: Block(epilog_linen.SwiGLU(f, dtype=DTYPE)),
     "ours_swiglu_fp8": lambda f: Block(epilog_linen.SwiGLU(f, dtype=DTYPE, fp8=True)),
     "ours_swiglu_fp8_current": lambda f: Block(epilog_linen.SwiGLU(
-        f, dtype=DTYPE, fp8=Fp8(scaling="current")))}
+        f, dtype=DTYPE, fp8=Fp8(scaling="current"))),
+    "ours_swiglu_fp8_block": lambda f: Block(epilog_linen.SwiGLU(
+        f, dtype=DTYPE, fp8=Fp8(scaling="block")))}
 
 
 def describe(model: linen.Module) -> str:
