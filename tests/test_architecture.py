@@ -135,7 +135,8 @@ LAYERS = ("runtime", "op", "planning", "float8", "layers", "tools")
 # The one exception the page states: the op's lowering and public call consult the plan, and
 # the planners read only these facts of the op.
 OP_CONSULTS_PLANNING = {"jax_epilog.op.lowering", "jax_epilog.op.matmul"}
-PLANNING_READS_OP = {"jax_epilog.op.epilogs", "jax_epilog.op.call", "jax_epilog.op.padding"}
+PLANNING_READS_OP = {"jax_epilog.op.epilogs", "jax_epilog.op.call", "jax_epilog.op.padding",
+                     "jax_epilog.op.block_scales"}
 
 
 def test_each_subpackage_imports_only_those_above_it():

@@ -243,13 +243,19 @@ def test_auto_runs_narrow_or_small_layers_in_the_compute_dtype():
     auto = Fp8(scaling="block")
     np.testing.assert_array_equal(jax_epilog.mlp(x, layers, fp8=auto),
                                   jax_epilog.mlp(x, layers))
-    from jax_epilog.layers import block_step
-    assert block_step.quantized_layers(auto, 65536, (4096, 4096, 10)) == (True, False)
-    assert block_step.quantized_layers(auto, 64, (128, 128)) == (False,)
+    from jax_epilog.planning import block_plan
+
+    def choices(rows, widths):
+        return [g.choice.choice for g in
+                block_plan.block_stack_plan(auto, rows, widths, "bfloat16").gemms]
+
+    assert choices(65536, (4096, 4096, 10)) == ["fp8", "bf16"]
+    assert choices(64, (128, 128)) == ["bf16"]
 
 
-@pytest.mark.parametrize("widths, match", [((100, 128), r"^x: .*features \(last axis\) 100"),
-                                           ((128, 96), r"^layers\[0\] kernel: .*columns N 96")])
+@pytest.mark.parametrize("widths, match", [
+    ((100, 128), r"^x: .*features \(last axis\) a multiple of 128.*got 100; zero-pad it to 128"),
+    ((128, 96), r"^layers\[0\] kernel: .*columns N a multiple of 128.*got 96")])
 def test_widths_not_multiples_of_128_are_refused(widths, match):
     x = jnp.ones((4, widths[0]), jnp.float32)
     w = jnp.ones(widths, jnp.float32)

@@ -241,4 +241,83 @@ def test_a_plain_path_matmul_is_reported_with_why(capsys):
 def test_a_program_without_our_calls_says_so(capsys):
     returned = jax_epilog.explain(lambda x: x * 2, jnp.ones((4,)))
     assert not (returned.calls or returned.stacks or returned.matmuls)
-    assert "none: the program calls no jax_epilog.matmul, dense or mlp" in capsys.readouterr().out
+    assert ("none: the program calls no jax_epilog.matmul, dense, mlp or swiglu"
+            in capsys.readouterr().out)
+
+
+# --- blocks: SwiGLU, block-scaled stacks, stored FP8 weights ---------------------------------
+
+def swiglu_step(fp8):
+    def loss(x, gate, up, down):
+        return jax_epilog.swiglu(x, (gate, up), down, fp8=fp8).astype(jnp.float32).sum()
+    return jax.grad(loss, argnums=(0, 1, 2, 3))
+
+
+def swiglu_args(rows, d, f, d_out):
+    b = jnp.bfloat16
+    return S((rows, d), b), S((d, f), b), S((d, f), b), S((f, d_out), b)
+
+
+@pytest.mark.parametrize("fp8, rows, way, gemms, calls", [
+    (None, 8192, "compute", ["bf16", "bf16"], 0),
+    (Fp8(), 8192, "fp8", ["fp8", "fp8"], 6),
+    (Fp8(scaling="block"), 8192, "fp8_block", ["fp8", "fp8"], 6),
+    (Fp8(), 64, "compute", ["bf16", "bf16"], 0),  # too small for FP8 to pay
+    (Fp8(), 4096, "compute", ["fp8", "bf16"], 0),  # FP8 only where both GEMMs would run it
+])
+def test_a_swiglu_block_is_explained_as_it_runs(fp8, rows, way, gemms, calls, capsys):
+    e = jax_epilog.explain(swiglu_step(fp8), *swiglu_args(rows, 1024 if rows == 4096 else 2048,
+                                                           4096 if rows == 4096 else 8192,
+                                                           1024 if rows == 4096 else 2048))
+    text = capsys.readouterr().out
+    (block,) = e.blocks
+    assert (block.kind, block.rows, block.way.choice) == ("swiglu", rows, way)
+    assert [g.choice.choice for g in block.gemms] == gemms
+    assert [g.name for g in block.gemms] == ["gate/up", "down"]
+    assert len(e.calls) == calls  # the plan is what the block issued
+    assert f"swiglu 0: bfloat16, {rows} rows" in text and block.way.why in text
+    block_scaled = way == "fp8_block"
+    assert all((c.block_scaling is not None) == block_scaled for c in e.calls)
+    if block_scaled:
+        assert "scales 1x128 × 128x128" in text and "scales 1x128 × 1x128" in text
+    if not calls:
+        assert "none: the blocks above run XLA's own GEMMs" in text
+
+
+def test_a_block_scaled_stack_is_explained_layer_by_layer(capsys):
+    """The 100-wide head is not a multiple of 128: that layer runs in the compute dtype, the
+    first block-scaled (three GEMMs, each with its tiles)."""
+    x, params = stack_args(8192, (2048, 8192, 100), biases=(True, False))
+    e = jax_epilog.explain(step_of(functools.partial(
+        jax_epilog.mlp, activation="relu", fp8=Fp8(scaling="block"))), x, params)
+    text = capsys.readouterr().out
+    (block,) = e.blocks
+    assert block.kind == "block-scaled stack" and block.way.choice == "fp8_block"
+    assert [(g.k, g.n, g.choice.choice) for g in block.gemms] == [(2048, 8192, "fp8"),
+                                                                    (8192, 100, "bf16")]
+    assert "not a multiple of 128" in block.gemms[1].choice.why
+    scaled = [c for c in e.calls if c.block_scaling is not None]
+    assert len(scaled) == 3 and "1 of 2 layers block-scaled" in text
+
+
+@pytest.mark.parametrize("rows, way, calls", [(16, "weight_only", 0), (1024, "fp8", 3)])
+def test_stored_fp8_weights_are_explained_with_their_way(rows, way, calls, capsys):
+    rng = np.random.default_rng(0)
+    kernels = {name: jnp.asarray(rng.standard_normal(shape) * 0.03, jnp.bfloat16)
+               for name, shape in (("gate", (512, 1024)), ("up", (512, 1024)),
+                                   ("down", (1024, 512)), ("head", (512, 256)))}
+    stored = jax_epilog.quantize_params(kernels, include=lambda path, leaf: True)
+    x = jnp.ones((rows, 512), jnp.bfloat16)
+    e = jax_epilog.explain(lambda x, p: jax_epilog.swiglu(x, (p["gate"], p["up"]), p["down"]),
+                           x, stored)
+    (block,) = e.blocks
+    assert (block.kind, block.way.choice, len(block.gemms)) == ("served swiglu", way, 3)
+    assert all(g.choice == block.way for g in block.gemms) and len(e.calls) == calls
+    assert "kernels stored in FP8, per tensor" in capsys.readouterr().out
+    # a stack of one stored kernel and a 16-bit one: the 16-bit layer runs its own GEMM
+    params = [(stored["down"], None), (kernels["head"], None)]
+    e = jax_epilog.explain(lambda x, p: jax_epilog.mlp(x, p, activation="gelu"),
+                           jnp.ones((rows, 1024), jnp.bfloat16), params)
+    (block,) = e.blocks
+    assert block.kind == "served stack"
+    assert [g.choice.choice for g in block.gemms] == [way, "bf16"]

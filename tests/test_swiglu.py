@@ -18,6 +18,7 @@ import jax_epilog
 from jax_epilog import Fp8
 from jax_epilog.float8.recipe import Fp8History
 from jax_epilog.layers import swiglu as swiglu_module
+from jax_epilog.planning import block_plan
 from test_fp8_layers import close, gemm, quantize
 from test_layers import saved_residuals
 
@@ -298,12 +299,19 @@ def test_nnx_swiglu_matches_three_linears_and_updates_its_histories():
     assert epilog_nnx.SwiGLU(8, 16, rngs=nnx.Rngs(0)).fp8_state() is None
 
 
-def test_runs_fp8_follows_the_layer_rule():
-    assert not swiglu_module.runs_fp8(None, 8192, 2048, 8192, 2048)
-    assert swiglu_module.runs_fp8(Fp8(), 8192, 2048, 8192, 2048)
-    assert not swiglu_module.runs_fp8(Fp8(), 16, 2048, 8192, 2048)  # too small to pay
-    assert not swiglu_module.runs_fp8(Fp8(), 8192, 2040, 8192, 2040)  # D not a multiple of 16
-    assert swiglu_module.runs_fp8(ALL, 1, 20, 36, 20)
+def test_the_block_runs_fp8_by_the_layer_rule():
+    def way(fp8, rows, d, f, d_out):
+        return block_plan.swiglu_plan(fp8, rows, d, f, d_out, "bfloat16").way.choice
+
+    assert way(None, 8192, 2048, 8192, 2048) == "compute"
+    assert way(Fp8(), 8192, 2048, 8192, 2048) == "fp8"
+    assert way(Fp8(), 16, 2048, 8192, 2048) == "compute"  # too small to pay
+    assert way(Fp8(), 8192, 2040, 8192, 2040) == "compute"  # D not a multiple of 16
+    assert way(ALL, 1, 20, 36, 20) == "fp8"
+    # the block is one custom VJP: FP8 only where both GEMMs would run it
+    assert way(Fp8(), 4096, 1024, 4096, 1024) == "compute"  # the down GEMM is too small
+    assert [g.choice.choice for g in block_plan.swiglu_plan(
+        Fp8(), 4096, 1024, 4096, 1024, "bfloat16").gemms] == ["fp8", "bf16"]
 
 
 def test_jit_vmap_and_checkpoint_give_the_same_gradients():

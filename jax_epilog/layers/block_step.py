@@ -27,13 +27,13 @@ every scale current, from its own tile:
 The layers' feature widths must be multiples of 128 (every GEMM contracts one of them):
 `Fp8(layers="all")` refuses others with an error naming the argument; `layers="auto"` runs
 such a layer, and one too small for FP8 to pay (`stack_plan.fp8_pays`), in the compute dtype
-(`layers.functional`'s layer). There is no state: the Flax modules hold no amax histories.
-On a CPU every GEMM is the exact reference (block dequantization, float32 product).
+(`layers.functional`'s layer); `planning.block_plan` decides. There is no state: the Flax
+modules hold no amax histories. On a CPU every GEMM is the exact reference (block dequantization, float32 product).
 
 The SwiGLU block under this recipe (`swiglu`, which `layers.swiglu.swiglu` runs where
-`runs_swiglu` says) is one more custom VJP of six such GEMMs: x, h = silu(g)·u, dy and
-`[dg du]` quantized into both their copies, `[gate up]` and down in 128×128 blocks, g and u
-kept in 1×128 tiles along F for the backward.
+`block_plan.swiglu_plan` says) is one more custom VJP of six such GEMMs: x, h = silu(g)·u,
+dy and `[dg du]` quantized into both their copies, `[gate up]` and down in 128×128 blocks,
+g and u kept in 1×128 tiles along F for the backward.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from jax_epilog.op import barrier
 from jax_epilog.op.block_scales import BLOCK, BlockScales
 from jax_epilog.op.epilogs import ACTIVATIONS, Epilog
 from jax_epilog.op.matmul import activation_gradient, matmul
-from jax_epilog.planning.stack_plan import fp8_pays
+from jax_epilog.planning import block_plan
 
 #: The format of every operand: activations, weights and gradients (`Fp8.gradient`).
 FORMAT = "float8_e4m3fn"
@@ -68,26 +68,6 @@ class Layer(NamedTuple):
     has_bias: bool
     dtype: str
     both_copies: str
-
-
-def quantized_layers(fp8, rows: int, widths) -> tuple[bool, ...]:
-    """Which layers of a stack (`widths`: K_0, ..., K_last) run block-scaled FP8 under `fp8`:
-    every one with `layers="all"` (a width that is not a multiple of 128 is then refused,
-    naming the argument); with "auto", those whose widths are multiples of 128 and whose GEMM
-    is large enough (`stack_plan.fp8_pays`)."""
-    chosen = []
-    for i, (k, n) in enumerate(zip(widths, widths[1:])):
-        aligned = k % BLOCK == 0 and n % BLOCK == 0
-        if fp8.layers == "all" and not aligned:
-            name, width = ("x", k) if k % BLOCK else (f"layers[{i}] kernel", n)
-            axis = "features (last axis)" if name == "x" else "columns N"
-            raise ValueError(f"{name}: Fp8(scaling=\"block\") needs every width a multiple of "
-                             f"{BLOCK} (each is the contraction of one GEMM's 1×128 tiles), "
-                             f"got {axis} {width}; zero-pad it to {-(-width // BLOCK) * BLOCK}, "
-                             f"or pass Fp8(scaling=\"block\", layers=\"auto\") to run such a "
-                             f"layer in the compute dtype")
-        chosen.append(aligned and (fp8.layers == "all" or fp8_pays(rows, k, n)))
-    return tuple(chosen)
 
 
 def _padded_rows(x):
@@ -187,9 +167,11 @@ _segment.defvjp(_segment_fwd, _segment_bwd)
 
 def stack(fp8, rows, params, activations, dtype, plain_layer):
     """The stack on `rows` (M, K) under `fp8` (`scaling="block"`), called by `layers._run`:
-    each run of block-scaled layers (`quantized_layers`) one `_segment`, and each layer
+    each run of block-scaled layers (`block_plan.block_stack_plan`) one `_segment`, and each layer
     "auto" leaves out `plain_layer(h, kernel, bias, activation)`, the compute-dtype layer."""
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
+    plan = block_plan.observe(block_plan.block_stack_plan(fp8, rows.shape[0], widths,
+                                                          jnp.dtype(dtype).name))
     h, both_copies, segment = rows, both_copies_kernel(), []
 
     def run_segment(h):
@@ -199,9 +181,8 @@ def stack(fp8, rows, params, activations, dtype, plain_layer):
             segment.clear()
         return h
 
-    for quantized, (kernel, bias), activation in zip(
-            quantized_layers(fp8, rows.shape[0], widths), params, activations):
-        if quantized:
+    for gemm, (kernel, bias), activation in zip(plan.gemms, params, activations):
+        if gemm.choice.choice == "fp8":
             segment.append((Layer(activation, bias is not None, jnp.dtype(dtype).name,
                                   both_copies), (kernel, bias)))
         else:
@@ -219,22 +200,10 @@ class SwiGLU(NamedTuple):
     both_copies: str
 
 
-def runs_swiglu(fp8, rows: int, d: int, hidden: int, d_out: int) -> bool:
-    """Whether the SwiGLU block runs block-scaled under `fp8` for `rows` rows: D, F and D_out
-    multiples of 128 (each is some GEMM's contraction) and, with `layers="auto"`, both GEMMs
-    large enough (`fp8_pays`); `layers="all"` refuses other widths, naming the argument."""
-    widths = (("x", "D, its features (last axis)", d), ("gate_up", "F, its columns", hidden),
-              ("down", "D_out, its columns", d_out))
-    unaligned = [(name, axis, n) for name, axis, n in widths if n % BLOCK]
-    if unaligned and fp8.layers == "all":
-        name, axis, n = unaligned[0]
-        raise ValueError(f"{name}: Fp8(scaling=\"block\") needs {axis} a multiple of {BLOCK} "
-                         f"(each width is the contraction of one of the block's GEMMs), got "
-                         f"{n}; zero-pad it to {-(-n // BLOCK) * BLOCK}, or pass "
-                         f"Fp8(scaling=\"block\", layers=\"auto\") to run such a block in the "
-                         f"compute dtype")
-    return not unaligned and (fp8.layers == "all" or (
-        fp8_pays(rows, d, 2 * hidden) and fp8_pays(rows, hidden, d_out)))
+def _both_copies(block: SwiGLU, t):
+    """t's two 1×128 copies (`quantize_1x128_both`), its rows zero-padded to a multiple of
+    128: the GEMM's along its features and the weight gradient's along the tokens."""
+    return quantize_1x128_both(_padded_rows(t), FORMAT, kernel=block.both_copies)
 
 
 def _gemm(a8, sa, w8, sw, dtype):
@@ -256,8 +225,7 @@ def swiglu(block: SwiGLU, x, gate_up, down):
 
 def _swiglu_fwd(block: SwiGLU, x, gate_up, down):
     dtype, rows = x.dtype, x.shape[0]
-    both = functools.partial(quantize_1x128_both, dtype=FORMAT, kernel=block.both_copies)
-    (x8, sx), (xt8, sxt) = both(_padded_rows(x))
+    (x8, sx), (xt8, sxt) = _both_copies(block, x)
     w8, sw = quantize_128x128(gate_up, FORMAT)
     down8, sdown = quantize_128x128(down, FORMAT)
     gu = _gemm(x8, sx, w8, sw, dtype)[:rows]
@@ -265,7 +233,7 @@ def _swiglu_fwd(block: SwiGLU, x, gate_up, down):
     # (the quantizing pass reads a tensor), then both its copies
     (g8, sg), (u8, su) = (quantize_1x128(half, FORMAT)
                           for half in (gu[:, :block.hidden], gu[:, block.hidden:]))
-    (h8, sh), (ht8, sht) = both(_padded_rows(gating.hidden(gu, block.hidden).astype(dtype)))
+    (h8, sh), (ht8, sht) = _both_copies(block, gating.hidden(gu, block.hidden).astype(dtype))
     # As in the per-tensor block: the barrier keeps XLA from moving g8's and u8's casts into
     # the backward, which would keep the 16-bit [g u] alive until then.
     h8, g8, u8 = barrier.flat_barrier(h8, g8, u8)
@@ -278,8 +246,7 @@ def _swiglu_fwd(block: SwiGLU, x, gate_up, down):
 def _swiglu_bwd(block: SwiGLU, saved, dy):
     (xt8, sxt), (g8, sg), (u8, su), (ht8, sht), (w8, sw), (down8, sdown) = saved
     dtype, rows = dy.dtype, dy.shape[0]
-    both = functools.partial(quantize_1x128_both, dtype=FORMAT, kernel=block.both_copies)
-    (dy8, sdy), (dyt8, sdyt) = both(_padded_rows(dy))
+    (dy8, sdy), (dyt8, sdyt) = _both_copies(block, dy)
     # As in `_segment_bwd`: weight gradients from both operands' copies along the tokens,
     # data gradients from the kernels' blocks read transposed.
     ddown = matmul(ht8, dyt8, transpose_b=True, quantization_scales={"a": sht, "b": sdyt},
@@ -287,7 +254,7 @@ def _swiglu_bwd(block: SwiGLU, saved, dy):
     dh = matmul(dy8, down8, transpose_b=True, quantization_scales={"a": sdy, "b": sdown},
                 preferred_element_type=dtype)[:rows]
     dgu = gating.hidden_gradient(dh, dequantize(g8, sg), dequantize(u8, su), dtype)
-    (dgu8, sdgu), (dgut8, sdgut) = both(_padded_rows(dgu))
+    (dgu8, sdgu), (dgut8, sdgut) = _both_copies(block, dgu)
     dgate_up = matmul(xt8, dgut8, transpose_b=True, quantization_scales={"a": sxt, "b": sdgut},
                       preferred_element_type=dtype)
     dx = matmul(dgu8, w8, transpose_b=True, quantization_scales={"a": sdgu, "b": sw},

@@ -31,6 +31,8 @@ from jax_epilog.op.block_scales import BlockScales
 from jax_epilog.op.epilogs import ACTIVATIONS, Epilog, aux_dtype
 from jax_epilog.op.matmul import matmul
 from jax_epilog.op.reference import saturating_cast
+from jax_epilog.planning import block_plan
+from jax_epilog.planning.context import Choice
 from jax_epilog.planning.serving_plan import WEIGHT_ONLY_MIN_ROWS, serving_way
 
 
@@ -69,7 +71,24 @@ def forward(activations: tuple, dtype, x, params):
     """`act_i(h @ kernel_i + bias_i)` layer by layer, stored-FP8 kernels as FP8 GEMMs; `x`
     `(rows, K)` in `dtype`, `params` checked pairs (16-bit ones cast to `dtype`). Not
     differentiable (`_NOT_DIFFERENTIABLE`)."""
+    observe("served stack", x.shape[0], [kernel for kernel, _ in params], dtype)
     return _served_layers(activations, dtype, x, params)
+
+
+def observe(kind: str, rows: int, kernels, dtype) -> None:
+    """Tells `explain` (`block_plan.observe`) how a served `kind` of `kernels` runs over
+    `rows` rows: each stored-FP8 kernel the one way `serving_way` chooses, each 16-bit one
+    its ordinary forward GEMM."""
+    way = serving_way(rows)
+    stored = [kernel for kernel in kernels if isinstance(kernel, Fp8Weight)]
+    scales = sorted({"per channel" if per_channel(k) else "per tensor" for k in stored})
+    plain = Choice("bf16", "a 16-bit kernel: its forward GEMM (jax_epilog.matmul)")
+    gemms = tuple(block_plan.Gemm(f"kernel {i}", *kernel.shape,
+                                  way if isinstance(kernel, Fp8Weight) else plain)
+                  for i, kernel in enumerate(kernels))
+    block_plan.observe(block_plan.BlockPlan(
+        kind, jnp.dtype(dtype).name, rows, f"kernels stored in FP8, {' and '.join(scales)}",
+        way, gemms))
 
 
 def _layers(activations: tuple, dtype, x, params):

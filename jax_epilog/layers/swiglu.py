@@ -26,7 +26,8 @@ With `fp8=` (SPEC §5's recipe, `Fp8`; docs/fp8.md, "SwiGLU"):
 
 `Fp8(layers="auto")` runs the block FP8 where both GEMMs pass `stack_plan.fp8_pays` (large
 enough, widths multiples of 16), else in the compute dtype (an `fp8_state` then passes
-through unchanged); `layers="all"` always.
+through unchanged); `layers="all"` always (`planning.block_plan.swiglu_plan` decides, and
+tells `explain`).
 
 With `Fp8(scaling="block")` (DeepSeek-V3's recipe, `layers.block_step`'s; docs/fp8.md,
 "Block-scaled training") the block is another custom VJP, `block_step.swiglu`, of six
@@ -34,7 +35,7 @@ block-scaled e4m3 GEMMs: x, h and, in the backward, dy and `[dg du]` in 1×128 t
 quantized once into both its copies (the forward's and the weight gradient's, tokens padded
 to a multiple of 128); `[gate up]` and down in 128×128 blocks, read transposed by the data
 gradients; g and u kept in 1×128 tiles along F. D, F and D_out must be multiples of 128
-(`block_step.runs_swiglu`); no state.
+(`planning.block_plan.swiglu_plan`); no state.
 
 Kernels stored in FP8 (`Fp8Weight`s, `quantize_params`; docs/serving.md) run the inference
 forward of `layers.serving`, the way chosen by the rows as for a served `dense`:
@@ -70,8 +71,8 @@ from jax_epilog.layers import block_step, fp8_step, gating, serving
 from jax_epilog.layers.functional import _compute_dtype, _described
 from jax_epilog.layers.gemms import LAYER_INPUT_NAME, SWIGLU_HIDDEN_NAME
 from jax_epilog.op import manual_axes
+from jax_epilog.planning import block_plan
 from jax_epilog.planning.serving_plan import serving_way
-from jax_epilog.planning.stack_plan import quantized_layers
 
 
 #: `fp8_state=` of the block: one `Fp8History` per GEMM, in this order.
@@ -328,13 +329,6 @@ def _kernels(x, gate_up, down):
     return gate_up, down, hidden
 
 
-def runs_fp8(fp8: Optional[Fp8], rows: int, d: int, hidden: int, d_out: int) -> bool:
-    """Whether the block runs FP8 under `fp8` (`as_fp8`'d) for `rows` rows: `layers="all"`,
-    or both its GEMMs `(rows, D) @ (D, 2F)` and `(rows, F) @ (F, D_out)` by the rule."""
-    return fp8 is not None and all(c.choice == "fp8" for c in quantized_layers(
-        fp8, rows, (d, 2 * hidden)) + quantized_layers(fp8, rows, (hidden, d_out)))
-
-
 def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=None):
     """The SwiGLU MLP block of Llama-style models, `down(silu(x @ gate) * (x @ up))`, no biases.
 
@@ -378,11 +372,12 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
     rows = x.reshape(math.prod(lead), d)
     axes = manual_axes.varying_axes([rows, gate_up, down])
     rows, gate_up, down = (manual_axes.vary(a, axes) for a in (rows, gate_up, down))
-    block_scaled = fp8 is not None and fp8.block
-    if block_scaled and block_step.runs_swiglu(fp8, rows.shape[0], d, hidden, d_out):
+    way = block_plan.observe(block_plan.swiglu_plan(fp8, rows.shape[0], d, hidden, d_out,
+                                                    jnp.dtype(dtype).name)).way.choice
+    if way == "fp8_block":
         y = block_step.swiglu(block_step.SwiGLU(hidden, both_copies_kernel()), rows, gate_up,
                               down)
-    elif not block_scaled and runs_fp8(fp8, rows.shape[0], d, hidden, d_out):
+    elif way == "fp8":
         block = Block(fp8.resolved(fp8_state is not None), precision, hidden)
         y = _fp8_block(block, rows, gate_up, down, fp8_state)
     else:
@@ -396,5 +391,7 @@ def _served(x, gate_up: tuple, down: Fp8Weight, hidden: int, dtype):
     dtype = _compute_dtype(dtype, [x])
     x = jnp.asarray(x, dtype)
     lead, d = x.shape[:-1], x.shape[-1]
-    y = _serve(hidden, dtype, x.reshape(math.prod(lead), d), gate_up, down)
+    rows = x.reshape(math.prod(lead), d)
+    serving.observe("served swiglu", rows.shape[0], (*gate_up, down), dtype)
+    y = _serve(hidden, dtype, rows, gate_up, down)
     return y.reshape(*lead, y.shape[-1])

@@ -7,9 +7,12 @@ what is known when it is traced or lowered, with the rule or table entry behind 
   and a differentiated call's step (`plan_matmul_step`);
 - `stack_plan`: a `dense`/`mlp` stack's plan (`plan_stack`: FP8 per layer, each GEMM's
   epilog and backend, fused or plain);
+- `block_plan`: what runs without a stack's plan (a SwiGLU block, a block-scaled FP8 stack,
+  layers of weights stored in FP8) and why, told to `explain`; `serving_plan`: the way a
+  layer of a stored FP8 weight runs;
 - `table_format`: the measured decision tables' entries and files (shipped in `tables/`, or
   the user's from `python -m jax_epilog.tune`); `decisions`: how they decide (the nearest
   measured entry, the rules without one).
 
-Imports `runtime` and, from `op`, only `epilogs`, `call` and `padding`.
+Imports `runtime` and, from `op`, only `epilogs`, `call`, `padding` and `block_scales`.
 """

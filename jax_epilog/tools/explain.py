@@ -30,7 +30,7 @@ from jax_epilog.planning import decisions
 from jax_epilog.planning import table_format
 from jax_epilog.op import lowering
 
-from jax_epilog.planning import call_plan, context, stack_plan
+from jax_epilog.planning import block_plan, call_plan, context, stack_plan
 from jax_epilog.op.call import Params, problem_of
 from jax_epilog.tools.command_line import gemm_size, load_callable, parse_arg_spec
 from jax_epilog.tools.measurement import epilog_eqns
@@ -38,10 +38,11 @@ from jax_epilog.tools.measurement import epilog_eqns
 
 class Call(NamedTuple):
     """One `epilog_matmul` call of the traced program (a `stack_plan.Gemm` of no layer) and how it
-    lowers for CUDA."""
+    lowers for CUDA; `block_scaling`: a block-scaled FP8 call's tiles of a and b."""
 
     gemm: stack_plan.Gemm
     lowering: call_plan.CallPlan
+    block_scaling: Optional[tuple[str, str]] = None
 
 
 class Explanation(NamedTuple):
@@ -51,12 +52,15 @@ class Explanation(NamedTuple):
     stacks: tuple[stack_plan.StackPlan, ...]
     calls: tuple[Call, ...]
     matmuls: tuple[call_plan.MatmulStep, ...] = ()  # the differentiable `matmul` calls
+    # SwiGLU blocks, block-scaled stacks and layers of stored FP8 weights
+    blocks: tuple[block_plan.BlockPlan, ...] = ()
 
     def __str__(self) -> str:
         return "\n".join(_lines(self))
 
     def __repr__(self) -> str:
-        return f"<jax_epilog.Explanation: {len(self.stacks)} stacks, {len(self.calls)} calls>"
+        return (f"<jax_epilog.Explanation: {len(self.stacks)} stacks, {len(self.blocks)} "
+                f"blocks, {len(self.calls)} calls>")
 
 
 def _layout(transpose_a: bool, transpose_b: bool) -> str:
@@ -102,12 +106,22 @@ def _stack_lines(i: int, sp: stack_plan.StackPlan) -> list[str]:
     return lines
 
 
+def _block_lines(i: int, b: block_plan.BlockPlan) -> list[str]:
+    recipe = f", {b.recipe}" if b.recipe else ""
+    lines = [f"{b.kind} {i}: {b.dtype}, {b.rows} rows{recipe}: {b.way.choice}: {b.way.why}"]
+    lines += [f"  {g.name} GEMM {gemm_size(1, b.rows, g.k, g.n)}: {g.choice.choice}"
+              + ("" if g.choice == b.way else f": {g.choice.why}") for g in b.gemms]
+    return lines
+
+
 def _lines(e: Explanation) -> list[str]:
     lines = [f"jax_epilog.explain: {e.target}"]
-    if not e.stacks:
-        lines.append("no dense/mlp stack")
+    if not (e.stacks or e.blocks):
+        lines.append("no dense/mlp stack, SwiGLU block or stored-FP8 layer")
     for i, sp in enumerate(e.stacks):
         lines += _stack_lines(i, sp)
+    for i, b in enumerate(e.blocks):
+        lines += _block_lines(i, b)
     for m in e.matmuls:
         p = problem_of(m.a_shape, m.b_shape, m.params.transpose_a, m.params.transpose_b)
         lines.append(f"matmul {m.params.epilog.name} {np.dtype(m.dtype).name} "
@@ -123,14 +137,18 @@ def _lines(e: Explanation) -> list[str]:
         if plain_stacks or plain_matmuls:
             lines.append("  none: the stacks and matmul calls above run the plain expression, "
                          "which XLA compiles as its own")
+        elif e.blocks:
+            lines.append("  none: the blocks above run XLA's own GEMMs")
         elif not (e.stacks or e.matmuls):
-            lines.append("  none: the program calls no jax_epilog.matmul, dense or mlp")
+            lines.append("  none: the program calls no jax_epilog.matmul, dense, mlp or swiglu")
     for c in e.calls:
         g = c.gemm
         own = (g.transpose_a, g.transpose_b)
         layout = f" in {_layout(*c.lowering.layout)}" if c.lowering.layout not in (None, own) else ""
         if c.lowering.padded:
             layout += " K,N padded to {}×{}".format(*c.lowering.padded)
+        if c.block_scaling:
+            layout += " scales {} × {}".format(*c.block_scaling)
         lines.append(f"  {g.epilog.name:<14} {g.dtype} {_layout(g.transpose_a, g.transpose_b)} "
                      f"{gemm_size(g.batch, g.m, g.k, g.n)}  backend={g.requested}: "
                      f"{c.lowering.way}{layout}"
@@ -171,19 +189,22 @@ def _calls(jaxpr, ctx: context.Context, supports) -> list[Call]:
         gemm = stack_plan.Gemm(None, "call", params.epilog, " x ".join(dict.fromkeys(dtypes)),
                          result, p.batch, p.m, p.n, p.k, params.transpose_a, params.transpose_b,
                          params.backend)
-        calls.append(Call(gemm, call_plan.plan_call(ctx, avals, params, supports)))
+        calls.append(Call(gemm, call_plan.plan_call(ctx, avals, params, supports),
+                          params.block_scaling))
     return calls
 
 
 def explanation(fn: Callable, args: tuple = (), kwargs: Optional[dict] = None) -> Explanation:
     """The `Explanation` of `fn(*args, **kwargs)` (arrays or `jax.ShapeDtypeStruct`s)."""
-    stacks, matmuls = [], []
+    stacks, matmuls, blocks = [], [], []
 
     def observe(planned, mode: str) -> None:
         if mode == "planned":
             stacks.append(planned)
         elif mode == "matmul":
             matmuls.append(planned)
+        elif mode == "block":
+            blocks.append(planned)
 
     ctx, supports, target = _context(observe)
     # A function traced before keeps its cached trace: no stack would be planned again.
@@ -192,7 +213,7 @@ def explanation(fn: Callable, args: tuple = (), kwargs: Optional[dict] = None) -
         jaxpr = jax.make_jaxpr(fn)(*args, **(kwargs or {})).jaxpr
         calls = _calls(jaxpr, ctx, supports)
     jax.clear_caches()  # nothing traced under this context is reused outside it
-    return Explanation(target, tuple(stacks), tuple(calls), tuple(matmuls))
+    return Explanation(target, tuple(stacks), tuple(calls), tuple(matmuls), tuple(blocks))
 
 
 def explain(fn: Callable, *args, **kwargs) -> Explanation:
