@@ -33,6 +33,16 @@ OURS = re.compile(r"custom_call @(jax_epilog\w*)")
 ATTRIBUTE = re.compile(r"(\w+) = (true|false|-?\d+)(?: : (\w+))?")
 MLIR_TYPES = {bool: "i1", int: "i32"}  # an attribute's type as the module spells it
 TOLERANCE = {"cpu": 1e-5, "cuda": 0.05}  # relative to the largest value; masks: bits
+# A 16-bit output is a float32 result rounded once: another CPU (its vector width, its fused
+# multiply-adds) can move that float32 value by an ulp and so the 16-bit one by a step, which
+# is 2**-8 of the value in bfloat16 (seen: 0.1025 against 0.1021 on a 5.25-wide output, on
+# 0.03% of the values). A wrong module is off by far more.
+SIXTEEN_BIT_STEP = 2.0**-8
+
+
+def _tolerance(platform: str, dtype: str) -> float:
+    sixteen_bit = dtype in ("bfloat16", "float16")
+    return max(TOLERANCE[platform], SIXTEEN_BIT_STEP) if sixteen_bit else TOLERANCE[platform]
 
 
 def _version(text: str) -> tuple:
@@ -168,7 +178,8 @@ def _check(folder: Path):
     manifest = json.loads((folder / "manifest.json").read_text())
     assert [r["name"] for r in results] == list(manifest["cases"])
     bad = [r for r in results if "exception" in r or
-           max(r["errors"], default=0) > TOLERANCE[folder.name]]
+           r["outputs"] != manifest["cases"][r["name"]]["outputs"] or
+           any(e > _tolerance(folder.name, d) for e, d in zip(r["errors"], r["dtypes"]))]
     assert not bad, bad
 
 

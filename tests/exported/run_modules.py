@@ -1,7 +1,8 @@
 """Runs every exported module of one folder in THIS process, as a user's fresh process would:
 `import jax, jax_epilog`, then `jax.export.deserialize(blob).call(*inputs)`, nothing lowered
 first. Prints one JSON line per module: its name and the error against the outputs stored with
-it, or the exception. `tests/test_exported.py` runs it in a subprocess per folder.
+it (and their dtypes), or the exception. `tests/test_exported.py` runs it in a subprocess per
+folder.
 
     python tests/exported/run_modules.py tests/exported/<commit>/<platform>
 """
@@ -48,7 +49,8 @@ def main(folder: str) -> int:
             outputs = jax.tree.leaves(exported.call(*inputs))
             wanted = [load(data, f"out{i}") for i in range(manifest["cases"][name]["outputs"])]
             errors = [error(g, w) for g, w in zip(outputs, wanted)]
-            line = {"name": name, "errors": errors, "outputs": len(outputs)}
+            line = {"name": name, "errors": errors, "outputs": len(outputs),
+                    "dtypes": [np.dtype(w.dtype).name for w in wanted]}
         except Exception as e:  # each module's failure reported, the others still run
             line = {"name": name, "exception": f"{type(e).__name__}: {e}"[:2000]}
         print(json.dumps(line), flush=True)
