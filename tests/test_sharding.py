@@ -1,4 +1,5 @@
-"""Runs `tests/sharding_checks.py` where it needs several devices (see its docstring).
+"""Runs `tests/sharding_checks.py` and `tests/swiglu_sharding_checks.py` where they need several
+devices (see the first's docstring).
 
 The checks need `XLA_FLAGS=--xla_force_host_platform_device_count=8` before jax is imported,
 which this process has already done, so they run in a pytest process of their own. The run
@@ -18,10 +19,11 @@ import jax_epilog
 
 from conftest import cuda_devices
 
-CHECKS = Path(__file__).with_name("sharding_checks.py")
+CHECKS = ("sharding_checks.py", "swiglu_sharding_checks.py")
 
 
-def _run_checks(env_updates: dict[str, str]) -> None:
+def _run_checks(checks: str, env_updates: dict[str, str]) -> None:
+    path = Path(__file__).with_name(checks)
     # No preallocation in the child: the GPU suite's pytest workers already hold their memory
     # fractions of every GPU (a child taking its own fraction aborted, out of memory, on 2 H200s).
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false", **env_updates}
@@ -30,9 +32,9 @@ def _run_checks(env_updates: dict[str, str]) -> None:
     package_root = str(Path(jax_epilog.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "pytest", str(CHECKS), "-q", "-p",
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(path), "-q", "-p",
                            "no:cacheprovider", "-W", "ignore::pytest.PytestAssertRewriteWarning"],
-                          env=env, cwd=CHECKS.parent, capture_output=True, text=True,
+                          env=env, cwd=path.parent, capture_output=True, text=True,
                           timeout=900)
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
@@ -43,12 +45,14 @@ def _run_checks(env_updates: dict[str, str]) -> None:
 
 
 @pytest.mark.slow
-def test_sharded_on_8_host_cpu_devices():
-    _run_checks({"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+@pytest.mark.parametrize("checks", CHECKS)
+def test_sharded_on_8_host_cpu_devices(checks):
+    _run_checks(checks, {"XLA_FLAGS": "--xla_force_host_platform_device_count=8",
                  "JAX_PLATFORMS": "cpu"})
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(len(cuda_devices()) < 2, reason="needs 2 CUDA devices")
-def test_sharded_on_gpus():
-    _run_checks({"JAX_PLATFORMS": "cuda", "JAX_EPILOG_EXPECT_KERNEL": "1"})
+@pytest.mark.parametrize("checks", CHECKS)
+def test_sharded_on_gpus(checks):
+    _run_checks(checks, {"JAX_PLATFORMS": "cuda", "JAX_EPILOG_EXPECT_KERNEL": "1"})

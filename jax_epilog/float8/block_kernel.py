@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_epilog.float8.scaling import multiplier
+from jax_epilog.op import manual_axes
 from jax_epilog.op.block_scales import BLOCK
 from jax_epilog.op.epilogs import ACTIVATIONS
 from jax_epilog.op.reference import saturating_cast
@@ -102,16 +103,17 @@ def quantize_both(x, *z, dtype: str, prologue: Prologue = Prologue(), sums: bool
     from jax.experimental import pallas as pl  # only where the kernel is chosen
 
     rows, k = x.shape
+    axes = manual_axes.varying_axes((x, *z))  # inside shard_map: what the outputs vary over
+    x, *z = (manual_axes.vary(a, axes) for a in (x, *z))
+    struct = functools.partial(manual_axes.result_struct, like=x)
     tile = pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (i, j))
     row_of_tiles = pl.BlockSpec((1, BLOCK), lambda i, j: (i, j))
-    out_shape = [jax.ShapeDtypeStruct((rows, k), jnp.uint8),
-                 jax.ShapeDtypeStruct((k, rows), jnp.uint8),
-                 jax.ShapeDtypeStruct((k // BLOCK, rows), jnp.float32),
-                 jax.ShapeDtypeStruct((rows // BLOCK, k), jnp.float32)]
+    out_shape = [struct((rows, k), jnp.uint8), struct((k, rows), jnp.uint8),
+                 struct((k // BLOCK, rows), jnp.float32), struct((rows // BLOCK, k), jnp.float32)]
     out_specs = [tile, pl.BlockSpec((BLOCK, BLOCK), lambda i, j: (j, i)),
                  pl.BlockSpec((1, BLOCK), lambda i, j: (j, i)), row_of_tiles]
     if sums:  # one row of column sums per row of tiles, added up below
-        out_shape.append(jax.ShapeDtypeStruct((rows // BLOCK, k), jnp.float32))
+        out_shape.append(struct((rows // BLOCK, k), jnp.float32))
         out_specs.append(row_of_tiles)
     params = None if interpret else compiler_params(num_warps or prologue.num_warps)
     x8, xt8, scale, t_scale, *partial_sums = pl.pallas_call(

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_epilog.float8.weights import INPUT_FORMAT
+from jax_epilog.op import manual_axes
 from jax_epilog.op.epilogs import ACTIVATIONS
 
 #: The most rows the kernel takes: each program keeps all of them in its accumulator.
@@ -247,6 +248,8 @@ def few_rows_fp8_gemm(x, x_scale, data, w_scale, bias=None, *, row_amax=None,
     operands = [x, flat(x_scale, per_row), data, flat(w_scale, per_channel)]
     if bias is not None:
         operands.append(bias)
+    axes = manual_axes.varying_axes(operands)  # inside shard_map: what the result varies over
+    operands = [manual_axes.vary(a, axes) for a in operands]
     params = None
     if not interpret:
         from jax_epilog.float8.block_kernel import compiler_params
@@ -257,7 +260,8 @@ def few_rows_fp8_gemm(x, x_scale, data, w_scale, bias=None, *, row_amax=None,
                           per_channel=per_channel, has_bias=bias is not None,
                           quantize=quantize,
                           divide=_numpy_divide if interpret else _ieee_divide),
-        out_shape=jax.ShapeDtypeStruct((rows, n), dtype), grid=(n // cut.block_n,),
+        out_shape=manual_axes.result_struct((rows, n), dtype, operands[0]),
+        grid=(n // cut.block_n,),
         interpret=interpret, name="few_rows_fp8_gemm", compiler_params=params)(*operands)
 
 

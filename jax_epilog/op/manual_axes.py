@@ -32,3 +32,11 @@ def vary(x, axes: tuple):
         return x
     missing = tuple(a for a in axes if a not in _varying(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def result_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """`jax.ShapeDtypeStruct(shape, dtype)` varying over the manual axes `like` varies over:
+    a Pallas call's `out_shape` inside `shard_map` (`check_vma=True` refuses one without
+    them). `like`: an operand already `vary`'d to the axes of every operand."""
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                manual_axis_type=getattr(jax.typeof(like), "mat", None))
