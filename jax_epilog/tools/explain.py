@@ -4,9 +4,11 @@ the rule or table entry that decided it.
 It traces `fn` (nothing runs) and prints the plans the layers and the lowering make
 (`jax_epilog.plan`): for each `dense`/`mlp` stack, the training step's and the inference
 forward's path (fused or the plain expression) and why, each layer's FP8 choice and why, and
-each GEMM with its epilog, layout and backend (the table entry that chose it); then each
-`epilog_matmul` call of the program as the CUDA lowering would emit it (the kernel, XLA's
-GEMM, padded or relaid out). On a host without a CUDA GPU the program runs the reference; the
+each GEMM with its epilog, layout and backend (the table entry that chose it); for each
+SwiGLU block, block-scaled FP8 stack and layer of stored FP8 weights, its way and each GEMM's
+rule (`planning.block_plan`); then each `epilog_matmul` call of the program as the CUDA
+lowering would emit it (the kernel, XLA's GEMM, padded or relaid out, a block-scaled call's
+tiles). On a host without a CUDA GPU the program runs the reference; the
 explanation then says what CUDA would do, planned with the tables of `table_format.REFERENCE_DEVICE`
 (the H200) and without cuBLASLt's support answers (which only a GPU can give).
 
