@@ -28,7 +28,8 @@ The layers' feature widths must be multiples of 128 (every GEMM contracts one of
 `Fp8(layers="all")` refuses others with an error naming the argument; `layers="auto"` runs
 such a layer, and one too small for FP8 to pay (`stack_plan.fp8_pays`), in the compute dtype
 (`layers.functional`'s layer); `planning.block_plan` decides. There is no state: the Flax
-modules hold no amax histories. On a CPU every GEMM is the exact reference (block dequantization, float32 product).
+modules hold no amax histories. On a CPU every GEMM is the exact reference (block
+dequantization, float32 product).
 
 The SwiGLU block under this recipe (`swiglu`, which `layers.swiglu.swiglu` runs where
 `block_plan.swiglu_plan` says) is one more custom VJP of six such GEMMs: x, h = silu(g)·u,
@@ -167,8 +168,9 @@ _segment.defvjp(_segment_fwd, _segment_bwd)
 
 def stack(fp8, rows, params, activations, dtype, plain_layer):
     """The stack on `rows` (M, K) under `fp8` (`scaling="block"`), called by `layers._run`:
-    each run of block-scaled layers (`block_plan.block_stack_plan`) one `_segment`, and each layer
-    "auto" leaves out `plain_layer(h, kernel, bias, activation)`, the compute-dtype layer."""
+    each run of block-scaled layers (`block_plan.block_stack_plan`) one `_segment`, and each
+    layer "auto" leaves out `plain_layer(h, kernel, bias, activation)`, the compute-dtype
+    layer."""
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
     plan = block_plan.observe(block_plan.block_stack_plan(fp8, rows.shape[0], widths,
                                                           jnp.dtype(dtype).name))

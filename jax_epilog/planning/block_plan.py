@@ -121,4 +121,3 @@ def block_stack_plan(fp8, rows: int, widths, dtype: str) -> BlockPlan:
     return BlockPlan("block-scaled stack", dtype, rows, repr(fp8), way,
                      tuple(Gemm(f"layer {i}", k, n, c)
                            for i, ((k, n), c) in enumerate(zip(shapes, choices))))
-
