@@ -1,5 +1,6 @@
-"""Runs `tests/sharding_checks.py` and `tests/swiglu_sharding_checks.py` where they need several
-devices (see the first's docstring).
+"""Runs `tests/sharding_checks.py`, `tests/swiglu_sharding_checks.py` and
+`tests/explicit_sharding_checks.py` where they need several devices (see the first's
+docstring).
 
 The checks need `XLA_FLAGS=--xla_force_host_platform_device_count=8` before jax is imported,
 which this process has already done, so they run in a pytest process of their own. The run
@@ -19,7 +20,7 @@ import jax_epilog
 
 from conftest import cuda_devices
 
-CHECKS = ("sharding_checks.py", "swiglu_sharding_checks.py")
+CHECKS = ("sharding_checks.py", "swiglu_sharding_checks.py", "explicit_sharding_checks.py")
 
 
 def _run_checks(checks: str, env_updates: dict[str, str]) -> None:

@@ -283,7 +283,9 @@ def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=Non
         def plain_layer(h, kernel, bias, activation):
             return _run(h, [(kernel, bias)], [activation], precision=precision, forward=forward,
                         backward=backward, dtype=dtype)
-        y = block_step.stack(fp8, rows, params, activations, dtype, plain_layer)
+        y = manual_axes.rows_in_auto_axes(
+            lambda rows, params: block_step.stack(fp8, rows, params, activations, dtype,
+                                                  plain_layer), rows, params)
         return y.reshape(*lead, y.shape[-1])
     widths = [rows.shape[1]] + [kernel.shape[1] for kernel, _ in params]
     ctx = context.current()

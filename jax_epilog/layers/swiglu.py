@@ -375,13 +375,16 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
     way = block_plan.observe(block_plan.swiglu_plan(fp8, rows.shape[0], d, hidden, d_out,
                                                     jnp.dtype(dtype).name)).way.choice
     if way == "fp8_block":
-        y = block_step.swiglu(block_step.SwiGLU(hidden, both_copies_kernel()), rows, gate_up,
-                              down)
+        y = manual_axes.rows_in_auto_axes(
+            functools.partial(block_step.swiglu,
+                              block_step.SwiGLU(hidden, both_copies_kernel())), rows, gate_up,
+            down)
     elif way == "fp8":
         block = Block(fp8.resolved(fp8_state is not None), precision, hidden)
         y = _fp8_block(block, rows, gate_up, down, fp8_state)
     else:
-        y = _block(Block(None, precision, hidden), rows, gate_up, down)
+        y = manual_axes.rows_in_auto_axes(
+            functools.partial(_block, Block(None, precision, hidden)), rows, gate_up, down)
         if fp8_state is not None:
             y = fp8_step.carry_state(y, fp8_state)
     return y.reshape(*lead, d_out)

@@ -24,6 +24,8 @@ from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jax_epilog.op import manual_axes
+
 amaxes_p = Primitive("epilog_amaxes")
 
 
@@ -92,7 +94,7 @@ def _partition(mesh, arg_shapes, result_shape, one_pass: bool):
         vector = _local(*arrays, one_pass=one_pass)
         return jax.lax.pmax(vector, axes) if axes else vector
 
-    return mesh, local, NamedSharding(mesh, P()), shardings
+    return mesh, manual_axes.per_device(mesh, local), NamedSharding(mesh, P()), shardings
 
 
 def _lower(ctx, *arrays, one_pass: bool):

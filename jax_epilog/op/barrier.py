@@ -20,6 +20,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from jax_epilog.op import manual_axes
+
 flat_barrier_p = Primitive("epilog_flat_barrier")
 flat_barrier_p.multiple_results = True
 
@@ -39,9 +41,18 @@ def _local_barrier(*arrays):
     return tuple(f.reshape(a.shape) for f, a in zip(flat, arrays))
 
 
+def _global_barrier(*arrays):
+    """The whole arrays' barrier (what one device runs, and the partitioner traces): flattened,
+    unless a type says an array is split over Explicit mesh axes, which JAX then refuses to
+    flatten (each device's block is flattened by `_local_barrier` after partitioning)."""
+    if manual_axes.explicitly_sharded(arrays):
+        return jax.lax.optimization_barrier(arrays)
+    return _local_barrier(*arrays)
+
+
 @functools.cache
 def _partitioned(ranks: tuple[int, ...]):
-    op = custom_partitioning(_local_barrier)
+    op = custom_partitioning(_global_barrier)
     terms = [" ".join(f"a{i}d{d}" for d in range(rank)) for i, rank in enumerate(ranks)]
     rule = f"{', '.join(terms)} -> {', '.join(terms)}"
     op.def_partition(partition=_partition, sharding_rule=rule)
@@ -51,7 +62,7 @@ def _partitioned(ranks: tuple[int, ...]):
 def _partition(mesh, arg_shapes, result_shape):
     del result_shape
     shardings = tuple(a.sharding for a in arg_shapes)
-    return mesh, _local_barrier, shardings, shardings
+    return mesh, manual_axes.per_device(mesh, _local_barrier), shardings, shardings
 
 
 def _lower(ctx, *arrays):
@@ -64,7 +75,7 @@ def _batch(arrays, dims):
 
 
 flat_barrier_p.def_abstract_eval(lambda *avals: avals)
-flat_barrier_p.def_impl(lambda *arrays: _local_barrier(*arrays))
+flat_barrier_p.def_impl(lambda *arrays: _global_barrier(*arrays))
 mlir.register_lowering(flat_barrier_p, _lower)
 # The partitioner's callback needs the devices, as for the GEMM (`primitive.py`).
 _jax_dispatch.prim_requires_devices_during_lowering.add(flat_barrier_p)

@@ -1,4 +1,5 @@
-"""Varying manual axes, for calls inside `jax.shard_map` (with its default `check_vma=True`).
+"""Manual mesh axes: the varying axes of calls inside `jax.shard_map` (with its default
+`check_vma=True`), and the per-device functions of the `custom_partitioning` primitives.
 
 Inside `shard_map` a value that differs between devices carries, in its type, the mesh axes it
 varies over. The kernel's abstract evaluation does not track them, so the two custom VJPs
@@ -6,11 +7,15 @@ varies over. The kernel's abstract evaluation does not track them, so the two cu
 entering (JAX differentiates that cast into the psum that the gradient of a replicated input
 needs, as for its own ops), and the kernel's outputs to the axes of its operands. Outside
 `shard_map` every set is empty and nothing is done.
+
+XLA's partitioner traces a `custom_partitioning` op's per-device function with every mesh axis
+manual (`per_device`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import functools
+from typing import Any, Callable, Iterable
 
 import jax
 
@@ -40,3 +45,41 @@ def result_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
     them). `like`: an operand already `vary`'d to the axes of every operand."""
     return jax.ShapeDtypeStruct(shape, dtype,
                                 manual_axis_type=getattr(jax.typeof(like), "mat", None))
+
+
+def explicitly_sharded(values: Iterable[Any]) -> bool:
+    """Whether the type of any of `values` says it is split over a mesh axis: an Explicit
+    axis (`jax.make_mesh`'s default, under `jax.set_mesh` or with explicitly sharded
+    arguments). With Auto axes types carry no split, and the partitioner decides alone."""
+    return any(entry is not None for x in values if x is not None
+               for entry in getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()))
+
+
+def rows_in_auto_axes(fn: Callable, rows, *args):
+    """`fn(rows, *args)`, a (rows, N) result, run with the mesh's Explicit axes made Auto
+    (`jax.sharding.auto_axes`) where an argument's type is split over one, the result split
+    as `rows`' rows are: for code written for Auto axes (reshapes of split dimensions, Pallas
+    calls), which JAX would refuse to type under Explicit ones. XLA's partitioner then splits
+    it as it does under Auto axes."""
+    if not explicitly_sharded([rows, *jax.tree.leaves(args)]):
+        return fn(rows, *args)
+    rows_spec = jax.typeof(rows).sharding.spec
+    out = jax.sharding.PartitionSpec(rows_spec[0] if len(rows_spec) else None, None)
+    return jax.sharding.auto_axes(fn, out_sharding=out)(rows, *args)
+
+
+def per_device(mesh, local: Callable) -> Callable:
+    """`local`, a `custom_partitioning` op's per-device function, traced with every axis of
+    `mesh` manual, as the partitioner's callback runs it. Under `jax.set_mesh` of a mesh with
+    Explicit axes (`jax.make_mesh`'s default) the ambient abstract mesh would otherwise make
+    the ops inside annotate shardings that no partitioner is left to remove (the compile then
+    failed: "No registered implementation for untyped custom call to Sharding")."""
+    manual = mesh.abstract_mesh.update_axis_types(
+        {name: jax.sharding.AxisType.Manual for name in mesh.axis_names})
+
+    @functools.wraps(local)
+    def traced(*args):
+        with jax.sharding.use_abstract_mesh(manual):
+            return local(*args)
+
+    return traced

@@ -75,8 +75,15 @@ def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, ba
             raise TypeError(f"epilog_matmul: {name} must be float32, got {x.dtype}")
         if name == "c" and x.dtype != array_dtype("c", out):
             raise TypeError(f"epilog_matmul: c must be {array_dtype('c', out)}, got {x.dtype}")
-    return [ShapedArray((p.batch, p.m, p.n), out)] + [
-        ShapedArray(array_shape(name, p), array_dtype(name, out)) for name in output_names[1:]]
+    avals = [((p.batch, p.m, p.n), out)] + [
+        (array_shape(name, p), array_dtype(name, out)) for name in output_names[1:]]
+    shardings = sharding.result_shardings(
+        Params(epilog, transpose_a, transpose_b, False, result_dtype=result_dtype,
+               result_amax=result_amax, has_c=has_c, fast_accumulation=fast_accumulation,
+               block_scaling=block_scaling), (a, b, *args))
+    if shardings is None:
+        return [ShapedArray(shape, dtype) for shape, dtype in avals]
+    return [ShapedArray(shape, dtype, sharding=s) for (shape, dtype), s in zip(avals, shardings)]
 
 
 for _p in (epilog_matmul_p, kernel_p):

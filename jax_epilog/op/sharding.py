@@ -39,7 +39,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_epilog.op import reference
+from jax_epilog.op import manual_axes, reference
 from jax_epilog.op.epilogs import ARRAYS, AUX_DIM_COLUMNS, Epilog, is_fp8
 from jax_epilog.op.call import Params, kernel_p, names_of, plain_product, problem_of
 
@@ -132,6 +132,22 @@ def _layout(params: Params, mesh, arg_shapes) -> _Layout:
     return _Layout(b_batch=b_batch, bias_batch=bias_batch, **chosen)
 
 
+def result_shardings(params: Params, operands) -> tuple | None:
+    """Under a mesh with Explicit axes (`jax.make_mesh`'s default, `jax.set_mesh`), where the
+    types of the operands say how they are split: the shardings of y and of the aux results,
+    as the partitioner will lay them out (`_layout`; K's axes summed away, a dimension that
+    cannot split kept whole). None where no operand has an explicitly sharded dimension: the
+    results then take the default, as with Auto axes, where the partitioner alone decides."""
+    specs = [getattr(getattr(x, "sharding", None), "spec", None) for x in operands]
+    if not any(entry is not None for spec in specs if spec is not None for entry in spec):
+        return None
+    mesh = next(x.sharding.mesh for x, spec in zip(operands, specs) if spec is not None)
+    lay = _layout(params, mesh, operands)
+    _, result_names = names_of(params, operands[0].dtype)
+    dims = [("batch", "m", "n"), *(ARRAYS[name].dims for name in result_names[1:])]
+    return tuple(NamedSharding(mesh, lay.spec(d)) for d in dims)
+
+
 def _partition(params: Params, mesh, arg_shapes, result_shape):
     del result_shape
     lay = _layout(params, mesh, arg_shapes)
@@ -148,7 +164,7 @@ def _partition(params: Params, mesh, arg_shapes, result_shape):
     def named(specs):
         return tuple(NamedSharding(mesh, s) for s in specs)
 
-    return mesh, local, named(result_specs), named(arg_specs)
+    return mesh, manual_axes.per_device(mesh, local), named(result_specs), named(arg_specs)
 
 
 def _psum_float32(x, axes):

@@ -1,0 +1,118 @@
+"""jax-epilog under Explicit mesh axes, against one device and the same program under Auto axes.
+
+`jax.make_mesh` gives Explicit axes by default (JAX 0.12; JAX 0.10 asks for them), and under
+`jax.set_mesh` an array's type then says how it is split: JAX's own ops compute the split of
+their results, and refuse what they cannot type. The op computes its results' splits as its
+partitioner lays them out; the block-scaled recipe and the SwiGLU block's compute-dtype path,
+written for Auto axes, run with the axes made Auto inside (`manual_axes.rows_in_auto_axes`).
+Until 2026-12-06 every call with a bias failed to compile under `jax.set_mesh` of such a
+mesh, and the FP8 layers' results were typed replicated (every device then held all of them).
+
+Needs several devices: `tests/test_sharding.py` runs this file in its own pytest process, as it
+does `sharding_checks.py`, whose meshes, layouts and tolerances these checks share.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import collectives
+import jax_epilog
+import swiglu_sharding_checks as swiglu_checks
+from sharding_checks import (FP8_TOL, HIGHEST, K, LAYOUTS, MESHES, M, N, TOL, _assert_close,
+                             _forward_loss, _fp8_error, _normal)
+
+
+def _explicit(mesh):
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                             axis_types=(AxisType.Explicit,) * len(mesh.axis_names))
+
+
+EXPLICIT = {name: _explicit(mesh) for name, mesh in MESHES.items()}
+# y's split, as its type says, for each of sharding_checks' layouts: K's axis is summed away
+Y_SPECS = {"data": P("data", None), "column": P(None, "model"), "row": P(None, None),
+           "data_model": P("data", "model"), "data_row": P("data", None)}
+
+
+def _put(mesh, arrays, specs):
+    return tuple(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(arrays, specs))
+
+
+def _split(x) -> tuple:
+    """The mesh axes x's type splits each dimension over (None: whole)."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def _all_gather_bytes(text: str) -> int:
+    return collectives.summarize(collectives.collectives(text)).bytes["all-gather"]
+
+
+@pytest.mark.parametrize("epilog", ["relu_aux_bias", "gelu_bias"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matmul_under_explicit_axes(layout, epilog):
+    """Values and gradients are the reference's; y's type says the layout's split; the
+    compiled program gathers nothing."""
+    mesh_name, *specs = LAYOUTS[layout]
+    mesh = EXPLICIT[mesh_name]
+    rng = np.random.default_rng(10)
+    x, w, bias, weights = _normal(rng, M, K), _normal(rng, K, N), _normal(rng, N), \
+        _normal(rng, M, N)
+    args = _put(mesh, (x, w, bias, weights), (*specs, P()))
+    loss = functools.partial(_forward_loss, jax_epilog.matmul, epilog)
+    f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+    want = jax.value_and_grad(functools.partial(_forward_loss, jax_epilog.reference_matmul,
+                                                epilog), argnums=(0, 1, 2))(x, w, bias, weights)
+    with jax.set_mesh(mesh):
+        got = f(*args)
+        y = jax.jit(lambda x, w, b: jax_epilog.matmul(
+            x, w, epilog=epilog, epilog_inputs={"bias": b}, precision=HIGHEST))(*args[:3])
+        text = f.lower(*args).compile().as_text()
+    _assert_close(got, want)
+    y = y[0] if isinstance(y, tuple) else y
+    assert _split(y) == tuple(Y_SPECS[layout])
+    assert "all-gather" not in text, [l for l in text.splitlines() if "all-gather" in l][:3]
+
+
+def _layer_step(block: str, fp8):
+    """(loss, gradients of x and the kernels) of `swiglu` or a two-layer GELU `mlp`."""
+    if block == "swiglu":
+        return swiglu_checks._step(fp8)
+
+    def loss(x, gate, up, down, target, state=None):
+        del up, state
+        y = jax_epilog.mlp(x, [(gate, None), (down, None)], activation="gelu", fp8=fp8)
+        return jnp.sum(jnp.square((y - target).astype(jnp.float32))) / swiglu_checks.M
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+
+
+@pytest.mark.parametrize("block", ["swiglu", "mlp"])
+@pytest.mark.parametrize("recipe", list(swiglu_checks.RECIPES))
+@pytest.mark.parametrize("layout", list(swiglu_checks.LAYOUTS))
+def test_layers_under_explicit_axes(layout, recipe, block):
+    """A training step of the SwiGLU block or an MLP (bf16, per-tensor and block-scaled FP8)
+    under `jax.set_mesh` of an Explicit mesh: one device's step (to the order of its sums),
+    the gradients typed with their parameters' splits, and no more gathered than the same
+    step under Auto axes."""
+    mesh_name, (x_spec, gate_up_spec, down_spec) = swiglu_checks.LAYOUTS[layout]
+    data = swiglu_checks._data(40)
+    specs = (x_spec, gate_up_spec, gate_up_spec, down_spec, x_spec)
+    step = jax.jit(_layer_step(block, swiglu_checks.RECIPES[recipe]))
+    want_value, want_grads = step(*data, None)
+    auto = step.lower(*_put(MESHES[mesh_name], data, specs), None).compile().as_text()
+    mesh = EXPLICIT[mesh_name]
+    args = _put(mesh, data, specs)
+    with jax.set_mesh(mesh):
+        value, grads = step(*args, None)
+        text = step.lower(*args, None).compile().as_text()
+    assert _fp8_error((value, grads[:4]), (want_value, want_grads[:4])) <= FP8_TOL
+    used = (0, 1, 2, 3) if block == "swiglu" else (0, 1, 3)
+    for i in used:
+        want = tuple(specs[i]) + (None,) * (grads[i].ndim - len(specs[i]))
+        assert _split(grads[i]) == want, (i, jax.typeof(grads[i]))
+    assert _all_gather_bytes(text) <= _all_gather_bytes(auto)
