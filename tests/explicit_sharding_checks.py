@@ -116,3 +116,50 @@ def test_layers_under_explicit_axes(layout, recipe, block):
         want = tuple(specs[i]) + (None,) * (grads[i].ndim - len(specs[i]))
         assert _split(grads[i]) == want, (i, jax.typeof(grads[i]))
     assert _all_gather_bytes(text) <= _all_gather_bytes(auto)
+
+
+@pytest.mark.parametrize("fp8", [None, True])
+def test_nnx_megatron_block_trains_under_explicit_axes(fp8):
+    """An NNX block (ReLU Dense by columns, Dense by rows over "model"), created and trained
+    under `jax.set_mesh` of an Explicit mesh as Flax's guides do: one device's step, the
+    kernels' splits kept."""
+    from flax import nnx
+
+    import jax_epilog.nnx as en
+
+    mesh = EXPLICIT["data_model"]
+    init, part = nnx.initializers.lecun_normal(), nnx.with_partitioning
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.up = en.Dense(K, N, activation="relu", fp8=fp8, rngs=rngs,
+                               kernel_init=part(init, (None, "model")),
+                               bias_init=part(nnx.initializers.normal(), ("model",)))
+            self.down = en.Dense(N, K, fp8=fp8, rngs=rngs,
+                                 kernel_init=part(init, ("model", None)))
+
+        def __call__(self, x):
+            return self.down(self.up(x))
+
+    rng = np.random.default_rng(41)
+    x, target = _normal(rng, M, K), _normal(rng, M, K)
+
+    def step(graphdef, state, x, target):
+        loss = lambda params: jnp.mean(  # noqa: E731
+            (nnx.merge(graphdef, params, rest)(x) - target) ** 2)
+        params, rest = state
+        value, grads = jax.value_and_grad(loss)(params)
+        return value, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    with jax.set_mesh(mesh):  # Flax places annotated parameters when they are created
+        graphdef, *state = nnx.split(Block(nnx.Rngs(0)), nnx.Param, ...)
+    plain = jax.tree.map(np.asarray, state)  # one device's copy
+    want_value, want_params = jax.jit(step, static_argnums=0)(graphdef, plain, x, target)
+    with jax.set_mesh(mesh):
+        data = NamedSharding(mesh, P("data", None))
+        value, params = jax.jit(step, static_argnums=0)(
+            graphdef, state, jax.device_put(x, data), jax.device_put(target, data))
+    assert _fp8_error((value, params), (want_value, want_params)) <= (
+        FP8_TOL if fp8 else TOL["atol"])
+    assert _split(params["up"]["kernel"][...]) == (None, "model")
+    assert _split(params["down"]["kernel"][...]) == ("model", None)
