@@ -1,6 +1,6 @@
 """jax-epilog under Explicit mesh axes, against one device and the same program under Auto axes.
 
-`jax.make_mesh` gives Explicit axes by default (JAX 0.12; JAX 0.10 asks for them), and under
+`jax.make_mesh` gives Explicit axes by default (JAX 0.10 and 0.12 alike), and under
 `jax.set_mesh` an array's type then says how it is split: JAX's own ops compute the split of
 their results, and refuse what they cannot type. The op computes its results' splits as its
 partitioner lays them out; the block-scaled recipe and the SwiGLU block's compute-dtype path,
