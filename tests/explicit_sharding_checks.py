@@ -163,3 +163,24 @@ def test_nnx_megatron_block_trains_under_explicit_axes(fp8):
         FP8_TOL if fp8 else TOL["atol"])
     assert _split(params["up"]["kernel"][...]) == (None, "model")
     assert _split(params["down"]["kernel"][...]) == ("model", None)
+
+
+@pytest.mark.parametrize("quantizer", ["quantize_1x128", "quantize_1x128 transposed",
+                                       "quantize_128x128", "quantize_rows", "quantize"])
+@pytest.mark.parametrize("spec", [P("data", None), P(None, "model"), P("data", "model")])
+def test_quantizers_under_explicit_axes(spec, quantizer):
+    """The public quantizers on a split x: one device's bytes and scales, x8 split as x is
+    (transposed with it)."""
+    name, transposed = quantizer.split()[0], quantizer.endswith("transposed")
+    f = jax.jit(functools.partial(getattr(jax_epilog, name),
+                                  **({"transposed": True} if transposed else {})))
+    rng = np.random.default_rng(42)
+    x = jnp.asarray(rng.normal(size=(256, 512)) * rng.lognormal(size=(1, 512)), jnp.bfloat16)
+    want = f(x)
+    mesh = EXPLICIT["data_model"]
+    with jax.set_mesh(mesh):
+        got = f(jax.device_put(x, NamedSharding(mesh, spec)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    split = tuple(spec) + (None,) * (2 - len(spec))
+    assert _split(got[0]) == (split[::-1] if transposed else split)

@@ -17,10 +17,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jax_epilog.float8 import block_kernel
 from jax_epilog.float8.recipe import _format
 from jax_epilog.float8.scaling import multiplier
+from jax_epilog.op import manual_axes
 from jax_epilog.op.block_scales import BLOCK, BlockScales
 from jax_epilog.op.epilogs import ACTIVATIONS
 from jax_epilog.op.reference import block_dequantize, saturating_cast
@@ -65,13 +67,26 @@ def quantize_1x128(x, dtype="float8_e4m3fn", *, transposed: bool = False):
     weight gradient's operand): x8 (K, rows), values (rows/128, K). Zero tiles get scale 1."""
     _check(x)
     dtype = _format("dtype", dtype)
-    x = x.T if transposed else x
+    _check_k(x.shape[0 if transposed else 1], "x",
+             "rows, with transposed=True" if transposed else "K, its last axis")
+    x8, values = _in_auto_axes(functools.partial(_tiles_1x128, dtype=dtype),
+                               x.T if transposed else x)
+    return x8, BlockScales(values, "1x128")
+
+
+def _tiles_1x128(x, dtype: str):
     rows, k = x.shape
-    _check_k(k, "x", "rows, with transposed=True" if transposed else "K, its last axis")
     tiles = x.astype(jnp.float32).reshape(rows, k // BLOCK, BLOCK)
     amax = jnp.max(jnp.abs(tiles), axis=2)  # (rows, K/128)
     x8, scale = _quantize(x, amax, lambda q: jnp.repeat(q, BLOCK, axis=1), dtype)
-    return x8, BlockScales(scale.T, "1x128")
+    return x8, scale.T
+
+
+def _in_auto_axes(quantize, x):
+    """`quantize(x)` -> (x8, scale values), under a mesh with Explicit axes run with them made
+    Auto (`manual_axes.in_auto_axes`): x8 split as x is, the scales (1/128 of the values at
+    most) whole."""
+    return manual_axes.in_auto_axes(quantize, (x,), lambda x: (P(*manual_axes.split(x)), P()))
 
 
 def both_copies_kernel(kernel=None) -> str:
@@ -158,8 +173,13 @@ def quantize_128x128(x, dtype="float8_e4m3fn"):
     scaling), values (⌈rows/128⌉, K/128); the last row block may be partial."""
     _check(x)
     dtype = _format("dtype", dtype)
+    _check_k(x.shape[1], "x", "K, its last axis")
+    x8, values = _in_auto_axes(functools.partial(_blocks_128x128, dtype=dtype), x)
+    return x8, BlockScales(values, "128x128")
+
+
+def _blocks_128x128(x, dtype: str):
     rows, k = x.shape
-    _check_k(k, "x", "K, its last axis")
     row_blocks = -(-rows // BLOCK)
     padded = jnp.pad(x.astype(jnp.float32), ((0, row_blocks * BLOCK - rows), (0, 0)))
     blocks = padded.reshape(row_blocks, BLOCK, k // BLOCK, BLOCK)
@@ -168,8 +188,7 @@ def quantize_128x128(x, dtype="float8_e4m3fn"):
     def expand(q):
         return jnp.repeat(jnp.repeat(q, BLOCK, axis=0), BLOCK, axis=1)[:rows]
 
-    x8, scale = _quantize(x, amax, expand, dtype)
-    return x8, BlockScales(scale, "128x128")
+    return _quantize(x, amax, expand, dtype)
 
 
 def quantize_rows(x, dtype="float8_e4m3fn"):

@@ -55,17 +55,28 @@ def explicitly_sharded(values: Iterable[Any]) -> bool:
                for entry in getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()))
 
 
+def split(x) -> tuple:
+    """The mesh axes x's type splits each dimension over (None: whole; all None outside an
+    Explicit mesh)."""
+    spec = tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", ()) or ())
+    return spec + (None,) * (x.ndim - len(spec))
+
+
+def in_auto_axes(fn: Callable, args: tuple, out_specs: Callable):
+    """`fn(*args)`, run with the mesh's Explicit axes made Auto (`jax.sharding.auto_axes`)
+    where an argument's type is split over one, its results split as `out_specs(*args)` says
+    (`PartitionSpec`s, a tree like the results'): for code written for Auto axes (reshapes of
+    split dimensions, Pallas calls) that JAX would refuse to type under Explicit ones. XLA's
+    partitioner then splits it as it does under Auto axes."""
+    if not explicitly_sharded(jax.tree.leaves(args)):
+        return fn(*args)
+    return jax.sharding.auto_axes(fn, out_sharding=out_specs(*args))(*args)
+
+
 def rows_in_auto_axes(fn: Callable, rows, *args):
-    """`fn(rows, *args)`, a (rows, N) result, run with the mesh's Explicit axes made Auto
-    (`jax.sharding.auto_axes`) where an argument's type is split over one, the result split
-    as `rows`' rows are: for code written for Auto axes (reshapes of split dimensions, Pallas
-    calls), which JAX would refuse to type under Explicit ones. XLA's partitioner then splits
-    it as it does under Auto axes."""
-    if not explicitly_sharded([rows, *jax.tree.leaves(args)]):
-        return fn(rows, *args)
-    rows_spec = jax.typeof(rows).sharding.spec
-    out = jax.sharding.PartitionSpec(rows_spec[0] if len(rows_spec) else None, None)
-    return jax.sharding.auto_axes(fn, out_sharding=out)(rows, *args)
+    """`in_auto_axes` of `fn(rows, *args)`, whose (rows, N) result is split as `rows`' rows."""
+    return in_auto_axes(fn, (rows, *args),
+                        lambda rows, *_: jax.sharding.PartitionSpec(split(rows)[0], None))
 
 
 def per_device(mesh, local: Callable) -> Callable:
