@@ -184,3 +184,28 @@ def test_quantizers_under_explicit_axes(spec, quantizer):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
     split = tuple(spec) + (None,) * (2 - len(spec))
     assert _split(got[0]) == (split[::-1] if transposed else split)
+
+
+@pytest.mark.parametrize("scaling", ["tensor", "block"])
+@pytest.mark.parametrize("layout", ["data", "column", "row", "data_model"])
+def test_fp8_matmul_under_explicit_axes(layout, scaling):
+    """`matmul` of FP8 operands, per-tensor and block-scaled (bound whole on every device
+    where it is not partitioned): one device's product, typed as the layout splits it."""
+    mesh_name, x_spec, w_spec, _ = LAYOUTS[layout]
+    quantize = {"tensor": (jax_epilog.quantize, jax_epilog.quantize),
+                "block": (jax_epilog.quantize_1x128, jax_epilog.quantize_128x128)}[scaling]
+
+    def f(x, w):
+        (x8, sx), (w8, sw) = quantize[0](x), quantize[1](w.T)
+        return jax_epilog.matmul(x8, w8, transpose_b=True, quantization_scales={"a": sx, "b": sw},
+                                 preferred_element_type=jnp.bfloat16)
+
+    rng = np.random.default_rng(43)
+    x, w = jnp.asarray(rng.normal(size=(M, 256)), jnp.bfloat16), \
+        jnp.asarray(rng.normal(size=(256, N)), jnp.bfloat16)
+    want = jax.jit(f)(x, w)
+    mesh = EXPLICIT[mesh_name]
+    with jax.set_mesh(mesh):
+        got = jax.jit(f)(*_put(mesh, (x, w), (x_spec, w_spec)))
+    assert _fp8_error(got, want) <= FP8_TOL
+    assert _split(got) == tuple(Y_SPECS[layout])

@@ -29,7 +29,7 @@ import numpy as np
 
 
 from jax_epilog.planning import call_plan, context
-from jax_epilog.op import manual_axes
+from jax_epilog.op import manual_axes, sharding
 from jax_epilog.op.epilogs import (ACTIVATIONS, Epilog, is_fp8)
 from jax_epilog.op.arguments import Call, keyword_hints, prepare, shape_results
 from jax_epilog.op import primitive  # noqa: F401  (registers the primitives' rules)
@@ -38,7 +38,14 @@ from jax_epilog.op.reference import epilog_matmul as reference_kernel
 
 def _kernel(params: Params, a, b, *inputs):
     """The primitive's outputs, typed as varying over the operands' manual axes."""
-    outputs = epilog_matmul_p.bind(a, b, *inputs, **params._asdict())
+    def bind(*operands):
+        return tuple(epilog_matmul_p.bind(*operands, **params._asdict()))
+
+    if params.block_scaling:  # bound whole (`sharding.partitioned`), so typed under Auto axes
+        outputs = manual_axes.in_auto_axes(bind, (a, b, *inputs), lambda *operands: tuple(
+            s.spec for s in sharding.result_shardings(params, operands)))
+    else:
+        outputs = bind(a, b, *inputs)
     axes = manual_axes.varying_axes((a, b, *inputs))  # which the primitive's type leaves out
     return tuple(manual_axes.vary(o, axes) for o in outputs)
 

@@ -138,6 +138,7 @@ def result_shardings(params: Params, operands) -> tuple | None:
     as the partitioner will lay them out (`_layout`; K's axes summed away, a dimension that
     cannot split kept whole). None where no operand has an explicitly sharded dimension: the
     results then take the default, as with Auto axes, where the partitioner alone decides."""
+    operands = [getattr(x, "aval", x) for x in operands]  # (tracers or their types)
     specs = [getattr(getattr(x, "sharding", None), "spec", None) for x in operands]
     if not any(entry is not None for spec in specs if spec is not None for entry in spec):
         return None
