@@ -4,7 +4,7 @@
 # Usage: [DEADLINE=SECONDS] scripts/gpu_round.sh [STAGE...]
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt llama gptprofile serving
-#           generate decodelayout blockfp8 blockstep swiglu pallastune rowfp8
+#           generate decodelayout decodeab blockfp8 blockstep swiglu pallastune rowfp8
 #           fewrows
 #   (default: build tests fuzz demo bench)
 #   `tests` is the GPU suite (the gpu-marked tests: about 190 s with PYTEST_WORKERS=6 on one
@@ -406,6 +406,21 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
         grep -E "FAILED|Error" "$OUT/$run.log" | head -20 | tee -a "$SUMMARY"
       done
       done ;;
+    decodeab)
+      # Served ways compared in ONE process (generate.py's `epilog_fp8@WAY` variants), so the
+      # ratios share stock's run: DECODE_AB_VARIANTS (default stock, the default ways, XLA's
+      # FP8 dot forced), DECODE_AB_BATCHES (1 16 64), DECODE_AB_CONFIG (`large`), random
+      # weights, into $OUT/decode_ab. A forced way runs the prefill that way too.
+      (cd "$ROOT" && runs --cap "${DECODE_AB_CAP:-400}" "$PY" examples/gpt/generate.py \
+        --random-init --config "${DECODE_AB_CONFIG:-large}" --compare \
+        --variants "${DECODE_AB_VARIANTS:-stock,epilog_fp8,epilog_fp8@xla_fp8}" \
+        --batch ${DECODE_AB_BATCHES:-1 16 64} --repeats 2 --eval-batches 1 ${DECODE_AB_ARGS:-} \
+        --no-progress --out "$OUT/decode_ab" 2>&1) > "$OUT/decode_ab.log"
+      note "decodeab: rc=$? ($((SECONDS - start)) s)"
+      grep -E "^(stock|epilog_fp8)[^ ]* batch" "$OUT/decode_ab.log" | tee -a "$SUMMARY"
+      grep -E "^\| (stock|epilog_fp8)" "$OUT/decode_ab/gpt_generate.md" 2>/dev/null \
+        | tee -a "$SUMMARY"
+      grep -E "FAILED|Error" "$OUT/decode_ab.log" | head -20 | tee -a "$SUMMARY" ;;
     gptprofile)
       # Where the GPT step's time goes, per variant (GPT_PROFILE_ARGS, default large, Flax's
       # FP8 against ours): the kernels of a few traced steps, by kind and the longest ones.

@@ -4,6 +4,7 @@ variants, restoring a checkpoint train.py wrote, and the errors for bad input.""
 
 import importlib.util
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from flax import nnx  # noqa: E402
 
 import jax_epilog  # noqa: E402
+from jax_epilog.planning.serving_plan import serving_way  # noqa: E402
 
 from gpt import configs, data, decode, generate, train  # noqa: E402
 from jaxprs import traced_equations  # noqa: E402
@@ -678,6 +680,23 @@ def test_compare_runs_the_named_variants_stock_first():
     assert generate.compared_variants(args) == ("stock", "qwix_fp8")
 
 
+def test_a_variant_served_one_way_is_epilog_fp8_with_that_way_while_it_runs(monkeypatch):
+    args = generate.parse_args(["--random-init", "--compare", "--variants",
+                                "stock,epilog_fp8,epilog_fp8@xla_fp8"])
+    assert generate.compared_variants(args) == ("stock", "epilog_fp8", "epilog_fp8@xla_fp8")
+    assert generate.variant_parts("epilog_fp8@xla_fp8") == ("epilog_fp8", "xla_fp8")
+    assert generate.variant_parts("stock") == ("stock", None)
+    monkeypatch.delenv("JAX_EPILOG_SERVING", raising=False)
+    assert serving_way(1).choice == "weight_only"
+    with generate.forced_serving_way("xla_fp8"):
+        assert serving_way(1).choice == serving_way(4096).choice == "xla_fp8"
+    assert serving_way(1).choice == "weight_only" and "JAX_EPILOG_SERVING" not in os.environ
+    monkeypatch.setenv("JAX_EPILOG_SERVING", "fp8")
+    with generate.forced_serving_way("weight_only"):
+        assert serving_way(4096).choice == "weight_only"
+    assert os.environ["JAX_EPILOG_SERVING"] == "fp8"
+
+
 def test_bad_input_names_the_argument(tmp_path, capsys):
     def error_of(*args):
         with pytest.raises(SystemExit):
@@ -701,7 +720,8 @@ def test_bad_input_names_the_argument(tmp_path, capsys):
     with pytest.raises(ValueError, match="variant"):
         generate.build_variant("int4", TINY, None, jnp.float32)
     assert "--kv-cache: invalid choice" in error_of("--random-init", "--kv-cache", "int8")
-    for variants in ("epilog_fp8", "stock,int4"):  # stock is what quality compares with
+    for variants in ("epilog_fp8", "stock,int4", "stock,epilog_fp8@int8",
+                     "stock,qwix_fp8@xla_fp8"):  # stock is what quality compares with
         assert "--variants: expected names among" in error_of(
             "--random-init", "--compare", "--variants", variants)
     assert "--steps-per-call: expected values >= 1" in error_of(

@@ -15,6 +15,10 @@ the compute dtype (bfloat16 on a GPU, float32 elsewhere); every variant starts f
   `--static-scales` also calibrates static input scales (`jax_epilog.calibrate`).
 - `qwix_fp8`: Qwix's post-training quantization of the stock model, FP8 e4m3 weights
   (per channel) and activations (dynamic), on the same projections (QKV, attention output, MLP).
+- `epilog_fp8@WAY` (with `--compare`): `epilog_fp8` with every served layer run one way
+  (`JAX_EPILOG_SERVING=WAY` while the variant is built, compiled and timed: `weight_only`,
+  `xla_fp8`, `fp8_pallas` or `fp8`), so that two ways are compared in one process. A forced
+  way applies to the prefill's rows too.
 
 Prompts are `--prompt-len` bytes of the validation text for each of `--batch` sequences; the
 prefill samples the first new token, and each of `--new-tokens` - 1 decode steps the next
@@ -40,7 +44,9 @@ cache writes and the rest (profile.py's `breakdown`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import re
 import statistics
 import sys
@@ -59,12 +65,15 @@ from flax import nnx
 
 import jax_epilog
 from jax_epilog.float8.weights import key_names
+from jax_epilog.planning import serving_plan
 
 from gpt import compare, configs, data, decode, profile, train
 from gpt.decode import CachedGPT, Generator, check_fits, init_cache
 from gpt.model import GPT
 
 VARIANTS = ("stock", "epilog_fp8", "qwix_fp8")
+#: `epilog_fp8@WAY`: `epilog_fp8` served one way (`forced_serving_way`).
+FORCED_WAY = "@"
 #: `--kv-cache`'s dtypes; "auto" is `cache_dtype`'s choice per variant.
 KV_CACHES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 #: The projections Qwix quantizes, by module path under `CachedGPT`: those jax-epilog's FP8
@@ -442,6 +451,30 @@ class Settings:
     weight_scales: str = "tensor"  # epilog_fp8's: quantize_params' granularity
 
 
+def variant_parts(name: str) -> tuple[str, Optional[str]]:
+    """("epilog_fp8", "xla_fp8") for "epilog_fp8@xla_fp8"; (name, None) without a way."""
+    base, _, way = name.partition(FORCED_WAY)
+    return base, (way or None)
+
+
+@contextlib.contextmanager
+def forced_serving_way(way: Optional[str]):
+    """`JAX_EPILOG_SERVING=way` while the block runs (read when a served layer is traced), then
+    as it was; nothing where `way` is None."""
+    if way is None:
+        yield
+        return
+    variable, before = "JAX_EPILOG_SERVING", os.environ.get("JAX_EPILOG_SERVING")
+    os.environ[variable] = way
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = before
+
+
 def cache_dtype(name: str, choice: str, dtype):
     """The KV cache's dtype for variant `name` under `--kv-cache` `choice`: "auto" is FP8 for
     `epilog_fp8` (FP8 serving end to end) and the compute `dtype` for the others."""
@@ -457,11 +490,18 @@ def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dt
                   corpus: data.Corpus, settings: Settings, validation) -> dict[str, Any]:
     """(the record of one variant: built, generating and timed at every batch size, its
     validation loss; each validation batch's next-token argmax)."""
+    base, way = variant_parts(name)
+    with forced_serving_way(way):
+        return _serve_variant(name, base, config, weights, dtype, corpus, settings, validation)
+
+
+def _serve_variant(name: str, base: str, config: configs.TrainConfig, weights: nnx.State,
+                   dtype, corpus: data.Corpus, settings: Settings, validation):
     start = time.perf_counter()
     sample_tokens = validation[0][0][:1]
     calibration = [jnp.asarray(inputs) for inputs, _ in validation] \
-        if settings.static_scales and name == "epilog_fp8" else None
-    cached = build_variant(name, config, weights, dtype, attention=settings.attention,
+        if settings.static_scales and base == "epilog_fp8" else None
+    cached = build_variant(base, config, weights, dtype, attention=settings.attention,
                            sample_tokens=sample_tokens,
                            fp8_min_features=settings.fp8_min_features, calibration=calibration,
                            weight_scales=settings.weight_scales)
@@ -474,7 +514,7 @@ def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dt
         print(f"{name}: no kernel is stored in FP8 (quantize_params' default rule wants both "
               "dims >= 512; --fp8-min-features lowers it)", flush=True)
     generator = Generator(cached, temperature=settings.temperature, top_k=settings.top_k,
-                          cache_dtype=cache_dtype(name, settings.kv_cache, dtype),
+                          cache_dtype=cache_dtype(base, settings.kv_cache, dtype),
                           steps_per_call=settings.steps_per_call,
                           prefill_command_buffers=settings.prefill_command_buffers)
     record["kv_cache"] = generator.cache_dtype.name
@@ -715,7 +755,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--compare", action="store_true",
                         help="every variant in one process, with quality against stock")
     parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help="with --compare: comma-separated, stock among them")
+                        help="with --compare: comma-separated, stock among them; "
+                             "epilog_fp8@WAY serves epilog_fp8 one way (xla_fp8, ...)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1],
                         help="batch sizes (each compiled and timed)")
     parser.add_argument("--prompt-len", type=int,
@@ -825,10 +866,12 @@ def main(argv=None) -> dict[str, Any]:
 def compared_variants(args: argparse.Namespace) -> tuple[str, ...]:
     """`--variants` as names (stock first: the quality columns compare against it)."""
     names = tuple(name.strip() for name in args.variants.split(",") if name.strip())
-    unknown = [name for name in names if name not in VARIANTS]
-    if unknown or "stock" not in names:
-        args.parser.error(f"--variants: expected names among {', '.join(VARIANTS)} with stock "
-                          f"among them, got {args.variants!r}")
+    ways = serving_plan.WAYS
+    known = set(VARIANTS) | {f"epilog_fp8{FORCED_WAY}{way}" for way in ways}
+    if not set(names) <= known or "stock" not in names:
+        args.parser.error(f"--variants: expected names among {', '.join(VARIANTS)} (or "
+                          f"epilog_fp8{FORCED_WAY}WAY, WAY one of {', '.join(ways)}) with "
+                          f"stock among them, got {args.variants!r}")
     return ("stock",) + tuple(dict.fromkeys(name for name in names if name != "stock"))
 
 
