@@ -7,7 +7,7 @@ its own weight and input, as a decode step runs a model; serving_bench.py's `sta
 - xla_bf16: `jax.nn.gelu(x @ w + b)`, bf16 weights (the baseline);
 - weight_only_xla: XLA's weight-only GEMM (`serving.weight_only`);
 - xla_fp8: XLA's own FP8 dot of the quantized input (serving_bench.py's `xla_fp8_dense`);
-- fp8k b{block_n}k{block_k}w{warps}s{stages}: `few_rows_fp8_kernel.few_rows_fp8_gemm`, both
+- fp8k b{block_n}k{block_k}w{warps}s{stages}[x{split_k}]: `few_rows_fp8_kernel.few_rows_fp8_gemm`, both
   operands FP8, x quantized per tensor by the kernel itself from its rows' amaxes (one XLA
   reduction; as the served layers run it), with that tiling; `fp8k_default` the tiling it
   picks by itself (`default_tiling`); `fp8k_default_xla_quantized` the kernel with x quantized
@@ -47,14 +47,17 @@ SHAPES = {"K4096xN14336": (4096, 14336), "K14336xN4096": (14336, 4096),
 ROWS = (16, 1, 64)
 LAYERS = 8
 GRID = [Tiling(n, k, w, s) for n, k, (w, s) in itertools.product(
-    (32, 64, 128), (128, 256), ((4, 3), (4, 5)))]
+    (32, 64, 128), (128, 256), ((4, 3), (4, 5)))] + [
+    Tiling(n, 256, w, s, split) for n, (w, s), split in itertools.product(
+        (64, 128), ((4, 3), (4, 5)), (2, 4))]
 SMOKE = dict(shapes={"K64xN96": (64, 96)}, rows=(16, 3), layers=2,
-             grid=[Tiling(32, 32, 4, 2), Tiling(32, 64, 4, 2)])
+             grid=[Tiling(32, 32, 4, 2), Tiling(32, 64, 4, 2), Tiling(32, 32, 4, 2, 2)])
 FINALISTS = 3
 
 
 def name(t: Tiling) -> str:
-    return f"fp8k b{t.block_n}k{t.block_k}w{t.num_warps}s{t.num_stages}"
+    split = f"x{t.split_k}" if t.split_k > 1 else ""
+    return f"fp8k b{t.block_n}k{t.block_k}w{t.num_warps}s{t.num_stages}{split}"
 
 
 def layers(k: int, n: int, count: int):
@@ -89,7 +92,8 @@ def variants(bf16, fp8, tilings, rows: int, interpret: bool) -> dict:
     }
     n, k = fp8[0][0].data.shape
     out.update({name(t): (stacked(kernel(t)), fp8) for t in tilings
-                if n % t.block_n == 0 and k % t.block_k == 0 and fits_shared_memory(t, rows)})
+                if n % t.block_n == 0 and k % (t.block_k * t.split_k) == 0
+                and fits_shared_memory(t, rows)})
     return out
 
 

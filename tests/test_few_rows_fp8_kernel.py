@@ -42,33 +42,54 @@ def check_fp8(x, stored, bias, activation, **kw):
                                atol=2 ** -7 * np.max(np.abs(f32(want))))
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("rows", [1, 5, 16, 64])
 @pytest.mark.parametrize("granularity", ["tensor", "channel"])
-def test_few_rows_fp8_kernel_is_the_xla_fp8_way(granularity, rows):
-    """Per tensor: one input scale; per channel: the input per token (the layers' rule)."""
+def test_few_rows_fp8_kernel_is_the_xla_fp8_way(granularity, rows, split_k):
+    """Per tensor: one input scale; per channel: the input per token (the layers' rule). With
+    K split in three, each program sums a third of K and XLA adds the parts."""
     stored, bias = layer(96, 64, granularity)
     x = random(3, (rows, 96), jnp.bfloat16)
-    check_fp8(x, stored, bias, "gelu", tiling=Tiling(32, 32, 4, 2), interpret=True)
+    check_fp8(x, stored, bias, "gelu", tiling=Tiling(32, 32, 4, 2, split_k), interpret=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 5, 16, 64])
 @pytest.mark.parametrize("granularity", ["tensor", "channel"])
-@pytest.mark.parametrize("tiling", [None, Tiling(64, 256, 4, 3), Tiling(128, 128, 4, 5)],
+@pytest.mark.parametrize("tiling", [None, Tiling(64, 256, 4, 3), Tiling(128, 128, 4, 5),
+                                    Tiling(64, 256, 4, 3, 2), Tiling(128, 128, 4, 5, 4)],
                          ids=str)
 def test_gpu_few_rows_fp8_kernel_is_the_xla_fp8_way(tiling, granularity, rows):
     stored, bias = layer(1024, 1536, granularity)
     check_fp8(random(3, (rows, 1024), jnp.bfloat16), stored, bias, "relu", tiling=tiling)
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("rows", [1, 3, 17, 33, 64])
 @pytest.mark.parametrize("activation", [None, "relu", "gelu"])
-def test_kernel_at_every_row_count(rows, activation):
+def test_kernel_at_every_row_count(rows, activation, split_k):
     """Rows not a power of two repeat x's last row in the program (no padded copy of x) and
-    store its result again."""
+    store its result again (its partial sums, with K split)."""
     stored, bias = layer(96, 64)
     check_fp8(random(3, (rows, 96), jnp.bfloat16), stored, bias, activation,
-              tiling=Tiling(32, 32, 4, 2), interpret=True)
+              tiling=Tiling(32, 32, 4, 2, split_k), interpret=True)
+
+
+@pytest.mark.parametrize("rows", [1, 7])
+def test_the_default_tiling_splits_a_long_k_and_the_kernel_sums_the_parts(rows):
+    """Few channels and a long K: K split before the channel blocks narrow; a 16-bit x
+    quantized by the kernel in each part from the same rows' amaxes."""
+    stored, bias = layer(4096, 64, key=7)
+    assert default_tiling(rows, 4096, 64, 2).split_k == 2
+    x = random(5, (rows, 4096), jnp.bfloat16)
+    x8, x_scale = serving.quantize_input(x, stored)
+    want = serving.xla_fp8(x8, x_scale, stored, bias, "gelu", jnp.bfloat16)
+    got = few_rows_fp8_gemm(x, None, stored.data, stored.scale, bias,
+                            row_amax=few_rows_fp8_kernel.row_amax(x), activation="gelu",
+                            input_scaling="tensor", interpret=True)
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))  # noqa: E731
+    np.testing.assert_allclose(f32(got), f32(want), rtol=2 ** -6,
+                               atol=2 ** -7 * np.max(np.abs(f32(want))))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -95,9 +116,10 @@ def test_kernel_shapes_biases_and_result_types(k, n, dtype, bias):
 def test_the_default_tiling_divides_the_shape_and_fits_shared_memory(k, n, rows, x_itemsize):
     """For an e4m3 x and for a 16-bit x (twice the input tile's bytes)."""
     t = default_tiling(rows, k, n, x_itemsize)
-    assert n % t.block_n == 0 and k % t.block_k == 0
-    assert (n // t.block_n >= few_rows_fp8_kernel.MIN_PROGRAMS
+    assert n % t.block_n == 0 and k % (t.block_k * t.split_k) == 0
+    assert (n // t.block_n * t.split_k >= few_rows_fp8_kernel.MIN_PROGRAMS
             or t.block_n == few_rows_fp8_kernel.MIN_BLOCK)
+    assert t.split_k == 1 or k // (t.block_k * t.split_k) >= few_rows_fp8_kernel.MIN_SPLIT_STEPS
     padded = few_rows_fp8_kernel.padded_rows(rows)
     tiles = t.num_stages * (t.block_n + x_itemsize * padded) * t.block_k
     assert tiles <= few_rows_fp8_kernel.STAGE_BYTES or t.num_stages == 2
@@ -108,7 +130,9 @@ def test_the_measured_tiling_at_decode_sizes():
     """128 channels x 256 of K, 5 stages where they fit; 3 with 64 rows (5 did not launch)."""
     assert default_tiling(16, 4096, 14336) == Tiling(128, 256, 4, 5)
     assert default_tiling(64, 4096, 14336) == Tiling(128, 256, 4, 3)
-    assert default_tiling(16, 14336, 4096).block_n == 32  # 128 programs, not 32
+    # 128 programs, not 32: K split in four (14 blocks of 256 each), 128 channels each
+    assert default_tiling(16, 14336, 4096) == Tiling(128, 256, 4, 5, 4)
+    assert default_tiling(16, 4096, 4096) == Tiling(64, 256, 4, 5, 2)
     # A 16-bit x's tiles take twice the bytes: fewer stages
     assert default_tiling(16, 4096, 14336, 2) == Tiling(128, 256, 4, 4)
     assert default_tiling(64, 4096, 14336, 2) == Tiling(128, 256, 4, 2)
@@ -122,7 +146,7 @@ def test_the_serving_plan_sends_the_kernel_no_more_rows_than_it_takes():
 def test_a_tiling_that_does_not_divide_the_shape_is_refused():
     stored, _ = layer(96, 160)
     x8, x_scale = serving.quantize_input(random(3, (2, 96), jnp.bfloat16), stored)
-    with pytest.raises(ValueError, match=r"^tiling: .* does not divide K 96 and N 160"):
+    with pytest.raises(ValueError, match=r"^tiling: .* does not divide K 96 .* and N 160"):
         few_rows_fp8_gemm(x8, x_scale, stored.data, stored.scale,
                           tiling=Tiling(64, 64, 4, 2), interpret=True)
 

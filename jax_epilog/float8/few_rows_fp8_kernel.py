@@ -7,7 +7,9 @@ Each program computes `block_n` output channels as the product `W8[channels] @ x
 weight's channels are the MMA's long side and the few rows its short side, so Hopper's FP8
 tensor-core instructions take both operands as they lie (K-major, 1 byte) and nothing is
 converted. Then the scales (x's one or one per row, the weight's one or one per channel), the
-bias and the activation in float32, and one store in the result dtype.
+bias and the activation in float32, and one store in the result dtype. Where N has too few
+blocks of channels to fill the GPU, K is split too (`Tiling.split_k`): each program stores its
+part's scaled float32 sum, and one XLA fusion adds the parts and applies bias and activation.
 
 x comes quantized (e4m3 and its scale), or 16-bit, and then the kernel quantizes it as
 `serving.quantize_input` defines it, with correctly rounded divisions, tile by tile as it
@@ -49,12 +51,15 @@ INPUT_LARGEST = float(jnp.finfo(INPUT_FORMAT).max)
 
 class Tiling(NamedTuple):
     """How the kernel is cut: `block_n` output channels per program, `block_k` of K per loop
-    step, `num_warps` per program, `num_stages` tiles in flight (Triton's pipelining)."""
+    step, `num_warps` per program, `num_stages` tiles in flight (Triton's pipelining), and
+    `split_k` programs along K per block of channels (each sums its share of K; their float32
+    partial sums are added, and bias and activation applied, by one XLA fusion after)."""
 
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    split_k: int = 1
 
 
 #: Measured on the H200 (`benchmarks/few_rows_tuning.py`, K4096 x N14336, 8 layers per
@@ -75,6 +80,8 @@ MIN_PROGRAMS = 100
 #: weight and 64 x 256 e4m3 input tiles, 240 KiB, failed to launch on the H200.)
 SHARED_MEMORY = 227 * 1024
 STAGE_BYTES = 180 * 1024
+#: The fewest blocks of K a program of a split K sums (its pipeline fills over a few).
+MIN_SPLIT_STEPS = 8
 
 
 def fits(rows: int, k: int, n: int, dtype) -> bool:
@@ -105,15 +112,20 @@ def stage_bytes(rows: int, block_n: int, block_k: int, x_itemsize: int) -> int:
 
 
 def default_tiling(rows: int, k: int, n: int, x_itemsize: int = 1) -> Tiling:
-    """The measured tiling fitted to the shape: blocks that divide K and N, `block_n` halved
-    (not below `MIN_BLOCK`) while there are fewer than `MIN_PROGRAMS` programs, and no more
-    stages than fit `STAGE_BYTES`."""
+    """The measured tiling fitted to the shape: blocks that divide K and N; while there are
+    fewer than `MIN_PROGRAMS` programs, K split in two (each part at least `MIN_SPLIT_STEPS`
+    blocks long), then `block_n` halved (not below `MIN_BLOCK`); no more stages than fit
+    `STAGE_BYTES`."""
     block_n = _largest_divisor(BLOCK_N, n)
-    while block_n > MIN_BLOCK and n // block_n < MIN_PROGRAMS:
-        block_n //= 2
     block_k = _largest_divisor(BLOCK_K, k)
+    split_k = 1
+    while (n // block_n * split_k < MIN_PROGRAMS and k % (2 * split_k * block_k) == 0
+           and k // (2 * split_k * block_k) >= MIN_SPLIT_STEPS):
+        split_k *= 2
+    while block_n > MIN_BLOCK and n // block_n * split_k < MIN_PROGRAMS:
+        block_n //= 2
     stages = min(NUM_STAGES, STAGE_BYTES // stage_bytes(rows, block_n, block_k, x_itemsize))
-    return Tiling(block_n, block_k, NUM_WARPS, max(2, stages))
+    return Tiling(block_n, block_k, NUM_WARPS, max(2, stages), split_k)
 
 
 #: `few_rows_fp8_gemm`'s `input_scaling`: where a 16-bit x takes its scale from its amax.
@@ -163,15 +175,19 @@ def _saturate(v):
 
 
 def _kernel(x_ref, x_scale_ref, w_ref, w_scale_ref, *refs, block_m: int, block_n: int,
-            block_k: int, activation: Optional[str], per_row: bool, per_channel: bool,
-            has_bias: bool, quantize: Optional[str], divide):
+            block_k: int, k_steps: int, partial: bool, activation: Optional[str],
+            per_row: bool, per_channel: bool, has_bias: bool, quantize: Optional[str], divide):
     """`quantize`: None (x is e4m3), "static" (x 16-bit, x_scale_ref its scale) or an
     `INPUT_SCALINGS` (x 16-bit, x_scale_ref its rows' amaxes); `divide`: float32 division
-    rounded to nearest."""
+    rounded to nearest. Program (j, s) sums K's blocks s · `k_steps` ... (s + 1) · `k_steps` - 1
+    for channel block j; `partial`: it stores that scaled sum in float32 at columns
+    s · N + (j's channels), and bias and activation come after (`_finish`)."""
     from jax.experimental import pallas as pl
     bias_ref, out_ref = (refs[0], refs[1]) if has_bias else (None, refs[0])
-    rows, k = x_ref.shape
+    rows = x_ref.shape[0]
+    n = w_ref.shape[0]
     channels = pl.ds(pl.multiple_of(pl.program_id(0) * block_n, block_n), block_n)
+    first_step = pl.program_id(1) * k_steps
     row = jnp.minimum(jnp.arange(block_m), rows - 1)  # past x's rows, its last again
 
     if quantize in INPUT_SCALINGS:
@@ -193,16 +209,20 @@ def _kernel(x_ref, x_scale_ref, w_ref, w_scale_ref, *refs, block_m: int, block_n
         cast = None
 
     def step(i, acc):
-        ks = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        ks = pl.ds(pl.multiple_of((first_step + i) * block_k, block_k), block_k)
         x8 = x_ref[row, ks]
         if cast is not None:  # saturate, then round to e4m3 (`saturating_cast`)
             x8 = _saturate(cast(x8)).astype(INPUT_FORMAT)
         return acc + jax.lax.dot_general(w_ref[channels, ks], x8, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32)
 
-    zt = jax.lax.fori_loop(0, k // block_k, step, jnp.zeros((block_n, block_m), jnp.float32))
+    zt = jax.lax.fori_loop(0, k_steps, step, jnp.zeros((block_n, block_m), jnp.float32))
     w_scale = w_scale_ref[channels] if per_channel else w_scale_ref[...]
-    z = zt.T * x_scale[:, None] * w_scale[None, :]
+    z = zt.T * x_scale[:, None] * w_scale[None, :]  # (the scales are factors of every part)
+    if partial:
+        start = pl.program_id(1) * n + pl.program_id(0) * block_n
+        out_ref[row, pl.ds(pl.multiple_of(start, block_n), block_n)] = z
+        return
     if bias_ref is not None:
         z = z + bias_ref[channels].astype(jnp.float32)[None, :]
     if activation is not None:
@@ -238,8 +258,9 @@ def few_rows_fp8_gemm(x, x_scale, data, w_scale, bias=None, *, row_amax=None,
     rows, k = x.shape
     n = data.shape[0]
     cut = tiling or default_tiling(rows, k, n, jnp.dtype(x.dtype).itemsize)
-    if n % cut.block_n or k % cut.block_k:
-        raise ValueError(f"tiling: {cut} does not divide K {k} and N {n}")
+    if n % cut.block_n or k % (cut.block_k * cut.split_k):
+        raise ValueError(f"tiling: {cut} does not divide K {k} (by block_k x split_k) and "
+                         f"N {n} (by block_n)")
     quantize = _quantize_mode(x, x_scale, row_amax, input_scaling)
     if quantize in INPUT_SCALINGS:
         x_scale = row_amax  # the kernel's second operand: the rows' amaxes
@@ -254,15 +275,33 @@ def few_rows_fp8_gemm(x, x_scale, data, w_scale, bias=None, *, row_amax=None,
     if not interpret:
         from jax_epilog.float8.block_kernel import compiler_params
         params = compiler_params(cut.num_warps, cut.num_stages)
-    return pl.pallas_call(
+    partial = cut.split_k > 1
+    out = pl.pallas_call(
         functools.partial(_kernel, block_m=padded_rows(rows), block_n=cut.block_n,
-                          block_k=cut.block_k, activation=activation, per_row=per_row,
-                          per_channel=per_channel, has_bias=bias is not None,
+                          block_k=cut.block_k, k_steps=k // (cut.block_k * cut.split_k),
+                          partial=partial, activation=activation, per_row=per_row,
+                          per_channel=per_channel, has_bias=bias is not None and not partial,
                           quantize=quantize,
                           divide=_numpy_divide if interpret else _ieee_divide),
-        out_shape=manual_axes.result_struct((rows, n), dtype, operands[0]),
-        grid=(n // cut.block_n,),
-        interpret=interpret, name="few_rows_fp8_gemm", compiler_params=params)(*operands)
+        out_shape=manual_axes.result_struct(
+            (rows, cut.split_k * n) if partial else (rows, n),
+            jnp.float32 if partial else dtype, operands[0]),
+        grid=(n // cut.block_n, cut.split_k),
+        interpret=interpret, name="few_rows_fp8_gemm", compiler_params=params)(
+            *(operands[:4] if partial else operands))
+    return _finish(out, cut.split_k, bias, activation, dtype) if partial else out
+
+
+def _finish(parts, split_k: int, bias, activation: Optional[str], dtype):
+    """The kernel's epilogue after a split K, in one XLA fusion: the `split_k` float32 partial
+    sums `(rows, split_k · N)` added, then bias and activation in float32, then `dtype`."""
+    rows, width = parts.shape
+    z = jnp.sum(parts.reshape(rows, split_k, width // split_k), axis=1)
+    if bias is not None:
+        z = z + bias.astype(jnp.float32)[None, :]
+    if activation is not None:
+        z = ACTIVATIONS[activation].plain(z)
+    return z.astype(dtype)
 
 
 def _quantize_mode(x, x_scale, amaxes, input_scaling: Optional[str]) -> Optional[str]:

@@ -34,8 +34,10 @@ WAYS = ("fp8", "fp8_pallas", "xla_fp8", "weight_only")
 #: theirs (three kernels a layer for XLA's FP8 dot; the kernel now quantizes inside). With
 #: each layer's own input (an H100, 2026-12-05, the kernel quantizing) it ran 1.67 (1.60)
 #: against weight-only's 1.53 (1.51) at 16 rows of K 4096 x N 14336, but 1.24 (1.22)
-#: against 1.58 (1.57) at K 14336 x N 4096 and 0.47-0.65 at 64 rows: it stays 0 (the kernel
-#: only where JAX_EPILOG_SERVING=fp8_pallas asks).
+#: against 1.58 (1.57) at K 14336 x N 4096 and 0.47-0.65 at 64 rows. With K split there
+#: (an H100, 2026-12-06) 1.52-1.55 against weight-only's 1.64 at 16 rows, 1.46-1.50 against
+#: 1.47 at 1 row, 0.70-0.85 against 1.50 at 64: it stays 0 (the kernel only where
+#: JAX_EPILOG_SERVING=fp8_pallas asks).
 FP8_PALLAS_MAX_ROWS = 0
 
 #: The most rows a layer runs weight-only with; above, our FP8 GEMM. Measured with each
