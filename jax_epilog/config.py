@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from jax_epilog.runtime import library as cuda_library
 from jax_epilog.runtime.settings import (AUTOTUNE_CACHE_ENV, AUTOTUNE_DEFAULT, AUTOTUNE_ENV,  # noqa: F401
-                       BACKENDS, SETTINGS, Setting, autotune, autotune_cache_path, autotune_log,
-                       backend_override, cuda_disabled, decisions_path,
-                       pad_unaligned, plan_cache_capacity, set_variable, workspace_bytes)
+                       BACKENDS, SERVING_WAYS, SETTINGS, Setting, autotune, autotune_cache_path,
+                       autotune_log, backend_override, cuda_disabled, decisions_path,
+                       forced_serving_way, pad_unaligned, plan_cache_capacity,
+                       serving_override, set_variable, workspace_bytes)
 
 
 def autotune_enabled() -> bool:
@@ -35,3 +36,4 @@ def set_plan_cache_capacity(plans: int) -> None:
         raise ValueError(f"plans: expected an int >= 1, got {plans!r}")
     set_variable("JAX_EPILOG_PLAN_CACHE_SIZE", str(plans))
     cuda_library.set_plan_cache_capacity(plans)
+

@@ -44,9 +44,7 @@ cache writes and the rest (profile.py's `breakdown`).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import os
 import re
 import statistics
 import sys
@@ -457,22 +455,8 @@ def variant_parts(name: str) -> tuple[str, Optional[str]]:
     return base, (way or None)
 
 
-@contextlib.contextmanager
-def forced_serving_way(way: Optional[str]):
-    """`JAX_EPILOG_SERVING=way` while the block runs (read when a served layer is traced), then
-    as it was; nothing where `way` is None."""
-    if way is None:
-        yield
-        return
-    variable, before = "JAX_EPILOG_SERVING", os.environ.get("JAX_EPILOG_SERVING")
-    os.environ[variable] = way
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(variable, None)
-        else:
-            os.environ[variable] = before
+#: `JAX_EPILOG_SERVING=way` while a variant is built, traced and timed (None: the default ways).
+forced_serving_way = jax_epilog.config.forced_serving_way
 
 
 def cache_dtype(name: str, choice: str, dtype):

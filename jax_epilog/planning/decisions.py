@@ -51,6 +51,11 @@ and it decides `Fp8(layers="auto")` for the whole stack: FP8 in every layer wher
 faster of "fused" and "plain" by `MARGIN` (`decide_fp8_from_times`), no FP8 layer otherwise.
 Without such an entry the per-layer rule `stack_plan.fp8_pays` decides.
 
+A table may also hold **serving entries** (``python -m jax_epilog.tune --serving``): the
+ways of a layer with a stored FP8 weight timed at one row count. `serving_decision` finds the
+entry of the nearest rows within `NEAREST_WITHIN` (user before shipped) for
+`serving_plan.serving_way`; without one the plan's constants decide.
+
 `choose` is called at lowering time on a host that sees a CUDA GPU; tables are loaded once and
 decisions are cached, so a process reads a table written by another process at its next start
 (or after `clear_cache()`).
@@ -72,7 +77,8 @@ import jax.numpy as jnp
 
 from jax_epilog.runtime import settings
 from jax_epilog.planning.table_format import (Decision, Entry, NEAREST_WITHIN, REFERENCE_DEVICE,
-                                            StackEntry, StackKey, TABLES_DIR, Table, dump,
+                                            ServingEntry, StackEntry, StackKey, TABLES_DIR,
+                                            Table, dump,
                                             locked, section, decide_fp8_from_times,
                                             decide_stack_from_times, load_tables,
                                             make_stack_entry, read_tables, slug)
@@ -85,11 +91,13 @@ from jax_epilog.op.epilogs import Epilog, as_epilog, is_fp8
 
 
 def merge_into(path: Path, device: str, cublaslt_version: Optional[int],
-               entries: Iterable[Entry], stacks: Iterable[StackEntry] = ()) -> tuple[Table, ...]:
-    """Add `entries` (and stack entries) to `path`'s table for (device, cuBLASLt version),
-    replacing entries of the same problem, and the times of the candidates measured again in
-    entries of the same stack (a stack's other candidates keep theirs), keeping everything
-    else; written atomically (temp file + rename), in the current format."""
+               entries: Iterable[Entry], stacks: Iterable[StackEntry] = (),
+               serving: Iterable[ServingEntry] = ()) -> tuple[Table, ...]:
+    """Add `entries` (and stack and serving entries) to `path`'s table for (device, cuBLASLt
+    version), replacing entries of the same problem (serving entries of the same rows), and
+    the times of the candidates measured again in entries of the same stack (a stack's other
+    candidates keep theirs), keeping everything else; written atomically (temp file +
+    rename), in the current format."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with locked(path.parent):
@@ -102,8 +110,9 @@ def merge_into(path: Path, device: str, cublaslt_version: Optional[int],
         for e in stacks:  # a candidate this run did not time keeps its earlier time
             earlier = merged_stacks[e.key].seconds if e.key in merged_stacks else {}
             merged_stacks[e.key] = make_stack_entry(e.key, {**earlier, **e.seconds})
+        merged_serving = {e.key: e for e in (*old.serving, *serving)}
         table = Table(device, cublaslt_version, tuple(merged.values()),
-                      tuple(merged_stacks.values()))
+                      tuple(merged_stacks.values()), tuple(merged_serving.values()))
         if index is None:
             tables.append(table)
         else:
@@ -260,8 +269,33 @@ def fp8_stack_decision(key: StackKey, identity: Optional[tuple] = None) -> Optio
                                   decide_fp8_from_times)
 
 
+@functools.lru_cache(maxsize=256)
+def _cached_serving_decision(rows: int, user_path: Optional[Path],
+                             identity: tuple) -> Optional[Decision]:
+    limit = math.log(NEAREST_WITHIN) + 1e-9
+    for source, table in _sources(user_path, identity):
+        close = sorted(((abs(math.log(max(e.rows, 1) / max(rows, 1))), e)
+                        for e in (table.serving if table is not None else ())
+                        if e.choice is not None), key=lambda c: c[0])
+        if close and close[0][0] <= limit:
+            return Decision(close[0][1].choice, source, close[0][1])
+    return None
+
+
+def serving_decision(rows: int, identity: Optional[tuple] = None) -> Optional[Decision]:
+    """The way `python -m jax_epilog.tune --serving` measured fastest on this GPU for a served
+    layer over `rows` rows: the serving entry of the nearest rows within `NEAREST_WITHIN`
+    (user before shipped); None where there is none, or no CUDA GPU (`serving_plan` then
+    decides by its constants)."""
+    identity = identity or device_identity()
+    if identity[0] is None:
+        return None
+    return _cached_serving_decision(int(rows), settings.decisions_path(), identity)
+
+
 def clear_cache() -> None:
     """Forget loaded tables and decisions (after a table was written, or in tests)."""
     load_tables.cache_clear()
     _cached_decision.cache_clear()
     _cached_stack_decision.cache_clear()
+    _cached_serving_decision.cache_clear()

@@ -14,12 +14,16 @@
   (a convert XLA fuses into the GEMM's operand read), scale, bias and activation in XLA's
   fusion after it. Only the weight is rounded, so its error is smaller.
 
-The choice depends on the rows alone, so every platform makes the same one and computes the
-same values. `JAX_EPILOG_SERVING` overrides it (`runtime.settings.serving_override`).
+The choice depends on the rows alone: `JAX_EPILOG_SERVING` where set
+(`runtime.settings.serving_override`); on a CUDA GPU, the way `python -m jax_epilog.tune
+--serving` measured fastest there at the nearest rows (a serving entry of the user's or the
+shipped decision table, `decisions.serving_decision`); else the measured constants below, so
+that every platform without such an entry makes the same choice and computes the same values.
 """
 
 from __future__ import annotations
 
+from jax_epilog.planning import decisions
 from jax_epilog.planning.context import Choice
 from jax_epilog.runtime import settings
 
@@ -63,6 +67,13 @@ def serving_way(rows: int) -> Choice:
     override = settings.serving_override()
     if override is not None:
         return Choice(override, f"JAX_EPILOG_SERVING={override}")
+    measured = decisions.serving_decision(rows)
+    if measured is not None and measured.choice in WAYS:
+        entry = measured.entry
+        times = ", ".join(f"{way} {'failed' if t is None else f'{t * 1e6:.1f} us'}"
+                          for way, t in entry.seconds.items())
+        return Choice(measured.choice, f"fastest at {entry.rows} rows on this GPU ({times}; "
+                                       f"the {measured.source} decision table)")
     if rows <= FP8_PALLAS_MAX_ROWS:
         return Choice("fp8_pallas", f"rows {rows} <= FP8_PALLAS_MAX_ROWS "
                                     f"({FP8_PALLAS_MAX_ROWS}): reading the weight bounds it")

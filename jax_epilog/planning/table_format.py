@@ -1,6 +1,7 @@
 """The decision tables' contents and files: a table of one GPU model and cuBLASLt version
-holds GEMM entries (a problem, each candidate's seconds, the choice re-derived from them) and
-stack entries (a `dense`/`mlp` stack as a training step or inference forward); files hold
+holds GEMM entries (a problem, each candidate's seconds, the choice re-derived from them),
+stack entries (a `dense`/`mlp` stack as a training step or inference forward) and serving
+entries (the ways of a layer with a stored FP8 weight over some rows); files hold
 several tables as JSON, one entry per line and sorted so that a table's changes read well in
 a diff. How the tables decide is `decisions`.
 """
@@ -33,7 +34,7 @@ CALL_COST_S = 8e-6
 NEAREST_WITHIN = 2.0
 REFERENCE_DEVICE = "NVIDIA H200"
 TABLES_DIR = Path(__file__).with_name("tables")
-FORMAT = "jax_epilog.decisions/2"  # 2: sections may hold stack entries
+FORMAT = "jax_epilog.decisions/2"  # 2: sections may hold stack (and serving) entries
 READABLE_FORMATS = ("jax_epilog.decisions/1", FORMAT)
 STACK_CANDIDATES = ("fused", "plain")
 #: In a stack entry's "seconds": how many of the fused candidate's GEMMs ran cuBLASLt when tune
@@ -124,6 +125,53 @@ class StackEntry(NamedTuple):
         return cls(key, dict(d["seconds"]), decide_stack_from_times(d["seconds"]))
 
 
+class ServingEntry(NamedTuple):
+    """The ways of a served layer (a stored FP8 weight, `planning.serving_plan.WAYS`) timed
+    over `rows` rows: seconds per call of each way (None: it failed), summed over the layer
+    shapes `shapes` ((K, N) each), in `dtype`; the choice re-derived from them
+    (`decide_serving_from_times`)."""
+
+    rows: int
+    dtype: str
+    shapes: tuple[tuple[int, int], ...]
+    seconds: dict
+    choice: Optional[str]
+
+    @property
+    def key(self) -> int:
+        return self.rows
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self._asdict(), "shapes": [list(s) for s in self.shapes]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ServingEntry:
+        return make_serving_entry(d["rows"], d["dtype"], d["shapes"], d["seconds"])
+
+
+#: The served way that rounds only the weight: kept unless another beats it by `MARGIN`.
+MOST_ACCURATE_WAY = "weight_only"
+
+
+def decide_serving_from_times(seconds: dict) -> Optional[str]:
+    """The fastest way of a serving entry, except that `MOST_ACCURATE_WAY` stays unless the
+    fastest beat it by more than `MARGIN`; None where no way ran."""
+    ran = {way: t for way, t in seconds.items() if t is not None}
+    if not ran:
+        return None
+    fastest = min(ran, key=ran.get)
+    accurate = ran.get(MOST_ACCURATE_WAY)
+    if accurate is not None and not ran[fastest] < accurate * (1.0 - MARGIN):
+        return MOST_ACCURATE_WAY
+    return fastest
+
+
+def make_serving_entry(rows: int, dtype, shapes, seconds: dict) -> ServingEntry:
+    return ServingEntry(int(rows), jnp.dtype(dtype).name,
+                        tuple((int(k), int(n)) for k, n in shapes), dict(seconds),
+                        decide_serving_from_times(seconds))
+
+
 class Table(NamedTuple):
     """The measurements of one GPU model with one cuBLASLt version."""
 
@@ -131,6 +179,7 @@ class Table(NamedTuple):
     cublaslt_version: Optional[int]
     entries: tuple[Entry, ...]
     stacks: tuple[StackEntry, ...] = ()
+    serving: tuple[ServingEntry, ...] = ()
 
 
 class Decision(NamedTuple):
@@ -208,7 +257,8 @@ def _parse(text: str, path: Path) -> tuple[Table, ...]:
     return tuple(Table(t["device"], t.get("cublaslt_version"),
                        tuple(Entry(**{**e, "choice": decide_from_times(e["seconds"])})
                              for e in t["entries"]),
-                       tuple(StackEntry.from_dict(e) for e in t.get("stacks", ())))
+                       tuple(StackEntry.from_dict(e) for e in t.get("stacks", ())),
+                       tuple(ServingEntry.from_dict(e) for e in t.get("serving", ())))
                  for t in data["tables"])
 
 
@@ -248,7 +298,8 @@ def dump(tables: Iterable[Table]) -> str:
         sections.append(f'  {{"device": {json.dumps(t.device)}, "cublaslt_version": '
                         f'{json.dumps(t.cublaslt_version)}, '
                         f'"entries": {listed(t.entries, lambda e: e.key)}, '
-                        f'"stacks": {listed(t.stacks, lambda e: e.key.order)}}}')
+                        f'"stacks": {listed(t.stacks, lambda e: e.key.order)}, '
+                        f'"serving": {listed(t.serving, lambda e: e.key)}}}')
     return f'{{"format": {json.dumps(FORMAT)}, "tables": [\n' + ",\n".join(sections) + "\n]}\n"
 
 

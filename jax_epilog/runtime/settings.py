@@ -11,6 +11,7 @@ loader (`cuda_library`) reads, below both.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -155,6 +156,27 @@ def serving_override() -> Optional[str]:
         raise ValueError(f"JAX_EPILOG_SERVING={value!r}: expected one of "
                          f"{', '.join(SERVING_WAYS)}")
     return None if value == "auto" else value
+
+
+@contextlib.contextmanager
+def forced_serving_way(way: Optional[str]):
+    """`JAX_EPILOG_SERVING=way` while the block runs, then as it was: every layer with a stored
+    FP8 weight traced inside runs that way (docs/serving.md); None changes nothing. (An
+    environment variable: the process's, not the thread's.)"""
+    if way is None:
+        yield
+        return
+    if way not in SERVING_WAYS:
+        raise ValueError(f"way: expected one of {', '.join(SERVING_WAYS)} or None, got {way!r}")
+    variable, before = "JAX_EPILOG_SERVING", os.environ.get("JAX_EPILOG_SERVING")
+    os.environ[variable] = way
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = before
 
 
 def set_variable(variable: str, value: str) -> None:

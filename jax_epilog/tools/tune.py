@@ -43,6 +43,13 @@ actually runs:
     python -m jax_epilog.tune --fn mypkg.model:train_step --args "bf16[256,784]" "bf16[784,100]"
     python -m jax_epilog.tune --grid --output jax_epilog/tables/nvidia-h200.json
     python -m jax_epilog.tune --grid --rows M1,T1 --fp8-only --max-seconds 600
+    python -m jax_epilog.tune --serving                    # stored FP8 weights: which way
+    python -m jax_epilog.tune --serving --serving-shapes 4096x12288,4096x4096 --serving-rows 1,16,64
+
+``--serving`` times the ways of a layer with a stored FP8 weight instead (weight-only, XLA's
+FP8 dot, the Pallas kernel of few rows, our FP8 GEMM) at decode and prefill row counts and
+stores one serving entry per row count, which the served layers then follow on this GPU
+(`jax_epilog.tools.serving_tune`).
 
 From Python: ``jax_epilog.tune.tune([(train_step, (params, batch)), ...])`` (any pytrees of
 arrays or `jax.ShapeDtypeStruct`s), or `tune` on `Problem`s from `problems_of`. The grid's
@@ -73,6 +80,7 @@ from jax_epilog.tools.measurement import (DRY_RUN_HEADER, FP8_CHOICES, Problem,
                                        fp8_keeps_state, fp8_measurable, fused_gemm_backends,
                                        time_problem, time_stack, traced)
 from jax_epilog.tools.grid import grid_functions
+from jax_epilog.tools import serving_tune
 
 
 # --- 3. the run ---------------------------------------------------------------------------------
@@ -289,6 +297,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       help="the benchmark grid G1-G7 and networks M1-M3 (forward and step); "
                            "the transformer MLPs T1, T2 where --rows names them")
     what.add_argument("--fn", metavar="MODULE:CALLABLE", help="a function to trace")
+    what.add_argument("--serving", action="store_true",
+                      help="the ways of a layer with a stored FP8 weight (weight-only, XLA's "
+                           "FP8 dot, the Pallas kernel, our FP8 GEMM) at each of "
+                           "--serving-rows: the served layers take the fastest on this GPU")
+    parser.add_argument("--serving-shapes", metavar="KxN[,KxN...]",
+                        help="with --serving: the layers' shapes (default "
+                             f"{','.join(f'{k}x{n}' for k, n in serving_tune.SHAPES)})")
+    parser.add_argument("--serving-rows", metavar="R[,R...]",
+                        help="with --serving: the row counts (default "
+                             f"{','.join(map(str, serving_tune.ROWS))})")
     parser.add_argument("--args", nargs="*", default=[], metavar="DTYPE[SHAPE]",
                         help='example inputs of --fn, e.g. "bf16[256,784]" "bf16[784,100]"')
     parser.add_argument("--rows", help="with --grid: comma-separated ids (e.g. G1,G7,M3,T1)")
@@ -320,6 +338,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--rows goes with --grid")
     if args.max_seconds is not None and not args.max_seconds > 0:
         parser.error("--max-seconds: expected a positive number of seconds")
+    if (args.serving_shapes or args.serving_rows) and not args.serving:
+        parser.error("--serving-shapes and --serving-rows go with --serving")
+    if args.serving:
+        return _serving_main(parser, args)
 
     if args.grid:
         rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else None
@@ -353,6 +375,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     tune([*problems, *stacks], output=args.output, seconds=args.seconds,
          progress=not args.no_progress, fp8=fp8_mode, max_seconds=args.max_seconds)
+    return 0
+
+
+def _serving_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`main` for --serving."""
+    if args.fp8 or args.fp8_only or args.max_seconds is not None:
+        parser.error("--fp8, --fp8-only and --max-seconds go with --grid or --fn")
+    try:
+        shapes = (serving_tune.parse_shapes(args.serving_shapes) if args.serving_shapes
+                  else serving_tune.SHAPES)
+        rows = serving_tune.check_rows(args.serving_rows.split(",") if args.serving_rows
+                                       else serving_tune.ROWS)
+    except ValueError as e:
+        parser.error(str(e) if args.serving_shapes and "shapes" in str(e) else
+                     f"--serving-rows: expected comma-separated positive row counts, got "
+                     f"{args.serving_rows!r}")
+    if args.dry_run:
+        print(f"served ways {', '.join(serving_tune.WAYS)} at rows "
+              f"{', '.join(map(str, rows))} on layers (K x N) "
+              f"{', '.join(f'{k} x {n}' for k, n in shapes)}", flush=True)
+        return 0
+    if not has_cuda_gpu():
+        print("jax_epilog.tune: no CUDA GPU visible to JAX here; timing needs one (use --dry-run "
+              "to list what would be timed)", file=sys.stderr)
+        return 2
+    serving_tune.tune_serving(shapes, rows, output=args.output, seconds=args.seconds,
+                              progress=not args.no_progress)
     return 0
 
 
