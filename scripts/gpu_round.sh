@@ -5,7 +5,7 @@
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt llama gptprofile serving
 #           generate decodelayout decodeab blockfp8 blockstep swiglu pallastune rowfp8
-#           fewrows
+#           fewrows servingtune
 #   (default: build tests fuzz demo bench)
 #   `tests` is the GPU suite (the gpu-marked tests: about 190 s with PYTEST_WORKERS=6 on one
 #   H200); `suite` runs every test with the GPU as the default device (past 500 s, and the
@@ -406,6 +406,14 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
         grep -E "FAILED|Error" "$OUT/$run.log" | head -20 | tee -a "$SUMMARY"
       done
       done ;;
+    servingtune)
+      # `python -m jax_epilog.tune --serving` (SERVING_TUNE_ARGS, e.g. "--serving-rows 16,64"):
+      # the served ways timed per row count on this GPU, into $OUT/serving_decisions.json.
+      (cd /tmp && JAX_EPILOG_DECISIONS="$OUT/serving_decisions.json" \
+        runs --cap "${SERVING_TUNE_CAP:-300}" "$PY" -m jax_epilog.tune --serving --no-progress \
+        ${SERVING_TUNE_ARGS:-} 2>&1) > "$OUT/serving_tune.log"
+      note "serving tune: rc=$? ($((SECONDS - start)) s)"
+      grep -E "^(serving|tuned|failed)" "$OUT/serving_tune.log" | tee -a "$SUMMARY" ;;
     decodeab)
       # Served ways compared in ONE process (generate.py's `epilog_fp8@WAY` variants), so the
       # ratios share stock's run: DECODE_AB_VARIANTS (default stock, the default ways, XLA's
