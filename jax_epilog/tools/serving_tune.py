@@ -78,12 +78,12 @@ def time_ways(rows: int, k: int, n: int, *, ways: Sequence[str] = WAYS, dtype=jn
 
 def tune_serving(shapes: Sequence[tuple[int, int]] = SHAPES, rows: Sequence[int] = ROWS, *,
                  output: Optional[Path] = None, seconds: float = 0.5, dtype=jnp.bfloat16,
-                 write: bool = True, progress: bool = True,
-                 measure=time_ways) -> tuple[table_format.ServingEntry, ...]:
+                 write: bool = True, measure=time_ways) -> tuple[table_format.ServingEntry, ...]:
     """Time every way at each of `rows` on the layers `shapes` ((K, N) each) and merge one
     serving entry per row count into `output` (default: the user's table,
-    `settings.decisions_path()`), each as it is measured. `measure(rows, k, n, seconds=...,
-    failures=...)` -> {way: seconds or None} (`time_ways`; tests inject their own)."""
+    `settings.decisions_path()`), each as it is measured, with a line of its times.
+    `measure(rows, k, n, seconds=..., failures=...)` -> {way: seconds or None} (`time_ways`;
+    tests inject their own)."""
     shapes = check_shapes(shapes)
     rows = check_rows(rows)
     device, version = decisions.device_identity()
@@ -100,10 +100,9 @@ def tune_serving(shapes: Sequence[tuple[int, int]] = SHAPES, rows: Sequence[int]
         entries.append(entry)
         if write and path is not None:
             decisions.merge_into(path, device, version, (), (), (entry,))
-        if progress:
-            times = ", ".join(f"{way} {'failed' if t is None else f'{t * 1e6:.1f} us'}"
-                              for way, t in summed.items())
-            print(f"serving, {r} rows: {times} -> {entry.choice}", flush=True)
+        times = ", ".join(f"{way} {'failed' if t is None else f'{t * 1e6:.1f} us'}"
+                          for way, t in summed.items())
+        print(f"serving, {r} rows: {times} -> {entry.choice}", flush=True)
     for failure in failures:
         print(f"failed: {failure}", file=sys.stderr)
     where = f" into {path}" if write and path is not None else ""

@@ -400,8 +400,7 @@ def _serving_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         print("jax_epilog.tune: no CUDA GPU visible to JAX here; timing needs one (use --dry-run "
               "to list what would be timed)", file=sys.stderr)
         return 2
-    serving_tune.tune_serving(shapes, rows, output=args.output, seconds=args.seconds,
-                              progress=not args.no_progress)
+    serving_tune.tune_serving(shapes, rows, output=args.output, seconds=args.seconds)
     return 0
 
 
