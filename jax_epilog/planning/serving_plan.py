@@ -70,10 +70,8 @@ def serving_way(rows: int) -> Choice:
     measured = decisions.serving_decision(rows)
     if measured is not None and measured.choice in WAYS:
         entry = measured.entry
-        times = ", ".join(f"{way} {'failed' if t is None else f'{t * 1e6:.1f} us'}"
-                          for way, t in entry.seconds.items())
-        return Choice(measured.choice, f"fastest at {entry.rows} rows on this GPU ({times}; "
-                                       f"the {measured.source} decision table)")
+        return Choice(measured.choice, f"fastest at {entry.rows} rows on this GPU "
+                                       f"({entry.times}; the {measured.source} decision table)")
     if rows <= FP8_PALLAS_MAX_ROWS:
         return Choice("fp8_pallas", f"rows {rows} <= FP8_PALLAS_MAX_ROWS "
                                     f"({FP8_PALLAS_MAX_ROWS}): reading the weight bounds it")

@@ -141,6 +141,12 @@ class ServingEntry(NamedTuple):
     def key(self) -> int:
         return self.rows
 
+    @property
+    def times(self) -> str:
+        """"weight_only 53.2 us, fp8 failed, ...": each way's time, as reports print it."""
+        return ", ".join(f"{way} {'failed' if t is None else f'{t * 1e6:.1f} us'}"
+                         for way, t in self.seconds.items())
+
     def as_dict(self) -> dict[str, Any]:
         return {**self._asdict(), "shapes": [list(s) for s in self.shapes]}
 

@@ -100,9 +100,7 @@ def tune_serving(shapes: Sequence[tuple[int, int]] = SHAPES, rows: Sequence[int]
         entries.append(entry)
         if write and path is not None:
             decisions.merge_into(path, device, version, (), (), (entry,))
-        times = ", ".join(f"{way} {'failed' if t is None else f'{t * 1e6:.1f} us'}"
-                          for way, t in summed.items())
-        print(f"serving, {r} rows: {times} -> {entry.choice}", flush=True)
+        print(f"serving, {r} rows: {entry.times} -> {entry.choice}", flush=True)
     for failure in failures:
         print(f"failed: {failure}", file=sys.stderr)
     where = f" into {path}" if write and path is not None else ""
