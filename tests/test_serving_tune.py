@@ -201,3 +201,19 @@ def test_forced_serving_way_sets_and_restores_the_variable(monkeypatch):
     with pytest.raises(ValueError, match="^way: expected one of"):
         with jax_epilog.config.forced_serving_way("fastest"):
             pass
+
+
+def test_explain_off_a_gpu_shows_the_reference_gpus_serving_entry(tables, monkeypatch):
+    """On the CPU the layers take the constants, and `explain` (which shows what the reference
+    GPU would run) takes that GPU's shipped serving entry."""
+    monkeypatch.setattr(decisions, "device_identity", lambda: (None, None))
+    write(decisions.shipped_table_path(table_format.REFERENCE_DEVICE),
+          entry(16, weight_only=1.0, xla_fp8=0.5), device=table_format.REFERENCE_DEVICE,
+          version=None)
+    decisions.clear_cache()
+    assert serving_plan.serving_way(16).choice == "weight_only"
+    stored = jax_epilog.quantize_params({"kernel": jnp.ones((64, 96))},
+                                        include=lambda path, leaf: True)["kernel"]
+    report = str(jax_epilog.explain(lambda x: jax_epilog.dense(x, stored),
+                                    jnp.ones((16, 64), jnp.bfloat16)))
+    assert "xla_fp8: measured fastest at 16 rows" in report and "shipped" in report

@@ -53,6 +53,8 @@ class Context(NamedTuple):
     stack_table: Callable[[table_format.StackKey], Optional[table_format.Decision]]
     # `Fp8(layers="auto")`: "fp8" or "bf16" for a training-step stack from a measured entry
     fp8_table: Callable[[table_format.StackKey], Optional[table_format.Decision]]
+    # A served layer's way over some rows from a measured serving entry (`serving_plan`)
+    serving_table: Callable[[int], Optional[table_format.Decision]]
     # Told of each stack when planned ("planned") and whose fused form is traced ("step" or
     # "forward"), and of each differentiable matmul call's step plan ("matmul": a
     # `call_plan.MatmulStep`): how `tune` and `explain` find a program's stacks and calls.
@@ -68,7 +70,8 @@ def default_context() -> Context:
                    library=lambda: cuda_library.available(),
                    gemm_table=lambda *problem: decisions.decision(*problem),
                    stack_table=lambda key: decisions.stack_decision(key),
-                   fp8_table=lambda key: decisions.fp8_stack_decision(key))
+                   fp8_table=lambda key: decisions.fp8_stack_decision(key),
+                   serving_table=lambda rows: decisions.serving_decision(rows))
 
 
 _active: contextvars.ContextVar[Optional[Context]] = contextvars.ContextVar(

@@ -17,13 +17,14 @@
 The choice depends on the rows alone: `JAX_EPILOG_SERVING` where set
 (`runtime.settings.serving_override`); on a CUDA GPU, the way `python -m jax_epilog.tune
 --serving` measured fastest there at the nearest rows (a serving entry of the user's or the
-shipped decision table, `decisions.serving_decision`); else the measured constants below, so
+shipped decision table: the planning context's `serving_table`, `decisions.serving_decision`;
+`explain` asks the reference GPU's); else the measured constants below, so
 that every platform without such an entry makes the same choice and computes the same values.
 """
 
 from __future__ import annotations
 
-from jax_epilog.planning import decisions
+from jax_epilog.planning import context
 from jax_epilog.planning.context import Choice
 from jax_epilog.runtime import settings
 
@@ -67,10 +68,10 @@ def serving_way(rows: int) -> Choice:
     override = settings.serving_override()
     if override is not None:
         return Choice(override, f"JAX_EPILOG_SERVING={override}")
-    measured = decisions.serving_decision(rows)
+    measured = context.current().serving_table(rows)
     if measured is not None and measured.choice in WAYS:
         entry = measured.entry
-        return Choice(measured.choice, f"fastest at {entry.rows} rows on this GPU "
+        return Choice(measured.choice, f"measured fastest at {entry.rows} rows "
                                        f"({entry.times}; the {measured.source} decision table)")
     if rows <= FP8_PALLAS_MAX_ROWS:
         return Choice("fp8_pallas", f"rows {rows} <= FP8_PALLAS_MAX_ROWS "

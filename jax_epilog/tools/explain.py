@@ -171,7 +171,8 @@ def _context(observe) -> tuple[context.Context, Callable, str]:
         tables_decide=lambda: True, cuda_devices=lambda: True, library=lambda: True,
         gemm_table=lambda *problem: decisions.decision(*problem, identity=identity),
         stack_table=lambda key: decisions.stack_decision(key, identity=identity),
-        fp8_table=lambda key: decisions.fp8_stack_decision(key, identity=identity))
+        fp8_table=lambda key: decisions.fp8_stack_decision(key, identity=identity),
+        serving_table=lambda rows: decisions.serving_decision(rows, identity=identity))
     why = cuda_library.unavailable_reason() if jax.default_backend() == "gpu" else \
         f"the platform is {jax.default_backend()}"
     target = (f"no CUDA GPU with the library here ({why}): this host runs the reference; "
