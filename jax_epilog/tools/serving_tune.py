@@ -77,9 +77,9 @@ def time_ways(rows: int, k: int, n: int, *, ways: Sequence[str] = WAYS, dtype=jn
 
 
 def tune_serving(shapes: Sequence[tuple[int, int]] = SHAPES, rows: Sequence[int] = ROWS, *,
-                 output: Optional[Path] = None, seconds: float = 0.5, dtype=jnp.bfloat16,
-                 write: bool = True, measure=time_ways) -> tuple[table_format.ServingEntry, ...]:
-    """Time every way at each of `rows` on the layers `shapes` ((K, N) each) and merge one
+                 output: Optional[Path] = None, seconds: float = 0.5, write: bool = True,
+                 measure=time_ways) -> tuple[table_format.ServingEntry, ...]:
+    """Time every way at each of `rows` on bfloat16 layers `shapes` ((K, N) each) and merge one
     serving entry per row count into `output` (default: the user's table,
     `settings.decisions_path()`), each as it is measured, with a line of its times.
     `measure(rows, k, n, seconds=..., failures=...)` -> {way: seconds or None} (`time_ways`;
@@ -96,7 +96,7 @@ def tune_serving(shapes: Sequence[tuple[int, int]] = SHAPES, rows: Sequence[int]
         per_shape = [measure(r, k, n, seconds=seconds, failures=failures) for k, n in shapes]
         summed = {way: (None if any(t[way] is None for t in per_shape)
                         else sum(t[way] for t in per_shape)) for way in per_shape[0]}
-        entry = table_format.make_serving_entry(r, dtype, shapes, summed)
+        entry = table_format.make_serving_entry(r, jnp.bfloat16, shapes, summed)
         entries.append(entry)
         if write and path is not None:
             decisions.merge_into(path, device, version, (), (), (entry,))
