@@ -132,10 +132,18 @@ def merge_into(path: Path, device: str, cublaslt_version: Optional[int],
 
 # --- the decision ----------------------------------------------------------------------------
 
+#: The largest |log ratio| of two sizes for one measurement to decide for the other.
+_NEAR = math.log(NEAREST_WITHIN) + 1e-9
+
+
+def _log_ratio(a: int, b: int) -> float:
+    """|log(a / b)| of two sizes (each at least 1)."""
+    return abs(math.log(max(a, 1) / max(b, 1)))
+
+
 def _distance(entry: Entry, m: int, n: int, k: int) -> float:
     """The largest |log ratio| between the two problems' rows, N and K."""
-    return max(abs(math.log(max(a, 1) / max(b, 1)))
-               for a, b in ((entry.m, m), (entry.n, n), (entry.k, k)))
+    return max(_log_ratio(a, b) for a, b in ((entry.m, m), (entry.n, n), (entry.k, k)))
 
 
 def nearby(table: Optional[Table], problem: tuple) -> list[Entry]:
@@ -143,10 +151,9 @@ def nearby(table: Optional[Table], problem: tuple) -> list[Entry]:
     if table is None:
         return []
     kind, (m, n, k) = problem[:4], problem[4:]
-    limit = math.log(NEAREST_WITHIN) + 1e-9
     close = [(_distance(e, m, n, k), e) for e in table.entries
              if (e.epilog, e.dtype, e.transpose_a, e.transpose_b) == kind]
-    return [e for d, e in sorted(close, key=lambda c: c[0]) if d <= limit]
+    return [e for d, e in sorted(close, key=lambda c: c[0]) if d <= _NEAR]
 
 
 def nearby_stacks(table: Optional[Table], key: StackKey,
@@ -156,10 +163,9 @@ def nearby_stacks(table: Optional[Table], key: StackKey,
     can decide (`decides(seconds)` is not None), nearest first."""
     if table is None:
         return []
-    limit = math.log(NEAREST_WITHIN) + 1e-9
-    close = [(abs(math.log(max(e.key.rows, 1) / max(key.rows, 1))), e) for e in table.stacks
+    close = [(_log_ratio(e.key.rows, key.rows), e) for e in table.stacks
              if e.key.kind == key.kind and decides(e.seconds) is not None]
-    return [e for d, e in sorted(close, key=lambda c: c[0]) if d <= limit]
+    return [e for d, e in sorted(close, key=lambda c: c[0]) if d <= _NEAR]
 
 
 @functools.cache
@@ -272,12 +278,11 @@ def fp8_stack_decision(key: StackKey, identity: Optional[tuple] = None) -> Optio
 @functools.lru_cache(maxsize=256)
 def _cached_serving_decision(rows: int, user_path: Optional[Path],
                              identity: tuple) -> Optional[Decision]:
-    limit = math.log(NEAREST_WITHIN) + 1e-9
     for source, table in _sources(user_path, identity):
-        close = sorted(((abs(math.log(max(e.rows, 1) / max(rows, 1))), e)
+        close = sorted(((_log_ratio(e.rows, rows), e)
                         for e in (table.serving if table is not None else ())
                         if e.choice is not None), key=lambda c: c[0])
-        if close and close[0][0] <= limit:
+        if close and close[0][0] <= _NEAR:
             return Decision(close[0][1].choice, source, close[0][1])
     return None
 
