@@ -493,24 +493,30 @@ def test_nothing_cites_files_outside_the_project():
 
 
 RESULTS = ROOT / "benchmarks" / "results"
+EXAMPLE_RESULTS = ROOT / "examples" / "gpt" / "results"
 
 
 def test_results_are_the_current_ones_and_every_cited_one_exists():
-    """benchmarks/results/ keeps what the docs cite (git keeps the history), and what they
-    cite is there."""
+    """benchmarks/results/ and examples/gpt/results/ keep the current runs, which the docs and
+    the ledger (docs/ledger.md) cite (git keeps the history), and what they cite is there."""
     files = [p for p in RESULTS.rglob("*") if p.is_file()]
-    assert len(files) <= 48, "prune benchmarks/results/: " + ", ".join(
+    assert len(files) <= 40, "prune benchmarks/results/: " + ", ".join(
         sorted(str(p.relative_to(RESULTS)) for p in files))
+    examples = [p for p in EXAMPLE_RESULTS.rglob("*") if p.is_file()]
+    assert len(examples) <= 15, "prune examples/gpt/results/: " + ", ".join(
+        sorted(str(p.relative_to(EXAMPLE_RESULTS)) for p in examples))
     missing = set()
     for page in project_text_files():
-        if page.suffix not in (".md", ".ipynb") or RESULTS in page.parents:
+        if page.suffix not in (".md", ".ipynb") or RESULTS in page.parents \
+                or EXAMPLE_RESULTS in page.parents:
             continue
         for line in page.read_text().splitlines():
             if "git history" in line:  # a citation of an older commit's file
                 continue
-            for cited in re.findall(r"benchmarks/results/([\w./-]*\w)", line):
-                if not (RESULTS / cited).exists():
-                    missing.add(f"{page.relative_to(ROOT)}: {cited}")
+            for folder, cited in re.findall(r"(benchmarks|examples/gpt)/results/([\w./-]*\w)",
+                                            line):
+                if not (ROOT / folder / "results" / cited).exists():
+                    missing.add(f"{page.relative_to(ROOT)}: {folder}/results/{cited}")
     assert not missing
 
 
