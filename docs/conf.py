@@ -6,6 +6,7 @@ relative links that also work on GitHub. MyST Markdown and myst-nb, as JAX, Flax
 the notebooks are rendered with their committed outputs, never executed here.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -54,11 +55,17 @@ OPTIONAL_PAGES = ("stock_models", "kv_cache")
 
 
 def _drop_absent_pages(app, docname, source):
-    if docname != "docs/index":
-        return
+    """The index's toctree lines of absent optional pages go, and links to them elsewhere
+    become their text."""
     absent = {name for name in OPTIONAL_PAGES if not (ROOT / "docs" / f"{name}.md").exists()}
-    source[0] = "\n".join(line for line in source[0].splitlines()
-                          if line.strip() not in absent) + "\n"
+    if not absent:
+        return
+    text = source[0]
+    if docname == "docs/index":
+        text = "\n".join(line for line in text.splitlines() if line.strip() not in absent) + "\n"
+    for name in absent:
+        text = re.sub(r"\[([^\]]*)\]\(%s\.md(#[^)]*)?\)" % name, r"\1", text)
+    source[0] = text
 
 
 def _escape_bars(app, what, name, obj, options, lines):
