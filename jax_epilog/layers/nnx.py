@@ -76,8 +76,8 @@ class Dense(nnx.Module):
       in_features, out_features: the kernel is `(in_features, out_features)`.
       activation: None, "relu" or "gelu" (tanh approximation, `jax.nn.gelu`'s default), or
         `jax.nn.relu` / `jax.nn.gelu` for the same; checked here, not at the first call.
-      use_bias, dtype, param_dtype, precision, kernel_init, bias_init, rngs, kernel_metadata,
-        bias_metadata: as for `nnx.Linear`. Sharding annotations such as
+      use_bias, dtype, param_dtype, precision, kernel_init, bias_init, rngs: as for
+        `nnx.Linear`, and so are kernel_metadata and bias_metadata. Sharding annotations such as
         `kernel_init=nnx.with_partitioning(init, ("data", "model"))` carry over to the params.
       fp8: None, True or `jax_epilog.Fp8(...)`: FP8 training as `jax_epilog.dense`'s `fp8=`.
         The parameters are the same with or without it, so checkpoints interchange. Unless
