@@ -59,7 +59,8 @@ def test_every_ledger_row_says_card_date_commit_command_and_file():
         measured, result, card, date, commit, command, file = cells
         assert re.search(r"H100|H200|CPU", card), cells
         assert DATE.search(date), cells
-        assert re.fullmatch(r"[0-9a-f]{7,40}|not recorded \([0-9a-f]{7,40}\)", commit), cells
+        assert re.fullmatch(r"[0-9a-f]{7,40}|not recorded \([0-9a-f]{7,40}, 20\d\d-\d\d-\d\d\)",
+                            commit), cells
         assert command and "results/" in file, cells
 
 
