@@ -247,13 +247,15 @@ def written_arrays(hlo: str) -> list[tuple[str, tuple[int, ...], str, str]]:
     return found
 
 
-def decode_step(config, cache_dtype, compute_dtype=jnp.float32, batch=4, layout=None):
+def decode_step(config, cache_dtype, compute_dtype=jnp.float32, batch=4, layout=None,
+                read=None):
     """One compiled decode step of `config`'s stock model, a cache for prompts of 20 and 17
     new tokens (the body of a decode call's device loop, on its own: its writes are the
     entry computation's)."""
     weights = generate.serving_weights(config, None, compute_dtype)
     cached = decode.CachedGPT(generate.model_with(config, "stock", weights, compute_dtype))
-    generator = decode.Generator(cached, cache_dtype=cache_dtype, cache_layout=layout)
+    generator = decode.Generator(cached, cache_dtype=cache_dtype, cache_layout=layout,
+                                 fp8_read=read)
     cache = jax.eval_shape(lambda: generator.new_cache(batch, 37))
     step = jax.jit(generator._forward_and_sample, donate_argnums=1)
     return step.lower(generator.state, cache, jax.ShapeDtypeStruct((batch, 1), jnp.int32),
@@ -346,7 +348,9 @@ def test_a_decode_step_on_the_gpu_reads_the_fp8_cache_as_it_is(layout):
     config = LLAMA_TINY.replace(n_layers=2)
     m = config.model
     with jax.default_device(jax.devices("cuda")[0]):
-        compiled = decode_step(config, jnp.float8_e4m3fn, jnp.bfloat16, batch=64, layout=layout)
+        # the multiply-reduces ("reduce"): what reads the FP8 bytes as they are
+        compiled = decode_step(config, jnp.float8_e4m3fn, jnp.bfloat16, batch=64, layout=layout,
+                               read="reduce")
     layer = 64 * 37 * m.kv_heads * m.head_dim
     # no 16- or 32-bit array of a layer's cache, or more, is written between kernels
     wide = [(dtype, dims, opcode) for dtype, dims, opcode, _ in written_arrays(

@@ -205,9 +205,10 @@ def write_kv(cache: KVCache, keys, values, positions, *, layer=None) -> KVCache:
     """`cache` with `keys` and `values` `(batch, T, kv_heads, head_dim)` (RoPE already applied
     to the keys, if the model uses it) written at positions `positions ... positions + T - 1`:
     `positions` an int for every sequence or `(batch,)` for each its own; `layer` (an int,
-    may be traced) the layer of a layered cache. Positions past `max_len` are clamped, as
-    `dynamic_update_slice` does: keep `positions + T <= max_len`. Pass the cache donated to
-    the jitted caller to update it in place."""
+    may be traced) the layer of a layered cache. Keep `positions + T <= max_len`: past it,
+    one position for every sequence is moved back to fit (as `dynamic_update_slice` does),
+    and a sequence's own positions are dropped. Pass the cache donated to the jitted caller
+    to update it in place."""
     _check_kv(cache, keys, values)
     if cache.layered == (layer is None):
         raise ValueError("layer: expected an int for a cache of several layers, None for a "

@@ -67,6 +67,21 @@ PROMPTS = np.array([0, 126, 128])
     (FP8, "heads_major_rows")], ids=["bf16", "fp8_positions", "fp8_heads", "fp8_rows"])
 def test_decode_attention_is_the_float64_attention_of_what_the_cache_holds(
         query_heads, kv_heads, head_dim, new, dtype, layout):
+    check_against_float64(query_heads, kv_heads, head_dim, new, dtype, layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, layout", [(jnp.bfloat16, None), (FP8, "heads_major"),
+                                           (FP8, "heads_major_rows")])
+def test_decode_attention_on_the_gpu_is_the_float64_attention(dtype, layout):
+    with jax.default_device(jax.devices("cuda")[0]):
+        check_against_float64(6, 2, 128, 1, dtype, layout)
+        check_against_float64(4, 1, 64, 3, dtype, layout)
+
+
+def check_against_float64(query_heads, kv_heads, head_dim, new, dtype, layout):
+    """Right-padded prompts of `PROMPTS`' lengths and `new` tokens each written into a cache
+    and attended to, by both read forms, against the float64 attention."""
     rng = np.random.default_rng(query_heads * 10 + new)
     batch, max_len = len(PROMPTS), int(PROMPTS.max()) + new
     prompt_k, prompt_v = (normal(rng, batch, 128, kv_heads, head_dim) for _ in range(2))
