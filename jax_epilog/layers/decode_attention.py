@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_epilog.layers.kv_cache import KVCache
+from jax_epilog.layers.kv_cache import KVCache, per_sequence
 from jax_epilog.planning.attention_plan import READS, decode_plan
 
 
@@ -99,15 +99,6 @@ def _dots(q, keys, values, key_scales, value_scales, visible, scale, layout: str
     return y.reshape(batch, new, n_heads, head_dim)
 
 
-def _lengths(lengths, batch: int):
-    lengths = jnp.asarray(lengths)
-    if not jnp.issubdtype(lengths.dtype, jnp.integer) or lengths.shape not in ((), (batch,)):
-        raise ValueError(f"lengths: expected an int or an int array of shape ({batch},) (each "
-                         f"sequence's length, the new tokens included), got {lengths.dtype} "
-                         f"{lengths.shape}")
-    return jnp.broadcast_to(lengths.astype(jnp.int32), (batch,))
-
-
 def _check(q, cache: KVCache, layer, read) -> None:
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache: expected a KVCache (init_kv_cache), got {type(cache).__name__}")
@@ -118,9 +109,7 @@ def _check(q, cache: KVCache, layer, read) -> None:
                          f"{cache.batch}, 1 to {cache.max_len} new tokens, a multiple of "
                          f"{cache.kv_heads} query heads and head_dim {cache.head_dim}, got "
                          f"{shape}")
-    if cache.layered == (layer is None):
-        raise ValueError("layer: expected an int for a cache of several layers, None for a "
-                         f"cache of one; got {layer!r}")
+    cache.check_layer(layer)
     if read is not None and read not in READS:
         raise ValueError(f"read: expected None (the measured rule) or one of {READS}, got "
                          f"{read!r}")
@@ -139,7 +128,9 @@ def decode_attention(q, cache: KVCache, lengths, *, layer=None, read: Optional[s
         cache = cache.layer(layer)
     batch, new, n_heads, head_dim = q.shape
     scale = float(1 / np.sqrt(head_dim) if scale is None else scale)
-    visible = visible_positions(_lengths(lengths, batch), new, cache.max_len)
+    lengths = per_sequence("lengths", lengths, batch,
+                           "each sequence's length, the new tokens included")
+    visible = visible_positions(jnp.broadcast_to(lengths, (batch,)), new, cache.max_len)
     with jax.named_scope("cached_attention"):
         if not cache.is_fp8:
             return jax.nn.dot_product_attention(

@@ -100,6 +100,13 @@ class KVCache:
         """(keys, values, key_scales, value_scales), the scales None for a 16-bit cache."""
         return self.keys, self.values, self.key_scales, self.value_scales
 
+    def check_layer(self, layer) -> None:
+        """`layer` must be an int (may be traced) for a layered cache, None for one layer."""
+        if self.layered == (layer is None):
+            raise ValueError("layer: expected an int for a cache of several layers, None for "
+                             f"a cache of one; got {layer!r} for a cache of "
+                             f"{self.layers or 1} layer(s)")
+
     def layer(self, index) -> "KVCache":
         """One layer's cache of a layered cache (`index` may be traced)."""
         if not self.layered:
@@ -191,14 +198,14 @@ def _check_kv(cache: KVCache, keys, values) -> None:
                          f"{np.shape(values)}")
 
 
-def _positions(positions, batch: int):
-    """`positions` as an int32 scalar (every sequence writes at one position) or `(batch,)`."""
-    positions = jnp.asarray(positions)
-    if not jnp.issubdtype(positions.dtype, jnp.integer) or positions.shape not in ((), (batch,)):
-        raise ValueError(f"positions: expected an int or an int array of shape ({batch},) "
-                         f"(each sequence's first new position), got {positions.dtype} "
-                         f"{positions.shape}")
-    return positions.astype(jnp.int32)
+def per_sequence(name: str, value, batch: int, what: str):
+    """`value` as int32, a scalar (one for every sequence) or `(batch,)` (`what` each
+    sequence's value is, for the error)."""
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.integer) or value.shape not in ((), (batch,)):
+        raise ValueError(f"{name}: expected an int or an int array of shape ({batch},) "
+                         f"({what}), got {value.dtype} {value.shape}")
+    return value.astype(jnp.int32)
 
 
 def write_kv(cache: KVCache, keys, values, positions, *, layer=None) -> KVCache:
@@ -210,11 +217,9 @@ def write_kv(cache: KVCache, keys, values, positions, *, layer=None) -> KVCache:
     and a sequence's own positions are dropped. Pass the cache donated to the jitted caller
     to update it in place."""
     _check_kv(cache, keys, values)
-    if cache.layered == (layer is None):
-        raise ValueError("layer: expected an int for a cache of several layers, None for a "
-                         f"cache of one; got {layer!r} for a cache of "
-                         f"{cache.layers or 1} layer(s)")
-    positions = _positions(positions, cache.batch)
+    cache.check_layer(layer)
+    positions = per_sequence("positions", positions, cache.batch,
+                             "each sequence's first new position")
     with jax.named_scope("kv_cache"):
         if cache.is_fp8:
             (keys, key_scales), (values, value_scales) = (
