@@ -8,10 +8,10 @@ Two read forms compute the same attention of a few queries over an FP8 cache:
 - "dots": two batched dots over the cache converted where the dot reads it (a convert XLA's
   GPU GEMM fusion can take into the GEMM), the scales applied as there.
 
-Which wins depends on the grouping: with one query head per key head (MHA) a dot has one row
-per sequence and head, and the reductions stream the cache once; with a group of query heads
-per key head (GQA, MQA) the dot's rows are the group and the reductions re-read the cache for
-each of them. So the choice is made from measurements (`benchmarks/decode_matrix.py`) kept in
+Which wins depends on the architecture (the example's runs on an H100 had "reduce" ahead with
+one query head per key head and "dots" ahead with groups of four: a group is one dot's rows,
+where the multiply-reduces broadcast each key over the group), and may depend on the batch
+and the context. So the choice is made from measurements (`benchmarks/decode_matrix.py`) kept in
 `tables/attention/decode.json`: per GPU model, cells of (query heads per key head, batch,
 context) with the fastest FP8 read and layout and each one's time. The nearest cell decides:
 first the nearest group size, then the nearest batch and context (the largest |log ratio|).
