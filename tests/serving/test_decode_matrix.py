@@ -34,3 +34,19 @@ def test_a_tiny_matrix_and_the_table_from_it(tmp_path):
     assert attention_plan.decode_plan(4, 2, 3, 33, device=device, path=table)[:2] == best
     [section] = json.loads(table.read_text())["sections"]
     assert section["measured"] and section["entries"][0]["seconds"]["stock"] > 0
+
+
+def test_cells_that_do_not_fit_are_skipped_and_said_so(tmp_path, monkeypatch):
+    # bytes: MHA's cells need more than 85% of it, MQA's less
+    monkeypatch.setattr(decode_matrix, "memory_limit", lambda: 15_000)
+    report = decode_matrix.main(["--tiny", "--out", str(tmp_path), "--archs", "mha,mqa",
+                                 "--batches", "1", "--contexts", "65", "--variants",
+                                 "fp8 dots heads_major", "--rounds", "1", "--steps", "1"])
+    mha, mqa = report["cells"]
+    assert all(t["seconds"] is None and "GiB" in t["skipped"] for t in mha["variants"].values())
+    assert all(t["seconds"] > 0 for t in mqa["variants"].values())
+    text = (tmp_path / "decode_matrix.md").read_text()
+    assert "skipped (needs about" in text and "| mqa 4/1 | 1 | 65 |" in text
+    budget = decode_matrix.main(["--tiny", "--out", str(tmp_path), "--archs", "mqa",
+                                 "--batches", "1", "--contexts", "33", "--budget", "0"])
+    assert {t["skipped"] for t in budget["cells"][0]["variants"].values()} == {"time budget"}
