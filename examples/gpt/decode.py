@@ -29,7 +29,8 @@ library's measured rule, or `Generator(fp8_read=..., cache_layout=...)`.
 step count (the cache donated, so it is updated in place) and samples greedily or with
 temperature and top-k. One decode call runs up to `steps_per_call` decode steps in a device
 loop: dispatching a step from Python (its arguments: every weight, the cache) takes about as
-long as the step itself on an H200 at small batches, so one dispatch per token would measure the host, not the model.
+long as the step itself on an H200 at small batches, so one dispatch per token would measure
+the host, not the model.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from jax_epilog.layers.decode_attention import decode_attention
-from jax_epilog.layers.kv_cache import KVCache, init_kv_cache, is_fp8, quantize_vectors  # noqa: F401
-from jax_epilog.layers.kv_cache import write_kv
+from jax_epilog.layers.kv_cache import KVCache, init_kv_cache, is_fp8, write_kv
+from jax_epilog.layers.kv_cache import quantize_vectors  # noqa: F401 (the example's name for it)
 from jax_epilog.planning.attention_plan import READS
 
 from .model import GPT, ModelConfig
@@ -148,10 +149,10 @@ class Generator:
     donated. A step's random key is `fold_in(key, position)`, so a seed gives one sequence
     however it is stepped. `cache_dtype`: the KV cache's (`init_cache`), None for the compute
     dtype; `cache_layout` and `fp8_read`: an FP8 cache's layout and read form (the library's
-    `init_kv_cache` and `decode_attention` overrides; None: its measured rule). The prefill step is compiled without XLA's command buffers (CUDA graphs) on a GPU
-    unless `prefill_command_buffers`: on the H200 they slowed jax-epilog's FP8 prefill (its
-    custom calls inside the graph) by up to 1.3x and did not speed the bf16 one
-    (docs/serving.md).
+    `init_kv_cache` and `decode_attention` overrides; None: its measured rule). The prefill
+    step is compiled without XLA's command buffers (CUDA graphs) on a GPU unless
+    `prefill_command_buffers`: on the H200 they slowed jax-epilog's FP8 prefill (its custom
+    calls inside the graph) by up to 1.3x and did not speed the bf16 one (docs/serving.md).
 
     A decode call is compiled once per `count` (a static argument; `generate` needs at most
     two: `steps_per_call` and the last call's remainder). Its device loop then has a trip
