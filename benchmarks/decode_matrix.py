@@ -24,10 +24,9 @@ seconds are spent. One jit per cell and variant.
 
     python benchmarks/decode_matrix.py --out benchmarks/results/decode_matrix   # H100: ~6 min
     python benchmarks/decode_matrix.py --tiny --out /tmp/decode_matrix            # any CPU
-    python benchmarks/decode_matrix.py \
-        --table-from benchmarks/results/decode_matrix/decode_matrix.json
+    python benchmarks/decode_matrix.py --table-from OUT/decode_matrix.json
 
-The last form writes the measured cells into the rule's table
+The last form (OUT: the first's `--out`) writes the measured cells into the rule's table
 (jax_epilog/planning/tables/attention/decode.json, the section of the card that ran them,
 replacing it), which the library's default then reads.
 """
