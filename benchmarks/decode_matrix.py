@@ -22,7 +22,7 @@ and each variant's speed against stock. A cell whose cache does not fit the card
 (or that fails to allocate) is skipped and said so; so are the cells left when `--budget`
 seconds are spent. One jit per cell and variant.
 
-    python benchmarks/decode_matrix.py --out benchmarks/results/decode_matrix   # H100: ~6 min
+    python benchmarks/decode_matrix.py --out benchmarks/results/decode_matrix   # GPU: --budget 330 s
     python benchmarks/decode_matrix.py --tiny --out /tmp/decode_matrix            # any CPU
     python benchmarks/decode_matrix.py --table-from OUT/decode_matrix.json
 

@@ -42,7 +42,7 @@ from jax_epilog.planning.attention_plan import LAYOUTS, decode_plan
 
 
 @jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # arrays: no elementwise ==, no hash of them
 class KVCache:
     """Keys and values (see the module for their shapes per `layout`), with a leading
     `(layers,)` axis on every array when the cache holds several layers; for FP8 `key_scales`
