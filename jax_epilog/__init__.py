@@ -13,7 +13,10 @@ block-scaled one and its `BlockScales` (one scale per 1×128 tile or 128×128 bl
 DeepSeek-V3 recipe; docs/fp8.md, "Block scaling"), `quantize_rows` one with a scale per
 row ("Row scaling").
 `quantize_params` stores a trained model's large kernels in FP8 (`Fp8Weight`) for serving,
-and `calibrate` gives them static input scales (docs/serving.md).
+and `calibrate` gives them static input scales (docs/serving.md). `KVCache` (made by
+`init_kv_cache`, 16-bit or FP8 with a scale per vector) holds a decoder's keys and values,
+`write_kv` writes a prefill's or a step's into it in place, and `decode_attention` attends
+over it (docs/kv_cache.md).
 `explain(fn, *args)` prints how each stack and GEMM of a program runs on CUDA and which rule
 or table entry decided it.
 
@@ -36,6 +39,8 @@ from jax_epilog.float8.blocks import quantize_1x128, quantize_128x128, quantize_
 from jax_epilog.float8.recipe import Fp8, Fp8History
 from jax_epilog.float8.scaling import quantize_tensor as quantize
 from jax_epilog.float8.weights import Fp8Weight, quantize_params
+from jax_epilog.layers.decode_attention import decode_attention
+from jax_epilog.layers.kv_cache import KVCache, init_kv_cache, write_kv
 from jax_epilog.layers.serving import calibrate
 from jax_epilog.layers.functional import dense, mlp
 from jax_epilog.layers.swiglu import swiglu
@@ -59,10 +64,13 @@ __all__ = [
     "Fp8",
     "Fp8History",
     "Fp8Weight",
+    "KVCache",
     "calibrate",
+    "decode_attention",
     "dense",
     "explain",
     "gelu_aux_columns",
+    "init_kv_cache",
     "matmul",
     "mlp",
     "pack_relu_mask",
@@ -75,6 +83,7 @@ __all__ = [
     "relu_mask_bytes",
     "swiglu",
     "unpack_relu_mask",
+    "write_kv",
 ]
 
 # Public modules imported on first use: the Flax modules (so that `import jax_epilog` never

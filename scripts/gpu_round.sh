@@ -5,7 +5,7 @@
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt llama gptprofile serving
 #           generate decodelayout decodeab blockfp8 blockstep swiglu pallastune rowfp8
-#           fewrows servingtune
+#           fewrows servingtune decodematrix
 #   (default: build tests fuzz demo bench)
 #   `tests` is the GPU suite (the gpu-marked tests: about 190 s with PYTEST_WORKERS=6 on one
 #   H200); `suite` runs every test with the GPU as the default device (past 500 s, and the
@@ -373,7 +373,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       grep -E "FAILED|Error" "$OUT/generate.log" | head -20 | tee -a "$SUMMARY"
       [ -z "${GENERATE_CHECKPOINT_DIR:-}" ] && rm -rf "$ckpt" ;;
     decodelayout)
-      # The FP8 KV cache's layouts (decode.py's FP8_CACHE_LAYOUT, generate.py
+      # The FP8 KV cache's layouts (jax_epilog.init_kv_cache's layout=, generate.py
       # --fp8-cache-layout) on DECODE_LAYOUT_CONFIG (`large`), random weights, stock and
       # epilog_fp8 at batch 1 and 64, each decode call also traced (compiled without command
       # buffers): heads_major (the default) then heads_major_rows (its values a row a
@@ -406,6 +406,21 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
         grep -E "FAILED|Error" "$OUT/$run.log" | head -20 | tee -a "$SUMMARY"
       done
       done ;;
+    decodematrix)
+      # One layer's decode attention over the KV cache: MHA/GQA/MQA x batch x context, stock
+      # bf16 against the library's bf16 and FP8 reads (benchmarks/decode_matrix.py;
+      # DECODE_MATRIX_ARGS, e.g. "--contexts 8192"), then the rule's table written from it
+      # into $OUT/decode_attention.json (copy it over jax_epilog/planning/tables/attention/
+      # decode.json to ship it).
+      (cd "$ROOT/benchmarks" && runs --cap "${DECODE_MATRIX_CAP:-420}" "$PY" decode_matrix.py \
+        ${DECODE_MATRIX_ARGS:-} --out "$OUT/decode_matrix" 2>&1) > "$OUT/decode_matrix.log"
+      note "decode matrix: rc=$? ($((SECONDS - start)) s)"
+      cp "$ROOT/jax_epilog/planning/tables/attention/decode.json" "$OUT/decode_attention.json"
+      (cd "$ROOT/benchmarks" && "$PY" decode_matrix.py --table-from \
+        "$OUT/decode_matrix/decode_matrix.json" --table "$OUT/decode_attention.json" 2>&1) \
+        | tee -a "$SUMMARY"
+      grep -A2 "^Cells where" "$OUT/decode_matrix/decode_matrix.md" 2>/dev/null | tee -a "$SUMMARY"
+      tail -n 5 "$OUT/decode_matrix.log" ;;
     servingtune)
       # `python -m jax_epilog.tune --serving` (SERVING_TUNE_ARGS, e.g. "--serving-rows 16,64"):
       # the served ways timed per row count on this GPU, into $OUT/serving_decisions.json.

@@ -158,13 +158,12 @@ def decode_step(args):
     import jax.numpy as jnp
     sys.path.insert(0, str(ROOT / "examples"))
     from gpt import configs, decode, generate
-    decode.FP8_CACHE_LAYOUT = args.layout
     config = configs.CONFIGS[args.config].replace(n_layers=args.layers)
     weights = generate.serving_weights(config, None, jnp.bfloat16)
     cached = generate.build_variant(args.variant, config, weights, jnp.bfloat16,
                                     weight_scales=args.weight_scales)
     cache_dtype = jnp.float8_e4m3fn if args.variant == "epilog_fp8" else jnp.bfloat16
-    generator = decode.Generator(cached, cache_dtype=cache_dtype)
+    generator = decode.Generator(cached, cache_dtype=cache_dtype, cache_layout=args.layout)
     max_len = args.max_len or min(384, config.model.seq_len)  # generate.py's 128 + 256
     cache = jax.eval_shape(lambda: generator.new_cache(args.batch, max_len))
     tokens = jax.ShapeDtypeStruct((args.batch, 1), jnp.int32)

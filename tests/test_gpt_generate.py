@@ -46,26 +46,27 @@ def tiny_weights(tie_head=True, seed=0, config=TINY):
         p + 0.05 * rng.standard_normal(p.shape), p.dtype), weights)
 
 
-def jitted(cached):
+def jitted(cached, read=None):
     """(the full forward, the cached forward `(tokens, cache, start, fresh=False)`) of
-    `cached`, jitted: eagerly, every op of each new shape compiles on its own, many times
-    slower here."""
+    `cached`, jitted, an FP8 cache read by `read` (None: the library's rule): eagerly, every
+    op of each new shape compiles on its own, many times slower here."""
     graphdef, state = nnx.split(cached)
     full = jax.jit(lambda s, tokens: nnx.merge(graphdef, s)(tokens))
     step = jax.jit(lambda s, tokens, cache, start, fresh: nnx.merge(graphdef, s)(
-        tokens, cache, start, fresh=fresh), static_argnums=4)
+        tokens, cache, start, fresh=fresh, read=read), static_argnums=4)
     return (lambda tokens: full(state, tokens),
             lambda tokens, cache, start, fresh=False: step(state, tokens, cache,
                                                            jnp.int32(start), fresh))
 
 
-def cached_logits(cached, tokens, pieces, cache_dtype=jnp.float32, fresh: bool = False):
+def cached_logits(cached, tokens, pieces, cache_dtype=jnp.float32, fresh: bool = False,
+                  read=None, layout=None):
     """The logits of `tokens` fed to the cached forward in `pieces` (lengths), teacher
     forced: a prefill (`fresh`: as the Generator's, over the prompt itself), then shorter
-    steps."""
-    _, step = jitted(cached)
+    steps; an FP8 cache in `layout` read by `read` (None: the library's rule)."""
+    _, step = jitted(cached, read)
     cache = decode.init_cache(cached.model.config, tokens.shape[0], tokens.shape[1],
-                              cache_dtype)
+                              cache_dtype, layout)
     out, start = [], 0
     for length in pieces:
         logits, cache = step(tokens[:, start:start + length], cache, start, fresh and start == 0)
@@ -143,7 +144,7 @@ def test_fp8_cache_decodes_as_the_full_forward_to_fp8_rounding(corpus, base, pie
         (fresh, fresh_cache), (_, read_cache) = (
             step(tokens[:, :pieces[0]], cache, 0, flag) for cache, flag in zip(caches, (True, False)))
     np.testing.assert_allclose(fresh, full[:, :pieces[0]], rtol=1e-5, atol=1e-5)
-    for name in decode.KVCache._fields:
+    for name in ("keys", "values", "key_scales", "value_scales"):
         np.testing.assert_array_equal(np.asarray(getattr(fresh_cache, name), np.float32),
                                       np.asarray(getattr(read_cache, name), np.float32))
     # FP8 keys and values change the logits, a little (3 mantissa bits, a scale a vector):
@@ -170,39 +171,38 @@ def test_greedy_generation_with_an_fp8_cache_is_the_argmax_of_its_cached_forward
 
 
 @pytest.mark.parametrize("config", [TINY, LLAMA_TINY], ids=["gpt", "llama_gqa"])
-def test_fp8_decode_attention_by_dots_equals_the_multiply_reduces(config, monkeypatch):
+def test_fp8_decode_attention_by_dots_equals_the_multiply_reduces(config):
     # generate.py --fp8-attention: the two forms of a decode step over one FP8 cache
     config, weights = tiny_weights(config=config, tie_head=False)
     cached = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
     tokens = jnp.asarray(np.random.default_rng(4).integers(0, 256, (3, 13)), jnp.int32)
     by_form = {}
     for form in ("reduce", "dots"):
-        monkeypatch.setattr(decode, "FP8_DECODE_ATTENTION", form)
         with jax.default_matmul_precision("highest"):
-            by_form[form] = cached_logits(cached, tokens, [9, 1, 1, 1, 1], jnp.float8_e4m3fn)
+            by_form[form] = cached_logits(cached, tokens, [9, 1, 1, 1, 1], jnp.float8_e4m3fn,
+                                          read=form)
     np.testing.assert_allclose(by_form["dots"], by_form["reduce"], rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(decode, "FP8_DECODE_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="FP8_DECODE_ATTENTION"):
-        cached_logits(cached, tokens, [12, 1], jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="read: expected None"):
+        cached_logits(cached, tokens, [12, 1], jnp.float8_e4m3fn, read="flash")
+    with pytest.raises(ValueError, match="fp8_read: expected None"):
+        decode.Generator(cached, cache_dtype=jnp.float8_e4m3fn, fp8_read="flash")
 
 
 @pytest.mark.parametrize("config, form", [(TINY, "reduce"), (LLAMA_TINY, "dots")],
                          ids=["gpt_reduce", "llama_gqa_dots"])
 @pytest.mark.parametrize("heads_major", ["heads_major", "heads_major_rows"])
-def test_fp8_cache_heads_major_holds_and_decodes_as_positions_major(config, form, heads_major,
-                                                                     monkeypatch):
+def test_fp8_cache_heads_major_holds_and_decodes_as_positions_major(config, form, heads_major):
     # generate.py --fp8-cache-layout: the same bytes in another order, the same math
     config, weights = tiny_weights(config=config, tie_head=False)
     cached = decode.CachedGPT(generate.model_with(config, "stock", weights, jnp.float32))
     prompt = np.random.default_rng(5).integers(0, 256, (3, 7))
-    monkeypatch.setattr(decode, "FP8_DECODE_ATTENTION", form)
     by_layout = {}
     for layout in ("positions_major", heads_major):
-        monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
-        generator = decode.Generator(cached, cache_dtype=jnp.float8_e4m3fn, steps_per_call=4)
+        generator = decode.Generator(cached, cache_dtype=jnp.float8_e4m3fn, steps_per_call=4,
+                                     cache_layout=layout, fp8_read=form)
         tokens, cache = generator.prefill(generator.new_cache(3, 13), prompt, jax.random.key(0))
         out, cache = generator.decode(cache, tokens, 7, 3, jax.random.key(0))
-        assert cache.max_len == 13  # read under the layout the cache was made in
+        assert cache.max_len == 13 and cache.layout == layout
         by_layout[layout] = (np.asarray(out[:3]), cache)
     (tokens, old), (new_tokens, new) = by_layout.values()
     np.testing.assert_array_equal(new_tokens, tokens)
@@ -216,15 +216,13 @@ def test_fp8_cache_heads_major_holds_and_decodes_as_positions_major(config, form
     with jax.default_matmul_precision("highest"):
         logits = {}
         for layout in ("positions_major", heads_major):
-            monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
             logits[layout] = cached_logits(cached, jnp.asarray(np.random.default_rng(6).integers(
-                0, 256, (2, 11))), [9, 1, 1], jnp.float8_e4m3fn)
+                0, 256, (2, 11))), [9, 1, 1], jnp.float8_e4m3fn, read=form, layout=layout)
     # the reductions' float32 sums in another memory order: equal to rounding (about 1e-6)
     np.testing.assert_allclose(logits[heads_major], logits["positions_major"], rtol=1e-5,
                                atol=1e-5)
-    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", "rows")
-    with pytest.raises(ValueError, match="FP8_CACHE_LAYOUT"):
-        decode.init_cache(config.model, 1, 8, jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        decode.init_cache(config.model, 1, 8, jnp.float8_e4m3fn, "rows")
 
 
 #: Entry instructions that write no memory of their own.
@@ -249,13 +247,15 @@ def written_arrays(hlo: str) -> list[tuple[str, tuple[int, ...], str, str]]:
     return found
 
 
-def decode_step(config, cache_dtype, compute_dtype=jnp.float32, batch=4):
+def decode_step(config, cache_dtype, compute_dtype=jnp.float32, batch=4, layout=None,
+                read=None):
     """One compiled decode step of `config`'s stock model, a cache for prompts of 20 and 17
     new tokens (the body of a decode call's device loop, on its own: its writes are the
     entry computation's)."""
     weights = generate.serving_weights(config, None, compute_dtype)
     cached = decode.CachedGPT(generate.model_with(config, "stock", weights, compute_dtype))
-    generator = decode.Generator(cached, cache_dtype=cache_dtype)
+    generator = decode.Generator(cached, cache_dtype=cache_dtype, cache_layout=layout,
+                                 fp8_read=read)
     cache = jax.eval_shape(lambda: generator.new_cache(batch, 37))
     step = jax.jit(generator._forward_and_sample, donate_argnums=1)
     return step.lower(generator.state, cache, jax.ShapeDtypeStruct((batch, 1), jnp.int32),
@@ -283,21 +283,20 @@ def assert_writes_the_cache_in_place(compiled, config, batch):
 @pytest.mark.parametrize("cache_dtype, layout", [
     (jnp.float32, "positions_major"), (jnp.float8_e4m3fn, "positions_major"),
     (jnp.float8_e4m3fn, "heads_major"), (jnp.float8_e4m3fn, "heads_major_rows")])
-def test_a_decode_step_writes_the_cache_in_place(cache_dtype, layout, monkeypatch):
+def test_a_decode_step_writes_the_cache_in_place(cache_dtype, layout):
     # Two layers: the old step sliced each layer out, updated it and stacked them back, a
     # concatenation (a copy) of the whole cache every step.
-    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
     config = TINY.replace(n_layers=2)
-    assert_writes_the_cache_in_place(decode_step(config, cache_dtype), config, 4)
+    assert_writes_the_cache_in_place(decode_step(config, cache_dtype, layout=layout), config, 4)
 
 
-def assert_the_decode_loop_keeps_the_cache_as_it_is(config, batch):
+def assert_the_decode_loop_keeps_the_cache_as_it_is(config, batch, layout):
     """A decode call (its device loop) of `config`'s stock model over an FP8 cache compiled
     for the default backend: outside the loop nothing cache-sized is written (an H200's
     positions-major FP8 cache was transposed whole at the loop's entry and exit)."""
     generator = decode.Generator(decode.CachedGPT(generate.model_with(
         config, "stock", generate.serving_weights(config, None, jnp.bfloat16), jnp.bfloat16)),
-        cache_dtype=jnp.float8_e4m3fn, steps_per_call=4)
+        cache_dtype=jnp.float8_e4m3fn, steps_per_call=4, cache_layout=layout)
     compiled = generator.compile(batch, 20, 17, jax.random.key(0))["decode"][4]
     cache_sized = [(dtype, dims, opcode) for dtype, dims, opcode, _ in written_arrays(
         compiled.as_text()) if is_cache_sized(dims, config, batch)]
@@ -307,17 +306,16 @@ def assert_the_decode_loop_keeps_the_cache_as_it_is(config, batch):
 
 
 @pytest.mark.parametrize("layout", ["positions_major", "heads_major", "heads_major_rows"])
-def test_a_decode_call_on_the_cpu_keeps_the_fp8_cache_as_it_is(layout, monkeypatch):
-    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
-    assert_the_decode_loop_keeps_the_cache_as_it_is(LLAMA_TINY.replace(n_layers=2), 4)
+def test_a_decode_call_on_the_cpu_keeps_the_fp8_cache_as_it_is(layout):
+    assert_the_decode_loop_keeps_the_cache_as_it_is(LLAMA_TINY.replace(n_layers=2), 4, layout)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["heads_major", "heads_major_rows"])
-def test_a_decode_call_on_the_gpu_keeps_a_heads_major_fp8_cache_as_it_is(layout, monkeypatch):
-    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
+def test_a_decode_call_on_the_gpu_keeps_a_heads_major_fp8_cache_as_it_is(layout):
     with jax.default_device(jax.devices("cuda")[0]):
-        assert_the_decode_loop_keeps_the_cache_as_it_is(LLAMA_TINY.replace(n_layers=2), 64)
+        assert_the_decode_loop_keeps_the_cache_as_it_is(LLAMA_TINY.replace(n_layers=2), 64,
+                                                        layout)
 
 
 def test_an_fp8_decode_step_reads_the_cache_with_no_dot():
@@ -327,7 +325,7 @@ def test_an_fp8_decode_step_reads_the_cache_with_no_dot():
     config = LLAMA_TINY
     generator = decode.Generator(decode.CachedGPT(generate.model_with(
         config, "stock", generate.serving_weights(config, None, jnp.float32), jnp.float32)),
-        cache_dtype=jnp.float8_e4m3fn)
+        cache_dtype=jnp.float8_e4m3fn, fp8_read="reduce")
     cache = generator.new_cache(2, 37)
     dots = [eqn for eqn in traced_equations(
         generator._forward_and_sample, generator.state, cache, jnp.zeros((2, 1), jnp.int32),
@@ -346,12 +344,13 @@ def test_an_fp8_decode_step_reads_the_cache_with_no_dot():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["positions_major", "heads_major", "heads_major_rows"])
-def test_a_decode_step_on_the_gpu_reads_the_fp8_cache_as_it_is(layout, monkeypatch):
-    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", layout)
+def test_a_decode_step_on_the_gpu_reads_the_fp8_cache_as_it_is(layout):
     config = LLAMA_TINY.replace(n_layers=2)
     m = config.model
     with jax.default_device(jax.devices("cuda")[0]):
-        compiled = decode_step(config, jnp.float8_e4m3fn, jnp.bfloat16, batch=64)
+        # the multiply-reduces ("reduce"): what reads the FP8 bytes as they are
+        compiled = decode_step(config, jnp.float8_e4m3fn, jnp.bfloat16, batch=64, layout=layout,
+                               read="reduce")
     layer = 64 * 37 * m.kv_heads * m.head_dim
     # no 16- or 32-bit array of a layer's cache, or more, is written between kernels
     wide = [(dtype, dims, opcode) for dtype, dims, opcode, _ in written_arrays(
@@ -585,14 +584,12 @@ def test_compare_writes_every_variant_with_quality(tmp_path, name, projections):
     assert written["metadata"]["platform"] == jax.default_backend()
 
 
-def test_kv_cache_and_profile_options_reach_the_report(tmp_path, monkeypatch):
-    monkeypatch.setattr(decode, "FP8_CACHE_LAYOUT", decode.FP8_CACHE_LAYOUT)  # main sets it
+def test_kv_cache_and_profile_options_reach_the_report(tmp_path):
     report = run_main("--random-init", "--variant", "epilog_fp8", "--batch", "2",
                       "--prompt-len", "5", "--new-tokens", "4", "--repeats", "1",
                       "--eval-batches", "1", "--fp8-min-features", "64", "--profile",
                       str(tmp_path / "traces"), "--fp8-cache-layout", "positions_major",
-                      "--out", str(tmp_path))
-    assert decode.FP8_CACHE_LAYOUT == "positions_major"
+                      "--fp8-attention", "reduce", "--out", str(tmp_path))
     record = report["result"]["variants"]["epilog_fp8"]
     measured = record["by_batch"]["2"]
     assert record["kv_cache"] == "float8_e4m3fn"  # "auto": FP8 for epilog_fp8

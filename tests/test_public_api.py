@@ -11,7 +11,7 @@ import pytest
 import jax_epilog
 
 TOP_LEVEL = {"BlockScales", "EXPORT_SAFETY_CHECKS", "Epilog", "Fp8", "Fp8History", "Fp8Weight",
-             "calibrate",
+             "KVCache", "calibrate", "decode_attention", "init_kv_cache", "write_kv",
              "dense", "explain", "gelu_aux_columns", "matmul", "mlp", "pack_relu_mask",
              "quantize", "quantize_128x128", "quantize_1x128", "quantize_params", "quantize_rows",
              "reference_matmul", "relu_mask_bytes", "swiglu", "unpack_relu_mask"}

@@ -7,6 +7,11 @@ every projection GEMM) and a layer count that keeps a few hundred steps to a few
 `llama_small` has Llama 3.2 1B's layer (d_model 2048, 32 query / 8 key-value heads, SwiGLU
 hidden 8192) and `llama_large` Llama 3 8B's (d_model 4096, 32 / 8 heads, hidden 14336), four
 layers of which hold about as many parameters as `large`'s four.
+
+`large_8k` and `llama_large_8k` are `large` and `llama_large` with 8192 positions, for serving
+long contexts (`generate.py --prompt-len 7936 --new-tokens 256` decodes over an 8k cache,
+`--prompt-len 1792` over a 2k one): one sequence a batch, so that the validation passes' full
+attention over 8192 positions (a float32 score per query and position) fits one GPU.
 """
 
 from __future__ import annotations
@@ -83,6 +88,8 @@ CONFIGS = {
                                batch_size=16, steps=400, learning_rate=2e-4, warmup_steps=40,
                                eval_every=100, eval_batches=8),
 }
+CONFIGS |= {f"{name}_8k": CONFIGS[name].replace(seq_len=8192, batch_size=1)
+            for name in ("large", "llama_large")}
 
 
 def get(name: str) -> TrainConfig:

@@ -11,27 +11,26 @@ The cached forward reuses every submodule of the model (embeddings, each block's
 `attention_norm`, `attention.project` (the `qkv` projection, and RoPE at the cache positions
 for "llama"), `attention.out`, `mlp_norm` and `mlp`, `final_norm`, the tied head or `head`),
 so its logits are the full forward's for the same tokens, whatever layers the model was built
-from (tested, teacher forced, to float tolerance). Only the attention is its
-own: each query attends over the whole cache with positions after it masked out, so one
-compiled decode step serves every position. A prompt's prefill (`fresh`: from position 0)
-runs the block's own causal attention over the prompt instead, as the full forward does, and
-only writes the cache. Each layer's keys and values are written into the
+from (tested, teacher forced, to float tolerance). Only the attention is the library's
+(`jax_epilog.write_kv` and `jax_epilog.decode_attention` over a `jax_epilog.KVCache` of every
+layer, docs/kv_cache.md): each query attends over the whole cache with positions after it
+masked out, so one compiled decode step serves every position. A prompt's prefill (`fresh`:
+from position 0) runs the block's own causal attention over the prompt instead, as the full
+forward does, and only writes the cache. Each layer's keys and values are written into the
 whole `(layers, ...)` cache arrays with one `dynamic_update_slice` each, so the donated cache
 is updated in place (no copy of it per step).
 
 The cache is in the compute dtype, or in FP8 (`init_cache(..., jnp.float8_e4m3fn)`, as
 TensorRT-LLM and vLLM offer for FP8 serving): each head's key or value vector stored with
-a float32 scale of its own, its amax over the format's largest value (current scaling, set
-when the vector is written). A decode step (one query per sequence) reads the FP8 bytes in
-multiply-reduces, the key scales multiplying the scores and the value scales the
-probabilities. A multi-token call after position 0 dequantizes the layer's cache and runs
-XLA's attention; a prompt's prefill never reads the cache.
+a float32 scale of its own. How a decode step reads it and how it is laid out is the
+library's measured rule, or `Generator(fp8_read=..., cache_layout=...)`.
 
 `Generator` jits a prefill once per batch shape and a decode call once per batch shape and
-step count (the cache donated, so it is updated in place) and samples greedily or with temperature and top-k. One decode call runs up
-to `steps_per_call` decode steps in a device loop: dispatching a step from Python (its
-arguments: every weight, the cache) takes about as long as the step itself on an H200 at
-small batches, so one dispatch per token would measure the host, not the model.
+step count (the cache donated, so it is updated in place) and samples greedily or with
+temperature and top-k. One decode call runs up to `steps_per_call` decode steps in a device
+loop: dispatching a step from Python (its arguments: every weight, the cache) takes about as
+long as the step itself on an H200 at small batches, so one dispatch per token would measure
+the host, not the model.
 """
 
 from __future__ import annotations
@@ -46,267 +45,46 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from jax_epilog.layers.decode_attention import decode_attention
+from jax_epilog.layers.kv_cache import KVCache, init_kv_cache, is_fp8, write_kv
+from jax_epilog.layers.kv_cache import quantize_vectors  # noqa: F401 (the example's name for it)
+from jax_epilog.planning.attention_plan import READS
+
 from .model import GPT, ModelConfig
 
 
-class KVCache(NamedTuple):
-    """Keys and values of every layer, `(layers, batch, max_len, n_kv_heads, head_dim)` each
-    (RoPE applied to the keys), in the compute dtype, or in FP8 with `key_scales` and
-    `value_scales` `(layers, batch, max_len, n_kv_heads)` float32: a stored head vector times
-    its scale is its value. The positions not yet written hold zeros and are masked.
-    An FP8 cache made under `FP8_CACHE_LAYOUT = "heads_major"` holds keys
-    `(layers, batch, n_kv_heads, max_len, head_dim)`, values
-    `(layers, batch, n_kv_heads, head_dim, max_len)` and scales
-    `(layers, batch, n_kv_heads, max_len)`; under "heads_major_rows" the values as the keys,
-    `(layers, batch, n_kv_heads, max_len, head_dim)`."""
-
-    keys: jax.Array
-    values: jax.Array
-    key_scales: Optional[jax.Array] = None
-    value_scales: Optional[jax.Array] = None
-
-    @property
-    def max_len(self) -> int:
-        return self.keys.shape[3 if _heads_major(self) else 2]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes in memory, the scales included."""
-        return sum(int(np.prod(leaf.shape)) * jnp.dtype(leaf.dtype).itemsize
-                   for leaf in jax.tree.leaves(self))
-
-
-#: How an FP8 cache is laid out (`KVCache`): "heads_major" (each head's positions together,
-#: values with the positions minor: the order a decode step reads them in, so that XLA need
-#: not transpose the whole cache at the decode loop's entry and exit, as an H200 profile of
-#: the other layout showed; decode at batch 64 ran 1.24x stock with it, 1.05x without,
-#: docs/serving.md), "heads_major_rows" (the same with the values stored as the keys are,
-#: one row a position: a decode step writes each head's value in one row of bytes where
-#: "heads_major" writes it one byte per row; the step's reduction then runs over rows; not
-#: measured yet) or "positions_major" (positions before heads, as the compute-dtype cache).
-#: Read when a cache is made and when a step is traced (generate.py's `--fp8-cache-layout`):
-#: keep it while a cache is in use.
-FP8_CACHE_LAYOUT = "heads_major"
-FP8_CACHE_LAYOUTS = ("positions_major", "heads_major", "heads_major_rows")
-
-
-def _fp8_cache_layout() -> str:
-    """`FP8_CACHE_LAYOUT`, checked."""
-    if FP8_CACHE_LAYOUT not in FP8_CACHE_LAYOUTS:
-        raise ValueError(f"FP8_CACHE_LAYOUT: expected one of {FP8_CACHE_LAYOUTS}, got "
-                         f"{FP8_CACHE_LAYOUT!r}")
-    return FP8_CACHE_LAYOUT
-
-
-def _heads_major(cache: KVCache) -> bool:
-    """Whether `cache` is an FP8 cache in a heads-major layout ("heads_major" or
-    "heads_major_rows": the keys and scales alike)."""
-    return cache.key_scales is not None and _fp8_cache_layout().startswith("heads_major")
-
-
-def _value_rows(cache: KVCache) -> bool:
-    """Whether `cache`'s values are stored one row a position ("heads_major_rows"), rather
-    than with the positions minor ("heads_major")."""
-    return _fp8_cache_layout() == "heads_major_rows"
-
-
-def is_fp8(dtype) -> bool:
-    """Whether a cache in `dtype` is stored scaled (one byte a value)."""
-    return jnp.dtype(dtype).itemsize == 1
-
-
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache:
-    """An empty cache in `dtype`: the compute dtype, or an FP8 dtype (scaled per head vector)."""
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype,
+               layout: Optional[str] = None) -> KVCache:
+    """An empty cache of every layer in `dtype`: the compute dtype, or an FP8 dtype (scaled per
+    head vector), laid out by `layout` (FP8 only; None: the library's rule)."""
     if max_len > config.seq_len:
         raise ValueError(f"max_len: {max_len} is more than the model's seq_len "
                          f"{config.seq_len} (its learned positions)")
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"dtype: expected a floating-point cache dtype, got {dtype!r}")
-    shape = (config.n_layers, batch, max_len, config.kv_heads, config.head_dim)
-    if not is_fp8(dtype):
-        return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-    layers, batch, length, heads, width = shape
-    keys, values, scales = shape, shape, shape[:-1]
-    if _fp8_cache_layout() != "positions_major":
-        keys, values, scales = ((layers, batch, heads, length, width),
-                                (layers, batch, heads, width, length),
-                                (layers, batch, heads, length))
-        values = keys if _fp8_cache_layout() == "heads_major_rows" else values
-    # four arrays, not one array twice: the cache is donated
-    return KVCache(jnp.zeros(keys, dtype), jnp.zeros(values, dtype),
-                   jnp.ones(scales, jnp.float32), jnp.ones(scales, jnp.float32))
+    return init_kv_cache(batch, max_len, config.kv_heads, config.head_dim, dtype,
+                         layers=config.n_layers, query_heads=config.n_heads, layout=layout)
 
 
-def quantize_vectors(x, dtype):
-    """(`x` in FP8 `dtype`, float32 scales `x.shape[:-1]`): each last-axis vector (a head's
-    key or value) scaled so that its amax is the format's largest value (current scaling:
-    nothing to calibrate, nothing to drift); an all-zero vector gets scale 1."""
-    largest = float(jnp.finfo(dtype).max)
-    x = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(x), axis=-1)
-    scales = jnp.where(amax > 0, amax * (1 / largest), 1.0)  # XLA multiplies either way
-    return jnp.clip(x / scales[..., None], -largest, largest).astype(dtype), scales
-
-
-def _write(cache: KVCache, layer: int, start, k, v) -> KVCache:
-    """`cache` with `k` and `v` `(B, T, n_kv_heads, head_dim)` of `layer` at positions
-    `start...`: one update of each whole array, in place (the cache is donated), rather than
-    a new per-layer slice stacked back, which copied the whole cache every step."""
-    def put(whole, part, axis=2):  # `part` holds the positions `start...` on `axis` - 1
-        at = [0] * whole.ndim
-        at[0], at[axis] = layer, start
-        return jax.lax.dynamic_update_slice(whole, part[None].astype(whole.dtype), at)
-    with jax.named_scope("kv_cache"):
-        if cache.key_scales is None:
-            return KVCache(put(cache.keys, k), put(cache.values, v))
-        (k, k_scales), (v, v_scales) = (quantize_vectors(x, cache.keys.dtype) for x in (k, v))
-        if not _heads_major(cache):
-            return KVCache(put(cache.keys, k), put(cache.values, v),
-                           put(cache.key_scales, k_scales), put(cache.value_scales, v_scales))
-        # (B, T, kv, ...) -> (B, kv, T, ...); "heads_major"'s values with the positions last:
-        # this step's few vectors are transposed, never the cache
-        heads_first = lambda x: jnp.swapaxes(x, 1, 2)
-        values = put(cache.values, heads_first(v), 3) if _value_rows(cache) else \
-            put(cache.values, jnp.transpose(v, (0, 2, 3, 1)), 4)
-        return KVCache(put(cache.keys, heads_first(k), 3), values,
-                       put(cache.key_scales, heads_first(k_scales), 3),
-                       put(cache.value_scales, heads_first(v_scales), 3))
-
-
-def _attend_fp8_one_query(q, keys, values, key_scales, value_scales, visible):
-    """Attention of one query per sequence `q` `(B, 1, n_heads, head_dim)` over an FP8 layer
-    cache, as multiply-reduces that read the FP8 bytes (a dot would want a converted 16-bit
-    copy of the cache first): the key scales multiply the scores, the value scales the
-    probabilities. `visible` `(L,)`: the positions the query sees."""
-    batch, _, n_heads, head_dim = q.shape
-    kv_heads, dtype = keys.shape[2], q.dtype
-    q = q.astype(jnp.float32).reshape(batch, 1, kv_heads, n_heads // kv_heads, head_dim)
-    # (B, L, n_kv_heads, group): each query head with its group's key head
-    scores = jnp.sum(q * keys[:, :, :, None, :].astype(jnp.float32), axis=-1)
-    scores = scores * (key_scales[..., None] / np.sqrt(head_dim))
-    scores = jnp.where(visible[None, :, None, None], scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=1) * value_scales[..., None]
-    y = jnp.sum(weights[..., None] * values[:, :, :, None, :].astype(jnp.float32), axis=1)
-    return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
-
-
-def _attend_fp8_one_query_by_dots(q, keys, values, key_scales, value_scales, visible):
-    """`_attend_fp8_one_query` as two batched dots over the FP8 cache converted where the dot
-    reads it (a convert XLA's GPU GEMM fusion can take into the GEMM, as for weight-only
-    GEMMs), the scales applied to the scores and the probabilities as there."""
-    batch, _, n_heads, head_dim = q.shape
-    kv_heads, dtype = keys.shape[2], q.dtype
-    q = q.reshape(batch, kv_heads, n_heads // kv_heads, head_dim)
-    scores = jnp.einsum("bkgd,blkd->bkgl", q, keys.astype(dtype),
-                        preferred_element_type=jnp.float32)
-    scales = lambda s: jnp.swapaxes(s, 1, 2)[:, :, None, :]  # (B, L, kv) -> (B, kv, 1, L)
-    scores = scores * (scales(key_scales) / np.sqrt(head_dim))
-    scores = jnp.where(visible[None, None, None, :], scores, -jnp.inf)
-    weights = (jax.nn.softmax(scores, axis=-1) * scales(value_scales)).astype(dtype)
-    y = jnp.einsum("bkgl,blkd->bkgd", weights, values.astype(dtype),
-                   preferred_element_type=jnp.float32)
-    return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
-
-
-def _attend_fp8_heads_major(q, keys, values, key_scales, value_scales, visible,
-                            value_rows: bool = False):
-    """`_attend_fp8_one_query` over a "heads_major" layer cache: keys `(B, kv, L, head_dim)`,
-    values `(B, kv, head_dim, L)`, scales `(B, kv, L)`; the same multiply-reduces, each over
-    the minor axis of what it reads. With `value_rows` ("heads_major_rows") the values are
-    `(B, kv, L, head_dim)`, reduced over their rows."""
-    batch, _, n_heads, head_dim = q.shape
-    kv_heads, dtype = keys.shape[1], q.dtype
-    q = q.astype(jnp.float32).reshape(batch, kv_heads, n_heads // kv_heads, 1, head_dim)
-    # (B, n_kv_heads, group, L): each query head with its group's key head
-    scores = jnp.sum(q * keys[:, :, None].astype(jnp.float32), axis=-1)
-    scores = scores * (key_scales[:, :, None] / np.sqrt(head_dim))
-    scores = jnp.where(visible, scores, -jnp.inf)
-    weights = jax.nn.softmax(scores, axis=-1) * value_scales[:, :, None]
-    if value_rows:  # (B, kv, group, L, 1) x (B, kv, 1, L, head_dim), summed over L
-        y = jnp.sum(weights[..., None] * values[:, :, None].astype(jnp.float32), axis=-2)
-    else:
-        y = jnp.sum(weights[:, :, :, None] * values[:, :, None].astype(jnp.float32), axis=-1)
-    return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
-
-
-def _attend_fp8_heads_major_by_dots(q, keys, values, key_scales, value_scales, visible,
-                                    value_rows: bool = False):
-    """`_attend_fp8_one_query_by_dots` over a "heads_major" layer cache
-    (`_attend_fp8_heads_major`, `value_rows` as there)."""
-    batch, _, n_heads, head_dim = q.shape
-    kv_heads, dtype = keys.shape[1], q.dtype
-    q = q.reshape(batch, kv_heads, n_heads // kv_heads, head_dim)
-    scores = jnp.einsum("bkgd,bkld->bkgl", q, keys.astype(dtype),
-                        preferred_element_type=jnp.float32)
-    scores = scores * (key_scales[:, :, None] / np.sqrt(head_dim))
-    scores = jnp.where(visible, scores, -jnp.inf)
-    weights = (jax.nn.softmax(scores, axis=-1) * value_scales[:, :, None]).astype(dtype)
-    y = jnp.einsum("bkgl,bkld->bkgd" if value_rows else "bkgl,bkdl->bkgd", weights,
-                   values.astype(dtype), preferred_element_type=jnp.float32)
-    return y.reshape(batch, 1, n_heads, head_dim).astype(dtype)
-
-
-#: How a decode step attends to an FP8 cache: "reduce" (`_attend_fp8_one_query`) or "dots"
-#: (`_attend_fp8_one_query_by_dots`); read when a step is traced (generate.py's
-#: `--fp8-attention`), so the two can be measured against each other.
-FP8_DECODE_ATTENTION = "reduce"
-_FP8_DECODE_ATTENTION = {"reduce": _attend_fp8_one_query, "dots": _attend_fp8_one_query_by_dots}
-_FP8_DECODE_ATTENTION_HEADS_MAJOR = {"reduce": _attend_fp8_heads_major,
-                                     "dots": _attend_fp8_heads_major_by_dots}
-
-
-def _attention(q, cache: KVCache, layer: int, mask):
-    """`q` `(B, T, n_heads, head_dim)` attending to `layer`'s cache; `mask` `(T, L)`."""
-    keys, values = cache.keys[layer], cache.values[layer]
-    if cache.key_scales is None:
-        # XLA's attention: cuDNN's fused attention takes no arbitrary mask.
-        return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
-                                            mask=mask[None, None], implementation="xla")
-    key_scales, value_scales = cache.key_scales[layer], cache.value_scales[layer]
-    if q.shape[1] == 1:  # a decode step
-        if FP8_DECODE_ATTENTION not in _FP8_DECODE_ATTENTION:
-            raise ValueError(f"FP8_DECODE_ATTENTION: expected one of "
-                             f"{tuple(_FP8_DECODE_ATTENTION)}, got {FP8_DECODE_ATTENTION!r}")
-        if not _heads_major(cache):
-            attend = _FP8_DECODE_ATTENTION[FP8_DECODE_ATTENTION]
-            return attend(q, keys, values, key_scales, value_scales, mask[0])
-        attend = _FP8_DECODE_ATTENTION_HEADS_MAJOR[FP8_DECODE_ATTENTION]
-        return attend(q, keys, values, key_scales, value_scales, mask[0],
-                      value_rows=_value_rows(cache))
-    # A prefill's many queries: its GEMMs want 16-bit operands, so dequantize this layer once
-    # (into the positions-major order XLA's attention takes).
-    keys, values = keys.astype(jnp.float32), values.astype(jnp.float32)
-    if _heads_major(cache):
-        keys = jnp.swapaxes(keys * key_scales[..., None], 1, 2)
-        values = jnp.swapaxes(values * value_scales[..., None], 1, 2) if _value_rows(cache) \
-            else jnp.transpose(values * value_scales[:, :, None], (0, 3, 1, 2))
-    else:
-        keys, values = keys * key_scales[..., None], values * value_scales[..., None]
-    return jax.nn.dot_product_attention(q, keys.astype(q.dtype), values.astype(q.dtype),
-                                        mask=mask[None, None], implementation="xla")
-
-
-def _attend_to_cache(block, x, cache: KVCache, layer: int, start, fresh: bool):
+def _attend_to_cache(block, x, cache: KVCache, layer: int, start, fresh: bool,
+                     read: Optional[str] = None):
     """One block's attention for `x` `(B, T, width)` at positions `start...`, and the cache
-    with this step's keys and values written into `layer`. `fresh`: `forward_with_cache`'s."""
+    with this step's keys and values written into `layer`. `fresh`: `forward_with_cache`'s;
+    `read`: an FP8 cache's read form (None: the library's rule)."""
     batch, length, width = x.shape
-    query_positions = start + jnp.arange(length)
-    q, k, v = block.attention.project(x, query_positions)
-    cache = _write(cache, layer, start, k, v)
-    with jax.named_scope("cached_attention"):
-        if fresh:  # the block's own causal attention over this call's keys and values
+    q, k, v = block.attention.project(x, start + jnp.arange(length))
+    cache = write_kv(cache, k, v, start, layer=layer)
+    if fresh:  # the block's own causal attention over this call's keys and values
+        with jax.named_scope("cached_attention"):
             y = jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                              implementation=block.attention.implementation)
-        else:
-            # Query i (position start + i) sees cache positions up to its own; later ones
-            # are empty.
-            mask = jnp.arange(cache.max_len)[None, :] <= query_positions[:, None]
-            y = _attention(q, cache, layer, mask)
+    else:
+        # Query i (position start + i) sees cache positions up to its own; later ones are
+        # empty.
+        y = decode_attention(q, cache, start + length, layer=layer, read=read)
     return block.attention.out(y.reshape(batch, length, width)), cache
 
 
 def forward_with_cache(model: GPT, tokens, cache: KVCache, start, *, last_only: bool = False,
-                       fresh: bool = False):
+                       fresh: bool = False, read: Optional[str] = None):
     """(logits, updated cache) for `tokens` `(B, T)` at positions `start ... start + T - 1`;
     `last_only`: the logits of the last position only `(B, 1, vocab)` (the head's GEMM for the
     others is skipped: generation needs only the next token). `fresh`: `start` is 0 and the
@@ -317,7 +95,7 @@ def forward_with_cache(model: GPT, tokens, cache: KVCache, start, *, last_only: 
     x = model.embed(tokens, start + jnp.arange(tokens.shape[1]))
     for layer, block in enumerate(model.blocks):
         attended, cache = _attend_to_cache(block, block.attention_norm(x), cache, layer, start,
-                                           fresh)
+                                           fresh, read)
         x = x + attended
         x = x + block.mlp(block.mlp_norm(x))
     if last_only:
@@ -333,11 +111,11 @@ class CachedGPT(nnx.Module):
         self.model = model
 
     def __call__(self, tokens, cache: Optional[KVCache] = None, start=0, *,
-                 last_only: bool = False, fresh: bool = False):
+                 last_only: bool = False, fresh: bool = False, read: Optional[str] = None):
         if cache is None:
             return self.model(tokens)
         return forward_with_cache(self.model, tokens, cache, start, last_only=last_only,
-                                  fresh=fresh)
+                                  fresh=fresh, read=read)
 
 
 def sample(logits, key, *, temperature: float = 0.0, top_k: Optional[int] = None):
@@ -370,10 +148,11 @@ class Generator:
     `(steps_per_call, B)`, rows past `count` unused; the updated cache). The cache argument is
     donated. A step's random key is `fold_in(key, position)`, so a seed gives one sequence
     however it is stepped. `cache_dtype`: the KV cache's (`init_cache`), None for the compute
-    dtype. The prefill step is compiled without XLA's command buffers (CUDA graphs) on a GPU
-    unless `prefill_command_buffers`: on the H200 they slowed jax-epilog's FP8 prefill (its
-    custom calls inside the graph) by up to 1.3x and did not speed the bf16 one
-    (docs/serving.md).
+    dtype; `cache_layout` and `fp8_read`: an FP8 cache's layout and read form (the library's
+    `init_kv_cache` and `decode_attention` overrides; None: its measured rule). The prefill
+    step is compiled without XLA's command buffers (CUDA graphs) on a GPU unless
+    `prefill_command_buffers`: on the H200 they slowed jax-epilog's FP8 prefill (its custom
+    calls inside the graph) by up to 1.3x and did not speed the bf16 one (docs/serving.md).
 
     A decode call is compiled once per `count` (a static argument; `generate` needs at most
     two: `steps_per_call` and the last call's remainder). Its device loop then has a trip
@@ -383,7 +162,8 @@ class Generator:
 
     def __init__(self, cached: CachedGPT, *, temperature: float = 0.0,
                  top_k: Optional[int] = None, cache_dtype=None, steps_per_call: int = 16,
-                 prefill_command_buffers: bool = False):
+                 prefill_command_buffers: bool = False, cache_layout: Optional[str] = None,
+                 fp8_read: Optional[str] = None):
         sample(jnp.zeros((1, cached.model.config.vocab_size)), None if temperature == 0 else
                jax.random.key(0), temperature=temperature, top_k=top_k)  # checks the arguments
         if not isinstance(steps_per_call, int) or steps_per_call < 1:
@@ -391,7 +171,11 @@ class Generator:
         self.config = cached.model.config
         self.cache_dtype = jnp.dtype(cache_dtype or cached.model.final_norm.dtype
                                      or jnp.float32)
-        jax.eval_shape(lambda: self.new_cache(1, 1))  # checks the dtype
+        if fp8_read not in (None, *READS):
+            raise ValueError(f"fp8_read: expected None (the library's rule) or one of {READS}, "
+                             f"got {fp8_read!r}")
+        self.cache_layout, self.fp8_read = cache_layout, fp8_read
+        jax.eval_shape(lambda: self.new_cache(1, 1))  # checks the dtype and layout
         self.steps_per_call = steps_per_call
         # The weights flattened once, a list of arrays: an nnx.State passed to each call is
         # flattened again in Python every time, host time in front of every prefill.
@@ -411,7 +195,8 @@ class Generator:
 
     def _forward_and_sample(self, state, cache, tokens, start, key, fresh: bool = False):
         cached = nnx.merge(self.graphdef, jax.tree.unflatten(self._state_def, state))
-        logits, cache = cached(tokens, cache, start, last_only=True, fresh=fresh)
+        logits, cache = cached(tokens, cache, start, last_only=True, fresh=fresh,
+                               read=self.fp8_read)
         position = start + tokens.shape[1] - 1  # of the last token: the key depends on it
         return self._sample(logits[:, -1], jax.random.fold_in(key, position)), cache
 
@@ -458,7 +243,8 @@ class Generator:
                            for count, program in lowered["decode"].items()}}
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        return init_cache(self.config, batch, max_len, self.cache_dtype)
+        return init_cache(self.config, batch, max_len, self.cache_dtype,
+                          self.cache_layout if is_fp8(self.cache_dtype) else None)
 
     def prefill(self, cache: KVCache, prompt, key, compiled=None):
         """(The next tokens `(B,)`, `cache` with `prompt` `(B, P)` written from position 0):

@@ -35,7 +35,8 @@ writes `gpt_generate.json` and `gpt_generate.md` to `--out`.
 The KV cache (`--kv-cache`) is the compute dtype, `bf16`, or `fp8` (float8_e4m3fn, a float32
 scale per head vector; decode.py); `auto` gives `epilog_fp8` the FP8 cache and the others the
 compute dtype. `--fp8-cache-layout` and `--fp8-attention` choose how an FP8 cache is stored
-and read (decode.py's `FP8_CACHE_LAYOUT`, `FP8_DECODE_ATTENTION`). `--profile DIR` traces
+and read (the library's `init_kv_cache(layout=)` and `decode_attention(read=)`; by default
+its measured rule, docs/kv_cache.md). `--profile DIR` traces
 a few decode steps and a few prefills of each variant and batch size with `jax.profiler` (the
 traces kept in DIR) and sorts their GPU kernels into GEMMs, the attention over the cache, the
 cache writes and the rest (profile.py's `breakdown`).
@@ -64,6 +65,7 @@ from flax import nnx
 import jax_epilog
 from jax_epilog.float8.weights import key_names
 from jax_epilog.planning import serving_plan
+from jax_epilog.planning.attention_plan import LAYOUTS, READS
 
 from gpt import compare, configs, data, decode, profile, train
 from gpt.decode import CachedGPT, Generator, check_fits, init_cache
@@ -443,8 +445,8 @@ class Settings:
     kv_cache: str = "auto"
     profile: Optional[str] = None  # a folder for the decode steps' traces
     steps_per_call: int = 16
-    fp8_attention: str = "reduce"  # decode.FP8_DECODE_ATTENTION
-    fp8_cache_layout: str = "heads_major"  # decode.FP8_CACHE_LAYOUT
+    fp8_attention: str = "auto"  # Generator's fp8_read ("auto": the library's rule)
+    fp8_cache_layout: str = "auto"  # Generator's cache_layout
     prefill_command_buffers: bool = False  # decode.Generator's
     weight_scales: str = "tensor"  # epilog_fp8's: quantize_params' granularity
 
@@ -457,6 +459,17 @@ def variant_parts(name: str) -> tuple[str, Optional[str]]:
 
 #: `JAX_EPILOG_SERVING=way` while a variant is built, traced and timed (None: the default ways).
 forced_serving_way = jax_epilog.config.forced_serving_way
+
+
+def fp8_cache_overrides(settings: Settings) -> dict[str, Optional[str]]:
+    """The Generator's `fp8_read` and `cache_layout` from the settings ("auto": None)."""
+    auto = lambda choice: None if choice == "auto" else choice
+    return {"fp8_read": auto(settings.fp8_attention),
+            "cache_layout": auto(settings.fp8_cache_layout)}
+
+
+def _rule(choice: str) -> str:
+    return "as jax_epilog's rule chose" if choice == "auto" else choice
 
 
 def cache_dtype(name: str, choice: str, dtype):
@@ -500,7 +513,8 @@ def _serve_variant(name: str, base: str, config: configs.TrainConfig, weights: n
     generator = Generator(cached, temperature=settings.temperature, top_k=settings.top_k,
                           cache_dtype=cache_dtype(base, settings.kv_cache, dtype),
                           steps_per_call=settings.steps_per_call,
-                          prefill_command_buffers=settings.prefill_command_buffers)
+                          prefill_command_buffers=settings.prefill_command_buffers,
+                          **fp8_cache_overrides(settings))
     record["kv_cache"] = generator.cache_dtype.name
     key = jax.random.key(settings.seed)
     for batch in settings.batches:
@@ -597,8 +611,8 @@ def render(report: dict) -> str:
              f"d_model {model['d_model']}, {model['n_layers']} layers, {model['n_heads']} "
              f"heads. Prompts of {s['prompt_len']} validation bytes, {s['new_tokens']} new "
              f"tokens ({_sampling(s)}), {s.get('steps_per_call', 1)} decode steps per call; "
-             f"an FP8 KV cache {s.get('fp8_cache_layout', 'positions_major')}, read by "
-             f"{s.get('fp8_attention', 'reduce')}; the prefill compiled "
+             f"an FP8 KV cache {_rule(s.get('fp8_cache_layout', 'positions_major'))}, read by "
+             f"{_rule(s.get('fp8_attention', 'reduce'))}; the prefill compiled "
              f"{'with' if s.get('prefill_command_buffers', True) else 'without'} command "
              f"buffers; epilog_fp8's weights scaled per "
              f"{'output channel' if s.get('weight_scales') == 'channel' else 'tensor'}, its "
@@ -773,16 +787,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "folder and report where a step's GPU time goes")
     parser.add_argument("--out", type=Path, help="folder for gpt_generate.json and .md")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--fp8-attention", default=decode.FP8_DECODE_ATTENTION,
-                        choices=("reduce", "dots"),
+    parser.add_argument("--fp8-attention", default="auto", choices=("auto", *READS),
                         help="how a decode step reads an FP8 KV cache: multiply-reduces or "
-                             "dots over the converted cache")
-    parser.add_argument("--fp8-cache-layout", default=decode.FP8_CACHE_LAYOUT,
-                        choices=decode.FP8_CACHE_LAYOUTS,
+                             "dots over the converted cache (auto: jax_epilog's measured rule)")
+    parser.add_argument("--fp8-cache-layout", default="auto", choices=("auto", *LAYOUTS),
                         help="how an FP8 KV cache is stored: positions before heads, or each "
                              "head's positions together in the order a decode step reads them "
                              "(heads_major_rows: the values stored as the keys, a row a "
-                             "position)")
+                             "position; auto: jax_epilog's measured rule)")
     parser.add_argument("--prefill-command-buffers", default="off", choices=("on", "off"),
                         help="compile the prefill step with XLA's command buffers (CUDA "
                              "graphs) or without them, the default (GPU only)")
@@ -828,8 +840,6 @@ def main(argv=None) -> dict[str, Any]:
         config, saved, weights_from = configs.get(args.config), None, \
             f"random ({args.config}, seed {configs.get(args.config).seed})"
     settings = settings_for(args, config)
-    decode.FP8_DECODE_ATTENTION = settings.fp8_attention  # read when the steps are traced
-    decode.FP8_CACHE_LAYOUT = settings.fp8_cache_layout  # and when a cache is made
     dtype = train.compute_dtype(args.dtype)
     corpus = data.load_corpus()
     weights = serving_weights(config, saved, dtype)

@@ -9,7 +9,8 @@ what is known when it is traced or lowered, with the rule or table entry behind 
   epilog and backend, fused or plain);
 - `block_plan`: what runs without a stack's plan (a SwiGLU block, a block-scaled FP8 stack,
   layers of weights stored in FP8) and why, told to `explain`; `serving_plan`: the way a
-  layer of a stored FP8 weight runs;
+  layer of a stored FP8 weight runs; `attention_plan`: how a decode step reads an FP8 KV
+  cache and how it is laid out (its own table, `tables/attention/decode.json`);
 - `table_format`: the measured decision tables' entries and files (shipped in `tables/`, or
   the user's from `python -m jax_epilog.tune`); `decisions`: how they decide (the nearest
   measured entry, the rules without one).
