@@ -166,8 +166,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     if recipe.delayed and state is None:
         raise ValueError(f'{where}: state: Fp8(scaling="delayed") needs the FP8 state '
                          f"(init_state(length)); pass it, or use scaling=\"current\"")
-    if not recipe.delayed:
-        state = None  # current scaling keeps no state; a state given passes through unchanged
+    if not recipe.delayed and state is not None:  # handed back unchanged as its gradient
+        return carry_state(fp8_dot_general(lhs, rhs, dimension_numbers, precision,
+                                           preferred_element_type, fp8=recipe, strict=strict,
+                                           name=name, out_sharding=out_sharding), state)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     shaped = functools.partial(jax.lax.dot_general, dimension_numbers=dimension_numbers,
                                preferred_element_type=preferred_element_type)

@@ -165,6 +165,8 @@ def test_delayed_scaling_calibrates_a_cold_history_where_flax_saturates():
     flax = _dense(fp8_ops.Fp8DirectDotGeneralOp)
     err = lambda y: float(jnp.abs(y - exact).max() / jnp.abs(exact).max())
     assert err(ours.apply(v, x)) < 2**-4 < err(flax.apply(flax.init(jax.random.key(0), x), x))
+    # Applied without the FP8 collection, "auto" scaling is current scaling: no state needed.
+    assert err(ours.apply({"params": v["params"]}, x)) < 2**-4
 
 
 def test_linen_einsum_matches_flax_fp8_einsum():
@@ -279,6 +281,22 @@ def test_small_gemm_under_auto_runs_16_bit_and_says_how_to_force_fp8():
     grad = jax.grad(lambda s: fp8_dot_general(x, w, (((1,), (0,)), ((), ())), fp8=Fp8(),
                                               state=s, name="tiny").sum())(state)
     assert all(np.array_equal(grad[n], state[n]) for n in STATE_NAMES)
+
+
+def test_current_scaling_hands_a_given_state_back_unchanged():
+    x, w = _random(16, (4, 16), (16, 16))
+    state = init_state(3)
+    grad = jax.grad(lambda s: fp8_dot_general(x, w, (((1,), (0,)), ((), ())), fp8=ALL,
+                                              state=s).sum())(state)
+    assert all(np.array_equal(grad[n], state[n]) for n in STATE_NAMES)
+
+
+def test_public_names():
+    for module in (jax_epilog.linen, jax_epilog.nnx):
+        for name in ("Fp8DotGeneral", "Fp8Einsum", "Fp8FallbackWarning", "fp8_training"):
+            assert name in module.__all__ and getattr(module, name) is not None
+    assert jax_epilog.nnx.OverwriteWithGradient is nnx.variable_type_from_name(OWG)
+    assert callable(jax_epilog.nnx.overwrite_with_gradient)
 
 
 def test_bad_arguments_name_themselves():
