@@ -33,6 +33,7 @@ except ImportError as error:
         from error
 
 from jax_epilog.float8.recipe import as_fp8
+from jax_epilog.layers import stock_fp8
 from jax_epilog.layers.stock_fp8 import STATE_NAMES, fp8_dot_general, init_state
 
 #: NNX's Variable type of Flax's "overwrite with gradient" collection (the one Flax's
@@ -96,9 +97,14 @@ class Fp8DotGeneral(linen.Module):
     def _dot(self, state, lhs, rhs, dimension_numbers, precision=None,
              preferred_element_type=None, out_sharding=None):
         recipe = _recipe(self.fp8, self.amax_history_length, self._where())
-        return fp8_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                               fp8=recipe, state=state, strict=self.strict,
-                               name=self._where(), out_sharding=out_sharding)
+        token = stock_fp8.initialising.set(self.is_initializing())
+        try:
+            return fp8_dot_general(lhs, rhs, dimension_numbers, precision,
+                                   preferred_element_type, fp8=recipe, state=state,
+                                   strict=self.strict, name=self._where(),
+                                   out_sharding=out_sharding)
+        finally:
+            stock_fp8.initialising.reset(token)
 
     @linen.compact
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,

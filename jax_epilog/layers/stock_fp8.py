@@ -27,6 +27,7 @@ the state reads as Flax's; the next scales come from the histories alone.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 import warnings
@@ -125,9 +126,14 @@ def fallback_reason(gemm: Gemm, dtype, out_dtype, fp8: Fp8) -> tuple[Optional[st
 
 
 _warned: set = set()
+#: Set while a Linen model is initialised (`stock_flax`): its sample inputs (often one row)
+#: say nothing of the shapes it trains on, so the "auto" rule's choices there are not warned of.
+initialising = contextvars.ContextVar("jax_epilog_stock_fp8_initialising", default=False)
 
 
 def _fall_back(reason: str, chosen: bool, name: str, strict: bool) -> None:
+    if chosen and initialising.get():
+        return
     if strict and not chosen:
         raise ValueError(f"{name}: cannot run in FP8 ({reason}); strict=True asked for FP8, so "
                          f"this is an error: change the layer's dtype, or drop strict=True to "

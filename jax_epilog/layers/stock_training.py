@@ -32,7 +32,7 @@ from flax import linen, nnx
 
 from jax_epilog.float8.recipe import Fp8, as_fp8
 from jax_epilog.layers.stock_flax import NnxFp8DotGeneral, NnxFp8Einsum, _einsum
-from jax_epilog.layers.stock_fp8 import fp8_dot_general
+from jax_epilog.layers.stock_fp8 import fp8_dot_general, initialising
 
 #: The stock layers by how their product is reached: through the dot_general they hold, or
 #: through `jnp.einsum`.
@@ -199,8 +199,12 @@ def _interceptor(rules, recipe: Fp8, strict: bool):
                 not _plain(module) or not _chosen(rules, path):
             return next_fun(*args, **kwargs)
         dot = functools.partial(fp8_dot_general, fp8=recipe, strict=strict, name=path)
-        with _running(dot):
-            return next_fun(*args, **kwargs)
+        token = initialising.set(module.is_initializing())
+        try:
+            with _running(dot):
+                return next_fun(*args, **kwargs)
+        finally:
+            initialising.reset(token)
     return intercept
 
 

@@ -12,6 +12,7 @@ that checks the mapping onto the GEMM without repeating it.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -281,6 +282,16 @@ def test_small_gemm_under_auto_runs_16_bit_and_says_how_to_force_fp8():
     grad = jax.grad(lambda s: fp8_dot_general(x, w, (((1,), (0,)), ((), ())), fp8=Fp8(),
                                               state=s, name="tiny").sum())(state)
     assert all(np.array_equal(grad[n], state[n]) for n in STATE_NAMES)
+
+
+def test_linen_init_does_not_warn_of_the_auto_rule_on_its_sample_shapes():
+    model = nn.Dense(8, dot_general_cls=jax_epilog.linen.Fp8DotGeneral)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        variables = model.init(jax.random.key(0), jnp.ones((1, 24)))
+        jax_epilog.linen.fp8_training(model).init(jax.random.key(0), jnp.ones((1, 24)))
+    with pytest.warns(jax_epilog.linen.Fp8FallbackWarning, match=r"Fp8DotGeneral_0 .*\[1, 24\]"):
+        model.apply(variables, jnp.ones((1, 24)))
 
 
 def test_current_scaling_hands_a_given_state_back_unchanged():
