@@ -54,7 +54,7 @@ def _stock(module) -> Optional[type]:
 def _plain(module) -> bool:
     """Whether the layer's product is JAX's own (nothing custom to keep)."""
     if isinstance(module, EINSUM_LAYERS):
-        return getattr(module, "einsum_op", jnp.einsum) is jnp.einsum
+        return getattr(module, "einsum_op", _ORIGINAL_EINSUM) in (jnp.einsum, _ORIGINAL_EINSUM)
     cls_ = getattr(module, "dot_general_cls", None)
     dot = getattr(module, "dot_general", None)
     return cls_ is None and dot in (None, jax.lax.dot_general, _ORIGINAL_DOT_GENERAL)
