@@ -147,7 +147,7 @@ class NnxFp8DotGeneral(nnx.Module):
                  strict: bool = False, name: Optional[str] = None):
         self.fp8 = _recipe(fp8, amax_history_length, name or type(self).__name__)
         self.strict = strict
-        self.name = name
+        self.name = name  # None: warnings and errors name the op and the shapes
         if self.fp8.keeps_state:
             for key, value in init_state(self.fp8.amax_history_length).items():
                 setattr(self, key, OverwriteWithGradient(value))
@@ -160,7 +160,8 @@ class NnxFp8DotGeneral(nnx.Module):
                  preferred_element_type=None, out_sharding=None):
         return fp8_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                                fp8=self.fp8, state=self._fp8_state(), strict=self.strict,
-                               name=self.name, out_sharding=out_sharding)
+                               name=self.name or "jax_epilog.nnx.Fp8DotGeneral",
+                               out_sharding=out_sharding)
 
 
 class NnxFp8Einsum(NnxFp8DotGeneral):
@@ -171,7 +172,8 @@ class NnxFp8Einsum(NnxFp8DotGeneral):
     def __call__(self, eqn, lhs, rhs, precision=None, preferred_element_type=None,
                  out_sharding=None):
         dot = functools.partial(fp8_dot_general, fp8=self.fp8, state=self._fp8_state(),
-                                strict=self.strict, name=self.name)
+                                strict=self.strict,
+                                name=self.name or "jax_epilog.nnx.Fp8Einsum")
         return _einsum(dot, eqn, lhs, rhs, precision, preferred_element_type, out_sharding)
 
 
