@@ -22,7 +22,12 @@ stack, all from the parameters of one `init`:
 - ours_fp8_fast_all: the same with `fast_accumulation=True` (every GEMM, as XLA runs Flax's);
 - ours_fp8_e4m3_grad, ours_fp8_e4m3_grad_fast_data: `ours_fp8_delayed_all` and
   `ours_fp8_fast_data` with `gradient="float8_e4m3fn"` (TransformerEngine's E4M3 recipe: one
-  more mantissa bit for the gradients, 2^14 less range).
+  more mantissa bit for the gradients, 2^14 less range);
+- stock_fp8, stock_fp8_all: flax_bf16's `nn.Dense` stack with our FP8 GEMMs by one keyword,
+  `dot_general_cls=jax_epilog.linen.Fp8DotGeneral` (Flax's state and delayed scaling), with
+  the defaults and with `Fp8(layers="all")`: the bias and activation stay XLA fusions;
+- stock_fp8_intercepted_all: flax_bf16's model unchanged, trained through
+  `jax_epilog.linen.fp8_training(model, fp8=Fp8(scaling="current", layers="all"))`.
 
 An `ours_*` variant that builds the same program as one before it on a row (on M1, `fp8=True`
 already runs every layer FP8) is not compiled twice: the report names the one it equals.
@@ -66,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import sys
 import time
@@ -130,6 +136,16 @@ def flax_variant(dot_general_cls=None) -> Callable[[Workload], linen.Module]:
     return lambda w: FlaxStack(w.widths[1:], w.activation, w.final_activation, dot_general_cls)
 
 
+def stock_variant(fp8=None, intercepted: bool = False) -> Callable[[Workload], linen.Module]:
+    """flax_bf16's stack with our FP8 dot_general_cls (`fp8` for it where given), or
+    unchanged and intercepted by `fp8_training`."""
+    op = epilog_linen.Fp8DotGeneral if fp8 is None else \
+        functools.partial(epilog_linen.Fp8DotGeneral, fp8=fp8)
+    if intercepted:
+        return lambda w: epilog_linen.fp8_training(flax_variant()(w), fp8=fp8)
+    return flax_variant(op)
+
+
 def ours_variant(fp8=None) -> Callable[[Workload], linen.Module]:
     return lambda w: epilog_linen.MLP(features=w.widths[1:], activation=w.activation,
                                       final_activation=w.final_activation, dtype=DTYPE, fp8=fp8)
@@ -156,14 +172,23 @@ VARIANTS = {"flax_bf16": flax_variant(),
                                                    gradient="float8_e4m3fn")),
             "ours_fp8_e4m3_grad_fast_data": ours_variant(Fp8(
                 scaling="delayed", layers="all", gradient="float8_e4m3fn",
-                fast_accumulation=("forward", "data gradient")))}
+                fast_accumulation=("forward", "data gradient"))),
+            "stock_fp8": stock_variant(),
+            "stock_fp8_all": stock_variant(Fp8(layers="all")),
+            "stock_fp8_intercepted_all": stock_variant(Fp8(scaling="current", layers="all"),
+                                                       intercepted=True)}
 
 
 def describe(model: linen.Module) -> str:
     """The variant's model as its user would write it (fp8= spelled out)."""
     if isinstance(model, FlaxStack):
         op = model.dot_general_cls
-        return "nn.Dense" + (f"(dot_general_cls=fp8_ops.{op.__name__})" if op else "")
+        if type(model) is not FlaxStack:  # `fp8_training`'s subclass
+            return "jax_epilog.linen.fp8_training(nn.Dense stack)"
+        if isinstance(op, functools.partial):
+            return f"nn.Dense(dot_general_cls={op.func.__module__}.{op.func.__name__}" \
+                   f"(fp8={op.keywords['fp8']!r}))"
+        return "nn.Dense" + (f"(dot_general_cls={op.__module__}.{op.__name__})" if op else "")
     return f"jax_epilog.linen.MLP(fp8={as_fp8(model.fp8)!r})"
 
 

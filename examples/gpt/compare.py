@@ -11,7 +11,9 @@ Variants, in the compute dtype (bfloat16 on a GPU, float32 elsewhere): `stock` (
 `epilog_fp8` (with `train.FP8_RECIPE`), all from the same initial weights (checked by a
 fingerprint of the parameters) and trained on the same batches in the same order.
 `--variants` picks among them and `epilog_fp8_block` (jax-epilog's layers with the
-block-scaled recipe, `train.FP8_BLOCK_RECIPE`), which runs only when named:
+block-scaled recipe, `train.FP8_BLOCK_RECIPE`) and `stock_fp8` (the `stock` model, its code
+unchanged, trained on jax-epilog's FP8 GEMMs by one call, `jax_epilog.nnx.fp8_training(model,
+fp8=train.FP8_RECIPE)`: docs/stock_models.md), which run only when named:
 
     python examples/gpt/compare.py --config large --variants epilog,epilog_fp8,epilog_fp8_block \
         --steps 300 --budget-s 540 --out /tmp/block
@@ -52,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import jax
 import numpy as np
 
+import jax_epilog
 import timing
 from gpt import configs, data, model, train
 
@@ -59,7 +62,9 @@ from gpt import configs, data, model, train
 #: the baseline every ratio divides by.
 VARIANTS = (("stock", "stock", None), ("flax_fp8", "flax_fp8", None),
             ("epilog", "epilog", None), ("epilog_fp8", "epilog", "per-tensor"),
-            ("epilog_fp8_block", "epilog", "block"))
+            ("epilog_fp8_block", "epilog", "block"), ("stock_fp8", "stock", "fp8_training"))
+#: The FP8 "recipe" of `stock_fp8`: the stock model through `jax_epilog.nnx.fp8_training`.
+ONE_CALL = "fp8_training"
 #: What runs without `--variants`: all but the block-scaled recipe (`--variants` adds it).
 DEFAULT_VARIANTS = ("stock", "flax_fp8", "epilog", "epilog_fp8")
 #: Issue 25's targets: (config, variant, baseline, minimum speed-up).
@@ -73,7 +78,12 @@ SPEED_TARGETS = (("large", "epilog_fp8", "stock", 1.25),
                  ("llama_large", "epilog_fp8", "stock", 1.5),
                  ("llama_large", "epilog_fp8", "flax_fp8", 1.08),
                  # issue 39's, the block-scaled recipe
-                 ("large", "epilog_fp8_block", "stock", 1.3))
+                 ("large", "epilog_fp8_block", "stock", 1.3),
+                 # issue 62's: the stock model by one call, against our layers and Flax's FP8
+                 ("large", "stock_fp8", "epilog_fp8", 0.97),
+                 ("large", "stock_fp8", "flax_fp8", 1.0),
+                 ("llama_large", "stock_fp8", "epilog_fp8", 0.97),
+                 ("llama_large", "stock_fp8", "flax_fp8", 1.0))
 #: Issue 38's: (config, variant, peer, the most the variant's time to the first step may be as
 #: a fraction of the peer's).
 FIRST_STEP_TARGETS = (("llama_large", "epilog_fp8", "flax_fp8", 0.2),)
@@ -137,9 +147,12 @@ def build(config: configs.TrainConfig, name: str, impl: str, fp8, dtype,
     """One variant's model and compiled step; `fp8`: its recipe's `train.FP8_SCALINGS` name,
     or None (True and False, as `train.build_model` takes them, also work)."""
     start = time.perf_counter()
-    scaling = fp8 if isinstance(fp8, str) else "per-tensor"
-    model = train.build_model(config, impl, fp8=bool(fp8), dtype=dtype, attention=attention,
-                              fp8_scaling=scaling)
+    one_call = fp8 == ONE_CALL
+    scaling = fp8 if isinstance(fp8, str) and not one_call else "per-tensor"
+    model = train.build_model(config, impl, fp8=bool(fp8) and not one_call, dtype=dtype,
+                              attention=attention, fp8_scaling=scaling)
+    if one_call:  # the stock model's code unchanged: its projections get the FP8 op by path
+        model = jax_epilog.nnx.fp8_training(model, fp8=train.FP8_RECIPE)
     trainer = train.Trainer(model, train.make_optimizer(config))
     compiled, memory = trainer.compile(trainer.initial, batch)
     compile_s = time.perf_counter() - start
@@ -327,7 +340,7 @@ def targets(results: dict[str, dict]) -> list[dict]:
     for config_name, result in results.items():
         final = {n: r["validation_loss"][-1][1] for n, r in result["variants"].items()}
         for fp8_name, bf16_name in (("epilog_fp8", "epilog"), ("epilog_fp8_block", "epilog"),
-                                    ("flax_fp8", "stock")):
+                                    ("flax_fp8", "stock"), ("stock_fp8", "stock")):
             if fp8_name not in final or bf16_name not in final:
                 continue
             relative = final[fp8_name] / final[bf16_name] - 1

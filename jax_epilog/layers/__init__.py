@@ -5,7 +5,10 @@ block-scaled FP8 recipe, `Fp8(scaling="block")`: one custom VJP per layer), `gem
 forward GEMM with its named residual, shared by both), `kv_cache` (a decoder's KV cache,
 16-bit or FP8, and its in-place writes) and `decode_attention` (a decode step's attention
 over it), and the Flax modules `linen` and `nnx` (public as `jax_epilog.linen` and
-`jax_epilog.nnx`).
+`jax_epilog.nnx`); FP8 training of stock Flax layers: `stock_fp8` (`fp8_dot_general`, any
+`dot_general` as an FP8 GEMM), `stock_flax` (it as Flax's dot_general / einsum ops) and
+`stock_training` (`fp8_training`, a whole model by rules).
 
-Imports `op`, `planning` and `float8`; the Flax modules import Flax, nothing else does.
+Imports `op`, `planning` and `float8`; the Flax modules (`linen`, `nnx`, `stock_flax`,
+`stock_training`) import Flax, nothing else does.
 """
