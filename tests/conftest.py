@@ -1,9 +1,17 @@
-"""Shared test setup: GPU detection.
+"""Shared test setup: GPU detection, and the shared test modules on the path.
 
-GPU tests are marked `gpu` and skip themselves cleanly where JAX sees no CUDA device (CI).
+The tests mirror the package (tests/op, tests/planning, tests/float8, tests/layers,
+tests/serving, tests/tools) beside tests/benchmarks and tests/examples; what several of them
+import (the float64 references, problem generators, the multi-device checks) is in
+tests/support, which this file puts on `sys.path`. GPU tests are marked `gpu` and skip
+themselves cleanly where JAX sees no CUDA device (CI).
 """
 
 import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 import jax
 import pytest
