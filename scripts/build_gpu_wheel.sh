@@ -15,7 +15,7 @@ ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 OUT="$(mkdir -p "${1:-$ROOT/dist}" && cd "${1:-$ROOT/dist}" && pwd)"
 PY="${PYTHON:-python3}"
 # What the handler links from NVIDIA's cu13 wheels (ffi/CMakeLists.txt) and the package preloads
-# from there (jax_epilog/runtime/library.py), left out of the wheel; tests/test_gpu_wheel.py
+# from there (jax_epilog/runtime/library.py), left out of the wheel; tests/runtime/test_gpu_wheel.py
 # checks that the names agree.
 EXCLUDE=(libcublasLt.so.13 libcublas.so.13 libcudart.so.13)
 WORK="$(mktemp -d)"

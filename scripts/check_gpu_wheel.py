@@ -14,7 +14,7 @@ JAX with a local CUDA (`jax[cuda13-local]`) has them from the system.
 `--resolution` takes pip's report of installing the wheel with that extra (`pip install
 --dry-run --ignore-installed --report REPORT.json "WHEEL[cuda]"`) and checks that it brings
 cuBLASLt and the CUDA runtime 13. Exit status 1, with the problems listed, if a check fails.
-Needs only the standard library and `packaging`; tests/test_gpu_wheel.py runs it on a CPU.
+Needs only the standard library and `packaging`; tests/runtime/test_gpu_wheel.py runs it on a CPU.
 """
 
 from __future__ import annotations

@@ -43,12 +43,17 @@ for c, x in json.load(open(sys.argv[1]))['results'].items():
               'time to first step s', v.get('time_to_first_step_s'))
 " "$OUT/$name/gpt_compare.json" 2>&1 | tee -a "$SUMMARY"
 }
-# `gpu_tests NAME CAP FILE...`: the gpu-marked tests of tests/FILE... (from /tmp, so the
+# `test_path FILE`: tests/**/FILE (a test file named by its basename; "." is tests/ itself).
+test_path() {
+  if [ "$1" = . ]; then echo "$ROOT/tests"; return; fi
+  find "$ROOT/tests" -name "$1" -print -quit | grep . || echo "$ROOT/tests/$1"
+}
+# `gpu_tests NAME CAP FILE...`: the gpu-marked tests of tests/**/FILE... (from /tmp, so the
 # installed package is imported) within CAP seconds, into $OUT/NAME_tests.log; the count into
 # the summary, the failures printed.
 gpu_tests() {
   local name="$1" cap="$2"; shift 2
-  (cd /tmp && runs --cap "$cap" "$PY" -m pytest $(for f in "$@"; do echo "$ROOT/tests/$f"; done) \
+  (cd /tmp && runs --cap "$cap" "$PY" -m pytest $(for f in "$@"; do test_path "$f"; done) \
     -q -ra -m gpu -p no:cacheprovider 2>&1) > "$OUT/${name}_tests.log"
   note "$name gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/${name}_tests.log")"
   grep -E "FAILED|Error|has no kernel" "$OUT/${name}_tests.log" | head -20
@@ -97,7 +102,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
     tests)
       # From /tmp so the installed package (with its library) is imported, not the sources.
       # PYTEST_WORKERS=N: N pytest-xdist processes share the GPU(s), each with a slice of memory.
-      # TEST_FILES="test_a.py test_b.py": only those files of tests/ (default: all of them).
+      # TEST_FILES="test_a.py test_b.py": only those files of tests/ (by basename) (default: all of them).
       # Each worker's memory fraction defaults to 0.75 / workers: four workers at 0.75 each
       # ran out of memory in 1224 of 1252 tests.
       workers=(); fraction=0.75
@@ -105,7 +110,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
         workers=(-n "$PYTEST_WORKERS"); fraction=$(python3 -c "print(round(0.75 / $PYTEST_WORKERS, 3))")
       fi
       (cd /tmp && XLA_PYTHON_CLIENT_MEM_FRACTION="${PYTEST_MEM_FRACTION:-$fraction}" \
-        runs "$PY" -m pytest $(for f in ${TEST_FILES:-.}; do echo "$ROOT/tests/$f"; done) \
+        runs "$PY" -m pytest $(for f in ${TEST_FILES:-.}; do test_path "$f"; done) \
         -q -ra -m gpu -p no:cacheprovider "${workers[@]}" \
         --junitxml="$OUT/gpu_tests.xml" 2>&1) > "$OUT/gpu_tests.log"
       note "gpu tests: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/gpu_tests.log")"
@@ -116,8 +121,8 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       note "whole suite on GPU: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/suite.log")"
       grep -E "FAILED" "$OUT/suite.log" | head -40 ;;
     fuzz)
-      if [ -f "$ROOT/tests/gpu_fuzz.py" ]; then
-        (cd /tmp && runs "$PY" "$ROOT/tests/gpu_fuzz.py" 2>&1) > "$OUT/gpu_fuzz.log"
+      if [ -f "$ROOT/tests/support/gpu_fuzz.py" ]; then
+        (cd /tmp && runs "$PY" "$ROOT/tests/support/gpu_fuzz.py" 2>&1) > "$OUT/gpu_fuzz.log"
         note "gpu fuzz: rc=$? ($((SECONDS - start)) s): $(tail -n 3 "$OUT/gpu_fuzz.log" | tr '\n' ' ')"
       fi ;;
     demo)
@@ -141,7 +146,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
         tool="${spec%%:*}"; select="${spec#*:}"; start=$SECONDS
         (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
           XLA_FLAGS="--xla_gpu_autotune_level=0" runs --cap "${SANITIZE_CAP:-240}" compute-sanitizer --tool "$tool" \
-          --print-limit 30 "$PY" -m pytest "$ROOT/tests/test_matmul_gpu.py" -q -p no:cacheprovider \
+          --print-limit 30 "$PY" -m pytest "$ROOT/tests/op/test_matmul_gpu.py" -q -p no:cacheprovider \
           -k "test_kernel_matches_float64_model and $select" 2>&1) > "$OUT/sanitize_$tool.log"
         note "compute-sanitizer $tool [$select]: rc=$? ($((SECONDS - start)) s): $(grep -E "passed|failed" "$OUT/sanitize_$tool.log" | tail -n 1); $(grep -E "(ERROR|RACECHECK) SUMMARY" "$OUT/sanitize_$tool.log" | tail -n 1)"
       done ;;
@@ -211,7 +216,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # and device memory after warm-up, the cache at its capacity; then its GPU tests.
       (cd "$ROOT/benchmarks" && runs --cap "${SOAK_CAP:-110}" "$PY" soak.py --out "$OUT/soak" 2>&1) > "$OUT/soak.log"
       note "soak: rc=$? ($((SECONDS - start)) s): $(grep -i verdict "$OUT/soak.log" | tail -n 1)"
-      (cd /tmp && runs --cap 60 "$PY" -m pytest "$ROOT/tests/test_soak.py" -q -p no:cacheprovider -m gpu 2>&1) >> "$OUT/soak.log"
+      (cd /tmp && runs --cap 60 "$PY" -m pytest "$ROOT/tests/tools/test_soak.py" -q -p no:cacheprovider -m gpu 2>&1) >> "$OUT/soak.log"
       note "soak GPU tests: $(tail -n 1 "$OUT/soak.log")"
       tail -n 50 "$OUT/soak.log" ;;
     fp8)
@@ -506,7 +511,7 @@ PYEOF
       note "wheel: $(grep -E '^(sources|library available|relu_bias)' "$OUT/wheel.log" | tr '\n' ' ')"
       rm -rf "$nocc" ;;
     export)
-      # Exported modules in fresh processes (tests/test_exported.py): export the CUDA modules
+      # Exported modules in fresh processes (tests/op/test_exported.py): export the CUDA modules
       # of this tree (EXPORT_COMMIT names it) and of the 97e9b38 tree carried at .old/97e9b38
       # (its Python with this build's library: the C++ is the same), then run every module in a
       # process that only imports jax and jax_epilog. The modules come back in exported.tgz.
@@ -528,9 +533,9 @@ PYEOF
         (cd / && runs "$PY" "$ROOT/tests/exported/run_modules.py" "$folder") >> "$OUT/export.log" 2>&1
       done
       note "export: $(grep -c '"errors"' "$OUT/export.log") module runs, $(grep -c '"exception"' "$OUT/export.log") raised"
-      # The verdict: tests/test_exported.py on the committed folders and the ones just made
+      # The verdict: tests/op/test_exported.py on the committed folders and the ones just made
       # (attributes against this version's targets; each CUDA folder in a fresh process).
-      (cd /tmp && JAX_EPILOG_EXPORTED="$made" runs "$PY" -m pytest "$ROOT/tests/test_exported.py" \
+      (cd /tmp && JAX_EPILOG_EXPORTED="$made" runs "$PY" -m pytest "$ROOT/tests/op/test_exported.py" \
         -q -ra -p no:cacheprovider 2>&1) > "$OUT/export_test.log"
       note "export: test_exported.py: $(tail -n 1 "$OUT/export_test.log")"
       : > "$OUT/import_time.log"

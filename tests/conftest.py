@@ -1,9 +1,17 @@
-"""Shared test setup: GPU detection.
+"""Shared test setup: GPU detection, and the shared test modules on the path.
 
-GPU tests are marked `gpu` and skip themselves cleanly where JAX sees no CUDA device (CI).
+The tests mirror the package (tests/op, tests/planning, tests/float8, tests/layers,
+tests/serving, tests/tools) beside tests/benchmarks and tests/examples; what several of them
+import (the float64 references, problem generators, the multi-device checks) is in
+tests/support, which this file puts on `sys.path`. GPU tests are marked `gpu` and skip
+themselves cleanly where JAX sees no CUDA device (CI).
 """
 
 import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 
 import jax
 import pytest
@@ -23,12 +31,21 @@ if HAS_CUDA:
     os.environ.setdefault("JAX_EPILOG_BACKEND", "cublaslt")
 
 
+def _slow_cases() -> frozenset[str]:
+    """The cases scripts/tier_tests.py moved to the slow tier (node or function ids)."""
+    lines = (Path(__file__).with_name("slow_cases.txt")).read_text().splitlines()
+    return frozenset(line for line in lines if line and not line.startswith("#"))
+
+
+# First, so that `-m "not slow"` (the mark plugin's own hook) sees the markers added here.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    slow_cases = _slow_cases()
+    skip = None if HAS_CUDA else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.nodeid in slow_cases or item.nodeid.split("[", 1)[0] in slow_cases:
+            item.add_marker(pytest.mark.slow)
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
 
 

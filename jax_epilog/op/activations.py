@@ -48,7 +48,7 @@ def gelu_derivative(z):
     """d/dz of the tanh-approximated GELU (what DGELU multiplies the product by).
 
     Written as cuBLASLt evaluates it: for |z| past ~1e12 (z**3 overflows float32) and for
-    ±Inf the result is NaN, as measured on the H200 (tests/test_nonfinite.py).
+    ±Inf the result is NaN, as measured on the H200 (tests/op/test_nonfinite.py).
     """
     u = _SQRT_2_OVER_PI * (z + _GELU_CUBIC * z * z * z)
     t = jnp.tanh(u)

@@ -1,4 +1,4 @@
-"""Exports the modules `tests/test_exported.py` runs: what a user of a given version of
+"""Exports the modules `tests/op/test_exported.py` runs: what a user of a given version of
 jax-epilog shipped with `jax.export`, kept so that every later version is checked against it.
 
     python tests/exported/make_modules.py --platform cuda --out tests/exported/<commit>/cuda

@@ -1,7 +1,7 @@
 """Runs every exported module of one folder in THIS process, as a user's fresh process would:
 `import jax, jax_epilog`, then `jax.export.deserialize(blob).call(*inputs)`, nothing lowered
 first. Prints one JSON line per module: its name and the error against the outputs stored with
-it (and their dtypes), or the exception. `tests/test_exported.py` runs it in a subprocess per
+it (and their dtypes), or the exception. `tests/op/test_exported.py` runs it in a subprocess per
 folder.
 
     python tests/exported/run_modules.py tests/exported/<commit>/<platform>
