@@ -23,12 +23,24 @@ workers="${PYTEST_WORKERS:-$default_workers}"
 parallel=(-n "$workers")
 [ "$workers" = 0 ] && parallel=()
 say "running the ${JAX_EPILOG_TESTS:-quick} tests with $VENV/bin/pytest ${parallel[*]}"
+started=$SECONDS
 set +e
 "$VENV/bin/pytest" tests -q -ra "${parallel[@]}" "${tier[@]}" "$@"
 status=$?
 set -e
+took=$((SECONDS - started))
+say "the ${JAX_EPILOG_TESTS:-quick} tests took ${took} s"
 if [ "$status" -eq 5 ]; then
   echo "pytest collected no tests: failing" >&2
+  exit 1
+fi
+# JAX_EPILOG_QUICK_BUDGET_S=N (CI sets it): the quick tier fails past N seconds, so that it
+# cannot creep back; `scripts/tier_tests.py` on a timed run moves the slowest cases out.
+budget="${JAX_EPILOG_QUICK_BUDGET_S:-}"
+if [ "$status" -eq 0 ] && [ -n "$budget" ] && [ "${JAX_EPILOG_TESTS:-quick}" = quick ] \
+    && [ "$took" -gt "$budget" ]; then
+  echo "the quick tier took ${took} s, over its budget of ${budget} s: time it" \
+       "(./scripts/test.sh --durations=0 > log) and run scripts/tier_tests.py log" >&2
   exit 1
 fi
 exit "$status"
