@@ -14,6 +14,9 @@ DeepSeek-V3 recipe; docs/fp8.md, "Block scaling"), `quantize_rows` one with a sc
 row ("Row scaling").
 `quantize_params` stores a trained model's large kernels in FP8 (`Fp8Weight`) for serving,
 and `calibrate` gives them static input scales (docs/serving.md).
+`serve_fp8` serves a stock Flax model (`nnx.Linear`, `linen.Dense`, their General and Einsum
+forms) in FP8 by one call, its code unchanged; `ServeRule` chooses its layers by path
+(docs/stock_models.md; imported on first use, as the Flax modules are).
 `explain(fn, *args)` prints how each stack and GEMM of a program runs on CUDA and which rule
 or table entry decided it.
 
@@ -59,6 +62,7 @@ __all__ = [
     "Fp8",
     "Fp8History",
     "Fp8Weight",
+    "ServeRule",
     "calibrate",
     "dense",
     "explain",
@@ -73,6 +77,7 @@ __all__ = [
     "quantize_rows",
     "reference_matmul",
     "relu_mask_bytes",
+    "serve_fp8",
     "swiglu",
     "unpack_relu_mask",
 ]
@@ -80,6 +85,7 @@ __all__ = [
 # Public modules imported on first use: the Flax modules (so that `import jax_epilog` never
 # imports Flax), the settings, and the command lines.
 _LAZY_MODULES = ("config", "explanation", "linen", "nnx", "tune")
+_STOCK_SERVING = ("ServeRule", "serve_fp8")
 
 
 def __getattr__(name):
@@ -87,6 +93,8 @@ def __getattr__(name):
         return _importlib.import_module(f"{__name__}.{name}")
     if name == "explain":
         return _importlib.import_module(f"{__name__}.tools.explain").explain
+    if name in _STOCK_SERVING:  # imports Flax
+        return getattr(_importlib.import_module(f"{__name__}.layers.stock_serving"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
