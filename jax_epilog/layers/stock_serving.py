@@ -28,7 +28,7 @@ import functools
 import re
 import warnings
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Union
 
 import jax
 from flax import linen, nnx
@@ -331,17 +331,26 @@ def served_linen_module(module: linen.Module, methods: Sequence[str] = ("__call_
         while hasattr(method, "method_handler_wrapped"):
             method, wrapped = method.__wrapped__, True
 
-        run = _intercepting(method)
+        run = _intercepting(method, name)
         fields[name] = linen.module.wrap_method_once(run) if wrapped else run
     served = module.copy()
     served.__class__ = type(base.__name__, (base,), fields)
     return served
 
 
-def _intercepting(method):
-    """`method` run under `intercepted()`."""
+class _Context(NamedTuple):
+    """What `intercept` reads of `flax.linen.intercept_methods`' context."""
+
+    module: linen.Module
+    method_name: str
+
+
+def _intercepting(method, name: str):
+    """`method` run under `intercepted()`, itself intercepted too (the served module may be a
+    stock layer)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         with intercepted():
-            return method(self, *args, **kwargs)
+            return intercept(functools.partial(method, self), args, kwargs,
+                             _Context(self, name))
     return run
