@@ -63,6 +63,19 @@ def stock_kind(module) -> Optional[str]:
     return None
 
 
+def overridden_call(module) -> Optional[str]:
+    """Why a subclass of a stock layer that overrides `__call__` is not served (what its call
+    computes is not known), or None for any other module."""
+    cls = type(module)
+    for _, classes in STOCK_CLASSES:
+        for stock in classes:
+            if issubclass(cls, stock) and cls.__call__ is not stock.__call__ and \
+                    not hasattr(cls, "_jax_epilog_unserved"):
+                return (f"its class {cls.__qualname__} overrides {stock.__qualname__}.__call__, "
+                        "whose computation is then not known")
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How a layer's kernel is the GEMM's `(K, N)`: `contracting` its dims summed over (in the
@@ -109,9 +122,10 @@ class Einsum:
             if len(set(letters)) != len(letters) or not letters.isalpha():
                 raise Unsupported(f"einsum {spec!r}: the {name}'s letters repeat or are not "
                                   "letters")
-        if set(rhs) & set(lhs) & set(out):
-            raise Unsupported(f"einsum {spec!r}: batch dims ({''.join(sorted(set(rhs) & set(lhs) & set(out)))}, "
-                              "in input, kernel and output): one weight per batch index")
+        batch = "".join(sorted(set(rhs) & set(lhs) & set(out)))
+        if batch:
+            raise Unsupported(f"einsum {spec!r}: batch dims ({batch}, in input, kernel and "
+                              "output): one weight per batch index")
         lone = (set(lhs) - set(rhs) - set(out)) | (set(rhs) - set(lhs) - set(out))
         if lone or not set(out) <= set(lhs) | set(rhs):
             raise Unsupported(f"einsum {spec!r}: a dim summed over one operand alone, or an "

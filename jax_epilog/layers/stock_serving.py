@@ -28,7 +28,7 @@ import functools
 import re
 import warnings
 from collections.abc import Sequence
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 from flax import linen, nnx
@@ -116,21 +116,32 @@ class Choice:
         """Whether the layer at `path` is served: the first rule matching it says so, its GEMM
         is large enough, and the route can take it (else a warning or, asked for
         explicitly, a `ValueError` naming `path`)."""
-        rule = next((r for r in self.rules if re.fullmatch(r.module_path, path)), None)
-        if rule is None:
-            return False
-        self.matched.add(rule)
-        if not rule.serve:
+        rule = self.rule(path)
+        if rule is None or not rule.serve:
             return False
         reason = stock_layers.why_not(module, kind, kernel)
-        if reason is None:
-            lay = stock_layers.layout(module, kind, kernel.shape)
-            return min(lay.k, lay.n) >= rule.min_features
+        if reason is not None:
+            return self.refuse(path, rule, reason)
+        lay = stock_layers.layout(module, kind, kernel.shape)
+        return min(lay.k, lay.n) >= rule.min_features
+
+    def rule(self, path: str) -> Optional[ServeRule]:
+        """The first rule matching `path` (recorded as matched), or None."""
+        rule = next((r for r in self.rules if re.fullmatch(r.module_path, path)), None)
+        if rule is not None:
+            self.matched.add(rule)
+        return rule
+
+    def refuse(self, path: str, rule: Optional[ServeRule], reason: str) -> bool:
+        """False, after a `StockServingWarning` naming `path` and `reason` where `rule` would
+        serve it, or a `ValueError` where it asked for it explicitly."""
+        if rule is None or not rule.serve:
+            return False
         if self.strict or rule.explicit:
             raise ValueError(f"{path}: cannot be served in FP8: {reason} (rule "
                              f"{rule.module_path!r}); leave it out of the rules to keep it "
                              "16-bit")
-        warnings.warn(f"{path} stays 16-bit: {reason}", StockServingWarning, stacklevel=4)
+        warnings.warn(f"{path} stays 16-bit: {reason}", StockServingWarning, stacklevel=5)
         return False
 
     def check_all_matched(self, paths) -> None:
@@ -187,10 +198,12 @@ def _serve_nnx(model, rules, strict, dtype, granularity):
     choice = Choice(rules, strict)
     paths = []
     for path, module in nnx.iter_modules(served):
-        kind = stock_kind(module)
+        name, kind = path_string(path), stock_kind(module)
+        custom = stock_layers.overridden_call(module)
+        if custom is not None:
+            choice.refuse(name, choice.rule(name), custom)
         if kind is None or getattr(type(module), "_jax_epilog_unserved", None) is not None:
             continue
-        name = path_string(path)
         paths.append(name)
         kernel = kernel_value(module.kernel)
         if not choice.chooses(name, module, kind, kernel):
@@ -269,8 +282,10 @@ def _linen_layers(module, variables, args, kwargs) -> dict[tuple, Any]:
     found = {}
 
     def record(next_fun, call_args, call_kwargs, context):
-        if context.method_name == "__call__" and stock_kind(context.module) is not None:
-            found.setdefault(tuple(context.module.path), context.module)
+        module = context.module
+        if context.method_name == "__call__" and (
+                stock_kind(module) is not None or stock_layers.overridden_call(module)):
+            found.setdefault(tuple(module.path), module)
         return next_fun(*call_args, **call_kwargs)
 
     def run(variables):
@@ -293,6 +308,10 @@ def _serve_linen(module, variables, args, kwargs, rules, strict, dtype, granular
     choice = Choice(rules, strict)
     for path, layer in layers.items():
         name = path_string(path)
+        custom = stock_layers.overridden_call(layer)
+        if custom is not None:
+            choice.refuse(name, choice.rule(name), custom)
+            continue
         owner = params
         for key in path:
             owner = owner[key]
@@ -304,7 +323,8 @@ def _serve_linen(module, variables, args, kwargs, rules, strict, dtype, granular
             owner["kernel"] = stock_layers.stored_kernel(
                 layer, kind, kernel, name=f"{name}/kernel", dtype=dtype,
                 granularity=granularity)
-    choice.check_all_matched([path_string(p) for p in layers])
+    choice.check_all_matched([path_string(p) for p, layer in layers.items()
+                              if stock_kind(layer) is not None])
     params = type(full["params"])(params) if hasattr(full["params"], "unfreeze") else params
     out = {**full, "params": params} if has_params else params
     out = type(variables)(out) if hasattr(variables, "unfreeze") and has_params else out

@@ -169,10 +169,19 @@ def test_rules_choose_by_path_first_match_and_size():
     assert type(default.up) is nnx.Linear
 
 
+class Doubled(nnx.Linear):
+    """A user's layer on top of a stock one: its call is its own."""
+
+    def __call__(self, x):
+        return 2 * super().__call__(x)
+
+
 class Unservable(nnx.Module):
-    """Layers the route cannot take: batched weights, a batch-dim einsum, a custom product."""
+    """Layers the route cannot take: batched weights, a batch-dim einsum, a custom product, a
+    subclass with its own call."""
 
     def __init__(self, rngs):
+        self.doubled = Doubled(8, 8, rngs=rngs)
         self.batched = nnx.LinearGeneral(8, 4, batch_axis={0: 2}, rngs=rngs)
         self.per_head = nnx.Einsum("bhd,hdf->bhf", (2, 8, 4), rngs=rngs)
         self.custom = nnx.Linear(8, 8, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k),
@@ -180,7 +189,8 @@ class Unservable(nnx.Module):
         self.fine = nnx.Linear(8, 8, rngs=rngs)
 
     def __call__(self, x):
-        return self.batched(x), self.per_head(x), self.custom(x), self.fine(x)
+        return (self.batched(x), self.per_head(x), self.custom(x), self.doubled(x),
+                self.fine(x))
 
 
 def test_layers_the_route_cannot_take_stay_16_bit_with_a_warning_naming_them():
@@ -189,11 +199,12 @@ def test_layers_the_route_cannot_take_stay_16_bit_with_a_warning_naming_them():
         served = jax_epilog.serve_fp8(model, rules=".*")
     messages = "\n".join(str(w.message) for w in caught)
     for path, why in (("batched", "batch dims"), ("per_head", "batch dims"),
-                      ("custom", "custom dot_general")):
+                      ("custom", "custom dot_general"),
+                      ("doubled", "overrides Linear.__call__")):
         assert re.search(rf"^{path} stays 16-bit: .*{why}", messages, re.M), messages
     assert type(served.fine).__name__ == "ServedLinear"
     x = random(9, (2, 2, 8))
-    for got, want in zip(served(x)[:3], model(x)[:3]):
+    for got, want in zip(served(x)[:4], model(x)[:4]):
         np.testing.assert_array_equal(got, want)  # exactly the 16-bit layers
 
 
