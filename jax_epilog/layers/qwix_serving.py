@@ -38,7 +38,7 @@ from jax_epilog.float8.weights import Fp8Weight
 from jax_epilog.layers import stock_layers
 from jax_epilog.layers.stock_layers import kernel_value, stock_kind
 from jax_epilog.layers.stock_serving import (StockServingWarning, _Context, intercept,
-                                             path_string, served_nnx_class)
+                                             path_string, served_nnx_class, shown)
 
 try:
     import qwix
@@ -135,8 +135,9 @@ class EpilogProvider(qwix.QuantizationProvider):
         if reason is None:
             return jnp.dtype(rule.weight_qtype).name
         if self.strict:
-            raise ValueError(f"{path}: cannot be served in FP8: {reason}")
-        warnings.warn(f"{path} stays 16-bit: {reason}", StockServingWarning, stacklevel=3)
+            raise ValueError(f"{shown(path)}: cannot be served in FP8: {reason}")
+        warnings.warn(f"{shown(path)} stays 16-bit: {reason}", StockServingWarning,
+                      stacklevel=3)
         return None
 
     def _stored(self, module, kernel, path: str, dtype: str) -> Fp8Weight:
@@ -153,7 +154,7 @@ class EpilogProvider(qwix.QuantizationProvider):
         if dtype is None:
             return original()
         module.kernel = nnx.Param(self._stored(module, kernel, path, dtype))
-        module.served_path = path
+        module.served_path = shown(path)
         module.__class__ = served_nnx_class(type(module))
         return module(inputs, *args, **kwargs)
 

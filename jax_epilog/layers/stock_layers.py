@@ -226,7 +226,9 @@ def served_forward(module, kind: str, inputs, weight: Fp8Weight, bias, *, path: 
     try:
         return _served(module, kind, jnp.asarray(inputs), weight, bias, einsum_str)
     except (Unsupported, TypeError, ValueError) as error:
-        raise type(error)(f"{path}: {error}") from None
+        if type(error) not in (Unsupported, TypeError, ValueError):
+            raise  # another library's error: as it is
+        raise type(error)(f"{path}: {error}") from error
 
 
 def _served(module, kind: str, inputs, weight: Fp8Weight, bias, einsum_str):

@@ -101,7 +101,13 @@ def as_rules(rules) -> tuple[ServeRule, ...]:
 
 
 def path_string(path) -> str:
+    """A module path as rules match it: its names joined by "/" ("" for the model itself)."""
     return "/".join(str(name) for name in path)
+
+
+def shown(path: str) -> str:
+    """`path` for a message: the model itself has the empty path."""
+    return path or "(the model itself)"
 
 
 @dataclasses.dataclass
@@ -138,10 +144,11 @@ class Choice:
         if rule is None or not rule.serve:
             return False
         if self.strict or rule.explicit:
-            raise ValueError(f"{path}: cannot be served in FP8: {reason} (rule "
+            raise ValueError(f"{shown(path)}: cannot be served in FP8: {reason} (rule "
                              f"{rule.module_path!r}); leave it out of the rules to keep it "
                              "16-bit")
-        warnings.warn(f"{path} stays 16-bit: {reason}", StockServingWarning, stacklevel=5)
+        warnings.warn(f"{shown(path)} stays 16-bit: {reason}", StockServingWarning,
+                      stacklevel=5)
         return False
 
     def check_all_matched(self, paths) -> None:
@@ -211,7 +218,7 @@ def _serve_nnx(model, rules, strict, dtype, granularity):
         weight = stock_layers.stored_kernel(module, kind, kernel, name=f"{name}/kernel",
                                             dtype=dtype, granularity=granularity)
         module.kernel = nnx.Param(weight)
-        module.served_path = name
+        module.served_path = shown(name)
         module.__class__ = served_nnx_class(type(module))
     choice.check_all_matched(paths)
     return served
@@ -264,7 +271,8 @@ def intercept(next_fun, args, kwargs, context):
     inputs, *rest = args
     einsum_str = kwargs.get("einsum_str", rest[0] if rest else None)
     return stock_layers.served_forward(module, kind, inputs, kernel, bias,
-                                       path=path_string(module.path), einsum_str=einsum_str)
+                                       path=shown(path_string(module.path)),
+                                       einsum_str=einsum_str)
 
 
 @contextlib.contextmanager

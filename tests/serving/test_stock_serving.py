@@ -247,7 +247,8 @@ def test_linen_unservable_layer_warns_with_its_path_and_stays_16_bit():
 
 def test_served_calls_name_their_layer_on_a_wrong_input():
     served = jax_epilog.serve_fp8(nnx.Linear(44, 60, rngs=nnx.Rngs(0)), rules=".*")
-    with pytest.raises(ValueError, match=r"^: the stored FP8 kernel is \(K, N\) = \(44, 60\)"):
+    with pytest.raises(ValueError, match=r"^\(the model itself\): the stored FP8 kernel is "
+                                         r"\(K, N\) = \(44, 60\)"):
         served(random(0, (2, 40)))
     model = Mixed(nnx.Rngs(0))
     served = jax_epilog.serve_fp8(model, rules=".*")
