@@ -2,19 +2,20 @@
 FP8 forward (docs/stock_models.md, "Serving"), so that `qwix.quantize_model(model,
 EpilogProvider(rules), *inputs)` serves as `jax_epilog.serve_fp8` does.
 
-Built on Qwix's public extension point: a `qwix.QuantizationProvider` subclass whose
-`get_intercept_map()` names the functions Qwix patches while the model runs. Qwix's own
+Built on Qwix's public extension points, the two hooks of a `qwix.QuantizationProvider`
+subclass: `process_model_inputs`, which Qwix calls with the model before each call, and
+`get_intercept_map`, which names the functions Qwix patches while the model runs. Qwix's own
 providers intercept `jax.lax.dot_general` and `jnp.einsum`, which see neither the layer's
-bias nor its other attributes; this one intercepts the stock layers' `__call__`
-(`nnx.Linear`, `nnx.LinearGeneral`, `nnx.Einsum`, `linen.Dense`, `linen.DenseGeneral`,
-`linen.Einsum`), so that the bias the layer adds is fused into the served GEMM's epilog.
-Layer paths come from `process_model_inputs`, which Qwix calls with the model each call.
+bias nor its attributes; this one works on whole stock layers (`nnx.Linear`,
+`nnx.LinearGeneral`, `nnx.Einsum`, `linen.Dense`, `linen.DenseGeneral`, `linen.Einsum`), so
+that the bias the layer adds is fused into the served GEMM's epilog.
 
-NNX: on the first call (the one `quantize_model` makes), each layer a rule chooses has its
-kernel stored in FP8 and its class swapped for its served subclass (`stock_serving`'s), so it
-serves under `nnx.jit` and wherever it is called from afterwards. Linen: `init` of the
-quantized module stores the chosen kernels as `Fp8Weight`s (as Qwix's PTQ stores its
-quantized params at init); `apply` serves them.
+NNX: before the first call (the one `quantize_model` makes), each layer a rule chooses has
+its kernel stored in FP8 and its class swapped for its served subclass, as `serve_fp8` does
+(layers stacked by `nnx.vmap` included), so it serves under `nnx.jit` and wherever it is
+called from afterwards. Linen (whose layers exist only while it runs): the stock layers'
+`__call__` are intercepted; `init` of the quantized module stores the chosen kernels as
+`Fp8Weight`s (as Qwix's PTQ stores its quantized params at init), `apply` serves them.
 
 The rules are Qwix's `QuantizationRule`s: `module_path`, `op_names` ("dot_general" for the
 dense layers, "einsum"), `weight_qtype` (float8_e4m3fn or float8_e5m2; None leaves a layer
@@ -38,23 +39,22 @@ from jax_epilog.float8.weights import Fp8Weight
 from jax_epilog.layers import stock_layers
 from jax_epilog.layers.stock_layers import kernel_value, stock_kind
 from jax_epilog.layers.stock_serving import (StockServingWarning, _Context, intercept,
-                                             path_string, served_nnx_class, shown)
+                                             path_string, serve_nnx_layer, shown)
 
 try:
     import qwix
 except ImportError as error:
     raise ImportError("jax_epilog.layers.qwix_serving needs Qwix (pip install qwix)") from error
 
-#: The functions intercepted: each stock layer's `__call__`, with its class and the op name
-#: Qwix's rules use for it.
+#: The functions intercepted (Linen's stock layers' `__call__`) with the op name Qwix's rules
+#: use for them; NNX layers are served before the model runs (`process_model_inputs`).
 INTERCEPTED = {
-    "flax.nnx.Linear.__call__": (nnx.Linear, "dot_general"),
-    "flax.nnx.LinearGeneral.__call__": (nnx.LinearGeneral, "dot_general"),
-    "flax.nnx.Einsum.__call__": (nnx.Einsum, "einsum"),
     "flax.linen.Dense.__call__": (linen.Dense, "dot_general"),
     "flax.linen.DenseGeneral.__call__": (linen.DenseGeneral, "dot_general"),
     "flax.linen.Einsum.__call__": (linen.Einsum, "einsum"),
 }
+#: The op name of each kind of stock layer (`stock_layers.stock_kind`).
+OPS = {"dense": "dot_general", "general": "dot_general", "einsum": "einsum"}
 
 FP8_WEIGHTS = ("float8_e4m3fn", "float8_e5m2")
 
@@ -100,13 +100,25 @@ class EpilogProvider(qwix.QuantizationProvider):
         self.serving_rules = tuple(rules)
         self.strict = strict
         self.granularity = granularity
-        self._paths: dict[int, str] = {}
 
     def process_model_inputs(self, model, model_args, model_kwargs):
         if isinstance(model, nnx.Module):
-            self._paths = {id(module): path_string(path)
-                           for path, module in nnx.iter_modules(model)}
+            self._serve_nnx(model)
         return super().process_model_inputs(model, model_args, model_kwargs)
+
+    def _serve_nnx(self, model) -> None:
+        """Serves each stock layer of `model` a rule chooses (as `serve_fp8` does), before it
+        runs: layers stacked by `nnx.vmap` and run by `nnx.scan` are then stored whole."""
+        for path, module in nnx.iter_modules(model):
+            kind = stock_kind(module)
+            if kind is None or hasattr(type(module), "_jax_epilog_unserved"):
+                continue
+            name, kernel = path_string(path), kernel_value(module.kernel)
+            if isinstance(kernel, jax.core.Tracer):
+                continue  # a traced call of a model served already
+            dtype = self._chosen(name, OPS[kind], module, kernel)
+            if dtype is not None:
+                serve_nnx_layer(module, kind, kernel, name, dtype, self.granularity)
 
     def get_intercept_map(self):
         handlers = {target: self._handler(cls, op) for target, (cls, op) in INTERCEPTED.items()}
@@ -120,8 +132,6 @@ class EpilogProvider(qwix.QuantizationProvider):
         def handler(module, inputs, *args, **kwargs):
             def original():  # Qwix runs the unpatched method inside its handler
                 return cls.__call__(module, inputs, *args, **kwargs)
-            if isinstance(module, nnx.Module):
-                return self._nnx(module, op, original, inputs, args, kwargs)
             return self._linen(module, op, original, inputs, args, kwargs)
         return handler
 
@@ -142,21 +152,8 @@ class EpilogProvider(qwix.QuantizationProvider):
 
     def _stored(self, module, kernel, path: str, dtype: str) -> Fp8Weight:
         return stock_layers.stored_kernel(module, stock_kind(module), kernel,
-                                          name=f"{path}/kernel", dtype=dtype,
+                                          name=f"{shown(path)}/kernel", dtype=dtype,
                                           granularity=self.granularity)
-
-    def _nnx(self, module, op, original, inputs, args, kwargs):
-        path = self._paths.get(id(module))
-        kernel = kernel_value(module.kernel)
-        if path is None or isinstance(kernel, jax.core.Tracer):
-            return original()  # not quantize_model's first (eager) call: as it is
-        dtype = self._chosen(path, op, module, kernel)
-        if dtype is None:
-            return original()
-        module.kernel = nnx.Param(self._stored(module, kernel, path, dtype))
-        module.served_path = shown(path)
-        module.__class__ = served_nnx_class(type(module))
-        return module(inputs, *args, **kwargs)
 
     def _linen(self, module, op, original, inputs, args, kwargs):
         if not module.is_initializing():  # apply: serves the kernels init stored

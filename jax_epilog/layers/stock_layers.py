@@ -172,6 +172,33 @@ def _is_product(fn, default) -> bool:
     return module.startswith(PRODUCT_MODULES)
 
 
+def layer_ndim(module, kind: str) -> int:
+    """The kernel's dims as the layer reads them, from its attributes. A kernel with more is
+    stacked by a lifted transform (`nnx.vmap`/`nnx.scan`, `linen.scan`/`linen.vmap` over
+    layers), which hands each call one slice."""
+    if kind == "dense":
+        return 2
+    if kind == "general":
+        features = module.out_features if isinstance(module, nnx.Module) else module.features
+        batch = getattr(module, "batch_axis", None) or getattr(module, "batch_dims", ())
+        return len(np.atleast_1d(module.axis)) + len(np.atleast_1d(features)) + len(batch)
+    return len(module.kernel_shape if isinstance(module, nnx.Module) else module.shape)
+
+
+def stacked_dims(module, kind: str, kernel) -> int:
+    """How many leading dims of `kernel` stack layers (`layer_ndim`)."""
+    lead = jnp.ndim(kernel) - layer_ndim(module, kind)
+    if lead < 0:
+        raise Unsupported(f"its kernel {jnp.shape(kernel)} has fewer dims than the layer "
+                          f"reads ({layer_ndim(module, kind)})")
+    return lead
+
+
+def gemm_layout(module, kind: str, kernel) -> Layout:
+    """`layout` of one layer's slice of `kernel` (the whole kernel where none is stacked)."""
+    return layout(module, kind, jnp.shape(kernel)[stacked_dims(module, kind, kernel):])
+
+
 def why_not(module, kind: str, kernel) -> Optional[str]:
     """Why the stock layer `module` (of `kind`, its kernel `kernel`) cannot be served in FP8,
     or None where it can."""
@@ -191,10 +218,10 @@ def why_not(module, kind: str, kernel) -> Optional[str]:
         return (f"it computes in {jnp.dtype(compute).name}; served GEMMs compute in float16, "
                 "bfloat16 or float32")
     try:
-        lay = layout(module, kind, jnp.shape(kernel))
+        lay = gemm_layout(module, kind, kernel)
     except Unsupported as error:
         return str(error)
-    if not lay.k or not lay.n:
+    if not lay.k or not lay.n or not jnp.size(kernel):
         return f"its kernel {jnp.shape(kernel)} has an empty dim"
     if not isinstance(kernel, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(kernel))):
         return "its kernel has non-finite values (NaN or Inf)"
@@ -204,10 +231,18 @@ def why_not(module, kind: str, kernel) -> Optional[str]:
 def stored_kernel(module, kind: str, kernel, *, name: str, dtype="float8_e4m3fn",
                   granularity: str = "tensor") -> Fp8Weight:
     """`kernel` as the `Fp8Weight` the served forward reads: its contracted dims then its kept
-    dims (`layout`), flattened to `(K, N)` and quantized (`quantize_weight`)."""
-    lay = layout(module, kind, jnp.shape(kernel))
-    matrix = jnp.transpose(jnp.asarray(kernel), lay.contracting + lay.kept).reshape(lay.k, lay.n)
-    return quantize_weight(matrix, dtype, name=name, granularity=granularity)
+    dims (`layout`), flattened to `(K, N)` and quantized (`quantize_weight`). A stacked
+    kernel (`layer_ndim`) is stored slice by slice: its `Fp8Weight`'s leaves keep the leading
+    dims, so the lifted transform hands each call one layer's weight and scale."""
+    lay = gemm_layout(module, kind, kernel)
+
+    def store(one):
+        matrix = jnp.transpose(one, lay.contracting + lay.kept).reshape(lay.k, lay.n)
+        return quantize_weight(matrix, dtype, name=name, granularity=granularity)
+
+    for _ in range(stacked_dims(module, kind, kernel)):
+        store = jax.vmap(store)
+    return store(jnp.asarray(kernel))
 
 
 def compute_dtype(module, inputs, bias):

@@ -128,7 +128,7 @@ class Choice:
         reason = stock_layers.why_not(module, kind, kernel)
         if reason is not None:
             return self.refuse(path, rule, reason)
-        lay = stock_layers.layout(module, kind, kernel.shape)
+        lay = stock_layers.gemm_layout(module, kind, kernel)
         return min(lay.k, lay.n) >= rule.min_features
 
     def rule(self, path: str) -> Optional[ServeRule]:
@@ -215,13 +215,18 @@ def _serve_nnx(model, rules, strict, dtype, granularity):
         kernel = kernel_value(module.kernel)
         if not choice.chooses(name, module, kind, kernel):
             continue
-        weight = stock_layers.stored_kernel(module, kind, kernel, name=f"{name}/kernel",
-                                            dtype=dtype, granularity=granularity)
-        module.kernel = nnx.Param(weight)
-        module.served_path = shown(name)
-        module.__class__ = served_nnx_class(type(module))
+        serve_nnx_layer(module, kind, kernel, name, dtype, granularity)
     choice.check_all_matched(paths)
     return served
+
+
+def serve_nnx_layer(module, kind: str, kernel, path: str, dtype, granularity: str) -> None:
+    """Stores `module`'s kernel in FP8 and swaps its class for its served subclass."""
+    module.kernel = nnx.Param(stock_layers.stored_kernel(
+        module, kind, kernel, name=f"{shown(path)}/kernel", dtype=dtype,
+        granularity=granularity))
+    module.served_path = shown(path)
+    module.__class__ = served_nnx_class(type(module))
 
 
 def _served_nnx_call(self, inputs, *args, **kwargs):

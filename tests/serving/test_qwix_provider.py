@@ -93,3 +93,25 @@ def test_provider_refuses_what_it_cannot_serve_and_names_layers():
         qwix.quantize_model(Batched(nnx.Rngs(0)), EpilogProvider([fp8_rule()]), x)
     with pytest.raises(ValueError, match=r"^batched: cannot be served in FP8"):
         qwix.quantize_model(Batched(nnx.Rngs(0)), EpilogProvider([fp8_rule()], strict=True), x)
+
+
+def test_nnx_layers_stacked_by_vmap_and_run_by_scan_are_served_too():
+    class Scanned(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def create(rngs):
+                return nnx.Linear(20, 20, rngs=rngs)
+            self.layers = create(rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def step(x, layer):
+                return x + jnp.tanh(layer(x))
+            return step(x, self.layers)
+
+    model = Scanned(nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(3), (5, 20))
+    quantized = qwix.quantize_model(model, EpilogProvider([fp8_rule()]), x)
+    assert quantized.layers.kernel.get_value().data.shape == (3, 20, 20)
+    np.testing.assert_array_equal(quantized(x), jax_epilog.serve_fp8(model, rules=".*")(x))

@@ -293,3 +293,61 @@ def test_the_example_stock_gpt_serves_by_one_call_its_code_unchanged():
     np.testing.assert_allclose(logits, rounded(tokens), rtol=2e-5, atol=2e-5)
     want = np.asarray(model(tokens))
     assert 0 < np.linalg.norm(logits - want) / np.linalg.norm(want) < 0.15
+
+
+def dequantized(weight: Fp8Weight, shape):
+    """A stored (possibly stacked) weight as the 16-bit kernel it rounds: `scale · dataᵀ`."""
+    data = jnp.swapaxes(weight.data.astype(jnp.float32), -1, -2)
+    return (data * jnp.asarray(weight.scale)[..., None, None]).reshape(shape)
+
+
+class Scanned(nnx.Module):
+    """Three blocks stacked by `nnx.vmap` and run by `nnx.scan` (MaxText's scanned layers)."""
+
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=3)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs):
+            return nnx.Linear(20, 20, rngs=rngs)
+        self.layers = create(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def step(x, layer):
+            return x + jnp.tanh(layer(x))
+        return step(x, self.layers)
+
+
+def test_layers_stacked_by_scan_are_stored_slice_by_slice_nnx_and_linen():
+    """Each layer's slice its own weight and scale; weight-only (5 rows) the served model is
+    the stock one with the stored kernels dequantized."""
+    x = random(12, (5, 20))
+    model = Scanned(nnx.Rngs(0))
+    served = jax_epilog.serve_fp8(model, rules="layers")
+    weight = served.layers.kernel.get_value()
+    assert (weight.data.shape, weight.scale.shape) == ((3, 20, 20), (3,))
+    rounded = nnx.clone(model)
+    rounded.layers.kernel[...] = dequantized(weight, (3, 20, 20))
+    np.testing.assert_allclose(served(x), rounded(x), rtol=1e-5, atol=1e-5)
+    assert_fp8_close(served(x), model(x))
+
+    class Body(linen.Module):
+        @linen.compact
+        def __call__(self, x, _):
+            return x + jnp.tanh(linen.Dense(20, name="layer")(x)), None
+
+    class Stack(linen.Module):
+        @linen.compact
+        def __call__(self, x):
+            return linen.scan(Body, variable_axes={"params": 0}, split_rngs={"params": True},
+                              length=3)(name="blocks")(x, None)[0]
+
+    variables = Stack().init(jax.random.key(0), x)
+    served, stored = jax_epilog.serve_fp8(Stack(), variables, x, rules="blocks/layer")
+    weight = stored["params"]["blocks"]["layer"]["kernel"]
+    assert (weight.data.shape, weight.scale.shape) == ((3, 20, 20), (3,))
+    rounded = {"params": {"blocks": {"layer": {
+        "kernel": dequantized(weight, (3, 20, 20)),
+        "bias": variables["params"]["blocks"]["layer"]["bias"]}}}}
+    np.testing.assert_allclose(served.apply(stored, x), Stack().apply(rounded, x), rtol=1e-5,
+                               atol=1e-5)
