@@ -110,10 +110,13 @@ class EpilogProvider(qwix.QuantizationProvider):
         """Serves each stock layer of `model` a rule chooses (as `serve_fp8` does), before it
         runs: layers stacked by `nnx.vmap` and run by `nnx.scan` are then stored whole."""
         for path, module in nnx.iter_modules(model):
-            kind = stock_kind(module)
+            kind, name = stock_kind(module), path_string(path)
+            custom = stock_layers.overridden_call(module)
+            if custom is not None:
+                self._chosen(name, "dot_general", module, None, custom)
             if kind is None or hasattr(type(module), "_jax_epilog_unserved"):
                 continue
-            name, kernel = path_string(path), kernel_value(module.kernel)
+            kernel = kernel_value(module.kernel)
             if isinstance(kernel, jax.core.Tracer):
                 continue  # a traced call of a model served already
             dtype = self._chosen(name, OPS[kind], module, kernel)
@@ -135,13 +138,15 @@ class EpilogProvider(qwix.QuantizationProvider):
             return self._linen(module, op, original, inputs, args, kwargs)
         return handler
 
-    def _chosen(self, path: str, op: str, module, kernel) -> Optional[str]:
+    def _chosen(self, path: str, op: str, module, kernel,
+                reason: Optional[str] = None) -> Optional[str]:
         """The matching rule's stored dtype where the layer is served, else None (a warning
-        or, with `strict`, an error naming `path` where it cannot be)."""
+        or, with `strict`, an error naming `path` where it cannot be: `reason`, or
+        `why_not`'s)."""
         rule = self._rule(path, op)
         if rule is None or rule.weight_qtype is None:
             return None
-        reason = stock_layers.why_not(module, stock_kind(module), kernel)
+        reason = reason or stock_layers.why_not(module, stock_kind(module), kernel)
         if reason is None:
             return jnp.dtype(rule.weight_qtype).name
         if self.strict:

@@ -81,16 +81,24 @@ def test_provider_refuses_what_it_cannot_serve_and_names_layers():
         EpilogProvider([qwix.QuantizationRule(weight_qtype=jnp.float8_e4m3fn,
                                               act_qtype=jnp.int8)])
 
+    class Doubled(nnx.Linear):
+        def __call__(self, x):
+            return 2 * super().__call__(x)
+
     class Batched(nnx.Module):
         def __init__(self, rngs):
             self.batched = nnx.LinearGeneral(8, 4, batch_axis={0: 2}, rngs=rngs)
+            self.doubled = Doubled(8, 4, rngs=rngs)
 
         def __call__(self, x):
-            return self.batched(x)
+            return self.batched(x) + self.doubled(x)
 
     x = jnp.ones((2, 3, 8))
-    with pytest.warns(StockServingWarning, match=r"^batched stays 16-bit: batch dims"):
+    with pytest.warns(StockServingWarning) as caught:
         qwix.quantize_model(Batched(nnx.Rngs(0)), EpilogProvider([fp8_rule()]), x)
+    assert sorted(str(w.message).split(":")[0] for w in caught
+                  if w.category is StockServingWarning) == [
+        "batched stays 16-bit", "doubled stays 16-bit"]
     with pytest.raises(ValueError, match=r"^batched: cannot be served in FP8"):
         qwix.quantize_model(Batched(nnx.Rngs(0)), EpilogProvider([fp8_rule()], strict=True), x)
 
