@@ -33,7 +33,8 @@ from typing import Any, NamedTuple, Optional, Union
 import jax
 from flax import linen, nnx
 
-from jax_epilog.float8.weights import MIN_FEATURES, Fp8Weight
+from jax_epilog.float8.recipe import _format
+from jax_epilog.float8.weights import MIN_FEATURES, Fp8Weight, _check_granularity
 from jax_epilog.layers import stock_layers
 from jax_epilog.layers.stock_layers import kernel_value, stock_kind
 
@@ -78,10 +79,11 @@ class ServeRule:
 #: at least `MIN_FEATURES`, as `quantize_params`' default.
 DEFAULT_RULES = (ServeRule(".*", min_features=MIN_FEATURES),)
 
-RuleLike = Union[ServeRule, str]
+#: What `rules=` takes: a rule, a path regex, or a sequence of them (None: `DEFAULT_RULES`).
+Rules = Union[ServeRule, str, Sequence[Union[ServeRule, str]], None]
 
 
-def as_rules(rules) -> tuple[ServeRule, ...]:
+def as_rules(rules: Rules) -> tuple[ServeRule, ...]:
     """`rules` (None, a `ServeRule` or path regex, or a sequence of them) as `ServeRule`s."""
     if rules is None:
         return DEFAULT_RULES
@@ -160,8 +162,8 @@ class Choice:
                                  f"the model (its layers: {known})")
 
 
-def serve_fp8(model, *args, rules=None, strict: bool = False, dtype="float8_e4m3fn",
-              granularity: str = "tensor", **kwargs):
+def serve_fp8(model, *args, rules: Rules = None, strict: bool = False,
+              dtype="float8_e4m3fn", granularity: str = "tensor", **kwargs):
     """A stock Flax model served in FP8, its code unchanged.
 
     NNX: `served = serve_fp8(model, rules=...)`, a copy of `model` (which is unchanged) whose
@@ -183,6 +185,8 @@ def serve_fp8(model, *args, rules=None, strict: bool = False, dtype="float8_e4m3
       dtype, granularity: as `quantize_params`': the stored format and one scale per kernel
         ("tensor") or per output channel ("channel").
     """
+    dtype = _format("dtype", dtype)
+    _check_granularity(granularity)
     if isinstance(model, linen.Module):
         if not args:
             raise TypeError("serve_fp8: a Linen module takes its variables and sample inputs: "

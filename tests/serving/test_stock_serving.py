@@ -24,7 +24,7 @@ from flax import linen, nnx  # noqa: E402
 import jax_epilog  # noqa: E402
 import jax_epilog.linen  # noqa: E402
 import jax_epilog.nnx  # noqa: E402
-from jax_epilog.float8.weights import Fp8Weight, key_names, quantize_weight  # noqa: E402
+from jax_epilog.float8.weights import Fp8Weight, quantize_weight  # noqa: E402
 from jax_epilog.layers.stock_serving import ServeRule, StockServingWarning  # noqa: E402
 
 #: FP8's error on these random layers (e4m3 keeps 3 mantissa bits; K up to 60 terms), as a
@@ -227,6 +227,10 @@ def test_bad_rules_and_arguments_are_named():
         jax_epilog.serve_fp8(linen.Dense(4))
     with pytest.raises(TypeError, match="model: expected a flax"):
         jax_epilog.serve_fp8(object())
+    with pytest.raises(ValueError, match="granularity: expected one of"):
+        jax_epilog.serve_fp8(model, granularity="row")
+    with pytest.raises(ValueError, match="dtype"):
+        jax_epilog.serve_fp8(model, dtype="int8")
 
 
 def test_linen_unservable_layer_warns_with_its_path_and_stays_16_bit():
