@@ -17,6 +17,9 @@ and `calibrate` gives them static input scales (docs/serving.md). `KVCache` (mad
 `init_kv_cache`, 16-bit or FP8 with a scale per vector) holds a decoder's keys and values,
 `write_kv` writes a prefill's or a step's into it in place, and `decode_attention` attends
 over it (docs/kv_cache.md).
+`serve_fp8` serves a stock Flax model (`nnx.Linear`, `linen.Dense`, their General and Einsum
+forms) in FP8 by one call, its code unchanged; `ServeRule` chooses its layers by path
+(docs/stock_models.md; imported on first use, as the Flax modules are).
 `explain(fn, *args)` prints how each stack and GEMM of a program runs on CUDA and which rule
 or table entry decided it.
 
@@ -65,6 +68,7 @@ __all__ = [
     "Fp8History",
     "Fp8Weight",
     "KVCache",
+    "ServeRule",
     "calibrate",
     "decode_attention",
     "dense",
@@ -81,6 +85,7 @@ __all__ = [
     "quantize_rows",
     "reference_matmul",
     "relu_mask_bytes",
+    "serve_fp8",
     "swiglu",
     "unpack_relu_mask",
     "write_kv",
@@ -89,6 +94,7 @@ __all__ = [
 # Public modules imported on first use: the Flax modules (so that `import jax_epilog` never
 # imports Flax), the settings, and the command lines.
 _LAZY_MODULES = ("config", "explanation", "linen", "nnx", "tune")
+_STOCK_SERVING = ("ServeRule", "serve_fp8")
 
 
 def __getattr__(name):
@@ -96,6 +102,8 @@ def __getattr__(name):
         return _importlib.import_module(f"{__name__}.{name}")
     if name == "explain":
         return _importlib.import_module(f"{__name__}.tools.explain").explain
+    if name in _STOCK_SERVING:  # imports Flax
+        return getattr(_importlib.import_module(f"{__name__}.layers.stock_serving"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -14,7 +14,8 @@ TOP_LEVEL = {"BlockScales", "EXPORT_SAFETY_CHECKS", "Epilog", "Fp8", "Fp8History
              "KVCache", "calibrate", "decode_attention", "init_kv_cache", "write_kv",
              "dense", "explain", "gelu_aux_columns", "matmul", "mlp", "pack_relu_mask",
              "quantize", "quantize_128x128", "quantize_1x128", "quantize_params", "quantize_rows",
-             "reference_matmul", "relu_mask_bytes", "swiglu", "unpack_relu_mask"}
+             "reference_matmul", "relu_mask_bytes", "swiglu", "unpack_relu_mask",
+             "ServeRule", "serve_fp8"}
 MODULES = {"config", "explanation", "linen", "nnx", "tune"}
 PATHS = {
     "jax_epilog.config": ["autotune_enabled", "set_autotune", "set_plan_cache_capacity",

@@ -13,10 +13,14 @@ the compute dtype (bfloat16 on a GPU, float32 elsewhere); every variant starts f
 - `epilog_fp8`: the model from jax-epilog's layers, its large kernels stored in FP8 once by
   `jax_epilog.quantize_params` (bias and GELU fused into the FP8 GEMMs, 16-bit results);
   `--static-scales` also calibrates static input scales (`jax_epilog.calibrate`).
+- `stock_fp8`: the stock model served in FP8 by one call, `jax_epilog.serve_fp8` (its code
+  unchanged): the same projections as `epilog_fp8` stored in FP8 once and run the same served
+  ways, each bias in its GEMM's epilog (GELU stays outside: the stock MLP applies it between
+  its layers).
 - `qwix_fp8`: Qwix's post-training quantization of the stock model, FP8 e4m3 weights
   (per channel) and activations (dynamic), on the same projections (QKV, attention output, MLP).
-- `epilog_fp8@WAY` (with `--compare`): `epilog_fp8` with every served layer run one way
-  (`JAX_EPILOG_SERVING=WAY` while the variant is built, compiled and timed: `weight_only`,
+- `epilog_fp8@WAY`, `stock_fp8@WAY` (with `--compare`): the variant with every served layer
+  run one way (`JAX_EPILOG_SERVING=WAY` while the variant is built, compiled and timed: `weight_only`,
   `xla_fp8`, `fp8_pallas` or `fp8`), so that two ways are compared in one process. A forced
   way applies to the prefill's rows too.
 
@@ -26,15 +30,15 @@ prefill samples the first new token, and each of `--new-tokens` - 1 decode steps
 and `--top-k` with `--seed`. Each
 variant and batch size is compiled first (compile time), run once with a progress bar (its
 text is printed), then timed `--repeats` times (medians): time to first token (the prefill,
-its token on the host), prefill and decode tokens/s. `--compare` runs all three (or
+its token on the host), prefill and decode tokens/s. `--compare` runs all four (or
 `--variants`, stock among them) and adds
 quality against stock, teacher forced on validation windows (each window one prefill into
 the variant's KV cache): the validation loss and the agreement of the next-token argmax; it
 writes `gpt_generate.json` and `gpt_generate.md` to `--out`.
 
 The KV cache (`--kv-cache`) is the compute dtype, `bf16`, or `fp8` (float8_e4m3fn, a float32
-scale per head vector; decode.py); `auto` gives `epilog_fp8` the FP8 cache and the others the
-compute dtype. `--fp8-cache-layout` and `--fp8-attention` choose how an FP8 cache is stored
+scale per head vector; decode.py); `auto` gives `epilog_fp8` and `stock_fp8` the FP8 cache
+and the others the compute dtype. `--fp8-cache-layout` and `--fp8-attention` choose how an FP8 cache is stored
 and read (the library's `init_kv_cache(layout=)` and `decode_attention(read=)`; by default
 its measured rule, docs/kv_cache.md). `--profile DIR` traces
 a few decode steps and a few prefills of each variant and batch size with `jax.profiler` (the
@@ -63,7 +67,7 @@ import numpy as np
 from flax import nnx
 
 import jax_epilog
-from jax_epilog.float8.weights import key_names
+from jax_epilog.float8.weights import MIN_FEATURES, key_names
 from jax_epilog.planning import serving_plan
 from jax_epilog.planning.attention_plan import LAYOUTS, READS
 
@@ -71,7 +75,9 @@ from gpt import compare, configs, data, decode, profile, train
 from gpt.decode import CachedGPT, Generator, check_fits, init_cache
 from gpt.model import GPT
 
-VARIANTS = ("stock", "epilog_fp8", "qwix_fp8")
+VARIANTS = ("stock", "epilog_fp8", "stock_fp8", "qwix_fp8")
+#: The variants served by jax-epilog's FP8 (which `--kv-cache auto` gives the FP8 cache).
+FP8_SERVED = ("epilog_fp8", "stock_fp8")
 #: `epilog_fp8@WAY`: `epilog_fp8` served one way (`forced_serving_way`).
 FORCED_WAY = "@"
 #: `--kv-cache`'s dtypes; "auto" is `cache_dtype`'s choice per variant.
@@ -200,12 +206,33 @@ def epilog_fp8(config: configs.TrainConfig, weights: nnx.State, dtype, *, attent
     params = jax_epilog.quantize_params(nnx.state(model, nnx.Param),
                                         include=fp8_include(fp8_min_features),
                                         granularity=weight_scales)
-    if calibration is not None:
-        graphdef, _, rest = nnx.split(model, nnx.Param, ...)
-        params = jax_epilog.calibrate(
-            lambda p, tokens: nnx.merge(graphdef, p, rest)(tokens), params, calibration)
     nnx.update(model, params)
-    return CachedGPT(model)
+    return CachedGPT(calibrated(model, calibration))
+
+
+def stock_fp8(config: configs.TrainConfig, weights: nnx.State, dtype, *, attention: str,
+              fp8_min_features: Optional[int] = None, calibration=None,
+              weight_scales: str = "tensor") -> CachedGPT:
+    """The stock model served in FP8 by one call, `jax_epilog.serve_fp8`, its code unchanged:
+    the blocks' projections whose K and N are both at least `fp8_min_features` (None: the
+    package's default, `MIN_FEATURES`), as `epilog_fp8` chooses them (the head stays
+    16-bit); `weight_scales` and `calibration` as `epilog_fp8`'s."""
+    rule = jax_epilog.ServeRule(r"blocks/\d+/.*", min_features=fp8_min_features or MIN_FEATURES)
+    stock = model_with(config, "stock", weights, dtype, attention)
+    served = jax_epilog.serve_fp8(stock, rules=rule, granularity=weight_scales)
+    return CachedGPT(calibrated(served, calibration))
+
+
+def calibrated(model: GPT, calibration) -> GPT:
+    """`model` with static input scales from `calibration` (batches of tokens; None: as it
+    is) on its `Fp8Weight`s (`jax_epilog.calibrate`)."""
+    if calibration is None:
+        return model
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    params = jax_epilog.calibrate(
+        lambda p, tokens: nnx.merge(graphdef, p, rest)(tokens), params, calibration)
+    nnx.update(model, params)
+    return model
 
 
 def qwix_fp8(config: configs.TrainConfig, weights: nnx.State, dtype, *, attention: str,
@@ -233,6 +260,10 @@ def build_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dt
         return epilog_fp8(config, weights, dtype, attention=attention,
                           fp8_min_features=fp8_min_features, calibration=calibration,
                           weight_scales=weight_scales)
+    if name == "stock_fp8":
+        return stock_fp8(config, weights, dtype, attention=attention,
+                         fp8_min_features=fp8_min_features, calibration=calibration,
+                         weight_scales=weight_scales)
     if name == "qwix_fp8":
         return qwix_fp8(config, weights, dtype, attention=attention, sample_tokens=sample_tokens)
     raise ValueError(f"variant: expected one of {VARIANTS}, got {name!r}")
@@ -474,9 +505,9 @@ def _rule(choice: str) -> str:
 
 def cache_dtype(name: str, choice: str, dtype):
     """The KV cache's dtype for variant `name` under `--kv-cache` `choice`: "auto" is FP8 for
-    `epilog_fp8` (FP8 serving end to end) and the compute `dtype` for the others."""
+    `FP8_SERVED` (FP8 serving end to end) and the compute `dtype` for the others."""
     if choice == "auto":
-        return KV_CACHES["fp8"] if name == "epilog_fp8" else dtype
+        return KV_CACHES["fp8"] if name in FP8_SERVED else dtype
     if choice not in KV_CACHES:
         raise ValueError(f"kv_cache: expected 'auto' or one of {tuple(KV_CACHES)}, got "
                          f"{choice!r}")
@@ -497,7 +528,7 @@ def _serve_variant(name: str, base: str, config: configs.TrainConfig, weights: n
     start = time.perf_counter()
     sample_tokens = validation[0][0][:1]
     calibration = [jnp.asarray(inputs) for inputs, _ in validation] \
-        if settings.static_scales and base == "epilog_fp8" else None
+        if settings.static_scales and base in FP8_SERVED else None
     cached = build_variant(base, config, weights, dtype, attention=settings.attention,
                            sample_tokens=sample_tokens,
                            fp8_min_features=settings.fp8_min_features, calibration=calibration,
@@ -754,7 +785,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="every variant in one process, with quality against stock")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="with --compare: comma-separated, stock among them; "
-                             "epilog_fp8@WAY serves epilog_fp8 one way (xla_fp8, ...)")
+                             "epilog_fp8@WAY serves epilog_fp8 one way (xla_fp8, ...), "
+                             "stock_fp8@WAY likewise")
     parser.add_argument("--batch", type=int, nargs="+", default=[1],
                         help="batch sizes (each compiled and timed)")
     parser.add_argument("--prompt-len", type=int,
@@ -771,17 +803,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
                         help="the full forward's attention (the cached one is XLA's)")
     parser.add_argument("--fp8-min-features", type=int,
-                        help="epilog_fp8: store kernels whose dims are both at least this in "
-                             "FP8 (default: jax_epilog.quantize_params' rule, 512)")
+                        help="epilog_fp8, stock_fp8: store kernels whose dims are both at "
+                             "least this in FP8 (default: quantize_params' rule, 512)")
     parser.add_argument("--static-scales", action="store_true",
-                        help="epilog_fp8: static input scales from the validation batches "
-                             "(jax_epilog.calibrate)")
+                        help="epilog_fp8, stock_fp8: static input scales from the "
+                             "validation batches (jax_epilog.calibrate)")
     parser.add_argument("--weight-scales", default="tensor", choices=("tensor", "channel"),
-                        help="epilog_fp8: one scale per stored kernel, or one per output "
-                             "channel (quantize_params' granularity)")
+                        help="epilog_fp8, stock_fp8: one scale per stored kernel, or one "
+                             "per output channel (quantize_params' granularity)")
     parser.add_argument("--kv-cache", default="auto", choices=("auto", *KV_CACHES),
-                        help="the KV cache's dtype: auto is fp8 for epilog_fp8 and the compute "
-                             "dtype for the others")
+                        help="the KV cache's dtype: auto is fp8 for epilog_fp8 and "
+                             "stock_fp8, the compute dtype for the others")
     parser.add_argument("--profile", type=Path,
                         help="trace a few decode steps per variant and batch size into this "
                              "folder and report where a step's GPU time goes")
@@ -861,10 +893,11 @@ def compared_variants(args: argparse.Namespace) -> tuple[str, ...]:
     """`--variants` as names (stock first: the quality columns compare against it)."""
     names = tuple(name.strip() for name in args.variants.split(",") if name.strip())
     ways = serving_plan.WAYS
-    known = set(VARIANTS) | {f"epilog_fp8{FORCED_WAY}{way}" for way in ways}
+    known = set(VARIANTS) | {f"{base}{FORCED_WAY}{way}" for base in FP8_SERVED for way in ways}
     if not set(names) <= known or "stock" not in names:
         args.parser.error(f"--variants: expected names among {', '.join(VARIANTS)} (or "
-                          f"epilog_fp8{FORCED_WAY}WAY, WAY one of {', '.join(ways)}) with "
+                          f"epilog_fp8{FORCED_WAY}WAY or stock_fp8{FORCED_WAY}WAY, WAY one of "
+                          f"{', '.join(ways)}) with "
                           f"stock among them, got {args.variants!r}")
     return ("stock",) + tuple(dict.fromkeys(name for name in names if name != "stock"))
 

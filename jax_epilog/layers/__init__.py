@@ -7,8 +7,11 @@ forward GEMM with its named residual, shared by both), `kv_cache` (a decoder's K
 over it), and the Flax modules `linen` and `nnx` (public as `jax_epilog.linen` and
 `jax_epilog.nnx`); FP8 training of stock Flax layers: `stock_fp8` (`fp8_dot_general`, any
 `dot_general` as an FP8 GEMM), `stock_flax` (it as Flax's dot_general / einsum ops) and
-`stock_training` (`fp8_training`, a whole model by rules).
+`stock_training` (`fp8_training`, a whole model by rules); `stock_layers` and
+`stock_serving` serve Flax's own dense layers in FP8 (`jax_epilog.serve_fp8`), `qwix_serving`
+the same through a Qwix provider.
 
 Imports `op`, `planning` and `float8`; the Flax modules (`linen`, `nnx`, `stock_flax`,
-`stock_training`) import Flax, nothing else does.
+`stock_training`, the stock serving modules) import Flax, `qwix_serving` Qwix, nothing else
+does.
 """

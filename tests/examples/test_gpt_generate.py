@@ -491,6 +491,29 @@ def test_epilog_fp8_stores_fp8_kernels_and_with_static_scales_decodes_as_its_ful
     assert 0 < difference < 0.2 * float(jnp.max(jnp.abs(full)))
 
 
+@pytest.mark.parametrize("base, projections", [(TINY, 4), (LLAMA_TINY, 5)])
+def test_stock_fp8_serves_the_stock_model_as_epilog_fp8_serves_ours(corpus, monkeypatch, base,
+                                                                     projections):
+    """The stock model's code through `jax_epilog.serve_fp8`: the same kernels stored as
+    `epilog_fp8` stores them, and weight-only (the input unrounded) the same logits, up to
+    float32 rounding (GELU and SwiGLU's gate are outside the stock layers' GEMMs)."""
+    monkeypatch.setenv("JAX_EPILOG_SERVING", "weight_only")
+    config, weights = tiny_weights(tie_head=base.model.tie_head, config=base)
+    stock_fp8, epilog_fp8 = (generate.build_variant(name, config, weights, jnp.float32,
+                                                    fp8_min_features=64)
+                             for name in ("stock_fp8", "epilog_fp8"))
+    served = [type(m).__name__ for _, m in nnx.iter_modules(stock_fp8) if
+              isinstance(m, nnx.Linear)]
+    assert served.count("ServedLinear") == projections * config.model.n_layers
+    assert generate.fp8_kernels(stock_fp8) == generate.fp8_kernels(epilog_fp8)
+    assert generate.cache_dtype("stock_fp8", "auto", jnp.float32) == jnp.float8_e4m3fn
+    tokens = jnp.asarray(generate.prompts_from(corpus.validation, 2, 24))
+    logits = jitted(stock_fp8)[0](tokens)
+    np.testing.assert_allclose(logits, jitted(epilog_fp8)[0](tokens), rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(cached_logits(stock_fp8, tokens, [16] + [1] * 8), logits,
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_qwix_fp8_quantizes_the_projections_only(corpus):
     pytest.importorskip("qwix")
     config, weights = tiny_weights()
@@ -573,11 +596,11 @@ def test_compare_writes_every_variant_with_quality(tmp_path, name, projections):
         assert 0.5 < record["top1_agreement_with_stock"] <= 1
     assert variants["stock"]["top1_agreement_with_stock"] == 1
     assert [variants[variant]["kv_cache"] for variant in variants] == \
-        ["float32", "float8_e4m3fn", "float32"][:len(variants)]
+        ["float32", "float8_e4m3fn", "float8_e4m3fn", "float32"][:len(variants)]
     assert variants["stock"]["validation_loss_vs_stock"] == 0
     assert variants["epilog_fp8"]["weight_bytes"] < variants["stock"]["weight_bytes"]
     assert [variants[variant]["fp8_kernels"] for variant in variants] == \
-        [0, 2 * projections, 2 * projections][:len(variants)]  # 2 blocks
+        [0] + [2 * projections] * (len(variants) - 1)  # 2 blocks
     text = (tmp_path / "gpt_generate.md").read_text()
     assert all(f"| {variant} | 3 |" in text for variant in variants)
     assert written["config"]["model"]["arch"] == configs.get(name).model.arch
