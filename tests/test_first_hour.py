@@ -439,7 +439,7 @@ def test_readme_blocks_cover_the_sections():
     assert len(README_BLOCKS) >= 7
     joined = "\n".join(README_BLOCKS)
     for needed in ("jax_epilog.dense(", "jax_epilog.mlp(", "jax_epilog.quantize(",
-                   "quantization_scales=", "beta=1.0",
+                   "quantization_scales=",
                    "fp8=True", "jax_epilog.nnx.MLP(", "jax_epilog.linen.MLP(", "deserialize("):
         assert needed in joined, needed
 
