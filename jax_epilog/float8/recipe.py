@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_epilog.op.epilogs import FP8_DTYPES
-from jax_epilog.planning.stack_plan import quantized_layers
 
 LAYER_CHOICES = ("auto", "all")
 #: The layers' GEMMs, as `Fp8(fast_accumulation=)` names them.
@@ -110,12 +109,12 @@ class Fp8:
             object.__setattr__(self, "gradient",
                                DEFAULT_GRADIENT.get(self.scaling, "float8_e5m2"))
         for name in ("forward", "gradient"):
-            object.__setattr__(self, name, _format(name, getattr(self, name)))
+            object.__setattr__(self, name, fp8_format(name, getattr(self, name)))
         if self.forward == "float8_e5m2":
             raise ValueError("forward: float8_e5m2 for activations and weights would make the "
                              "forward GEMM e5m2 × e5m2, which cuBLASLt has no kernel for; use "
                              "float8_e4m3fn (and e5m2 for gradient=)")
-        _check_margin(self.margin)
+        check_margin(self.margin)
         if self.layers not in LAYER_CHOICES:
             raise ValueError(f"layers: expected one of {LAYER_CHOICES}, got {self.layers!r}")
         object.__setattr__(self, "fast_accumulation", _fast_gemms(self.fast_accumulation))
@@ -189,12 +188,6 @@ class Fp8:
         fast = self.fast_accumulation
         return fast is True or fast == gemm or (isinstance(fast, tuple) and gemm in fast)
 
-    def quantized_layers(self, rows: int, widths) -> tuple[bool, ...]:
-        """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8 by the rule,
-        without the decision tables (`stack_plan.quantized_layers` says why; on a GPU a measured
-        stack entry can decide otherwise, which `jax_epilog.explain` shows)."""
-        return tuple(c.choice == "fp8" for c in quantized_layers(self, rows, widths))
-
 
 def _fast_gemms(value):
     """`Fp8.fast_accumulation` in its one spelling: False, True, "forward", or a tuple of
@@ -214,13 +207,16 @@ def _fast_gemms(value):
     return "forward" if names == ("forward",) else names
 
 
-def _check_margin(margin) -> None:
+def check_margin(margin) -> None:
+    """A `ValueError` naming `margin` unless it is a non-negative int (every quantizer asks)."""
     if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
         raise ValueError(f"margin: expected a non-negative int (scales are largest / "
                          f"2**margin / amax), got {margin!r}")
 
 
-def _format(name: str, value) -> str:
+def fp8_format(name: str, value) -> str:
+    """`value` (a dtype or its name) as an FP8 format's name, or a `ValueError` naming the
+    argument `name`: the one check of an FP8 dtype argument."""
     try:
         dtype = jnp.dtype(value).name
     except TypeError:

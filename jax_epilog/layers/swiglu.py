@@ -68,9 +68,9 @@ from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
 from jax_epilog.float8.scaling import quantize_scaled, record, reduced_amaxes
 from jax_epilog.float8.weights import Fp8Weight
 from jax_epilog.layers import block_step, fp8_step, gating, serving
-from jax_epilog.layers.functional import _compute_dtype, _described
+from jax_epilog.layers.functional import compute_dtype, described
 from jax_epilog.layers.gemms import LAYER_INPUT_NAME, SWIGLU_HIDDEN_NAME
-from jax_epilog.op import manual_axes
+from jax_epilog.op import barrier, manual_axes
 from jax_epilog.planning import block_plan
 from jax_epilog.planning.serving_plan import serving_way
 
@@ -151,7 +151,7 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     x8, x_scale, x_amax = quantize_scaled(x, fmt, margin, history(0), axes, x_amax)
     w8, w_scale, _ = quantize_scaled(gate_up, fmt, margin, x_amax=w_amax)
     down8, down_scale, _ = quantize_scaled(down, fmt, margin, x_amax=down_amax)
-    gu, _ = fp8_step._matmul8(x8, x_scale, w8, w_scale, x.dtype, "auto", fast)
+    gu, _ = fp8_step.matmul8(x8, x_scale, w8, w_scale, x.dtype, "auto", fast)
     h = gating.hidden(gu, block.hidden)
     # g and u (kept for the backward) on scales of their own, their amaxes with h's
     halves = (gu[:, :block.hidden], gu[:, block.hidden:]) if keep else ()
@@ -168,8 +168,8 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
         # H200). With h8 in it, the casts run before the down GEMM, and [g u] can die before
         # that GEMM's buffers are taken (compiled for an H200 at 16384 x 4096 x 14336:
         # temporaries 1408 MiB with y in the barrier instead, 1184 with h8).
-        h8, g8, u8 = fp8_step._barrier(h8, g8, u8)
-    y, _ = fp8_step._matmul8(h8, h_scale, down8, down_scale, x.dtype, "auto", fast)
+        h8, g8, u8 = barrier.flat_barrier(h8, g8, u8)
+    y, _ = fp8_step.matmul8(h8, h_scale, down8, down_scale, x.dtype, "auto", fast)
     if not keep:
         return y, None
     named = functools.partial(checkpoint_name, name=SWIGLU_HIDDEN_NAME)
@@ -194,14 +194,14 @@ def _fp8_block_bwd(block: Block, residuals, dy):
     fp8, dtype = block.fp8, dy.dtype
     axes, fmt, margin = fp8.amax_reduction_axes, fp8.gradient, fp8.margin
     fast_data, fast_weight = fp8.fast("data gradient"), fp8.fast("weight gradient")
-    matmul8 = fp8_step._matmul8
+    matmul8 = fp8_step.matmul8
     dy8, dy_scale, dy_amax = quantize_scaled(dy, fmt, margin, amax_axes=axes)
     # The weight gradient's K-major operands (h8ᵀ, dy8ᵀ) are made after the barrier, as in
-    # the stacks (fp8_step._barrier says why); the data gradient waits for it.
-    dy8, h8 = fp8_step._barrier(dy8, s.h8)
+    # the stacks (barrier.flat_barrier says why); the data gradient waits for it.
+    dy8, h8 = barrier.flat_barrier(dy8, s.h8)
     ddown, _ = matmul8(h8.T, s.h_scale, dy8.T, dy_scale, dtype, "auto", fast_weight,
                        transpose_b=True)
-    dy8, ddown = fp8_step._barrier(dy8, ddown)
+    dy8, ddown = barrier.flat_barrier(dy8, ddown)
     dh, _ = matmul8(dy8, dy_scale, s.down8, s.down_scale, dtype, "auto", fast_data,
                     transpose_b=True)
     g, u = (v8.astype(jnp.float32) * scale for v8, scale in ((s.g8, s.g_scale),
@@ -211,10 +211,10 @@ def _fp8_block_bwd(block: Block, residuals, dy):
     dgu8, dgu_scale, dgu_amax = quantize_scaled(
         gating.hidden_gradient(dh, g, u, dtype), fmt, margin, amax_axes=axes,
         x_amax=reduced_amaxes([_gradient_bound(dh, s)], axes)[0])
-    dgu8, x8 = fp8_step._barrier(dgu8, s.x8)
+    dgu8, x8 = barrier.flat_barrier(dgu8, s.x8)
     dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T, dgu_scale, dtype, "auto", fast_weight,
                           transpose_b=True)
-    dgu8, dgate_up = fp8_step._barrier(dgu8, dgate_up)
+    dgu8, dgate_up = barrier.flat_barrier(dgu8, dgate_up)
     dx, _ = matmul8(dgu8, dgu_scale, s.w8, s.w_scale, dtype, "auto", fast_data,
                     transpose_b=True)
     next_state = None if state is None else (
@@ -306,7 +306,7 @@ def _kernels(x, gate_up, down):
     if isinstance(gate_up, (tuple, list)):
         if len(gate_up) != 2:
             raise TypeError(f"gate_up: expected a (D, 2F) kernel or a (gate, up) pair of (D, F) "
-                            f"kernels, got {_described(gate_up)}")
+                            f"kernels, got {described(gate_up)}")
         gate, up = gate_up
         for name, kernel in (("gate", gate), ("up", up)):
             if jnp.ndim(kernel) != 2 or jnp.shape(kernel)[0] != d:
@@ -321,7 +321,7 @@ def _kernels(x, gate_up, down):
         shape = jnp.shape(gate_up)
         if len(shape) != 2 or shape[0] != d or shape[1] % 2:
             raise ValueError(f"gate_up: expected shape ({d}, 2F) ([gate up] side by side; x has "
-                             f"{d} features) or a (gate, up) pair, got {_described(gate_up)}")
+                             f"{d} features) or a (gate, up) pair, got {described(gate_up)}")
         hidden = shape[1] // 2
     if jnp.ndim(down) != 2 or jnp.shape(down)[0] != hidden:
         raise ValueError(f"down: expected shape ({hidden}, D_out) (the hidden width F = "
@@ -366,7 +366,7 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
     fp8 = as_fp8(fp8)
     fp8_state = check_state(fp8, fp8_state, len(FP8_GEMMS))
     gate_up, down, hidden = _kernels(x, gate_up, down)
-    dtype = _compute_dtype(dtype, [x, gate_up, down])
+    dtype = compute_dtype(dtype, [x, gate_up, down])
     x, gate_up, down = (jnp.asarray(a, dtype) for a in (x, gate_up, down))
     lead, d, d_out = x.shape[:-1], x.shape[-1], down.shape[1]
     rows = x.reshape(math.prod(lead), d)
@@ -391,7 +391,7 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
 
 
 def _served(x, gate_up: tuple, down: Fp8Weight, hidden: int, dtype):
-    dtype = _compute_dtype(dtype, [x])
+    dtype = compute_dtype(dtype, [x])
     x = jnp.asarray(x, dtype)
     lead, d = x.shape[:-1], x.shape[-1]
     rows = x.reshape(math.prod(lead), d)

@@ -82,20 +82,20 @@ def unpack_relu_mask(mask, n: int):
 # What the forward keeps for the backward, and how the backward applies the derivative with it.
 # `keep(z, dtype)` and `apply(dy, residual, n)` work on float32 values.
 
-def _keep_relu(z, dtype):
+def keep_relu(z, dtype):
     del dtype
     return pack_relu_mask(relu_mask(z))
 
 
-def _apply_relu(dy, mask, n: int):
+def apply_relu(dy, mask, n: int):
     return jnp.where(unpack_relu_mask(mask, n), dy, jnp.zeros_like(dy))
 
 
-def _keep_gelu(z, dtype):
+def keep_gelu(z, dtype):
     n = z.shape[-1]
     pad = [(0, 0)] * (z.ndim - 1) + [(0, gelu_aux_columns(n) - n)]
     return jnp.pad(z.astype(dtype), pad)
 
 
-def _apply_gelu(dy, pre_activation, n: int):
+def apply_gelu(dy, pre_activation, n: int):
     return dy * gelu_derivative(pre_activation[..., :n].astype(jnp.float32))

@@ -33,10 +33,10 @@ class Activation(NamedTuple):
 
 
 ACTIVATIONS = {
-    "relu": Activation(activations.relu, jax.nn.relu, "relu_aux", activations._keep_relu,
-                       activations._apply_relu),
+    "relu": Activation(activations.relu, jax.nn.relu, "relu_aux", activations.keep_relu,
+                       activations.apply_relu),
     "gelu": Activation(activations.gelu, functools.partial(jax.nn.gelu, approximate=True),
-                       "gelu_aux", activations._keep_gelu, activations._apply_gelu),
+                       "gelu_aux", activations.keep_gelu, activations.apply_gelu),
 }
 
 

@@ -1,6 +1,7 @@
 """How the inner primitive `kernel_p` runs: the cuBLASLt custom call on CUDA, the reference
-elsewhere. On CUDA one plan (`call_plan.plan_call`) decides, at lowering time, and
-`lower_cuda` carries it out in one function, binding nothing of ours again:
+elsewhere. On CUDA one plan decides, at lowering time (`planning.call_plan.plan_call`, asked
+through `planner`), and `lower_cuda` carries it out in one function, binding nothing of ours
+again:
 
 - not CUDA: the reference, exact (identical semantics on every platform);
 - CUDA, an empty problem, or the library not loadable in a process that has CUDA devices (with
@@ -34,10 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_epilog.op import block_scales, padding, reference
+from jax_epilog.op import block_scales, padding, planner, reference
 from jax_epilog.op.call import Params, kernel_p, problem_of, result_dtype_of
 from jax_epilog.op.epilogs import Epilog, is_fp8
-from jax_epilog.planning import call_plan, context
 from jax_epilog.runtime import library as cuda_library
 from jax_epilog.runtime import settings, targets
 
@@ -174,7 +174,7 @@ def around_kernel(kernel, params: Params, layout, padded):
 
 def lower_cuda(ctx, *args, **params):
     params = Params(**params)
-    plan = call_plan.plan_call(context.current(), ctx.avals_in, params, kernel_supports)
+    plan = planner.current().plan_call(ctx.avals_in, params, kernel_supports)
     if plan.warning == "unavailable":
         _warn_unavailable(cuda_library.unavailable_reason())
     elif plan.warning == "fp8-reference":

@@ -12,8 +12,8 @@ pre-activation. Its backward is the layers' (`activation_gradient`, `data_gradie
 `weight_gradient`): two more `matmul` calls in the operands' dtype, the bias gradient from the
 weight-gradient GEMM (BGRADB, or BGRADA for a transposed b). Where every GEMM of the step runs
 XLA's way on this GPU and nothing needs the custom VJP (no aux output, alpha and beta Python
-numbers), JAX differentiates the plain expression instead (`_step_runs_xla`): XLA compiles it as
-a user's own. `reference_matmul` is the same function running the reference directly; plain
+numbers), JAX differentiates the plain expression instead (`planner`'s `step_runs_xla`): XLA
+compiles it as a user's own. `reference_matmul` is the same function running the reference directly; plain
 JAX differentiates it, which is what the custom VJP is tested against.
 """
 
@@ -27,11 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-from jax_epilog.planning import call_plan, context
-from jax_epilog.op import manual_axes, sharding
+from jax_epilog.op import manual_axes, planner, sharding
 from jax_epilog.op.epilogs import (ACTIVATIONS, Epilog, is_fp8)
-from jax_epilog.op.arguments import Call, keyword_hints, prepare, shape_results
+from jax_epilog.op.arguments import keyword_hints, prepare, shape_results
 from jax_epilog.op import primitive  # noqa: F401  (registers the primitives' rules)
 from jax_epilog.op.call import Params, epilog_matmul_p
 from jax_epilog.op.reference import epilog_matmul as reference_kernel
@@ -93,7 +91,7 @@ def _forward_fwd(params: Params, scalars: _Scalars, a, b, *inputs):
     return visible, (a, b, residual, bias, c_args)
 
 
-# The backward GEMMs, shared with the layers (`layers._stack_bwd`): each is a `matmul` call, so
+# The backward GEMMs, shared with the layers (`functional._stack_bwd`): each is a `matmul` call, so
 # `backend="auto"` picks cuBLASLt's epilog or XLA's GEMM per problem, as for any call, and 16-bit
 # operands stay 16-bit (float32 accumulation inside the GEMM, as XLA's own transpose of a dot).
 
@@ -227,21 +225,6 @@ def _scaled(g, alpha):
 _forward.defvjp(_forward_fwd, _forward_bwd)
 
 
-def _step_runs_xla(call: Call) -> bool:
-    """Whether the plan runs the call's training step as the plain expression under JAX's
-    autodiff (`call_plan.plan_matmul_step`: every GEMM of the step runs XLA's way on this CUDA GPU;
-    XLA then compiles it as it compiles a user's own, the never-slower rule the layers follow
-    per stack)."""
-    p = call.params
-    ctx = context.current()
-    step = call_plan.plan_matmul_step(ctx, p, call.a.shape, call.b.shape, call.a.dtype,
-                                      _forward_epilog(p.epilog))
-    if ctx.observe is not None:  # `explain` reports the choice, whichever it is
-        ctx.observe(call_plan.MatmulStep(p, call.a.shape, call.b.shape, call.a.dtype, step),
-                    "matmul")
-    return step.choice == "plain"
-
-
 def _users_expression(params: Params, a, b, *inputs):
     """The plain path of a call with a 2-D b, a bias of shape (N,) if any and no c, written as
     its user would write it: `op(a) @ op(b) + bias`, then the activation, on the caller's own
@@ -262,7 +245,7 @@ def _users_expression(params: Params, a, b, *inputs):
 
 def _reference(params: Params, a, b, *inputs, exact: bool = True):
     """The call's outputs by the reference: exact, or in XLA's way (the plain expression, for
-    JAX's own autodiff where `_step_runs_xla`)."""
+    JAX's own autodiff where `planner`'s `step_runs_xla`)."""
     return reference_kernel(a, b, *inputs, epilog=params.epilog, exact=exact,
                             transpose_a=params.transpose_a, transpose_b=params.transpose_b,
                             allow_tf32=params.allow_tf32, result_dtype=params.result_dtype,
@@ -348,7 +331,12 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     # Epilogs that return the ReLU mask or the GELU pre-activation keep the custom VJP too:
     # their gradient follows the mask (1 at 0), whichever GEMMs run.
     constant_scalars = c is None or None not in scalars
-    if constant_scalars and not call.params.epilog.aux_output and _step_runs_xla(call):
+    # The plan may run the training step as the plain expression under JAX's autodiff (every
+    # GEMM of the step runs XLA's way on this CUDA GPU, `planning.call_plan.plan_matmul_step`):
+    # XLA then compiles it as it compiles a user's own, the never-slower rule of the layers.
+    p = call.params
+    if constant_scalars and not p.epilog.aux_output and planner.current().step_runs_xla(
+            p, call.a.shape, call.b.shape, call.a.dtype, _forward_epilog(p.epilog)):
         own = [a, b, *(dict(epilog_inputs or {}).values())]  # as the caller passed them
         if c is None and scalars.alpha == 1.0 and jnp.ndim(b) == 2 and \
                 all(jnp.ndim(x) == 1 for x in own[2:]):

@@ -3,6 +3,7 @@ plain expression under JAX's autodiff (`plan_matmul_step`), and when one call is
 CUDA, how (`plan_call`): the cuBLASLt kernel, in which operand layout and with which padding,
 XLA's own GEMM, or the reference. The lowering carries the plan out in one go; nothing is
 planned twice.
+`PLANNER` is what the op asks (`op.planner`), with the context of the moment.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import numpy as np
 from jax_epilog.op import padding
 from jax_epilog.op.call import Params, problem_of
 from jax_epilog.op.epilogs import Epilog, is_fp8
-
+from jax_epilog.op.planner import CallPlan, Layout
+from jax_epilog.planning import context
 from jax_epilog.planning.context import Choice, Context, gemm_backend
 from jax_epilog.planning.stack_plan import Gemm, on_cuda
+
 
 def matmul_step_gemms(params: Params, a_shape, b_shape, dtype,
                       forward_epilog: Epilog) -> tuple[Gemm, ...]:
@@ -90,22 +93,7 @@ def plan_matmul_step(ctx: Context, params: Params, a_shape, b_shape, dtype,
 
 # --- one call's plan at lowering -------------------------------------------------------------
 
-Layout = tuple[bool, bool]  # (transpose_a, transpose_b)
 K_MAJOR: Layout = (False, True)  # a (M, K), b (N, K): the only layout of cuBLASLt's FP8 kernels
-
-
-class CallPlan(NamedTuple):
-    """How one call of the inner primitive lowers for CUDA: `way` is "reference" (exact),
-    "xla" (the reference in XLA's way: its own GEMM and fusions) or "kernel" (the cuBLASLt
-    custom call), the kernel's operands in `layout` (transposed in XLA where it differs from
-    the call's) and, where `padded` is (K, N), zero-padded to those sizes first; `warning` says
-    what to warn of."""
-
-    way: str
-    why: str
-    layout: Optional[Layout] = None
-    padded: Optional[tuple[int, int]] = None
-    warning: Optional[str] = None  # "unavailable" or "fp8-reference"
 
 
 def _transposed(aval, flip: bool):
@@ -170,3 +158,22 @@ def plan_call(ctx: Context, avals_in, params: Params, supports) -> CallPlan:
             layout = other
             why.append(f"cuBLASLt has a kernel only in another layout ({answer})")
     return CallPlan("kernel", "; ".join(why), layout, padded)
+
+
+class Planner:
+    """The planner the op asks (`op.planner.register`d on `import jax_epilog`): this module's
+    plans, with `context.current()`, the one context a lowering can read."""
+
+    def step_runs_xla(self, params: Params, a_shape, b_shape, dtype,
+                      forward_epilog: Epilog) -> bool:
+        ctx = context.current()
+        step = plan_matmul_step(ctx, params, a_shape, b_shape, dtype, forward_epilog)
+        if ctx.observe is not None:  # `explain` reports the choice, whichever it is
+            ctx.observe(MatmulStep(params, a_shape, b_shape, dtype, step), "matmul")
+        return step.choice == "plain"
+
+    def plan_call(self, avals_in, params: Params, supports) -> CallPlan:
+        return plan_call(context.current(), avals_in, params, supports)
+
+
+PLANNER = Planner()

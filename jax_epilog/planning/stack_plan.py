@@ -130,6 +130,13 @@ def quantized_layers(fp8, rows: int, widths,
     return tuple(fp8_pays_why(rows, k, n) for k, n in zip(widths, widths[1:]))
 
 
+def fp8_layers(fp8, rows: int, widths) -> tuple[bool, ...]:
+    """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8 under `fp8` by the
+    rule, without the decision tables (`quantized_layers` says why; on a GPU a measured stack
+    entry can decide otherwise, which `jax_epilog.explain` shows)."""
+    return tuple(c.choice == "fp8" for c in quantized_layers(fp8, rows, widths))
+
+
 def fp8_gemm_backend(requested: str, epilog: Epilog, result_dtype, override) -> Choice:
     """The backend the FP8 layers ask of `matmul` for one FP8 GEMM under the stack's
     `forward`/`backward` (`override`: ``JAX_EPILOG_BACKEND``). Only "auto" is changed (an
