@@ -51,9 +51,9 @@ class Fp8:
         `dot_general` at DEFAULT precision). A tuple naming one or all of them is stored as
         "forward" / True, so each choice has one spelling.
         The default, ("forward", "data gradient"), keeps float32 accumulation only in the
-        weight gradient, whose sum runs over every row of the batch: on the H200 it was the
-        fastest choice, with M1's gradient error that of "forward" and up to 0.008 more on
-        smaller stacks (the measurements: docs/fp8.md, "Measured on the H200").
+        weight gradient, whose sum runs over every row of the batch: it was the fastest choice,
+        with M1's gradient error that of "forward" and a little more on smaller stacks
+        (docs/fp8.md, "Fast accumulation"; benchmarks/results/fp8_peer.md).
       scaling: "auto" (default): "delayed" where the layers are given a state (`fp8_state=`;
         the Flax modules `jax_epilog.nnx` and `jax_epilog.linen` always keep one, so
         `fp8=True` there is delayed scaling), "current" where they are not (the functional
@@ -66,7 +66,7 @@ class Fp8:
         (`writes_fp8_gradient`). Every FP8 layer's input and those gradients take their
         scales from amax histories kept between steps; the other gradients (the top one,
         GELU's) and the weights keep current scaling, where delayed scaling measured no
-        faster on the H200 (docs/fp8.md). The layers then need `fp8_state=` (`init_state`)
+        faster (docs/fp8.md). The layers then need `fp8_state=` (`init_state`)
         and return the next state as its gradient.
         Delayed scaling calibrates itself: while a tensor's history is cold (all zeros, as
         `init_state` makes it, or not finite), its scale comes from this step: a tensor XLA

@@ -90,8 +90,8 @@ def quantize_delayed(x, history, dtype: str, margin: int, amax_axes=None, x_amax
     `reduce_amax`) recorded for the next step. While `history` is cold (`cold`) and the
     layers calibrate (`uncalibrated`), the scale is x's own amax's, chosen by a `where` on
     two scalars. Not a `jax.lax.cond`: on a GPU XLA copies a conditional's predicate to the
-    host and waits for it, so every stack stalled the step once (a 4-block GPT on the H200
-    ran 129 ms a step for 100 ms of kernels, docs/fp8.md). The price: the cast waits for the
+    host and waits for it, so every stack stalled the step once (a GPT step then spent a
+    large part of its time waiting, docs/fp8.md). The price: the cast waits for the
     amax, so x is read twice where XLA cannot fuse the amax into x's producer. `x_amax`, where
     given, is x's amax already taken (`reduced_amaxes`, with others)."""
     if x_amax is None:

@@ -17,8 +17,8 @@ One `jax.custom_vjp` covers the whole stack, as `functional.fused_stack` does:
   terms of the cold bounds) are taken first, as one vector (`_early_amaxes`), one
   collective. Then ONE `matmul` with FP8 operands, the bias/ReLU/GELU epilog, the
   dequantization scales `1/q` and the result in the compute dtype. No GEMM is asked for
-  `result_amax`: cuBLASLt gives the amax only with an FP8 result (measured on the H200,
-  cuBLASLt 13.1; docs/fp8.md has the table), and the layers' results are 16/32-bit.
+  `result_amax`: cuBLASLt 13.1 gives the amax only with an FP8 result (docs/fp8.md has the
+  table of what it answered), and the layers' results are 16/32-bit.
 - Residuals: h in FP8 (`(M, K)`; the weight gradient's K-major h8ᵀ is made in the
   backward) and its scale, W
   in FP8 and its scale, the 1-bit ReLU mask (the GELU pre-activation); never a 16/32-bit copy
@@ -30,7 +30,7 @@ One `jax.custom_vjp` covers the whole stack, as `functional.fused_stack` does:
   no BGRADB). dW = h8ᵀ dZ8 (e4m3 × e5m2) and dZ_{i-1} = dZ8 W8ᵀ with DRELU_BGRAD /
   DGELU_BGRAD for the previous layer (e5m2 × e4m3), which also gives its bias gradient, both
   with results in the compute dtype. Under `backward="auto"` that GEMM runs XLA's way
-  (`stack_plan.fp8_gemm_backend`: measured faster on the H200 than cuBLASLt's FP8 DRELU_BGRAD), or,
+  (`stack_plan.fp8_gemm_backend`: measured faster than cuBLASLt's FP8 DRELU_BGRAD), or,
   for a ReLU whose derivative comes from h8 (`stack_plan.relu_from_next_input`), is a plain FP8 GEMM
   followed by XLA fusions.
 - Compute dtype float32: cuBLASLt 13.1 has no FP8 kernel with a float32 result for any epilog
@@ -115,8 +115,8 @@ def matmul8(a8, sa, b8, sb, dtype, backend, fast: bool, *, epilog=Epilog.DEFAULT
 
 
 def positive(x8):
-    """`x8 > 0` for an FP8 array, as integer compares of its bits (measured faster on the H200
-    than XLA's float compare of FP8 values: docs/fp8.md). Positive values are the bit patterns
+    """`x8 > 0` for an FP8 array, as integer compares of its bits (measured faster than XLA's
+    float compare of FP8 values: docs/fp8.md). Positive values are the bit patterns
     from 1 (the smallest subnormal) up to the largest finite value, or +Inf where the format
     has one; +0, negative values and NaN are not."""
     dtype = jnp.dtype(x8.dtype)

@@ -4,8 +4,8 @@ ONE `jax.custom_vjp` that keeps little for its backward.
 In the compute dtype (no `fp8=`) the block is plain JAX, differentiated by JAX: the GEMMs are
 XLA's (a bf16 GEMM with no bias or ReLU/GELU gains nothing from an epilog: XLA's own runs at
 the chip's ceiling, benchmarks/README.md). A custom VJP that kept only x and `[g u]` and
-recomputed h in the backward ran 0.95× the plain block's speed on the H200, with 640 MiB of
-temporaries against its 576 (8192 tokens, D 2048, F 8192).
+recomputed h in the backward ran slower than the plain block and held more temporaries
+(benchmarks/results/swiglu/swiglu.md).
 
 With `fp8=` (SPEC §5's recipe, `Fp8`; docs/fp8.md, "SwiGLU"):
 
@@ -93,8 +93,8 @@ def _gradient_bound(dh, s: "Saved"):
     compute dtype's rounding of dg and du, which the saturating cast absorbs). Written apart
     from `gating.hidden_gradient` (σ from tanh, g and u dequantized again) so that XLA shares no
     subexpression between the amax pass and the cast: it then computes the gradient in each
-    instead of writing `[dg du]` (and σ) between them. Compiled for an H200 at 16384 x 4096 x
-    14336, the step's bytes outside the GEMMs fell from 12.77 to 11.02 GiB."""
+    instead of writing `[dg du]` (and σ) between them, and the step moves fewer bytes outside
+    its GEMMs (as XLA compiles it for a Llama-size block)."""
     g = s.g8.astype(jnp.float32) * s.g_scale
     u = s.u8.astype(jnp.float32) * s.u_scale
     sigmoid = 0.5 * (1.0 + jnp.tanh(0.5 * g))
@@ -155,8 +155,8 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     h = gating.hidden(gu, block.hidden)
     # g and u (kept for the backward) on scales of their own, their amaxes with h's
     halves = (gu[:, :block.hidden], gu[:, block.hidden:]) if keep else ()
-    # one pass reads [g u] for the three amaxes, one more writes h8, g8 and u8 (compiled for
-    # an H200 at 16384 x 4096 x 11008: the step's bytes outside the GEMMs 8.81 -> 8.14 GiB)
+    # one pass reads [g u] for the three amaxes, one more writes h8, g8 and u8 (fewer bytes
+    # outside the GEMMs than an amax pass per array, as XLA compiles a Llama-size block)
     h_amax, *half_amaxes = reduced_amaxes([h, *halves], axes, one_pass=True)
     h8, h_scale, h_amax = quantize_scaled(h, fmt, margin, history(1), axes, h_amax)
     if keep:
@@ -164,10 +164,9 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
                                               for half, a in zip(halves, half_amaxes))
         # Without the barrier XLA fused g8's and u8's casts into the backward's fusions,
         # which then read the 16-bit [g u] instead: kept from forward to backward, it was
-        # the largest temporary of the step (256 of 864 MiB at 8192 x 2048 x 8192 on the
-        # H200). With h8 in it, the casts run before the down GEMM, and [g u] can die before
-        # that GEMM's buffers are taken (compiled for an H200 at 16384 x 4096 x 14336:
-        # temporaries 1408 MiB with y in the barrier instead, 1184 with h8).
+        # the largest temporary of the step. With h8 in it, the casts run before the down
+        # GEMM, and [g u] can die before that GEMM's buffers are taken (fewer temporaries than
+        # with y in the barrier, as XLA compiles a Llama-size block).
         h8, g8, u8 = barrier.flat_barrier(h8, g8, u8)
     y, _ = fp8_step.matmul8(h8, h_scale, down8, down_scale, x.dtype, "auto", fast)
     if not keep:

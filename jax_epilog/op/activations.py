@@ -1,6 +1,6 @@
 """The activations of cuBLASLt's epilogs, as cuBLASLt computes them, and the ReLU bit mask.
 
-Special values behave as cuBLASLt's epilogs were measured to on the H200
+Special values behave as cuBLASLt's epilogs were found to on the GPU
 (`scripts/probe_special_values.py`): ReLU keeps NaN and turns -0 into +0, its mask bit is set
 for +0, -0 and NaN, and GELU's derivative overflows to NaN for huge |z|.
 """
@@ -48,7 +48,7 @@ def gelu_derivative(z):
     """d/dz of the tanh-approximated GELU (what DGELU multiplies the product by).
 
     Written as cuBLASLt evaluates it: for |z| past ~1e12 (z**3 overflows float32) and for
-    ±Inf the result is NaN, as measured on the H200 (tests/test_nonfinite.py).
+    ±Inf the result is NaN, as cuBLASLt's is (tests/test_nonfinite.py).
     """
     u = _SQRT_2_OVER_PI * (z + _GELU_CUBIC * z * z * z)
     t = jnp.tanh(u)

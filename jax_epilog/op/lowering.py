@@ -12,14 +12,15 @@ again:
 - CUDA, a problem cuBLASLt has no kernel for in any layout (it says so when asked): the
   reference, exact (for FP8 operands with a `RuntimeWarning`: SPEC §5), its per-tensor or
   row-scaled FP8 product by XLA's FP8 dot to float32 (`fp8_dot`: exact products summed in
-  float32 as cuBLASLt sums them, where widened operands made it a float32 GEMM: with row
-  scales 0.06x XLA's bf16 at 256 x 14336 x 4096 on the H200);
+  float32 as cuBLASLt sums them, where widened operands made it a float32 GEMM, many times
+  slower than XLA's bf16 one: `reference.epilog_matmul` says more);
 - otherwise the XLA FFI custom call (`runtime.targets`: `jax_epilog_matmul`, or
   `jax_epilog_matmul_c` for a call with a C matrix, SPEC §6), on XLA's stream, with
   cuBLASLt's workspace as an extra result buffer that XLA allocates (so the handler never
   allocates and is safe inside command buffers). Before it, as the plan says, the operands
   are transposed in XLA to the layout the kernel has (FP8 kernels take only a (M, K) and
-  b (N, K); on the H200 BGRADA/BGRADB only the summed operand stored K by rows), a transpose
+  b (N, K); cuBLASLt 13.1 runs BGRADA/BGRADB only with the summed operand stored K by rows),
+  a transpose
   XLA fuses into the operand's producer where it can, and K and N are zero-padded to 16 bytes
   (`padding.py`), the padded results cut back. Lowering for CUDA on a host without a CUDA
   device (`jax.export` from a CPU host) emits the custom call.
@@ -142,8 +143,8 @@ def _custom_call(params: Params):
 
 def _pad_tile_rows(params: Params, operands: list):
     """(operands, M) with a's rows (M) zero-padded to `block_scales.kernel_rows` and its 1x128
-    scales padded with ones, or (operands, None) where M is a multiple already: cuBLASLt 13.1 had no kernel for 1x128 scales on a with
-    M = 129 on the H200, where M = 256 ran."""
+    scales padded with ones, or (operands, None) where M is a multiple already: cuBLASLt 13.1
+    has no kernel for 1x128 scales on a whose M is not (it said so for M = 129, ran M = 256)."""
     a = operands[0]
     m_axis = 2 if params.transpose_a else 1
     m = a.shape[m_axis]

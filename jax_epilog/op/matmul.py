@@ -230,7 +230,7 @@ def _users_expression(params: Params, a, b, *inputs):
     its user would write it: `op(a) @ op(b) + bias`, then the activation, on the caller's own
     operands. XLA then compiles exactly the user's program: the same call through
     `_reference`'s rank-3 form (a (1, M, K) product, a (1, N) bias, a weight gradient
-    contracting two axes) ran 2-7% behind the user's GELU step on the H200."""
+    contracting two axes) ran behind the user's GELU step (benchmarks/results/never_slower_matmul)."""
     if params.transpose_a:
         a = jnp.swapaxes(a, -1, -2)
     reduced = params.allow_tf32 or a.dtype != jnp.float32  # XLA's way, as `_reference`'s
@@ -326,8 +326,8 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
         return shape_results(call, _kernel(call.params, *operands))
     scalars = _Scalars(_python_number(alpha, 1.0), _python_number(beta))
     # Traced alpha and beta keep the custom VJP: the plain expression scales in the operands'
-    # 16-bit dtype, so JAX would sum their gradients in 16 bits (measured on the H200: d alpha
-    # off by 24% and more at 129 x 127), where `_c_gradients` sums in float32.
+    # 16-bit dtype, so JAX would sum their gradients in 16 bits (d alpha then far off on odd
+    # shapes), where `_c_gradients` sums in float32.
     # Epilogs that return the ReLU mask or the GELU pre-activation keep the custom VJP too:
     # their gradient follows the mask (1 at 0), whichever GEMMs run.
     constant_scalars = c is None or None not in scalars

@@ -73,10 +73,9 @@ def plan_matmul_step(ctx: Context, params: Params, a_shape, b_shape, dtype,
 
     The weight gradient is judged as a plain GEMM even where the step would give it the bias
     gradient (BGRADB/BGRADA): a table entry times that epilog against XLA's GEMM plus a bias
-    sum of its own, but in the plain step XLA fuses the sum into the pass that makes dZ. On
-    the H200 the BGRADB entry (19 µs against 32) sent G6's step (4096×1024→1024) to the custom
-    VJP, which then ran 0.87–0.93× XLA's step (careful harness) where the plain step ran
-    0.94–1.03× (benchmarks/results/never_slower_matmul)."""
+    sum of its own, but in the plain step XLA fuses the sum into the pass that makes dZ. A
+    BGRADB entry faster than XLA's GEMM plus its sum sent a step to the custom VJP, which then
+    ran behind XLA's step where the plain step kept up (benchmarks/results/never_slower_matmul)."""
     if not ctx.tables_decide():
         return Choice("fused", "not a CUDA GPU with the library: the reference runs, the "
                                "custom VJP around it")
@@ -111,8 +110,8 @@ def relaid_out(avals_in, params: Params, layout: Layout) -> tuple[list, Params]:
 
 def kernel_layout(avals_in, params: Params, supports) -> Optional[Layout]:
     """For a call in a layout cuBLASLt has no kernel for: the other layout it has one for with
-    the fewest bytes to transpose, or None. On the H200 (cuBLASLt 13.1) BGRADA runs only with a
-    stored (K, M) and BGRADB only with b stored (K, N): the summed operand with K by rows."""
+    the fewest bytes to transpose, or None. cuBLASLt 13.1 runs BGRADA only with a stored
+    (K, M) and BGRADB only with b stored (K, N): the summed operand with K by rows."""
     own = (params.transpose_a, params.transpose_b)
     a, b = avals_in[0], avals_in[1]
     cost = {(ta, tb): (ta != own[0]) * a.size * a.dtype.itemsize +

@@ -60,21 +60,20 @@ def weight_grad_gives_bias_grad(layers, i: int) -> bool:
 
 # --- FP8: which layers, and where each FP8 tensor comes from ----------------------------------
 
-#: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`.
-#: The crossover `benchmarks/fp8_bench.py --sweep` measured on the H200 (training steps of
-#: 4-layer ReLU stacks, FP8 in every layer against the faster bf16 step): FP8 won from
-#: 8192 rows × 2048 wide (6.9e10 FLOPs a GEMM: 1.03× current scaling, 1.20× delayed) at every
-#: larger size measured, and lost at 16384 × 1024 (3.4e10: 0.75×, 0.90×).
+#: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`:
+#: below it the amax and cast passes cost more than the faster FP8 GEMM saves. It is the
+#: crossover `benchmarks/fp8_bench.py --sweep` measured on training steps of 4-layer ReLU
+#: stacks, FP8 in every layer against the faster bf16 step (benchmarks/results/fp8_sweep.md).
 FP8_MIN_FLOPS = 2**36
 #: FP8 GEMMs want K and N in multiples of 16 elements; others would be padded (a copy) first.
 FP8_ALIGNMENT = 16
-#: The epilogs whose FP8 GEMM cuBLASLt 13.1 can write as e4m3 with its amax (measured on the
-#: H200, docs/fp8.md's kernel table): under delayed scaling such a layer writes the next
-#: layer's FP8 input itself.
+#: The epilogs whose FP8 GEMM cuBLASLt 13.1 can write as e4m3 with its amax (as cuBLASLt
+#: answered when asked, docs/fp8.md's kernel table): under delayed scaling such a layer writes
+#: the next layer's FP8 input itself.
 FP8_RESULT_EPILOGS = frozenset({Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS,
                                 Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS})
-#: The epilogs cuBLASLt 13.1 runs with FP8 operands and a float32 result (measured on the
-#: H200: no kernel with a bias, a bias gradient or an activation's auxiliary output).
+#: The epilogs cuBLASLt 13.1 runs with FP8 operands and a float32 result (it has no such kernel
+#: with a bias, a bias gradient or an activation's auxiliary output; docs/fp8.md).
 FLOAT32_KERNEL_EPILOGS = frozenset({Epilog.DEFAULT, Epilog.DRELU})
 
 
@@ -146,11 +145,11 @@ def fp8_gemm_backend(requested: str, epilog: Epilog, result_dtype, override) -> 
     - the result is float32 and cuBLASLt has no FP8 kernel for the epilog
       (`FLOAT32_KERNEL_EPILOGS`): XLA's FP8 GEMM to float32 rather than the reference fallback;
     - the GEMM applies an activation's derivative (DRELU_BGRAD and friends): XLA's FP8 GEMM,
-      then the derivative, the bias gradient and the amax as fusions. On the H200 cuBLASLt's
-      FP8 DRELU_BGRAD ran at 672 TFLOP/s on G1 where its plain FP8 GEMM ran at 1283 and XLA's
-      at 1234 (benchmarks/README.md): ~1.5 ms lost per M1 layer against ~0.5 ms of elementwise
-      passes. `backward="fused"` keeps the kernel (fp8_bench's ours_fp8_fused row measures
-      both), and so does JAX_EPILOG_BACKEND=cublaslt.
+      then the derivative, the bias gradient and the amax as fusions: cuBLASLt's FP8
+      DRELU_BGRAD runs far below its own plain FP8 GEMM and XLA's, losing more per layer than
+      the elementwise passes cost (benchmarks/README.md, benchmarks/results/fp8.md).
+      `backward="fused"` keeps the kernel (fp8_bench's ours_fp8_fused row measures both), and
+      so does JAX_EPILOG_BACKEND=cublaslt.
     """
     if requested != "auto":
         return Choice(requested, f"backend={requested!r} asked for")
@@ -159,7 +158,7 @@ def fp8_gemm_backend(requested: str, epilog: Epilog, result_dtype, override) -> 
                                            "with a float32 result: XLA's FP8 GEMM")
     if epilog.derivative:
         return Choice(override() or "xla", "an FP8 GEMM applying a derivative runs faster "
-                                           "as XLA's FP8 GEMM and fusions (H200)")
+                                           "as XLA's FP8 GEMM and fusions")
     return Choice("auto", "")
 
 

@@ -26,7 +26,8 @@ class Setting(NamedTuple):
 SETTINGS = (
     Setting("JAX_EPILOG_AUTOTUNE", "1",
             "`1`: time cuBLASLt's top candidates (up to 8) the first time a problem runs and keep "
-            "the fastest (on the H200: G3 forward 1.21x, 3-250 ms once per problem); `0`: take "
+            "the fastest (benchmarks/results/autotune.md; it costs a little time once per "
+            "problem); `0`: take "
             "the heuristic's first. Applies to problems not planned yet."),
     Setting("JAX_EPILOG_AUTOTUNE_CACHE", "`~/.cache/jax_epilog/autotune.txt`",
             "The file of tuned algorithms shared by the processes of the machine, keyed by GPU, "
