@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Optional
 
@@ -63,9 +64,11 @@ from jax_epilog.planning.stack_plan import Layer, Stack, StackPlan, weight_grad_
 
 ACTIVATIONS = (None, "relu", "gelu")
 
-#: `forward=` / `backward=` of the layers, as the `backend` of the GEMMs they issue.
-FORWARD_CHOICES = {"auto": "auto", "fused": "cublaslt", "xla": "xla"}
-BACKWARD_CHOICES = {"auto": "auto", "fused": "cublaslt", "unfused": "xla"}
+#: `forward=` / `backward=` of the layers (one spelling for both), as the `backend` of the
+#: GEMMs they issue.
+STACK_BACKENDS = {"auto": "auto", "fused": "cublaslt", "xla": "xla"}
+#: Old spellings still taken, with a `DeprecationWarning`: `backward="unfused"` was "xla".
+_OLD_SPELLINGS = {("backward", "unfused"): "xla"}
 
 
 # --- the custom VJP over a stack ----------------------------------------------------------
@@ -252,10 +255,16 @@ def _check_params(x, layers):
     return params
 
 
-def _backend(name: str, value, choices: dict) -> str:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")
-    return choices[value]
+def _backend(name: str, value) -> str:
+    """`forward=` or `backward=` (`name`) as the `backend` its GEMMs are asked for."""
+    if isinstance(value, str) and (name, value) in _OLD_SPELLINGS:
+        new = _OLD_SPELLINGS[name, value]
+        warnings.warn(f'{name}="{value}" is spelled "{new}" now (as `forward=` and '
+                      f'`matmul(backend=)` spell it)', DeprecationWarning, stacklevel=4)
+        value = new
+    if not isinstance(value, str) or value not in STACK_BACKENDS:
+        raise ValueError(f"{name}: expected one of {tuple(STACK_BACKENDS)}, got {value!r}")
+    return STACK_BACKENDS[value]
 
 
 def run(x, params, activations, *, precision, forward, backward, dtype, fp8=None,
@@ -264,8 +273,7 @@ def run(x, params, activations, *, precision, forward, backward, dtype, fp8=None
         return _serve(x, params, activations, dtype)
     fp8 = as_fp8(fp8)
     fp8_state = check_state(fp8, fp8_state, len(activations))
-    stack_backends = (_backend("forward", forward, FORWARD_CHOICES),
-                      _backend("backward", backward, BACKWARD_CHOICES))
+    stack_backends = (_backend("forward", forward), _backend("backward", backward))
     params = _check_params(x, params)
     arrays = [x] + [p for pair in params for p in pair if p is not None]
     dtype = compute_dtype(dtype, arrays)
@@ -335,7 +343,8 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="aut
       forward: "auto" (per GEMM, the faster of cuBLASLt's epilog and XLA's own GEMM and
         fusions, as measured on this GPU; see `jax_epilog.planning.decisions`), "fused" (cuBLASLt) or
         "xla".
-      backward: likewise for the backward GEMMs: "auto", "fused" or "unfused" (XLA).
+      backward: likewise for the backward GEMMs: "auto", "fused" or "xla" (the old spelling
+        "unfused" is still taken, with a `DeprecationWarning`).
       dtype: the computation dtype; None: `jnp.result_type(x, kernel, bias)`, like Flax.
       fp8: None or False (no FP8), True (`jax_epilog.Fp8()`) or a `jax_epilog.Fp8(...)`: train
         with FP8 GEMMs, per-tensor scaling (`Fp8()`: delayed with `fp8_state=`, current

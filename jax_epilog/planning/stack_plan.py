@@ -179,7 +179,7 @@ def relu_from_next_input(stack: Stack, quantized, i: int) -> bool:
     forward GEMM has no aux output (RELU_BIAS, not RELU_AUX_BIAS). The one rule: a ReLU layer
     followed by an FP8 layer, under `backward="auto"` (whose data gradients through ReLU then
     are plain FP8 GEMMs and XLA fusions); an explicit backend keeps the packed mask (
-    `"fused"`: cuBLASLt's DRELU_BGRAD reads it; `"unfused"`: XLA's FP8 GEMM then the mask's
+    `"fused"`: cuBLASLt's DRELU_BGRAD reads it; `"xla"`: XLA's FP8 GEMM then the mask's
     derivative, the path "auto" took before). The derivative differs from the mask's only
     where z > 0 quantizes to 0 (`q(h)·z` under 2**-10, half e4m3's smallest subnormal: about
     2**-19 of h's amax) and at z = ±0 (and NaN): 0 there, `jax.nn.relu`'s own convention at 0,
