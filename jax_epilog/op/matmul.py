@@ -13,8 +13,8 @@ pre-activation. Its backward is the layers' (`activation_gradient`, `data_gradie
 weight-gradient GEMM (BGRADB, or BGRADA for a transposed b). Where every GEMM of the step runs
 XLA's way on this GPU and nothing needs the custom VJP (no aux output, alpha and beta Python
 numbers), JAX differentiates the plain expression instead (`planner`'s `step_runs_xla`): XLA
-compiles it as a user's own. `reference_matmul` is the same function running the reference directly; plain
-JAX differentiates it, which is what the custom VJP is tested against.
+compiles it as a user's own. `reference_matmul` is the same function running the reference
+directly; plain JAX differentiates it, which is what the custom VJP is tested against.
 """
 
 from __future__ import annotations
@@ -230,7 +230,8 @@ def _users_expression(params: Params, a, b, *inputs):
     its user would write it: `op(a) @ op(b) + bias`, then the activation, on the caller's own
     operands. XLA then compiles exactly the user's program: the same call through
     `_reference`'s rank-3 form (a (1, M, K) product, a (1, N) bias, a weight gradient
-    contracting two axes) ran behind the user's GELU step (benchmarks/results/never_slower_matmul)."""
+    contracting two axes) ran behind the user's GELU step
+    (benchmarks/results/never_slower_matmul)."""
     if params.transpose_a:
         a = jnp.swapaxes(a, -1, -2)
     reduced = params.allow_tf32 or a.dtype != jnp.float32  # XLA's way, as `_reference`'s
