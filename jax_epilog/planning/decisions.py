@@ -39,8 +39,8 @@ mask at all and won the step; benchmarks/results/never_slower.md). So a table al
 **stack entries**: a whole `dense`/`mlp` stack (dtype, rows, widths, activations, biases), as
 a training step (forward and backward through `jax.vjp`) or as an inference forward, timed as
 the plain expression under XLA (``"plain"``) and as the fused stack (``"fused"``, each GEMM
-chosen as above). `stack_decision` finds the nearest entry of the same stack and mode within a factor of `NEAREST_WITHIN` in rows
-(user before shipped); ``"fused"`` must win by `MARGIN` (tune times real calls of the stack, so
+chosen as above). `stack_decision` finds the nearest entry of the same stack and mode within
+a factor of `NEAREST_WITHIN` in rows (user before shipped); ``"fused"`` must win by `MARGIN` (tune times real calls of the stack, so
 its custom calls' own cost is in the times). Without an entry, or under the override, the
 layers fall back to the per-GEMM rule.
 
