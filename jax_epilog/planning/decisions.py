@@ -35,14 +35,14 @@ goal:
 
 GEMM choices measured one by one do not add up to the fastest layer (G1's training step: the
 fused RELU_AUX_BIAS forward beat XLA computing the same mask, but the plain layer computes no
-mask at all and won the step; benchmarks/results/never_slower.md). So a table also holds
-**stack entries**: a whole `dense`/`mlp` stack (dtype, rows, widths, activations, biases), as
-a training step (forward and backward through `jax.vjp`) or as an inference forward, timed as
-the plain expression under XLA (``"plain"``) and as the fused stack (``"fused"``, each GEMM
-chosen as above). `stack_decision` finds the nearest entry of the same stack and mode within
-a factor of `NEAREST_WITHIN` in rows (user before shipped); ``"fused"`` must win by `MARGIN` (tune times real calls of the stack, so
-its custom calls' own cost is in the times). Without an entry, or under the override, the
-layers fall back to the per-GEMM rule.
+mask at all and won the step; benchmarks/results/never_slower.md). So a table also holds **stack
+entries**: a whole `dense`/`mlp` stack (dtype, rows, widths, activations, biases), as a training
+step (forward and backward through `jax.vjp`) or as an inference forward, timed as the plain
+expression under XLA (``"plain"``) and as the fused stack (``"fused"``, each GEMM chosen as
+above). `stack_decision` finds the nearest entry of the same stack and mode within a factor of
+`NEAREST_WITHIN` in rows (user before shipped); ``"fused"`` must win by `MARGIN` (tune times
+real calls of the stack, so its custom calls' own cost is in the times). Without an entry, or
+under the override, the layers fall back to the per-GEMM rule.
 
 A training-step entry may also hold the time of the same stack trained in FP8 (``"fp8"``:
 ``Fp8(layers="all")``, measured by ``python -m jax_epilog.tune --fp8``). `fp8_stack_decision`
