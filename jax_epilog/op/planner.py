@@ -68,4 +68,5 @@ def register(planner: Planner) -> Planner:
 
 
 def current() -> Planner:
+    """The planner the op asks now."""
     return _planner
