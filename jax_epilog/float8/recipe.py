@@ -9,17 +9,21 @@ How a layer carries the recipe out is `jax_epilog.layers.fp8_step`; the quantiza
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional, get_args
 
 import jax.numpy as jnp
 import numpy as np
 
 from jax_epilog.op.epilogs import FP8_DTYPES
 
-LAYER_CHOICES = ("auto", "all")
+#: `Fp8(layers=)`: which layers of a stack run FP8.
+Layers = Literal["auto", "all"]
+LAYER_CHOICES = get_args(Layers)
 #: The layers' GEMMs, as `Fp8(fast_accumulation=)` names them.
 FAST_ACCUMULATION_GEMMS = ("forward", "data gradient", "weight gradient")
-SCALING_CHOICES = ("auto", "current", "delayed", "block")
+#: `Fp8(scaling=)`: the recipe's scaling.
+Scaling = Literal["auto", "current", "delayed", "block"]
+SCALING_CHOICES = get_args(Scaling)
 #: The gradient format of each scaling where `Fp8(gradient=)` is not given: e5m2's range for
 #: one scale per tensor; e4m3 for block scaling, whose per-tile scales need no such range
 #: (DeepSeek-V3's and TransformerEngine's `Float8BlockScaling` recipe).
@@ -98,9 +102,9 @@ class Fp8:
     forward: Any = "float8_e4m3fn"
     gradient: Any = None
     margin: int = 0
-    layers: str = "auto"
+    layers: Layers = "auto"
     fast_accumulation: Any = ("forward", "data gradient")
-    scaling: str = "auto"
+    scaling: Scaling = "auto"
     amax_history_length: int = 1024
     amax_reduction_axes: Any = None
 

@@ -32,6 +32,7 @@ from jax_epilog.op.epilogs import (ACTIVATIONS, Epilog, is_fp8)
 from jax_epilog.op.arguments import keyword_hints, prepare, shape_results
 from jax_epilog.op import primitive  # noqa: F401  (registers the primitives' rules)
 from jax_epilog.op.call import Params, epilog_matmul_p
+from jax_epilog.runtime.settings import Backend
 from jax_epilog.op.reference import epilog_matmul as reference_kernel
 
 def _kernel(params: Params, a, b, *inputs):
@@ -259,7 +260,7 @@ def _reference(params: Params, a, b, *inputs, exact: bool = True):
 def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
            epilog_inputs: Optional[Mapping[str, Any]] = None,
            transpose_a: bool = False, transpose_b: bool = False, precision=None,
-           backend: str = "auto", quantization_scales: Optional[Mapping[str, Any]] = None,
+           backend: Backend = "auto", quantization_scales: Optional[Mapping[str, Any]] = None,
            preferred_element_type=None, result_amax: bool = False,
            fast_accumulation: bool = False):
     """`a @ b` with a cuBLASLt epilog fused into the same kernel (SPEC §1, §5, §6).

@@ -28,7 +28,7 @@ from jax_epilog.planning import context
 from jax_epilog.planning.context import Choice
 from jax_epilog.runtime import settings
 
-WAYS = ("fp8", "fp8_pallas", "xla_fp8", "weight_only")
+WAYS = tuple(way for way in settings.SERVING_WAYS if way != "auto")  # the ways themselves
 
 #: The most rows a layer runs "fp8_pallas" with by default: none (the kernel only where
 #: JAX_EPILOG_SERVING=fp8_pallas asks). With each layer quantizing its own input, as a model's
