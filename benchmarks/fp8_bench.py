@@ -229,8 +229,8 @@ def row_variants(w: Workload, only=None) -> tuple[str, ...]:
     ours_fp8_all is left out where `fp8=True` already runs every layer FP8 (M1: the same
     program, compiled and timed twice for nothing)."""
     rows, widths = w.batch, list(w.widths)
-    same = Fp8().quantized_layers(rows, widths) == Fp8(layers="all").quantized_layers(rows,
-                                                                                    widths)
+    same = stack_plan.fp8_layers(Fp8(), rows, widths) == \
+        stack_plan.fp8_layers(Fp8(layers="all"), rows, widths)
     return tuple(v for v in VARIANTS if not (same and v == "ours_fp8_all")
                  and (only is None or v in only or v == "xla_bf16"))
 

@@ -92,6 +92,7 @@ import timing
 from jax_epilog import Fp8
 from jax_epilog import linen as epilog_linen
 from jax_epilog.float8.recipe import as_fp8
+from jax_epilog.planning import stack_plan
 from jax_epilog.tools.grid import Workload
 
 DTYPE = jnp.bfloat16
@@ -201,7 +202,7 @@ def _ours_program(w: Workload, model: linen.Module) -> Optional[tuple]:
         return None
     # the modules always keep a state: "auto" scaling is delayed there
     return dataclasses.replace(config.resolved(has_state=True), layers="all"), \
-        config.quantized_layers(w.batch, w.widths)
+        stack_plan.fp8_layers(config, w.batch, w.widths)
 
 
 def row_variants(w: Workload, only=None) -> tuple[dict[str, linen.Module], dict[str, str]]:
@@ -457,7 +458,7 @@ def run(rows: dict[str, Workload], budget_seconds: float, out: Path,
                 report["rows"][name] = {
                     "batch": w.batch, "widths": list(w.widths), "activation": w.activation,
                     "final_activation": w.final_activation, "flops": w.flops("step"),
-                    "ours_fp8_layers": list(as_fp8(True).quantized_layers(w.batch, w.widths)),
+                    "ours_fp8_layers": list(stack_plan.fp8_layers(as_fp8(True), w.batch, w.widths)),
                     **measure(w, only, budget),
                     "wall_seconds": time.perf_counter() - row_started}
             except Exception as e:  # noqa: BLE001  (e.g. out of memory: the next row may fit)

@@ -204,7 +204,8 @@ def measure_layer(batch: int, widths, xla_fn, ours, clock: Clock) -> dict[str, A
         flops = stack_flops(batch, widths, part)
         floor = clock.measure(gemm_floor(part), floor_sets, flops)
         if part == "backward":  # the backward alone: residuals made once, outside the timing
-            candidates = {"xla": xla_fn, "fused": ours("fused"), "unfused": ours("unfused")}
+            # "unfused": our layers with the backward GEMMs in XLA's way (`backward="xla"`)
+            candidates = {"xla": xla_fn, "fused": ours("fused"), "unfused": ours("xla")}
             measured = {name: clock.measure(*backward_alone(fn, arg_sets), flops)
                         for name, fn in candidates.items()}
         else:

@@ -53,6 +53,11 @@ from jax_epilog.op.matmul import matmul, reference_matmul
 from jax_epilog.op.activations import pack_relu_mask, unpack_relu_mask
 from jax_epilog.runtime.library import load_if_a_gpu_is_present as _load_if_a_gpu_is_present
 from jax_epilog.runtime.targets import EXPORT_SAFETY_CHECKS
+from jax_epilog.op import planner as _planner
+from jax_epilog.planning.call_plan import PLANNER as _PLANNER
+
+# The op asks the planner of `planning` (the tables, this host) how a call runs.
+_planner.register(_PLANNER)
 
 # Registers the FFI targets now, where they can run: exported modules call them without
 # lowering anything of ours first (docs/exporting.md).

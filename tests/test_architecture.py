@@ -5,10 +5,12 @@ imports another that (directly or not) imports it back."""
 from __future__ import annotations
 
 import ast
+import sys
 import importlib
 import re
 from pathlib import Path
 
+import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,20 +48,6 @@ def numbered_items(text: str) -> list[str]:
 @pytest.mark.parametrize("name", sorted(set(NAME.findall(PAGE))))
 def test_every_name_on_the_page_exists(name):
     assert resolve(name) is not None
-
-
-def test_the_bf16_call_path_is_short():
-    text = section("The path of a bf16 epilog call")
-    to_bind = text[:text.index("When the program is compiled")]
-    functions = numbered_items(to_bind)
-    files = {name.rsplit(".", 1)[0] for name in functions}
-    assert 1 < len(functions) <= 12 and len(files) <= 6, (functions, files)
-    assert functions[0] == "jax_epilog.op.matmul.matmul"
-    said = re.search(r"(\w+) functions in (\w+) files", text)
-    words = {"three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9,
-             "ten": 10, "eleven": 11, "twelve": 12}
-    assert (words[said.group(1).lower()], words[said.group(2).lower()]) == \
-        (len(functions), len(files))
 
 
 @pytest.mark.parametrize("title", ["The path of a bf16 epilog call",
@@ -131,28 +119,159 @@ def test_no_import_cycles():
             visit(m, [m])
 
 
-LAYERS = ("runtime", "op", "planning", "float8", "layers", "tools")
-# The one exception the page states: the op's lowering and public call consult the plan, and
-# the planners read only these facts of the op.
-OP_CONSULTS_PLANNING = {"jax_epilog.op.lowering", "jax_epilog.op.matmul"}
-PLANNING_READS_OP = {"jax_epilog.op.epilogs", "jax_epilog.op.call", "jax_epilog.op.padding",
-                     "jax_epilog.op.block_scales"}
+LAYERS = ("runtime", "op", "float8", "planning", "layers", "tools")
 
 
-def test_each_subpackage_imports_only_those_above_it():
+def _subpackage_imports() -> dict[str, set[str]]:
+    """Which subpackages each subpackage's modules import (its `__init__` aside, which only
+    says what it owns)."""
     modules = _modules()
+    graph: dict[str, set[str]] = {sub: set() for sub in LAYERS}
     for module, path in modules.items():
         parts = module.split(".")
         if len(parts) < 3:
             continue  # the public surface may import anything
-        own = LAYERS.index(parts[1])
         for imported in _imports(module, path, modules):
             target = imported.split(".")
-            if len(target) < 3 or target[1] not in LAYERS:  # (a subpackage itself: its docstring)
-                continue
-            if LAYERS.index(target[1]) <= own:
-                assert not (parts[1] == "planning" and target[1] == "op") or \
-                    imported in PLANNING_READS_OP, f"{module} imports {imported}"
-                continue
-            assert module in OP_CONSULTS_PLANNING and target[1] == "planning", \
-                f"{module} imports {imported}, a layer below it"
+            if len(target) >= 2 and target[1] in LAYERS and target[1] != parts[1]:
+                graph[parts[1]].add(target[1])
+    return graph
+
+
+def test_no_cycle_between_subpackages():
+    """The op asks a planner that planning registers (`op.planner`), so no subpackage imports
+    one that imports it back, with no exception."""
+    graph = _subpackage_imports()
+    while graph:  # peel off the subpackages that import none of those left
+        leaves = {sub for sub, imported in graph.items() if not imported & graph.keys()}
+        assert leaves, f"import cycle among the subpackages {sorted(graph)}"
+        graph = {sub: imported for sub, imported in graph.items() if sub not in leaves}
+
+
+def test_each_subpackage_imports_only_those_above_it():
+    for sub, imported in _subpackage_imports().items():
+        below = [other for other in imported if LAYERS.index(other) > LAYERS.index(sub)]
+        assert not below, f"{sub} imports {below}, below it in {LAYERS}"
+
+
+# --- the paths of the page, traced --------------------------------------------------------------
+
+def _traced(run) -> tuple[dict[str, str], int]:
+    """The package's functions `run()` calls (`module.qualname`: its file, in the order first
+    met; jax's own left out) and how many times it binds the primitive `epilog_matmul_p`."""
+    from jax_epilog.op.call import epilog_matmul_p
+    package = str(PACKAGE) + "/"
+    met: dict[str, str] = {}
+    binds = 0
+
+    def profile(frame, event, arg):
+        nonlocal binds
+        if event != "call":
+            return
+        code = frame.f_code
+        if code.co_filename.startswith(package):
+            met.setdefault(f"{frame.f_globals['__name__']}.{code.co_qualname}",
+                           code.co_filename[len(package):])
+        elif code.co_name == "bind" and frame.f_locals.get("self") is epilog_matmul_p:
+            binds += 1
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return met, binds
+
+
+@pytest.fixture
+def gpu_plan(monkeypatch):
+    """Plans as on a CUDA GPU with the library, whose tables send every GEMM to cuBLASLt (no
+    stack or serving entry: the rules decide); cuBLASLt has a kernel for every problem asked."""
+    from jax_epilog.op import lowering
+    from jax_epilog.planning import context, table_format
+    monkeypatch.setattr(lowering.cuda_library, "query_support", lambda *a, **k: (True, ""))
+    monkeypatch.setattr(lowering.cuda_library, "supports_fp8", lambda: True, raising=False)
+    ctx = context.default_context()._replace(
+        override=lambda: None, tables_decide=lambda: True, cuda_devices=lambda: True,
+        library=lambda: True,
+        gemm_table=lambda *problem: table_format.Decision("cublaslt", "test"),
+        stack_table=lambda key: None, fp8_table=lambda key: None,
+        serving_table=lambda rows: None)
+    with context.planning(ctx):
+        yield
+
+
+def _lowered_for_cuda(fn, *args, before=None):
+    """`run` for `_traced`: `fn` traced and lowered for CUDA (not compiled), its text; where
+    given, `before(*args)` makes the arguments first."""
+    def run():
+        jax.clear_caches()
+        traced = jax.jit(fn).trace(*(before(*args) if before else args))
+        return traced.lower(lowering_platforms=("cuda",)).as_text()
+    return run
+
+
+def _path_case(case: str):
+    import jax.numpy as jnp
+
+    import jax_epilog
+    if case == "bf16":
+        x, w, b = (jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+                   for shape in ((256, 1024), (1024, 4096), (4096,)))
+        return _lowered_for_cuda(lambda x, w, b: jax_epilog.matmul(
+            x, w, epilog="relu_bias", epilog_inputs={"bias": b}), x, w, b)
+    if case == "fp8":  # a GEMM large enough for `fp8=True` to run it in FP8
+        x, w, b = (jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+                   for shape in ((8192, 4096), (4096, 4096), (4096,)))
+
+        def loss(x, w, b):
+            return jax_epilog.dense(x, w, b, activation="relu", fp8=True).astype(
+                jnp.float32).sum()
+        return _lowered_for_cuda(jax.grad(loss, argnums=(0, 1, 2)), x, w, b)
+    keys = jax.random.split(jax.random.key(0), 2)  # above 64 rows: the FP8 GEMM
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16)
+    params = {"kernel": jax.random.normal(keys[0], (512, 512), jnp.bfloat16),  # stored in FP8
+              "bias": jax.random.normal(keys[1], (512,), jnp.bfloat16)}
+    return _lowered_for_cuda(
+        lambda x, p: jax_epilog.dense(x, p["kernel"], p["bias"], activation="relu"), x, params,
+        before=lambda x, p: (x, jax_epilog.quantize_params(p)))
+
+
+PATHS = {  # the page's section, its GEMMs, and how far the trace may go (functions, files)
+    "bf16": ("The path of a bf16 epilog call", 1),
+    "fp8": ("The path of an FP8 layer training step", 3),
+    "served": ("The path of a served layer (weights stored in FP8)", 1),
+}
+
+
+def _functions(met: dict[str, str]) -> dict[str, str]:
+    """The functions of a trace, its generator expressions left out (expressions, not steps a
+    reader follows)."""
+    return {name: file for name, file in met.items() if not name.endswith("<genexpr>")}
+
+
+@pytest.mark.parametrize("case", sorted(PATHS))
+def test_each_path_on_the_page_is_the_path_the_code_takes(case, gpu_plan):
+    """Traced with `sys.setprofile` from the public call to the FFI call's construction (the
+    program traced and lowered for CUDA on a GPU plan): the page's numbered list names
+    functions met in its order, the call binds the primitive once per GEMM, and the whole path
+    stays within the bound the page states (so it cannot creep)."""
+    title, gemms = PATHS[case]
+    text = section(title)
+    run = _path_case(case)
+    assert "custom_call" in run()  # the FFI call was built: a GPU plan, cuBLASLt's kernel
+    met, binds = _traced(run)
+    functions = _functions(met)
+    listed = numbered_items(text)
+    missing = [name for name in listed if name not in functions]
+    assert not missing, f"docs/architecture.md, {title!r}: not on the path: {missing}"
+    order = [list(functions).index(name) for name in listed]
+    assert order == sorted(order), f"{title!r}: the list is not in the order met: {listed}"
+    assert binds == gemms, f"{case}: {binds} binds of epilog_matmul_p for {gemms} GEMMs"
+    bound = re.search(r"at most (\d+)\s+functions\s+in\s+(\d+)\s+files", text)
+    assert bound, f"{title!r}: state the path's length ('at most N functions in M files')"
+    most_functions, most_files = int(bound.group(1)), int(bound.group(2))
+    files = set(functions.values())
+    assert len(functions) <= most_functions and len(files) <= most_files, (
+        f"{case}: {len(functions)} functions in {len(files)} files, over the page's bound "
+        f"({most_functions} in {most_files}): shorten the path, or say why it grew")

@@ -3,5 +3,6 @@
 block quantization (`blocks`: 1×128 tiles and 128×128 blocks, the DeepSeek-V3 recipe).
 How a layer stack runs the recipe is `layers.fp8_step`.
 
-Imports `op` and `planning` (which layers run FP8 is `planning.stack_plan`'s choice).
+Imports `op` only: which layers run FP8 is `planning.stack_plan`'s choice, made from the
+recipe (`stack_plan.fp8_layers`), so the recipe imports no planner.
 """

@@ -30,8 +30,8 @@ from jax_epilog.op.epilogs import ACTIVATIONS
 from jax_epilog.op.reference import saturating_cast
 
 #: Warps per program, by what the kernel computes (`benchmarks/pallas_tuning.py` times 4, 8
-#: and 16 on x 16384×16384 and 16384×4096 bf16; H200): x itself ran fastest at 4 (2.5 TB/s,
-#: 1.17× 8 warps), a prologue's activation or derivative at 8 (1.26× and 1.18× 4 warps).
+#: and 16 on large bf16 inputs): x itself ran fastest at 4, a prologue's activation or
+#: derivative at 8 (more arithmetic per byte hides behind more warps).
 NUM_WARPS_PLAIN = 4
 NUM_WARPS_PROLOGUE = 8
 

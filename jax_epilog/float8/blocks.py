@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_epilog.float8 import block_kernel
-from jax_epilog.float8.recipe import _format
+from jax_epilog.float8.recipe import fp8_format
 from jax_epilog.float8.scaling import multiplier
 from jax_epilog.op import manual_axes
 from jax_epilog.op.block_scales import BLOCK, BlockScales
@@ -31,10 +31,9 @@ from jax_epilog.op.reference import block_dequantize, saturating_cast
 #: the block layers read it once per stack): "pallas" (the default), one Pallas kernel on
 #: CUDA (`block_kernel`), the XLA formulation elsewhere; "xla", the XLA formulation;
 #: "xla_separate", `quantize_1x128` twice (XLA transposes the 16-bit x first: the previous
-#: formulation, kept to measure against). The bytes are the same every way. On the H200 the
-#: kernel quantized M1's x (65536×4096 bf16) 3.9× faster than "xla_separate" (XLA's new
-#: formulation: 1.29×), and M1's block-scaled training step ran 1.22× XLA's bf16 step with it
-#: against 1.04× (benchmarks/results/block_fp8/block_step.md).
+#: formulation, kept to measure against). The bytes are the same every way; the kernel
+#: quantizes faster than either XLA formulation, and the block-scaled training step runs
+#: faster with it (benchmarks/results/block_fp8/block_step.md).
 BOTH_COPIES = "pallas"
 BOTH_COPIES_CHOICES = ("xla", "pallas", "xla_separate")
 
@@ -66,7 +65,7 @@ def quantize_1x128(x, dtype="float8_e4m3fn", *, transposed: bool = False):
     values (K/128, rows). With `transposed`, xᵀ (K, rows) quantized along rows instead (the
     weight gradient's operand): x8 (K, rows), values (rows/128, K). Zero tiles get scale 1."""
     _check(x)
-    dtype = _format("dtype", dtype)
+    dtype = fp8_format("dtype", dtype)
     _check_k(x.shape[0 if transposed else 1], "x",
              "rows, with transposed=True" if transposed else "K, its last axis")
     x8, values = _in_auto_axes(functools.partial(_tiles_1x128, dtype=dtype),
@@ -114,7 +113,7 @@ def quantize_1x128_both(x, dtype="float8_e4m3fn", *, kernel=None, activation=Non
     only: ReLU's backward keeps a 1-bit mask, not Z). `column_sums` adds a third result, the
     quantized tensor's column sums (K,) in float32 before quantization (a bias gradient)."""
     _check(x)
-    dtype = _format("dtype", dtype)
+    dtype = fp8_format("dtype", dtype)
     rows, k = x.shape
     _check_k(k, "x", "K, its last axis")
     _check_k(rows, "x", "rows, the transposed copy's tiles")
@@ -172,7 +171,7 @@ def quantize_128x128(x, dtype="float8_e4m3fn"):
     """`(x8, BlockScales(values, "128x128"))`: x (rows, K) quantized per 128×128 block (current
     scaling), values (⌈rows/128⌉, K/128); the last row block may be partial."""
     _check(x)
-    dtype = _format("dtype", dtype)
+    dtype = fp8_format("dtype", dtype)
     _check_k(x.shape[1], "x", "K, its last axis")
     x8, values = _in_auto_axes(functools.partial(_blocks_128x128, dtype=dtype), x)
     return x8, BlockScales(values, "128x128")
@@ -196,7 +195,7 @@ def quantize_rows(x, dtype="float8_e4m3fn"):
     values (rows,): per token for an activation, per output channel for a weight stored
     (N, K). Any K. The scaling cuBLASLt calls outer vector (docs/fp8.md, "Row scaling")."""
     _check(x)
-    dtype = _format("dtype", dtype)
+    dtype = fp8_format("dtype", dtype)
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)  # (rows,)
     x8, scale = _quantize(x, amax, lambda q: q[:, None], dtype)
     return x8, BlockScales(scale, "row")

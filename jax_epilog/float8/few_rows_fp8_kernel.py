@@ -18,7 +18,7 @@ reads it: with a given static scale
 "row", one per row), which it takes from the rows' amaxes (`row_amax`, one XLA reduction
 over the few rows: a first pass over x in every program would wait on each load in turn).
 A served layer is then two kernels (one with a static scale) where XLA's quantization made
-it five, on the H200's compile: two reductions, the scale and the cast before the GEMM.
+it five as XLA compiled it: two reductions, the scale and the cast before the GEMM.
 
 The arithmetic is the "xla_fp8" way's (`serving.xla_fp8`, what every other platform runs):
 exact FP8 products summed in float32, then `act(z · x_scale · w_scale + bias)` in float32;
@@ -62,22 +62,19 @@ class Tiling(NamedTuple):
     split_k: int = 1
 
 
-#: Measured on the H200 (`benchmarks/few_rows_tuning.py`, K4096 x N14336, 8 layers per
-#: call, the input quantized per tensor in XLA, ratios to XLA's bf16 GEMM with GELU, careful
-#: harness (user's)): at 16 rows 128 channels x 256 of K with 5 stages ran 1.68 (1.63), 64 x
-#: 256 with 3 stages 1.69 (1.63), XLA's FP8 dot 1.67 (1.71), XLA's weight-only GEMM 1.52
-#: (1.50); at 1 row 128 x 256 x 5 stages 1.62 (1.56), XLA's weight-only 1.52 (1.52), XLA's
-#: FP8 dot 1.43 (1.36). Narrower programs where N has few channels (`default_tiling`).
+#: The tiling `benchmarks/few_rows_tuning.py` found fastest over 1 and 16 rows of a large layer
+#: (as fast as 64 channels with 3 stages at 16 rows, faster at 1; docs/serving.md). Narrower
+#: programs where N has few channels (`default_tiling`).
 BLOCK_N = 128
 BLOCK_K = 256
 NUM_WARPS = 4
 NUM_STAGES = 5
-#: Programs `default_tiling` keeps at least (narrower blocks where N is small): 132 SMs on
-#: the H200.
+#: Programs `default_tiling` keeps at least (narrower blocks where N is small): about one per
+#: SM of a Hopper GPU.
 MIN_PROGRAMS = 100
 #: Shared memory a program may have on Hopper, and what `default_tiling` gives the
 #: pipeline's tiles at most, with room for the epilogue's transpose. (5 stages of 128 x 256
-#: weight and 64 x 256 e4m3 input tiles, 240 KiB, failed to launch on the H200.)
+#: weight and 64 x 256 e4m3 input tiles, 240 KiB, failed to launch.)
 SHARED_MEMORY = 227 * 1024
 STAGE_BYTES = 180 * 1024
 #: The fewest blocks of K a program of a split K sums (its pipeline fills over a few).
@@ -135,9 +132,9 @@ INPUT_SCALINGS = ("tensor", "row")
 def _ieee_divide(a, b):
     """a / b in float32 rounded to nearest (IEEE's division): Triton's `/` is `div.full.f32`
     (within 2 ulp), which would move a scale, and so an FP8 value, a step. (XLA's own
-    division on the H200 is not always correctly rounded either: `serving.quantize_input` in
-    XLA put 15 of 64 row scales an ulp off at 64 x 1024, so this kernel and the "xla_fp8" way
-    can differ by an e4m3 step in a few values.)"""
+    division on the GPU is not always correctly rounded either: `serving.quantize_input` in
+    XLA put some row scales an ulp off, so this kernel and the "xla_fp8" way can differ by an
+    e4m3 step in a few values.)"""
     from jax.experimental.pallas import triton as pltriton
     a, b = jnp.broadcast_arrays(a, b)
     return pltriton.elementwise_inline_asm(

@@ -9,18 +9,21 @@ How a layer carries the recipe out is `jax_epilog.layers.fp8_step`; the quantiza
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional, get_args
 
 import jax.numpy as jnp
 import numpy as np
 
 from jax_epilog.op.epilogs import FP8_DTYPES
-from jax_epilog.planning.stack_plan import quantized_layers
 
-LAYER_CHOICES = ("auto", "all")
+#: `Fp8(layers=)`: which layers of a stack run FP8.
+Layers = Literal["auto", "all"]
+LAYER_CHOICES = get_args(Layers)
 #: The layers' GEMMs, as `Fp8(fast_accumulation=)` names them.
 FAST_ACCUMULATION_GEMMS = ("forward", "data gradient", "weight gradient")
-SCALING_CHOICES = ("auto", "current", "delayed", "block")
+#: `Fp8(scaling=)`: the recipe's scaling.
+Scaling = Literal["auto", "current", "delayed", "block"]
+SCALING_CHOICES = get_args(Scaling)
 #: The gradient format of each scaling where `Fp8(gradient=)` is not given: e5m2's range for
 #: one scale per tensor; e4m3 for block scaling, whose per-tile scales need no such range
 #: (DeepSeek-V3's and TransformerEngine's `Float8BlockScaling` recipe).
@@ -52,9 +55,9 @@ class Fp8:
         `dot_general` at DEFAULT precision). A tuple naming one or all of them is stored as
         "forward" / True, so each choice has one spelling.
         The default, ("forward", "data gradient"), keeps float32 accumulation only in the
-        weight gradient, whose sum runs over every row of the batch: on the H200 it was the
-        fastest choice, with M1's gradient error that of "forward" and up to 0.008 more on
-        smaller stacks (the measurements: docs/fp8.md, "Measured on the H200").
+        weight gradient, whose sum runs over every row of the batch: it was the fastest choice,
+        with M1's gradient error that of "forward" and a little more on smaller stacks
+        (docs/fp8.md, "Fast accumulation"; benchmarks/results/fp8_peer.md).
       scaling: "auto" (default): "delayed" where the layers are given a state (`fp8_state=`;
         the Flax modules `jax_epilog.nnx` and `jax_epilog.linen` always keep one, so
         `fp8=True` there is delayed scaling), "current" where they are not (the functional
@@ -67,7 +70,7 @@ class Fp8:
         (`writes_fp8_gradient`). Every FP8 layer's input and those gradients take their
         scales from amax histories kept between steps; the other gradients (the top one,
         GELU's) and the weights keep current scaling, where delayed scaling measured no
-        faster on the H200 (docs/fp8.md). The layers then need `fp8_state=` (`init_state`)
+        faster (docs/fp8.md). The layers then need `fp8_state=` (`init_state`)
         and return the next state as its gradient.
         Delayed scaling calibrates itself: while a tensor's history is cold (all zeros, as
         `init_state` makes it, or not finite), its scale comes from this step: a tensor XLA
@@ -99,9 +102,9 @@ class Fp8:
     forward: Any = "float8_e4m3fn"
     gradient: Any = None
     margin: int = 0
-    layers: str = "auto"
+    layers: Layers = "auto"
     fast_accumulation: Any = ("forward", "data gradient")
-    scaling: str = "auto"
+    scaling: Scaling = "auto"
     amax_history_length: int = 1024
     amax_reduction_axes: Any = None
 
@@ -110,12 +113,12 @@ class Fp8:
             object.__setattr__(self, "gradient",
                                DEFAULT_GRADIENT.get(self.scaling, "float8_e5m2"))
         for name in ("forward", "gradient"):
-            object.__setattr__(self, name, _format(name, getattr(self, name)))
+            object.__setattr__(self, name, fp8_format(name, getattr(self, name)))
         if self.forward == "float8_e5m2":
             raise ValueError("forward: float8_e5m2 for activations and weights would make the "
                              "forward GEMM e5m2 × e5m2, which cuBLASLt has no kernel for; use "
                              "float8_e4m3fn (and e5m2 for gradient=)")
-        _check_margin(self.margin)
+        check_margin(self.margin)
         if self.layers not in LAYER_CHOICES:
             raise ValueError(f"layers: expected one of {LAYER_CHOICES}, got {self.layers!r}")
         object.__setattr__(self, "fast_accumulation", _fast_gemms(self.fast_accumulation))
@@ -189,12 +192,6 @@ class Fp8:
         fast = self.fast_accumulation
         return fast is True or fast == gemm or (isinstance(fast, tuple) and gemm in fast)
 
-    def quantized_layers(self, rows: int, widths) -> tuple[bool, ...]:
-        """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8 by the rule,
-        without the decision tables (`stack_plan.quantized_layers` says why; on a GPU a measured
-        stack entry can decide otherwise, which `jax_epilog.explain` shows)."""
-        return tuple(c.choice == "fp8" for c in quantized_layers(self, rows, widths))
-
 
 def _fast_gemms(value):
     """`Fp8.fast_accumulation` in its one spelling: False, True, "forward", or a tuple of
@@ -214,13 +211,16 @@ def _fast_gemms(value):
     return "forward" if names == ("forward",) else names
 
 
-def _check_margin(margin) -> None:
+def check_margin(margin) -> None:
+    """A `ValueError` naming `margin` unless it is a non-negative int (every quantizer asks)."""
     if isinstance(margin, bool) or not isinstance(margin, int) or margin < 0:
         raise ValueError(f"margin: expected a non-negative int (scales are largest / "
                          f"2**margin / amax), got {margin!r}")
 
 
-def _format(name: str, value) -> str:
+def fp8_format(name: str, value) -> str:
+    """`value` (a dtype or its name) as an FP8 format's name, or a `ValueError` naming the
+    argument `name`: the one check of an FP8 dtype argument."""
     try:
         dtype = jnp.dtype(value).name
     except TypeError:

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_epilog.float8.recipe import _check_margin, _format
+from jax_epilog.float8.recipe import check_margin, fp8_format
 from jax_epilog.op.amaxes import amax, amaxes
 from jax_epilog.op.reference import saturating_cast
 
@@ -69,7 +69,7 @@ def bound_axes(axes) -> tuple[str, ...]:
     return tuple(bound)
 
 
-_calibrates = contextvars.ContextVar("jax_epilog_fp8_calibrates", default=True)
+calibrates = contextvars.ContextVar("jax_epilog_fp8_calibrates", default=True)
 
 
 @contextlib.contextmanager
@@ -77,11 +77,11 @@ def uncalibrated():
     """Within the block (in this thread), stacks traced under delayed scaling do not calibrate
     themselves: a cold history gives scale 1 (no own amax, no bounds). What the tests
     and `benchmarks/fp8_bench.py` compare self-calibration with; not for training."""
-    token = _calibrates.set(False)
+    token = calibrates.set(False)
     try:
         yield
     finally:
-        _calibrates.reset(token)
+        calibrates.reset(token)
 
 
 def quantize_delayed(x, history, dtype: str, margin: int, amax_axes=None, x_amax=None):
@@ -90,14 +90,14 @@ def quantize_delayed(x, history, dtype: str, margin: int, amax_axes=None, x_amax
     `reduce_amax`) recorded for the next step. While `history` is cold (`cold`) and the
     layers calibrate (`uncalibrated`), the scale is x's own amax's, chosen by a `where` on
     two scalars. Not a `jax.lax.cond`: on a GPU XLA copies a conditional's predicate to the
-    host and waits for it, so every stack stalled the step once (a 4-block GPT on the H200
-    ran 129 ms a step for 100 ms of kernels, docs/fp8.md). The price: the cast waits for the
+    host and waits for it, so every stack stalled the step once (a GPT step then spent a
+    large part of its time waiting, docs/fp8.md). The price: the cast waits for the
     amax, so x is read twice where XLA cannot fuse the amax into x's producer. `x_amax`, where
     given, is x's amax already taken (`reduced_amaxes`, with others)."""
     if x_amax is None:
         x_amax = reduced_amaxes([x], amax_axes)[0]
     scale_amax = jnp.max(history)
-    if _calibrates.get():
+    if calibrates.get():
         scale_amax = jnp.where(cold(history), x_amax, scale_amax)
     x8, scale = quantize(x, scale_amax, dtype, margin)
     return x8, scale, x_amax
@@ -123,7 +123,7 @@ def delayed_amax(history, bound):
     format, but nothing saturates and small values are kept (e5m2 gradients lose nothing
     a bound 64 times too large would matter to; e4m3 inputs keep 2**6 of range below it)."""
     largest = jnp.max(history)
-    if not _calibrates.get():
+    if not calibrates.get():
         return largest
     return jnp.where(cold(history), power_of_two_above(bound), largest)
 
@@ -166,8 +166,8 @@ def quantize_tensor(x, dtype="float8_e4m3fn", *, margin: int = 0):
     if not isinstance(x, jax.Array | np.ndarray) or not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"x: expected a floating-point array, got "
                         f"{getattr(x, 'dtype', type(x).__name__)}")
-    _check_margin(margin)
-    x8, scale, _ = quantize_scaled(x, _format("dtype", dtype), margin)
+    check_margin(margin)
+    x8, scale, _ = quantize_scaled(x, fp8_format("dtype", dtype), margin)
     return x8, scale
 
 

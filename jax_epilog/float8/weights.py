@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_epilog.float8 import scaling
 from jax_epilog.float8.blocks import quantize_rows
-from jax_epilog.float8.recipe import _format
+from jax_epilog.float8.recipe import fp8_format
 from jax_epilog.op.epilogs import FP8_DTYPES
 
 #: `quantize_params`'s default rule: a kernel is stored in FP8 when both its dims are at least
@@ -88,7 +88,7 @@ def quantize_weight(kernel, dtype="float8_e4m3fn", *, name: str = "kernel",
     or one from each output channel's ("channel"), values rounded to nearest. A non-finite
     value (concrete kernels only: under `jit` it cannot be seen) raises a `ValueError` naming
     `name`: its scale would turn every value into NaN or zero."""
-    dtype = _format("dtype", dtype)
+    dtype = fp8_format("dtype", dtype)
     _check_granularity(granularity)
     kernel_dtype = jnp.result_type(kernel)
     if jnp.ndim(kernel) != 2 or not jnp.issubdtype(kernel_dtype, jnp.floating) or \
@@ -162,7 +162,7 @@ def quantize_params(params, *, include: Optional[Callable[[Any, Any], bool]] = N
     rule = default_rule if include is None else include
     if not callable(rule):
         raise TypeError(f"include: expected a function (path, leaf) -> bool, got {include!r}")
-    dtype = _format("dtype", dtype)
+    dtype = fp8_format("dtype", dtype)
     _check_granularity(granularity)
 
     chosen = _together(params, rule)

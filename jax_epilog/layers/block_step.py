@@ -167,7 +167,7 @@ _segment.defvjp(_segment_fwd, _segment_bwd)
 
 
 def stack(fp8, rows, params, activations, dtype, plain_layer):
-    """The stack on `rows` (M, K) under `fp8` (`scaling="block"`), called by `layers._run`:
+    """The stack on `rows` (M, K) under `fp8` (`scaling="block"`), called by `functional.run`:
     each run of block-scaled layers (`block_plan.block_stack_plan`) one `_segment`, and each
     layer "auto" leaves out `plain_layer(h, kernel, bias, activation)`, the compute-dtype
     layer."""

@@ -7,7 +7,7 @@ same step, or delayed scaling (below), which takes the scales of the layer input
 tensors a GEMM writes from amax histories, the state `fp8_state=`. `Fp8()`'s
 `scaling="auto"` is delayed scaling where the layers are given a state (the Flax modules
 always are) and current scaling where not (`Fp8.resolved`, asked by `stack_plan.plan_stack`).
-One `jax.custom_vjp` covers the whole stack, as `layers._stack` does:
+One `jax.custom_vjp` covers the whole stack, as `functional.fused_stack` does:
 
 - Forward, layer i: the input h and the kernel W are quantized to the forward format (e4m3),
   `q = largest / 2**margin / amax`, a saturating cast of `q·x`. The amax is one XLA reduction
@@ -17,8 +17,8 @@ One `jax.custom_vjp` covers the whole stack, as `layers._stack` does:
   terms of the cold bounds) are taken first, as one vector (`_early_amaxes`), one
   collective. Then ONE `matmul` with FP8 operands, the bias/ReLU/GELU epilog, the
   dequantization scales `1/q` and the result in the compute dtype. No GEMM is asked for
-  `result_amax`: cuBLASLt gives the amax only with an FP8 result (measured on the H200,
-  cuBLASLt 13.1; docs/fp8.md has the table), and the layers' results are 16/32-bit.
+  `result_amax`: cuBLASLt 13.1 gives the amax only with an FP8 result (docs/fp8.md has the
+  table of what it answered), and the layers' results are 16/32-bit.
 - Residuals: h in FP8 (`(M, K)`; the weight gradient's K-major h8ᵀ is made in the
   backward) and its scale, W
   in FP8 and its scale, the 1-bit ReLU mask (the GELU pre-activation); never a 16/32-bit copy
@@ -30,7 +30,7 @@ One `jax.custom_vjp` covers the whole stack, as `layers._stack` does:
   no BGRADB). dW = h8ᵀ dZ8 (e4m3 × e5m2) and dZ_{i-1} = dZ8 W8ᵀ with DRELU_BGRAD /
   DGELU_BGRAD for the previous layer (e5m2 × e4m3), which also gives its bias gradient, both
   with results in the compute dtype. Under `backward="auto"` that GEMM runs XLA's way
-  (`stack_plan.fp8_gemm_backend`: measured faster on the H200 than cuBLASLt's FP8 DRELU_BGRAD), or,
+  (`stack_plan.fp8_gemm_backend`: measured faster than cuBLASLt's FP8 DRELU_BGRAD), or,
   for a ReLU whose derivative comes from h8 (`stack_plan.relu_from_next_input`), is a plain FP8 GEMM
   followed by XLA fusions.
 - Compute dtype float32: cuBLASLt 13.1 has no FP8 kernel with a float32 result for any epilog
@@ -87,7 +87,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jax_epilog.float8.recipe import Fp8History
-from jax_epilog.float8.scaling import (_calibrates, bound_axes, bound_terms, delayed_amax,
+from jax_epilog.float8.scaling import (calibrates, bound_axes, bound_terms, delayed_amax,
                                        multiplier, quantize_scaled, record, reduce_amax,
                                        reduced_amaxes, result_bound)
 from jax_epilog.layers import gemms as layer_gemms
@@ -97,7 +97,7 @@ from jax_epilog.op.epilogs import Epilog
 from jax_epilog.op.matmul import activation_gradient, data_gradient, matmul, weight_gradient
 from jax_epilog.planning.stack_plan import Layer, StackPlan, weight_grad_gives_bias_grad
 
-def _matmul8(a8, sa, b8, sb, dtype, backend, fast: bool, *, epilog=Epilog.DEFAULT,
+def matmul8(a8, sa, b8, sb, dtype, backend, fast: bool, *, epilog=Epilog.DEFAULT,
              inputs=None, result_scale=None, **transposes):
     """(y in `dtype`, aux dict) of one FP8 GEMM, `(sa·a8) @ (sb·b8)` with `epilog`, asking
     `matmul` for `backend` (the plan's `requested`), with fast accumulation if `fast`. With
@@ -114,9 +114,14 @@ def _matmul8(a8, sa, b8, sb, dtype, backend, fast: bool, *, epilog=Epilog.DEFAUL
     return out if isinstance(out, tuple) else (out, {})
 
 
+# The name `matmul8` had when it was private, which code written against it still imports
+# (the stock-model FP8 layers); new code uses `matmul8`.
+_matmul8 = matmul8
+
+
 def positive(x8):
-    """`x8 > 0` for an FP8 array, as integer compares of its bits (measured faster on the H200
-    than XLA's float compare of FP8 values: docs/fp8.md). Positive values are the bit patterns
+    """`x8 > 0` for an FP8 array, as integer compares of its bits (measured faster than XLA's
+    float compare of FP8 values: docs/fp8.md). Positive values are the bit patterns
     from 1 (the smallest subnormal) up to the largest finite value, or +Inf where the format
     has one; +0, negative values and NaN are not."""
     dtype = jnp.dtype(x8.dtype)
@@ -125,19 +130,6 @@ def positive(x8):
         largest = np.array(jnp.finfo(dtype).max, dtype)
     bits = jax.lax.bitcast_convert_type(x8, jnp.uint8)
     return (bits >= 1) & (bits <= largest.view(np.uint8))
-
-
-def _barrier(*arrays):
-    """`jax.lax.optimization_barrier` over `arrays` (None passes), each crossing it flattened
-    (`barrier.flat_barrier`, which does it per shard, so a sharded h8 or dZ8 stays sharded).
-
-    A 1-D array has one layout, so XLA cannot carry a layout across the barrier: without the
-    flattening, layout assignment moved the weight gradient's transposes (h8ᵀ, dZ8ᵀ) into the
-    producers, storing h8 and dZ8 column-major, and then transposed the forward's h8 back and
-    computed the ReLU derivative on a transposed 16-bit data gradient: 13 transposes, 4.3 ms
-    of an M1 step on the H200 where its 8 one-byte transposes take about 1.8 ms
-    (docs/fp8.md, "Layouts")."""
-    return barrier.flat_barrier(*arrays)
 
 
 # --- the custom VJP over a stack --------------------------------------------------------------
@@ -183,7 +175,7 @@ def _planned_forward(planned: StackPlan, x, params, state, keep_residuals: bool)
         epilog, fp8_result = gemm.epilog, own.writes_fp8_result
         q_next = multiplier(delayed_amax(state[i + 1].input, result_bound(
             h_amax, early[("bound", i)])), fp8.forward, fp8.margin) if fp8_result else None
-        out, aux = _matmul8(h8, h_scale, w8, w_scale, fp8.forward if fp8_result else x.dtype,
+        out, aux = matmul8(h8, h_scale, w8, w_scale, fp8.forward if fp8_result else x.dtype,
                             gemm.requested, fp8.fast("forward"), epilog=epilog,
                             inputs={"bias": bias} if layer.has_bias else None,
                             result_scale=q_next)
@@ -232,7 +224,7 @@ def _early_amaxes(planned: StackPlan, x, params) -> dict:
 
 def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
     """`_planned_forward`, its residuals then named for remat policies."""
-    if planned.fp8.delayed and state is not None and _calibrates.get():
+    if planned.fp8.delayed and state is not None and calibrates.get():
         # Checked before the calibration, which picks between a history's scale (the same on
         # every device) and an unreduced amax's (not): every amax varies over the axes the
         # stack does, less those it is reduced over, and the next state must not.
@@ -308,11 +300,11 @@ def _planned_backward(planned: StackPlan, saved, state, dy):
             # dZ's amax above (both read dZ once); before the barrier, so dZ dies there.
             own_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dy.dtype) \
                 if need_bias_grad else None
-            dz8, h8, own_dbias = _barrier(dz8, s.input, own_dbias)
-            dkernel, _ = _matmul8(h8.T, s.input_scale, dz8.T, dz_scale, dy.dtype,
+            dz8, h8, own_dbias = barrier.flat_barrier(dz8, s.input, own_dbias)
+            dkernel, _ = matmul8(h8.T, s.input_scale, dz8.T, dz_scale, dy.dtype,
                                   planned.gemm(i, "weight gradient").requested, fast_weight,
                                   transpose_b=True)
-            dz8, dkernel = _barrier(dz8, dkernel)
+            dz8, dkernel = barrier.flat_barrier(dz8, dkernel)
             if below_plan is not None and below_plan.writes_fp8_gradient:
                 # The previous layer's dZ8 straight from the GEMM (delayed scale, its amax),
                 # ReLU's derivative h8 > 0 applied to its bits, the bias gradient its sum.
@@ -320,7 +312,7 @@ def _planned_backward(planned: StackPlan, saved, state, dy):
                 bound = result_bound(gradient_amaxes[i], early[("bound", i)]) * s.kernel_scale
                 q = multiplier(delayed_amax(state[i - 1].gradient, bound), fp8.gradient,
                                fp8.margin)
-                p8, aux = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, fp8.gradient,
+                p8, aux = matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, fp8.gradient,
                                    data.requested, fast_data, transpose_b=True, result_scale=q)
                 gradient_amaxes[i - 1] = reduce_amax(aux["result_amax"],
                                                      fp8.amax_reduction_axes)
@@ -333,14 +325,14 @@ def _planned_backward(planned: StackPlan, saved, state, dy):
             elif below_plan is not None and below_plan.relu_from_next_input:
                 # ReLU's derivative from this layer's own FP8 input h8 = Q(relu(z)), as XLA
                 # fusions after a plain FP8 GEMM (also the previous layer's bias gradient).
-                p, _ = _matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, dy.dtype,
+                p, _ = matmul8(dz8, dz_scale, s.kernel, s.kernel_scale, dy.dtype,
                                 data.requested, fast_data, transpose_b=True)
                 dz = jnp.where(positive(h8), p, jnp.zeros((), p.dtype))
                 next_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dz.dtype) \
                     if previous.has_bias else None
             else:
                 epilog = data.epilog
-                dz, aux = _matmul8(
+                dz, aux = matmul8(
                     dz8, dz_scale, s.kernel, s.kernel_scale, dy.dtype, data.requested, fast_data,
                     epilog=epilog, transpose_b=True,
                     inputs={epilog.aux_input: previous_residual} if epilog.aux_input else None)
@@ -394,6 +386,6 @@ carry_state.defvjp(lambda y, state: (y, state), lambda state, dy: (dy, state))
 
 def stack(planned: StackPlan, rows, params, state=None):
     """The stack on `rows` `(M, K)` as `planned` (`stack_plan.plan_stack`, with FP8 layers) says
-    (called by `layers._run`); `state`: the `Fp8History` of each layer under delayed scaling
+    (called by `functional.run`); `state`: the `Fp8History` of each layer under delayed scaling
     (or recording current scaling's amaxes), else None."""
     return _fp8_stack(planned, rows, params, state)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Optional
 
@@ -63,20 +64,22 @@ from jax_epilog.planning.stack_plan import Layer, Stack, StackPlan, weight_grad_
 
 ACTIVATIONS = (None, "relu", "gelu")
 
-#: `forward=` / `backward=` of the layers, as the `backend` of the GEMMs they issue.
-FORWARD_CHOICES = {"auto": "auto", "fused": "cublaslt", "xla": "xla"}
-BACKWARD_CHOICES = {"auto": "auto", "fused": "cublaslt", "unfused": "xla"}
+#: `forward=` / `backward=` of the layers (one spelling for both), as the `backend` of the
+#: GEMMs they issue.
+STACK_BACKENDS = {"auto": "auto", "fused": "cublaslt", "xla": "xla"}
+#: Old spellings still taken, with a `DeprecationWarning`: `backward="unfused"` was "xla".
+_OLD_SPELLINGS = {("backward", "unfused"): "xla"}
 
 
 # --- the custom VJP over a stack ----------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _stack(planned: StackPlan, x, params):
+def fused_stack(planned: StackPlan, x, params):
     # The primal runs only where nothing differentiates the stack: the inference forward.
     stack = planned.stack
     _observe(planned, "forward")
     if stack.inference == "plain":
-        return _plain_expression(stack, x, params)
+        return plain_expression(stack, x, params)
     h = x
     for layer, (kernel, bias) in zip(stack.layers, params):
         h, _ = layer_forward(stack, layer, h, kernel, bias, keep_residual=False)
@@ -117,7 +120,7 @@ def _stack_bwd(planned: StackPlan, saved, dy):
     return dz, tuple(reversed(grads))
 
 
-_stack.defvjp(_stack_fwd, _stack_bwd)
+fused_stack.defvjp(_stack_fwd, _stack_bwd)
 
 
 def _observe(planned: StackPlan, mode: str) -> None:
@@ -130,7 +133,7 @@ def _observe(planned: StackPlan, mode: str) -> None:
 
 # --- the plain expression, where the plan chose it ------------------------------------------
 
-def _plain_expression(stack: Stack, h, params):
+def plain_expression(stack: Stack, h, params):
     for layer, (kernel, bias) in zip(stack.layers, params):
         z = jnp.matmul(h, kernel, precision=stack.precision)
         z = z if bias is None else z + bias
@@ -142,11 +145,11 @@ def _plain_expression(stack: Stack, h, params):
 def _plain_step(planned: StackPlan, x, params):
     """The plain expression under JAX's autodiff, the fused stack where nothing differentiates
     it (the plan chose the fused inference forward and the plain training step)."""
-    return _stack(planned, x, params)  # the primal: the inference forward
+    return fused_stack(planned, x, params)  # the primal: the inference forward
 
 
 def _plain_step_fwd(planned: StackPlan, x, params):
-    return jax.vjp(functools.partial(_plain_expression, planned.stack), x, params)  # (y, pullback)
+    return jax.vjp(functools.partial(plain_expression, planned.stack), x, params)  # (y, pullback)
 
 
 def _plain_step_bwd(planned: StackPlan, pullback, dy):
@@ -207,7 +210,7 @@ def _check_activation(name: str, activation) -> Optional[str]:
     return activation_name(activation, name)
 
 
-def _compute_dtype(dtype, arrays):
+def compute_dtype(dtype, arrays):
     compute = jnp.result_type(*arrays) if dtype is None else jnp.dtype(dtype)
     if compute not in SUPPORTED_DTYPES:
         source = "promoted from x and the parameters" if dtype is None else "given as dtype"
@@ -216,13 +219,13 @@ def _compute_dtype(dtype, arrays):
     return compute
 
 
-def _described(value) -> str:
+def described(value) -> str:
     """A value for an error message: an array by its shape and dtype (never its contents), a
     sequence by its length and what it holds."""
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"{type(value).__name__} of shape {tuple(value.shape)} and dtype {value.dtype}"
     if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
-        inner = ", ".join(_described(v) for v in value[:3]) + (", ..." if len(value) > 3 else "")
+        inner = ", ".join(described(v) for v in value[:3]) + (", ..." if len(value) > 3 else "")
         return f"{type(value).__name__} of {len(value)}: ({inner})"
     text = repr(value)
     return text if len(text) <= 80 else f"{type(value).__name__} {text[:77]}..."
@@ -238,7 +241,7 @@ def _check_params(x, layers):
     params = []
     for i, pair in enumerate(layers):
         if not isinstance(pair, Sequence) or len(pair) != 2:
-            raise TypeError(f"layers[{i}]: expected a (kernel, bias) pair, got {_described(pair)}")
+            raise TypeError(f"layers[{i}]: expected a (kernel, bias) pair, got {described(pair)}")
         kernel, bias = pair
         if jnp.ndim(kernel) != 2 or jnp.shape(kernel)[0] != width:
             source = "x has" if i == 0 else f"layers[{i - 1}] gives"
@@ -252,23 +255,28 @@ def _check_params(x, layers):
     return params
 
 
-def _backend(name: str, value, choices: dict) -> str:
-    if value not in choices:
-        raise ValueError(f"{name}: expected one of {tuple(choices)}, got {value!r}")
-    return choices[value]
+def _backend(name: str, value) -> str:
+    """`forward=` or `backward=` (`name`) as the `backend` its GEMMs are asked for."""
+    if isinstance(value, str) and (name, value) in _OLD_SPELLINGS:
+        new = _OLD_SPELLINGS[name, value]
+        warnings.warn(f'{name}="{value}" is spelled "{new}" now (as `forward=` and '
+                      f'`matmul(backend=)` spell it)', DeprecationWarning, stacklevel=4)
+        value = new
+    if not isinstance(value, str) or value not in STACK_BACKENDS:
+        raise ValueError(f"{name}: expected one of {tuple(STACK_BACKENDS)}, got {value!r}")
+    return STACK_BACKENDS[value]
 
 
-def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=None,
+def run(x, params, activations, *, precision, forward, backward, dtype, fp8=None,
          fp8_state=None):
     if serving.has_stored_weights(params):
         return _serve(x, params, activations, dtype)
     fp8 = as_fp8(fp8)
     fp8_state = check_state(fp8, fp8_state, len(activations))
-    stack_backends = (_backend("forward", forward, FORWARD_CHOICES),
-                      _backend("backward", backward, BACKWARD_CHOICES))
+    stack_backends = (_backend("forward", forward), _backend("backward", backward))
     params = _check_params(x, params)
     arrays = [x] + [p for pair in params for p in pair if p is not None]
-    dtype = _compute_dtype(dtype, arrays)
+    dtype = compute_dtype(dtype, arrays)
     cast = functools.partial(jnp.asarray, dtype=dtype)
     params = tuple((cast(kernel), None if bias is None else cast(bias)) for kernel, bias in params)
     layers = tuple(Layer(act, bias is not None) for act, (_, bias) in zip(activations, params))
@@ -281,7 +289,7 @@ def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=Non
                    for kernel, bias in params)
     if fp8 is not None and fp8.block:
         def plain_layer(h, kernel, bias, activation):
-            return _run(h, [(kernel, bias)], [activation], precision=precision, forward=forward,
+            return run(h, [(kernel, bias)], [activation], precision=precision, forward=forward,
                         backward=backward, dtype=dtype)
         y = manual_axes.rows_in_auto_axes(
             lambda rows, params: block_step.stack(fp8, rows, params, activations, dtype,
@@ -296,11 +304,11 @@ def _run(x, params, activations, *, precision, forward, backward, dtype, fp8=Non
     if planned.any_fp8:
         return fp8_step.stack(planned, rows, params, fp8_state).reshape(*lead, widths[-1])
     if planned.step.choice == "fused":
-        y = _stack(planned, rows, params)
+        y = fused_stack(planned, rows, params)
     elif planned.inference.choice == "fused":
         y = _plain_step(planned, rows, params)
     else:
-        y = _plain_expression(planned.stack, rows, params)
+        y = plain_expression(planned.stack, rows, params)
     if fp8_state is not None:  # every layer stayed bf16: the state passes through
         y = fp8_step.carry_state(y, fp8_state)
     return y.reshape(*lead, y.shape[-1])
@@ -310,7 +318,7 @@ def _serve(x, params, activations, dtype):
     """The inference forward of a stack with kernels stored in FP8 (`serving.forward`); the
     training arguments (`fp8=`, `fp8_state=`, backends) do not apply to it."""
     params = _check_params(x, params)
-    dtype = _compute_dtype(dtype, [serving.operands_dtype(x, params)])
+    dtype = compute_dtype(dtype, [serving.operands_dtype(x, params)])
     params = tuple((kernel if isinstance(kernel, serving.Fp8Weight) else
                     jnp.asarray(kernel, dtype), bias) for kernel, bias in params)
     x = jnp.asarray(x, dtype)
@@ -335,7 +343,8 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="aut
       forward: "auto" (per GEMM, the faster of cuBLASLt's epilog and XLA's own GEMM and
         fusions, as measured on this GPU; see `jax_epilog.planning.decisions`), "fused" (cuBLASLt) or
         "xla".
-      backward: likewise for the backward GEMMs: "auto", "fused" or "unfused" (XLA).
+      backward: likewise for the backward GEMMs: "auto", "fused" or "xla" (the old spelling
+        "unfused" is still taken, with a `DeprecationWarning`).
       dtype: the computation dtype; None: `jnp.result_type(x, kernel, bias)`, like Flax.
       fp8: None or False (no FP8), True (`jax_epilog.Fp8()`) or a `jax_epilog.Fp8(...)`: train
         with FP8 GEMMs, per-tensor scaling (`Fp8()`: delayed with `fp8_state=`, current
@@ -356,7 +365,7 @@ def dense(x, kernel, bias=None, *, activation=None, precision=None, forward="aut
       `(..., N)` in the computation dtype. Differentiable in reverse mode w.r.t. all three.
     """
     activation = _check_activation("activation", activation)
-    return _run(x, [(kernel, bias)], [activation], precision=precision, forward=forward,
+    return run(x, [(kernel, bias)], [activation], precision=precision, forward=forward,
                 backward=backward, dtype=dtype, fp8=fp8, fp8_state=fp8_state)
 
 
@@ -382,5 +391,5 @@ def mlp(x, layers, *, activation="relu", final_activation=None, precision=None,
     final_activation = _check_activation("final_activation", final_activation)
     n_layers = len(layers) if isinstance(layers, Sequence) else 0
     activations = [activation] * (n_layers - 1) + [final_activation]
-    return _run(x, layers, activations, precision=precision, forward=forward,
+    return run(x, layers, activations, precision=precision, forward=forward,
                 backward=backward, dtype=dtype, fp8=fp8, fp8_state=fp8_state)

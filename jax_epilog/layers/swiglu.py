@@ -4,8 +4,8 @@ ONE `jax.custom_vjp` that keeps little for its backward.
 In the compute dtype (no `fp8=`) the block is plain JAX, differentiated by JAX: the GEMMs are
 XLA's (a bf16 GEMM with no bias or ReLU/GELU gains nothing from an epilog: XLA's own runs at
 the chip's ceiling, benchmarks/README.md). A custom VJP that kept only x and `[g u]` and
-recomputed h in the backward ran 0.95× the plain block's speed on the H200, with 640 MiB of
-temporaries against its 576 (8192 tokens, D 2048, F 8192).
+recomputed h in the backward ran slower than the plain block and held more temporaries
+(benchmarks/results/swiglu/swiglu.md).
 
 With `fp8=` (SPEC §5's recipe, `Fp8`; docs/fp8.md, "SwiGLU"):
 
@@ -68,9 +68,9 @@ from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
 from jax_epilog.float8.scaling import quantize_scaled, record, reduced_amaxes
 from jax_epilog.float8.weights import Fp8Weight
 from jax_epilog.layers import block_step, fp8_step, gating, serving
-from jax_epilog.layers.functional import _compute_dtype, _described
+from jax_epilog.layers.functional import compute_dtype, described
 from jax_epilog.layers.gemms import LAYER_INPUT_NAME, SWIGLU_HIDDEN_NAME
-from jax_epilog.op import manual_axes
+from jax_epilog.op import barrier, manual_axes
 from jax_epilog.planning import block_plan
 from jax_epilog.planning.serving_plan import serving_way
 
@@ -93,8 +93,8 @@ def _gradient_bound(dh, s: "Saved"):
     compute dtype's rounding of dg and du, which the saturating cast absorbs). Written apart
     from `gating.hidden_gradient` (σ from tanh, g and u dequantized again) so that XLA shares no
     subexpression between the amax pass and the cast: it then computes the gradient in each
-    instead of writing `[dg du]` (and σ) between them. Compiled for an H200 at 16384 x 4096 x
-    14336, the step's bytes outside the GEMMs fell from 12.77 to 11.02 GiB."""
+    instead of writing `[dg du]` (and σ) between them, and the step moves fewer bytes outside
+    its GEMMs (as XLA compiles it for a Llama-size block)."""
     g = s.g8.astype(jnp.float32) * s.g_scale
     u = s.u8.astype(jnp.float32) * s.u_scale
     sigmoid = 0.5 * (1.0 + jnp.tanh(0.5 * g))
@@ -151,12 +151,12 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     x8, x_scale, x_amax = quantize_scaled(x, fmt, margin, history(0), axes, x_amax)
     w8, w_scale, _ = quantize_scaled(gate_up, fmt, margin, x_amax=w_amax)
     down8, down_scale, _ = quantize_scaled(down, fmt, margin, x_amax=down_amax)
-    gu, _ = fp8_step._matmul8(x8, x_scale, w8, w_scale, x.dtype, "auto", fast)
+    gu, _ = fp8_step.matmul8(x8, x_scale, w8, w_scale, x.dtype, "auto", fast)
     h = gating.hidden(gu, block.hidden)
     # g and u (kept for the backward) on scales of their own, their amaxes with h's
     halves = (gu[:, :block.hidden], gu[:, block.hidden:]) if keep else ()
-    # one pass reads [g u] for the three amaxes, one more writes h8, g8 and u8 (compiled for
-    # an H200 at 16384 x 4096 x 11008: the step's bytes outside the GEMMs 8.81 -> 8.14 GiB)
+    # one pass reads [g u] for the three amaxes, one more writes h8, g8 and u8 (fewer bytes
+    # outside the GEMMs than an amax pass per array, as XLA compiles a Llama-size block)
     h_amax, *half_amaxes = reduced_amaxes([h, *halves], axes, one_pass=True)
     h8, h_scale, h_amax = quantize_scaled(h, fmt, margin, history(1), axes, h_amax)
     if keep:
@@ -164,12 +164,11 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
                                               for half, a in zip(halves, half_amaxes))
         # Without the barrier XLA fused g8's and u8's casts into the backward's fusions,
         # which then read the 16-bit [g u] instead: kept from forward to backward, it was
-        # the largest temporary of the step (256 of 864 MiB at 8192 x 2048 x 8192 on the
-        # H200). With h8 in it, the casts run before the down GEMM, and [g u] can die before
-        # that GEMM's buffers are taken (compiled for an H200 at 16384 x 4096 x 14336:
-        # temporaries 1408 MiB with y in the barrier instead, 1184 with h8).
-        h8, g8, u8 = fp8_step._barrier(h8, g8, u8)
-    y, _ = fp8_step._matmul8(h8, h_scale, down8, down_scale, x.dtype, "auto", fast)
+        # the largest temporary of the step. With h8 in it, the casts run before the down
+        # GEMM, and [g u] can die before that GEMM's buffers are taken (fewer temporaries than
+        # with y in the barrier, as XLA compiles a Llama-size block).
+        h8, g8, u8 = barrier.flat_barrier(h8, g8, u8)
+    y, _ = fp8_step.matmul8(h8, h_scale, down8, down_scale, x.dtype, "auto", fast)
     if not keep:
         return y, None
     named = functools.partial(checkpoint_name, name=SWIGLU_HIDDEN_NAME)
@@ -194,14 +193,14 @@ def _fp8_block_bwd(block: Block, residuals, dy):
     fp8, dtype = block.fp8, dy.dtype
     axes, fmt, margin = fp8.amax_reduction_axes, fp8.gradient, fp8.margin
     fast_data, fast_weight = fp8.fast("data gradient"), fp8.fast("weight gradient")
-    matmul8 = fp8_step._matmul8
+    matmul8 = fp8_step.matmul8
     dy8, dy_scale, dy_amax = quantize_scaled(dy, fmt, margin, amax_axes=axes)
     # The weight gradient's K-major operands (h8ᵀ, dy8ᵀ) are made after the barrier, as in
-    # the stacks (fp8_step._barrier says why); the data gradient waits for it.
-    dy8, h8 = fp8_step._barrier(dy8, s.h8)
+    # the stacks (barrier.flat_barrier says why); the data gradient waits for it.
+    dy8, h8 = barrier.flat_barrier(dy8, s.h8)
     ddown, _ = matmul8(h8.T, s.h_scale, dy8.T, dy_scale, dtype, "auto", fast_weight,
                        transpose_b=True)
-    dy8, ddown = fp8_step._barrier(dy8, ddown)
+    dy8, ddown = barrier.flat_barrier(dy8, ddown)
     dh, _ = matmul8(dy8, dy_scale, s.down8, s.down_scale, dtype, "auto", fast_data,
                     transpose_b=True)
     g, u = (v8.astype(jnp.float32) * scale for v8, scale in ((s.g8, s.g_scale),
@@ -211,10 +210,10 @@ def _fp8_block_bwd(block: Block, residuals, dy):
     dgu8, dgu_scale, dgu_amax = quantize_scaled(
         gating.hidden_gradient(dh, g, u, dtype), fmt, margin, amax_axes=axes,
         x_amax=reduced_amaxes([_gradient_bound(dh, s)], axes)[0])
-    dgu8, x8 = fp8_step._barrier(dgu8, s.x8)
+    dgu8, x8 = barrier.flat_barrier(dgu8, s.x8)
     dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T, dgu_scale, dtype, "auto", fast_weight,
                           transpose_b=True)
-    dgu8, dgate_up = fp8_step._barrier(dgu8, dgate_up)
+    dgu8, dgate_up = barrier.flat_barrier(dgu8, dgate_up)
     dx, _ = matmul8(dgu8, dgu_scale, s.w8, s.w_scale, dtype, "auto", fast_data,
                     transpose_b=True)
     next_state = None if state is None else (
@@ -306,7 +305,7 @@ def _kernels(x, gate_up, down):
     if isinstance(gate_up, (tuple, list)):
         if len(gate_up) != 2:
             raise TypeError(f"gate_up: expected a (D, 2F) kernel or a (gate, up) pair of (D, F) "
-                            f"kernels, got {_described(gate_up)}")
+                            f"kernels, got {described(gate_up)}")
         gate, up = gate_up
         for name, kernel in (("gate", gate), ("up", up)):
             if jnp.ndim(kernel) != 2 or jnp.shape(kernel)[0] != d:
@@ -321,7 +320,7 @@ def _kernels(x, gate_up, down):
         shape = jnp.shape(gate_up)
         if len(shape) != 2 or shape[0] != d or shape[1] % 2:
             raise ValueError(f"gate_up: expected shape ({d}, 2F) ([gate up] side by side; x has "
-                             f"{d} features) or a (gate, up) pair, got {_described(gate_up)}")
+                             f"{d} features) or a (gate, up) pair, got {described(gate_up)}")
         hidden = shape[1] // 2
     if jnp.ndim(down) != 2 or jnp.shape(down)[0] != hidden:
         raise ValueError(f"down: expected shape ({hidden}, D_out) (the hidden width F = "
@@ -366,7 +365,7 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
     fp8 = as_fp8(fp8)
     fp8_state = check_state(fp8, fp8_state, len(FP8_GEMMS))
     gate_up, down, hidden = _kernels(x, gate_up, down)
-    dtype = _compute_dtype(dtype, [x, gate_up, down])
+    dtype = compute_dtype(dtype, [x, gate_up, down])
     x, gate_up, down = (jnp.asarray(a, dtype) for a in (x, gate_up, down))
     lead, d, d_out = x.shape[:-1], x.shape[-1], down.shape[1]
     rows = x.reshape(math.prod(lead), d)
@@ -391,7 +390,7 @@ def swiglu(x, gate_up, down, *, dtype=None, precision=None, fp8=None, fp8_state=
 
 
 def _served(x, gate_up: tuple, down: Fp8Weight, hidden: int, dtype):
-    dtype = _compute_dtype(dtype, [x])
+    dtype = compute_dtype(dtype, [x])
     x = jnp.asarray(x, dtype)
     lead, d = x.shape[:-1], x.shape[-1]
     rows = x.reshape(math.prod(lead), d)

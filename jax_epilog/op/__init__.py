@@ -7,12 +7,11 @@
 - `call`: a call as the primitives see it (`Params`, `Problem`) and the two primitives;
 - `primitive`: their rules (abstract eval, batching, the differentiation error, registration);
 - `sharding`: the outer primitive's lowering, partitioned per device (`custom_partitioning`);
-- `lowering`: the inner primitive's lowerings, carrying out `planning.call_plan`'s plan;
+- `lowering`: the inner primitive's lowerings, carrying out the planner's plan;
+- `planner`: the planner the op asks how a call runs (`planning` registers its own);
 - `padding`: zero padding of unaligned K and N around the kernel;
 - `reference`: the one plain-JAX reference of the semantics;
 - `matmul`: the public op and its custom VJP; `manual_axes`: `shard_map`'s varying axes.
 
-Imports `runtime`. `lowering` and `matmul` also consult `planning` (the plan of a call),
-which in turn may import only `epilogs`, `call` and `padding` from here: the modules form a
-DAG, and nothing here imports `float8`, `layers` or `tools`.
+Imports `runtime` only: nothing here imports `float8`, `planning`, `layers` or `tools`.
 """

@@ -1,6 +1,6 @@
 """The activations of cuBLASLt's epilogs, as cuBLASLt computes them, and the ReLU bit mask.
 
-Special values behave as cuBLASLt's epilogs were measured to on the H200
+Special values behave as cuBLASLt's epilogs were found to on the GPU
 (`scripts/probe_special_values.py`): ReLU keeps NaN and turns -0 into +0, its mask bit is set
 for +0, -0 and NaN, and GELU's derivative overflows to NaN for huge |z|.
 """
@@ -48,7 +48,7 @@ def gelu_derivative(z):
     """d/dz of the tanh-approximated GELU (what DGELU multiplies the product by).
 
     Written as cuBLASLt evaluates it: for |z| past ~1e12 (z**3 overflows float32) and for
-    ±Inf the result is NaN, as measured on the H200 (tests/op/test_nonfinite.py).
+    ±Inf the result is NaN, as cuBLASLt's is (tests/op/test_nonfinite.py).
     """
     u = _SQRT_2_OVER_PI * (z + _GELU_CUBIC * z * z * z)
     t = jnp.tanh(u)
@@ -82,20 +82,20 @@ def unpack_relu_mask(mask, n: int):
 # What the forward keeps for the backward, and how the backward applies the derivative with it.
 # `keep(z, dtype)` and `apply(dy, residual, n)` work on float32 values.
 
-def _keep_relu(z, dtype):
+def keep_relu(z, dtype):
     del dtype
     return pack_relu_mask(relu_mask(z))
 
 
-def _apply_relu(dy, mask, n: int):
+def apply_relu(dy, mask, n: int):
     return jnp.where(unpack_relu_mask(mask, n), dy, jnp.zeros_like(dy))
 
 
-def _keep_gelu(z, dtype):
+def keep_gelu(z, dtype):
     n = z.shape[-1]
     pad = [(0, 0)] * (z.ndim - 1) + [(0, gelu_aux_columns(n) - n)]
     return jnp.pad(z.astype(dtype), pad)
 
 
-def _apply_gelu(dy, pre_activation, n: int):
+def apply_gelu(dy, pre_activation, n: int):
     return dy * gelu_derivative(pre_activation[..., :n].astype(jnp.float32))

@@ -37,10 +37,10 @@ def amax(x):
 def amaxes(*arrays, one_pass: bool = False):
     """float32 `(len(arrays),)`: `amax` of each array, one collective where they are sharded.
     `one_pass`: the arrays of one shape in one variadic reduction, so that XLA reads them in
-    one pass (made of separate reductions, SwiGLU's h, g and u took two passes on the H200's
-    compile, and their casts two more). Not the default: a variadic reduction keeps XLA from
-    fusing its operands' producers into other fusions (the GPT example's step moved 0.75 GiB
-    more with it everywhere)."""
+    one pass (made of separate reductions, SwiGLU's h, g and u took two passes as XLA compiled
+    them, and their casts two more). Not the default: a variadic reduction keeps XLA from
+    fusing its operands' producers into other fusions (the GPT example's step moved more bytes
+    with it everywhere)."""
     return amaxes_p.bind(*arrays, one_pass=one_pass)
 
 

@@ -28,7 +28,13 @@ flat_barrier_p.multiple_results = True
 
 def flat_barrier(*arrays):
     """`jax.lax.optimization_barrier` over `arrays` (None passes), each crossing it flattened
-    on every device."""
+    on every device (per shard, so a sharded h8 or dZ8 stays sharded).
+
+    A 1-D array has one layout, so XLA cannot carry a layout across the barrier: without the
+    flattening, layout assignment moved the FP8 weight gradient's transposes (h8ᵀ, dZ8ᵀ) into
+    the producers, storing h8 and dZ8 column-major, then transposed the forward's h8 back and
+    computed the ReLU derivative on a transposed 16-bit data gradient, several times the time
+    of the one-byte transposes it saves (docs/fp8.md, "Layouts")."""
     present = [a for a in arrays if a is not None]
     if not present:
         return arrays

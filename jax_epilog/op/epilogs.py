@@ -33,10 +33,10 @@ class Activation(NamedTuple):
 
 
 ACTIVATIONS = {
-    "relu": Activation(activations.relu, jax.nn.relu, "relu_aux", activations._keep_relu,
-                       activations._apply_relu),
+    "relu": Activation(activations.relu, jax.nn.relu, "relu_aux", activations.keep_relu,
+                       activations.apply_relu),
     "gelu": Activation(activations.gelu, functools.partial(jax.nn.gelu, approximate=True),
-                       "gelu_aux", activations._keep_gelu, activations._apply_gelu),
+                       "gelu_aux", activations.keep_gelu, activations.apply_gelu),
 }
 
 
@@ -166,66 +166,68 @@ class Epilog(enum.IntEnum):
     BGRADA = 256
     BGRADB = 512
 
-    @property
+    # The facts below derive from the static `TABLE`: each is computed once per member.
+
+    @functools.cached_property
     def row(self) -> Row:
         return TABLE[self]
 
-    @property
+    @functools.cached_property
     def activation(self) -> Optional[str]:
         """'relu' or 'gelu' for the forward epilogs that apply one, else None."""
         return self.row.activation
 
-    @property
+    @functools.cached_property
     def derivative(self) -> Optional[str]:
         """'relu' or 'gelu' for the backward epilogs that apply its derivative, else None."""
         return self.row.derivative
 
-    @property
+    @functools.cached_property
     def has_bias(self) -> bool:
         return "bias" in self.row.inputs
 
-    @property
+    @functools.cached_property
     def input_names(self) -> tuple[str, ...]:
         """The keys `epilog_inputs` must have, in the order the kernel takes them."""
         return self.row.inputs
 
-    @property
+    @functools.cached_property
     def output_names(self) -> tuple[str, ...]:
         """Keys of the aux dict `matmul` returns (empty: `matmul` returns y alone)."""
         return self.row.outputs
 
-    @property
+    @functools.cached_property
     def aux_input(self) -> Optional[str]:
         """'relu_aux' or 'gelu_aux' for the epilogs that read one, else None."""
         return next((name for name in self.row.inputs if name != "bias"), None)
 
-    @property
+    @functools.cached_property
     def aux_output(self) -> Optional[str]:
         """'relu_aux' / 'gelu_aux' for the forward epilogs that keep one, else None."""
         return next((name for name in self.row.outputs if not ARRAYS[name].sums), None)
 
-    @property
+    @functools.cached_property
     def reduction_output(self) -> Optional[str]:
         """The name of the bias-gradient output, for the epilogs that reduce one."""
         return next((name for name in self.row.outputs if ARRAYS[name].sums), None)
 
-    @property
+    @functools.cached_property
     def is_backward(self) -> bool:
         """Epilogs that are themselves gradients (they read a mask or reduce a bias gradient)."""
         return bool(self.derivative or self.reduction_output)
 
-    @property
+    @functools.cached_property
     def linear_in_k(self) -> bool:
         """Whether every output is a sum over K of terms (so partial sums may be added)."""
         return not (self.activation or self.derivative or self.has_bias)
 
-    @property
+    @functools.cached_property
     def with_aux(self) -> "Epilog":
         """The same forward computation keeping the residual the backward pass needs."""
         return self.find(self.activation, self.has_bias, keep_residual=True) \
             if self.activation else self
 
-    @property
+    @functools.cached_property
     def without_aux(self) -> "Epilog":
         """The same forward computation without the auxiliary output (for inference)."""
         return self.find(self.activation, self.has_bias) if self.activation else self

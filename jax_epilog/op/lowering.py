@@ -1,6 +1,7 @@
 """How the inner primitive `kernel_p` runs: the cuBLASLt custom call on CUDA, the reference
-elsewhere. On CUDA one plan (`call_plan.plan_call`) decides, at lowering time, and
-`lower_cuda` carries it out in one function, binding nothing of ours again:
+elsewhere. On CUDA one plan decides, at lowering time (`planning.call_plan.plan_call`, asked
+through `planner`), and `lower_cuda` carries it out in one function, binding nothing of ours
+again:
 
 - not CUDA: the reference, exact (identical semantics on every platform);
 - CUDA, an empty problem, or the library not loadable in a process that has CUDA devices (with
@@ -11,14 +12,15 @@ elsewhere. On CUDA one plan (`call_plan.plan_call`) decides, at lowering time, a
 - CUDA, a problem cuBLASLt has no kernel for in any layout (it says so when asked): the
   reference, exact (for FP8 operands with a `RuntimeWarning`: SPEC §5), its per-tensor or
   row-scaled FP8 product by XLA's FP8 dot to float32 (`fp8_dot`: exact products summed in
-  float32 as cuBLASLt sums them, where widened operands made it a float32 GEMM: with row
-  scales 0.06x XLA's bf16 at 256 x 14336 x 4096 on the H200);
+  float32 as cuBLASLt sums them, where widened operands made it a float32 GEMM, many times
+  slower than XLA's bf16 one: `reference.epilog_matmul` says more);
 - otherwise the XLA FFI custom call (`runtime.targets`: `jax_epilog_matmul`, or
   `jax_epilog_matmul_c` for a call with a C matrix, SPEC §6), on XLA's stream, with
   cuBLASLt's workspace as an extra result buffer that XLA allocates (so the handler never
   allocates and is safe inside command buffers). Before it, as the plan says, the operands
   are transposed in XLA to the layout the kernel has (FP8 kernels take only a (M, K) and
-  b (N, K); on the H200 BGRADA/BGRADB only the summed operand stored K by rows), a transpose
+  b (N, K); cuBLASLt 13.1 runs BGRADA/BGRADB only with the summed operand stored K by rows),
+  a transpose
   XLA fuses into the operand's producer where it can, and K and N are zero-padded to 16 bytes
   (`padding.py`), the padded results cut back. Lowering for CUDA on a host without a CUDA
   device (`jax.export` from a CPU host) emits the custom call.
@@ -34,10 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.interpreters import mlir
 
-from jax_epilog.op import block_scales, padding, reference
+from jax_epilog.op import block_scales, padding, planner, reference
 from jax_epilog.op.call import Params, kernel_p, problem_of, result_dtype_of
 from jax_epilog.op.epilogs import Epilog, is_fp8
-from jax_epilog.planning import call_plan, context
 from jax_epilog.runtime import library as cuda_library
 from jax_epilog.runtime import settings, targets
 
@@ -142,8 +143,8 @@ def _custom_call(params: Params):
 
 def _pad_tile_rows(params: Params, operands: list):
     """(operands, M) with a's rows (M) zero-padded to `block_scales.kernel_rows` and its 1x128
-    scales padded with ones, or (operands, None) where M is a multiple already: cuBLASLt 13.1 had no kernel for 1x128 scales on a with
-    M = 129 on the H200, where M = 256 ran."""
+    scales padded with ones, or (operands, None) where M is a multiple already: cuBLASLt 13.1
+    has no kernel for 1x128 scales on a whose M is not (it said so for M = 129, ran M = 256)."""
     a = operands[0]
     m_axis = 2 if params.transpose_a else 1
     m = a.shape[m_axis]
@@ -174,7 +175,7 @@ def around_kernel(kernel, params: Params, layout, padded):
 
 def lower_cuda(ctx, *args, **params):
     params = Params(**params)
-    plan = call_plan.plan_call(context.current(), ctx.avals_in, params, kernel_supports)
+    plan = planner.current().plan_call(ctx.avals_in, params, kernel_supports)
     if plan.warning == "unavailable":
         _warn_unavailable(cuda_library.unavailable_reason())
     elif plan.warning == "fp8-reference":

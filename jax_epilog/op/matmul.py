@@ -12,9 +12,9 @@ pre-activation. Its backward is the layers' (`activation_gradient`, `data_gradie
 `weight_gradient`): two more `matmul` calls in the operands' dtype, the bias gradient from the
 weight-gradient GEMM (BGRADB, or BGRADA for a transposed b). Where every GEMM of the step runs
 XLA's way on this GPU and nothing needs the custom VJP (no aux output, alpha and beta Python
-numbers), JAX differentiates the plain expression instead (`_step_runs_xla`): XLA compiles it as
-a user's own. `reference_matmul` is the same function running the reference directly; plain
-JAX differentiates it, which is what the custom VJP is tested against.
+numbers), JAX differentiates the plain expression instead (`planner`'s `step_runs_xla`): XLA
+compiles it as a user's own. `reference_matmul` is the same function running the reference
+directly; plain JAX differentiates it, which is what the custom VJP is tested against.
 """
 
 from __future__ import annotations
@@ -27,13 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-from jax_epilog.planning import call_plan, context
-from jax_epilog.op import manual_axes, sharding
+from jax_epilog.op import manual_axes, planner, sharding
 from jax_epilog.op.epilogs import (ACTIVATIONS, Epilog, is_fp8)
-from jax_epilog.op.arguments import Call, keyword_hints, prepare, shape_results
+from jax_epilog.op.arguments import keyword_hints, prepare, shape_results
 from jax_epilog.op import primitive  # noqa: F401  (registers the primitives' rules)
 from jax_epilog.op.call import Params, epilog_matmul_p
+from jax_epilog.runtime.settings import Backend
 from jax_epilog.op.reference import epilog_matmul as reference_kernel
 
 def _kernel(params: Params, a, b, *inputs):
@@ -93,7 +92,7 @@ def _forward_fwd(params: Params, scalars: _Scalars, a, b, *inputs):
     return visible, (a, b, residual, bias, c_args)
 
 
-# The backward GEMMs, shared with the layers (`layers._stack_bwd`): each is a `matmul` call, so
+# The backward GEMMs, shared with the layers (`functional._stack_bwd`): each is a `matmul` call, so
 # `backend="auto"` picks cuBLASLt's epilog or XLA's GEMM per problem, as for any call, and 16-bit
 # operands stay 16-bit (float32 accumulation inside the GEMM, as XLA's own transpose of a dot).
 
@@ -227,27 +226,13 @@ def _scaled(g, alpha):
 _forward.defvjp(_forward_fwd, _forward_bwd)
 
 
-def _step_runs_xla(call: Call) -> bool:
-    """Whether the plan runs the call's training step as the plain expression under JAX's
-    autodiff (`call_plan.plan_matmul_step`: every GEMM of the step runs XLA's way on this CUDA GPU;
-    XLA then compiles it as it compiles a user's own, the never-slower rule the layers follow
-    per stack)."""
-    p = call.params
-    ctx = context.current()
-    step = call_plan.plan_matmul_step(ctx, p, call.a.shape, call.b.shape, call.a.dtype,
-                                      _forward_epilog(p.epilog))
-    if ctx.observe is not None:  # `explain` reports the choice, whichever it is
-        ctx.observe(call_plan.MatmulStep(p, call.a.shape, call.b.shape, call.a.dtype, step),
-                    "matmul")
-    return step.choice == "plain"
-
-
 def _users_expression(params: Params, a, b, *inputs):
     """The plain path of a call with a 2-D b, a bias of shape (N,) if any and no c, written as
     its user would write it: `op(a) @ op(b) + bias`, then the activation, on the caller's own
     operands. XLA then compiles exactly the user's program: the same call through
     `_reference`'s rank-3 form (a (1, M, K) product, a (1, N) bias, a weight gradient
-    contracting two axes) ran 2-7% behind the user's GELU step on the H200."""
+    contracting two axes) ran behind the user's GELU step
+    (benchmarks/results/never_slower_matmul)."""
     if params.transpose_a:
         a = jnp.swapaxes(a, -1, -2)
     reduced = params.allow_tf32 or a.dtype != jnp.float32  # XLA's way, as `_reference`'s
@@ -262,7 +247,7 @@ def _users_expression(params: Params, a, b, *inputs):
 
 def _reference(params: Params, a, b, *inputs, exact: bool = True):
     """The call's outputs by the reference: exact, or in XLA's way (the plain expression, for
-    JAX's own autodiff where `_step_runs_xla`)."""
+    JAX's own autodiff where `planner`'s `step_runs_xla`)."""
     return reference_kernel(a, b, *inputs, epilog=params.epilog, exact=exact,
                             transpose_a=params.transpose_a, transpose_b=params.transpose_b,
                             allow_tf32=params.allow_tf32, result_dtype=params.result_dtype,
@@ -275,7 +260,7 @@ def _reference(params: Params, a, b, *inputs, exact: bool = True):
 def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
            epilog_inputs: Optional[Mapping[str, Any]] = None,
            transpose_a: bool = False, transpose_b: bool = False, precision=None,
-           backend: str = "auto", quantization_scales: Optional[Mapping[str, Any]] = None,
+           backend: Backend = "auto", quantization_scales: Optional[Mapping[str, Any]] = None,
            preferred_element_type=None, result_amax: bool = False,
            fast_accumulation: bool = False):
     """`a @ b` with a cuBLASLt epilog fused into the same kernel (SPEC §1, §5, §6).
@@ -343,12 +328,17 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
         return shape_results(call, _kernel(call.params, *operands))
     scalars = _Scalars(_python_number(alpha, 1.0), _python_number(beta))
     # Traced alpha and beta keep the custom VJP: the plain expression scales in the operands'
-    # 16-bit dtype, so JAX would sum their gradients in 16 bits (measured on the H200: d alpha
-    # off by 24% and more at 129 x 127), where `_c_gradients` sums in float32.
+    # 16-bit dtype, so JAX would sum their gradients in 16 bits (d alpha then far off on odd
+    # shapes), where `_c_gradients` sums in float32.
     # Epilogs that return the ReLU mask or the GELU pre-activation keep the custom VJP too:
     # their gradient follows the mask (1 at 0), whichever GEMMs run.
     constant_scalars = c is None or None not in scalars
-    if constant_scalars and not call.params.epilog.aux_output and _step_runs_xla(call):
+    # The plan may run the training step as the plain expression under JAX's autodiff (every
+    # GEMM of the step runs XLA's way on this CUDA GPU, `planning.call_plan.plan_matmul_step`):
+    # XLA then compiles it as it compiles a user's own, the never-slower rule of the layers.
+    p = call.params
+    if constant_scalars and not p.epilog.aux_output and planner.current().step_runs_xla(
+            p, call.a.shape, call.b.shape, call.a.dtype, _forward_epilog(p.epilog)):
         own = [a, b, *(dict(epilog_inputs or {}).values())]  # as the caller passed them
         if c is None and scalars.alpha == 1.0 and jnp.ndim(b) == 2 and \
                 all(jnp.ndim(x) == 1 for x in own[2:]):

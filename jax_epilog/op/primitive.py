@@ -169,7 +169,7 @@ def _batch_unfolded(args, dims, size: int, batch: int, params: Params):
     if is_fp8(a.dtype):
         product = plain_product(epilog_matmul_p, params, a, b)
     else:  # per-example alpha/beta (SPEC §6): the float32 product, exact, as one batched dot
-        product = reference._product(a, b, params.transpose_a, params.transpose_b,
+        product = reference.product(a, b, params.transpose_a, params.transpose_b,
                                      params.allow_tf32, jnp.float32)
     product = product.reshape(size, batch, *product.shape[1:])
     finish = functools.partial(reference.finish, epilog=params.epilog,

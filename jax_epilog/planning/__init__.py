@@ -4,7 +4,8 @@ what is known when it is traced or lowered, with the rule or table entry behind 
 - `context`: what choices depend on beyond the call (`Context`), and `gemm_backend`, the one
   place ``backend="auto"`` becomes "cublaslt" or "xla";
 - `call_plan`: one call's plan (`plan_call`: kernel, layout, padding, XLA or the reference)
-  and a differentiated call's step (`plan_matmul_step`);
+  and a differentiated call's step (`plan_matmul_step`), and the planner the op asks
+  (`PLANNER`, registered in `op.planner` on `import jax_epilog`);
 - `stack_plan`: a `dense`/`mlp` stack's plan (`plan_stack`: FP8 per layer, each GEMM's
   epilog and backend, fused or plain);
 - `block_plan`: what runs without a stack's plan (a SwiGLU block, a block-scaled FP8 stack,
@@ -15,5 +16,6 @@ what is known when it is traced or lowered, with the rule or table entry behind 
   the user's from `python -m jax_epilog.tune`); `decisions`: how they decide (the nearest
   measured entry, the rules without one).
 
-Imports `runtime` and, from `op`, only `epilogs`, `call`, `padding` and `block_scales`.
+Imports `runtime` and `op` (and may import `float8`, the recipe it plans with, which sits
+below it); nothing here imports `layers` or `tools`.
 """

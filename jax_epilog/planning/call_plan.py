@@ -3,6 +3,7 @@ plain expression under JAX's autodiff (`plan_matmul_step`), and when one call is
 CUDA, how (`plan_call`): the cuBLASLt kernel, in which operand layout and with which padding,
 XLA's own GEMM, or the reference. The lowering carries the plan out in one go; nothing is
 planned twice.
+`PLANNER` is what the op asks (`op.planner`), with the context of the moment.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import numpy as np
 from jax_epilog.op import padding
 from jax_epilog.op.call import Params, problem_of
 from jax_epilog.op.epilogs import Epilog, is_fp8
-
+from jax_epilog.op.planner import CallPlan, Layout
+from jax_epilog.planning import context
 from jax_epilog.planning.context import Choice, Context, gemm_backend
 from jax_epilog.planning.stack_plan import Gemm, on_cuda
+
 
 def matmul_step_gemms(params: Params, a_shape, b_shape, dtype,
                       forward_epilog: Epilog) -> tuple[Gemm, ...]:
@@ -70,10 +73,9 @@ def plan_matmul_step(ctx: Context, params: Params, a_shape, b_shape, dtype,
 
     The weight gradient is judged as a plain GEMM even where the step would give it the bias
     gradient (BGRADB/BGRADA): a table entry times that epilog against XLA's GEMM plus a bias
-    sum of its own, but in the plain step XLA fuses the sum into the pass that makes dZ. On
-    the H200 the BGRADB entry (19 µs against 32) sent G6's step (4096×1024→1024) to the custom
-    VJP, which then ran 0.87–0.93× XLA's step (careful harness) where the plain step ran
-    0.94–1.03× (benchmarks/results/never_slower_matmul)."""
+    sum of its own, but in the plain step XLA fuses the sum into the pass that makes dZ. A
+    BGRADB entry faster than XLA's GEMM plus its sum sent a step to the custom VJP, which then
+    ran behind XLA's step where the plain step kept up (benchmarks/results/never_slower_matmul)."""
     if not ctx.tables_decide():
         return Choice("fused", "not a CUDA GPU with the library: the reference runs, the "
                                "custom VJP around it")
@@ -90,22 +92,7 @@ def plan_matmul_step(ctx: Context, params: Params, a_shape, b_shape, dtype,
 
 # --- one call's plan at lowering -------------------------------------------------------------
 
-Layout = tuple[bool, bool]  # (transpose_a, transpose_b)
 K_MAJOR: Layout = (False, True)  # a (M, K), b (N, K): the only layout of cuBLASLt's FP8 kernels
-
-
-class CallPlan(NamedTuple):
-    """How one call of the inner primitive lowers for CUDA: `way` is "reference" (exact),
-    "xla" (the reference in XLA's way: its own GEMM and fusions) or "kernel" (the cuBLASLt
-    custom call), the kernel's operands in `layout` (transposed in XLA where it differs from
-    the call's) and, where `padded` is (K, N), zero-padded to those sizes first; `warning` says
-    what to warn of."""
-
-    way: str
-    why: str
-    layout: Optional[Layout] = None
-    padded: Optional[tuple[int, int]] = None
-    warning: Optional[str] = None  # "unavailable" or "fp8-reference"
 
 
 def _transposed(aval, flip: bool):
@@ -123,8 +110,8 @@ def relaid_out(avals_in, params: Params, layout: Layout) -> tuple[list, Params]:
 
 def kernel_layout(avals_in, params: Params, supports) -> Optional[Layout]:
     """For a call in a layout cuBLASLt has no kernel for: the other layout it has one for with
-    the fewest bytes to transpose, or None. On the H200 (cuBLASLt 13.1) BGRADA runs only with a
-    stored (K, M) and BGRADB only with b stored (K, N): the summed operand with K by rows."""
+    the fewest bytes to transpose, or None. cuBLASLt 13.1 runs BGRADA only with a stored
+    (K, M) and BGRADB only with b stored (K, N): the summed operand with K by rows."""
     own = (params.transpose_a, params.transpose_b)
     a, b = avals_in[0], avals_in[1]
     cost = {(ta, tb): (ta != own[0]) * a.size * a.dtype.itemsize +
@@ -170,3 +157,22 @@ def plan_call(ctx: Context, avals_in, params: Params, supports) -> CallPlan:
             layout = other
             why.append(f"cuBLASLt has a kernel only in another layout ({answer})")
     return CallPlan("kernel", "; ".join(why), layout, padded)
+
+
+class Planner:
+    """The planner the op asks (`op.planner.register`d on `import jax_epilog`): this module's
+    plans, with `context.current()`, the one context a lowering can read."""
+
+    def step_runs_xla(self, params: Params, a_shape, b_shape, dtype,
+                      forward_epilog: Epilog) -> bool:
+        ctx = context.current()
+        step = plan_matmul_step(ctx, params, a_shape, b_shape, dtype, forward_epilog)
+        if ctx.observe is not None:  # `explain` reports the choice, whichever it is
+            ctx.observe(MatmulStep(params, a_shape, b_shape, dtype, step), "matmul")
+        return step.choice == "plain"
+
+    def plan_call(self, avals_in, params: Params, supports) -> CallPlan:
+        return plan_call(context.current(), avals_in, params, supports)
+
+
+PLANNER = Planner()

@@ -2,7 +2,7 @@
 
 A fused cuBLASLt epilog is not automatically faster than XLA's own lowering of the same
 computation (its dot plus fused elementwise work, i.e. the primitive's reference lowering): XLA's
-bf16 GEMMs already run at the H200's ceiling and fuse bias+ReLU themselves, cuBLASLt's
+bf16 GEMMs already run at the chip's ceiling and fuse bias+ReLU themselves, cuBLASLt's
 mask-reading epilogs are slower kernels on Hopper, and small calls pay the custom call's host
 cost. So the choice is made per problem from measurements, with "never slower than XLA" as the
 goal:
@@ -19,7 +19,7 @@ goal:
   a shipped one.
 - **Margin.** A measurement chooses ``"cublaslt"`` only if it was faster than ``"xla"`` by more
   than `MARGIN` (2%), so that noise never picks the riskier path, and by more than
-  `CALL_COST_S` (8 µs), the custom call's own cost per call that tune's timing amortises.
+  `CALL_COST_S`, the custom call's own cost per call that tune's timing amortises.
   Choices are re-derived from the stored times when a table is read.
 - **FP8 operands without a nearby entry** (user or shipped): ``"cublaslt"``. SPEC §5: every
   FP8 epilog cuBLASLt runs on the device runs the kernel (what it lacks still takes the
@@ -27,22 +27,22 @@ goal:
 - **A GPU with a table but no nearby entry**: ``"xla"``.
 - **A GPU without any table** (no section for it in the user table, no shipped file): the
   conservative rule. ``"cublaslt"`` only where the reference GPU's table (`REFERENCE_DEVICE`,
-  the H200) has at least one nearby entry and every nearby entry chose ``"cublaslt"``;
-  everything else ``"xla"``. So a problem class that lost on the H200 never takes the fused
-  path there, and nothing unmeasured does.
+  whose table ships) has at least one nearby entry and every nearby entry chose
+  ``"cublaslt"``; everything else ``"xla"``. So a problem class that lost on the reference GPU
+  never takes the fused path here, and nothing unmeasured does.
 - **Override**: ``JAX_EPILOG_BACKEND=cublaslt|xla`` (``settings.backend_override()``) replaces the
   automatic choice for every call that asked for ``"auto"``.
 
-GEMM choices measured one by one do not add up to the fastest layer (H200, G1's training step:
-the fused RELU_AUX_BIAS forward beat XLA computing the same mask, but the plain layer computes
-no mask at all and won the step by 8%). So a table also holds **stack entries**: a whole
-`dense`/`mlp` stack (dtype, rows, widths, activations, biases), as a training step (forward and
-backward through `jax.vjp`) or as an inference forward, timed as the plain expression under XLA
-(``"plain"``) and as the fused stack (``"fused"``, each GEMM chosen as above). `stack_decision`
-finds the nearest entry of the same stack and mode within a factor of `NEAREST_WITHIN` in rows
-(user before shipped); ``"fused"`` must win by `MARGIN` (tune times real calls of the stack, so
-its custom calls' own cost is in the times). Without an entry, or under the override, the
-layers fall back to the per-GEMM rule.
+GEMM choices measured one by one do not add up to the fastest layer (G1's training step: the
+fused RELU_AUX_BIAS forward beat XLA computing the same mask, but the plain layer computes no
+mask at all and won the step; benchmarks/results/never_slower.md). So a table also holds **stack
+entries**: a whole `dense`/`mlp` stack (dtype, rows, widths, activations, biases), as a training
+step (forward and backward through `jax.vjp`) or as an inference forward, timed as the plain
+expression under XLA (``"plain"``) and as the fused stack (``"fused"``, each GEMM chosen as
+above). `stack_decision` finds the nearest entry of the same stack and mode within a factor of
+`NEAREST_WITHIN` in rows (user before shipped); ``"fused"`` must win by `MARGIN` (tune times
+real calls of the stack, so its custom calls' own cost is in the times). Without an entry, or
+under the override, the layers fall back to the per-GEMM rule.
 
 A training-step entry may also hold the time of the same stack trained in FP8 (``"fp8"``:
 ``Fp8(layers="all")``, measured by ``python -m jax_epilog.tune --fp8``). `fp8_stack_decision`

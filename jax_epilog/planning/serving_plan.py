@@ -28,37 +28,26 @@ from jax_epilog.planning import context
 from jax_epilog.planning.context import Choice
 from jax_epilog.runtime import settings
 
-WAYS = ("fp8", "fp8_pallas", "xla_fp8", "weight_only")
+WAYS = tuple(way for way in settings.SERVING_WAYS if way != "auto")  # the ways themselves
 
-#: The most rows a layer runs "fp8_pallas" with by default. Measured on the H200
-#: (docs/serving.md, benchmarks/results/serving/weight_only_sweep.md; 8 layers per call,
-#: K 4096 x N 14336, ratios to XLA's bf16 GEMM with GELU, careful harness (user's)),
-#: 2026-12-05: at 1 row the kernel ran 1.62 (1.56), XLA's weight-only GEMM 1.52 (1.52), XLA's
-#: FP8 dot 1.43 (1.36); at 16 rows 1.68 (1.63), 1.52 (1.50) and 1.67 (1.71). Those layers
-#: shared one input, so XLA quantized it once per call where a model's layers each quantize
-#: theirs (three kernels a layer for XLA's FP8 dot; the kernel now quantizes inside). With
-#: each layer's own input (an H100, 2026-12-05, the kernel quantizing) it ran 1.67 (1.60)
-#: against weight-only's 1.53 (1.51) at 16 rows of K 4096 x N 14336, but 1.24 (1.22)
-#: against 1.58 (1.57) at K 14336 x N 4096 and 0.47-0.65 at 64 rows. With K split there
-#: (an H100, 2026-12-06) 1.52-1.55 against weight-only's 1.64 at 16 rows, 1.46-1.50 against
-#: 1.47 at 1 row, 0.70-0.85 against 1.50 at 64: it stays 0 (the kernel only where
-#: JAX_EPILOG_SERVING=fp8_pallas asks).
+#: The most rows a layer runs "fp8_pallas" with by default: none (the kernel only where
+#: JAX_EPILOG_SERVING=fp8_pallas asks). With each layer quantizing its own input, as a model's
+#: layers do, the kernel beat weight-only in one shape of few rows and lost in the others and
+#: at 64 rows, K split or not; its early wins came from benchmarks whose layers shared one
+#: input, which XLA quantized once for all (docs/serving.md,
+#: benchmarks/results/serving/weight_only_sweep.md, benchmarks/results/serving/serving.md).
 FP8_PALLAS_MAX_ROWS = 0
 
 #: The most rows a layer runs weight-only with; above, our FP8 GEMM. Measured with each
-#: layer's own input (benchmarks/serving_bench.py, ratios to XLA's bf16 GEMM with GELU, careful
-#: harness (user's)), 2026-12-05: at 64 rows weight-only ran 1.31 (1.34) where XLA's FP8 dot
-#: ran 1.24 (1.28) on the H200 (K 14336 x N 4096), and on an H100 1.47 (1.44) against 1.30
-#: (1.15) (K 4096 x N 14336) and 1.48 (1.48) against 1.29 (1.31) (K 14336 x N 4096); at 256
-#: rows weight-only ran 0.54-0.83 and our FP8 GEMM 1.08-1.17. XLA's FP8 dot ("xla_fp8"), the
-#: default for 17-64 rows until then, was chosen from benchmarks whose layers shared one
-#: input, which XLA quantized once for all of them.
+#: layer's own input (benchmarks/serving_bench.py, benchmarks/results/serving/serving.md):
+#: up to 64 rows reading the FP8 weight dominates, and weight-only beat XLA's FP8 dot, whose
+#: input quantization is a pass of its own; from a few hundred rows the GEMM dominates and
+#: our FP8 GEMM beats weight-only's 16-bit one.
 WEIGHT_ONLY_MAX_ROWS = 64
 
-#: Weight-only GEMMs over fewer rows are padded to this many. Measured on the H200
-#: (docs/serving.md, 8 layers per call): XLA's weight-only GEMM of one row took 25-35 µs
-#: at K4096 x N14336, K14336 x N4096 and K8192 x N8192, where 16 rows took 22-25 µs (its
-#: one-row dot is not the tiled GEMM that streams the weight).
+#: Weight-only GEMMs over fewer rows are padded to this many: XLA's one-row dot is not the
+#: tiled GEMM that streams the weight, and ran slower than the same GEMM over 16 rows
+#: (docs/serving.md).
 WEIGHT_ONLY_MIN_ROWS = 16
 
 

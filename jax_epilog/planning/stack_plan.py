@@ -60,21 +60,20 @@ def weight_grad_gives_bias_grad(layers, i: int) -> bool:
 
 # --- FP8: which layers, and where each FP8 tensor comes from ----------------------------------
 
-#: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`.
-#: The crossover `benchmarks/fp8_bench.py --sweep` measured on the H200 (training steps of
-#: 4-layer ReLU stacks, FP8 in every layer against the faster bf16 step): FP8 won from
-#: 8192 rows × 2048 wide (6.9e10 FLOPs a GEMM: 1.03× current scaling, 1.20× delayed) at every
-#: larger size measured, and lost at 16384 × 1024 (3.4e10: 0.75×, 0.90×).
+#: Layer GEMMs of at least this many FLOPs (2·rows·K·N) run FP8 under `Fp8(layers="auto")`:
+#: below it the amax and cast passes cost more than the faster FP8 GEMM saves. It is the
+#: crossover `benchmarks/fp8_bench.py --sweep` measured on training steps of 4-layer ReLU
+#: stacks, FP8 in every layer against the faster bf16 step (benchmarks/results/fp8_sweep.md).
 FP8_MIN_FLOPS = 2**36
 #: FP8 GEMMs want K and N in multiples of 16 elements; others would be padded (a copy) first.
 FP8_ALIGNMENT = 16
-#: The epilogs whose FP8 GEMM cuBLASLt 13.1 can write as e4m3 with its amax (measured on the
-#: H200, docs/fp8.md's kernel table): under delayed scaling such a layer writes the next
-#: layer's FP8 input itself.
+#: The epilogs whose FP8 GEMM cuBLASLt 13.1 can write as e4m3 with its amax (as cuBLASLt
+#: answered when asked, docs/fp8.md's kernel table): under delayed scaling such a layer writes
+#: the next layer's FP8 input itself.
 FP8_RESULT_EPILOGS = frozenset({Epilog.BIAS, Epilog.RELU_BIAS, Epilog.RELU_AUX_BIAS,
                                 Epilog.GELU_BIAS, Epilog.GELU_AUX_BIAS})
-#: The epilogs cuBLASLt 13.1 runs with FP8 operands and a float32 result (measured on the
-#: H200: no kernel with a bias, a bias gradient or an activation's auxiliary output).
+#: The epilogs cuBLASLt 13.1 runs with FP8 operands and a float32 result (it has no such kernel
+#: with a bias, a bias gradient or an activation's auxiliary output; docs/fp8.md).
 FLOAT32_KERNEL_EPILOGS = frozenset({Epilog.DEFAULT, Epilog.DRELU})
 
 
@@ -130,6 +129,13 @@ def quantized_layers(fp8, rows: int, widths,
     return tuple(fp8_pays_why(rows, k, n) for k, n in zip(widths, widths[1:]))
 
 
+def fp8_layers(fp8, rows: int, widths) -> tuple[bool, ...]:
+    """Which layers of a stack (`widths`: its K_0, K_1, ..., K_last) run FP8 under `fp8` by the
+    rule, without the decision tables (`quantized_layers` says why; on a GPU a measured stack
+    entry can decide otherwise, which `jax_epilog.explain` shows)."""
+    return tuple(c.choice == "fp8" for c in quantized_layers(fp8, rows, widths))
+
+
 def fp8_gemm_backend(requested: str, epilog: Epilog, result_dtype, override) -> Choice:
     """The backend the FP8 layers ask of `matmul` for one FP8 GEMM under the stack's
     `forward`/`backward` (`override`: ``JAX_EPILOG_BACKEND``). Only "auto" is changed (an
@@ -139,11 +145,11 @@ def fp8_gemm_backend(requested: str, epilog: Epilog, result_dtype, override) -> 
     - the result is float32 and cuBLASLt has no FP8 kernel for the epilog
       (`FLOAT32_KERNEL_EPILOGS`): XLA's FP8 GEMM to float32 rather than the reference fallback;
     - the GEMM applies an activation's derivative (DRELU_BGRAD and friends): XLA's FP8 GEMM,
-      then the derivative, the bias gradient and the amax as fusions. On the H200 cuBLASLt's
-      FP8 DRELU_BGRAD ran at 672 TFLOP/s on G1 where its plain FP8 GEMM ran at 1283 and XLA's
-      at 1234 (benchmarks/README.md): ~1.5 ms lost per M1 layer against ~0.5 ms of elementwise
-      passes. `backward="fused"` keeps the kernel (fp8_bench's ours_fp8_fused row measures
-      both), and so does JAX_EPILOG_BACKEND=cublaslt.
+      then the derivative, the bias gradient and the amax as fusions: cuBLASLt's FP8
+      DRELU_BGRAD runs far below its own plain FP8 GEMM and XLA's, losing more per layer than
+      the elementwise passes cost (benchmarks/README.md, benchmarks/results/fp8.md).
+      `backward="fused"` keeps the kernel (fp8_bench's ours_fp8_fused row measures both), and
+      so does JAX_EPILOG_BACKEND=cublaslt.
     """
     if requested != "auto":
         return Choice(requested, f"backend={requested!r} asked for")
@@ -152,7 +158,7 @@ def fp8_gemm_backend(requested: str, epilog: Epilog, result_dtype, override) -> 
                                            "with a float32 result: XLA's FP8 GEMM")
     if epilog.derivative:
         return Choice(override() or "xla", "an FP8 GEMM applying a derivative runs faster "
-                                           "as XLA's FP8 GEMM and fusions (H200)")
+                                           "as XLA's FP8 GEMM and fusions")
     return Choice("auto", "")
 
 
@@ -173,7 +179,7 @@ def relu_from_next_input(stack: Stack, quantized, i: int) -> bool:
     forward GEMM has no aux output (RELU_BIAS, not RELU_AUX_BIAS). The one rule: a ReLU layer
     followed by an FP8 layer, under `backward="auto"` (whose data gradients through ReLU then
     are plain FP8 GEMMs and XLA fusions); an explicit backend keeps the packed mask (
-    `"fused"`: cuBLASLt's DRELU_BGRAD reads it; `"unfused"`: XLA's FP8 GEMM then the mask's
+    `"fused"`: cuBLASLt's DRELU_BGRAD reads it; `"xla"`: XLA's FP8 GEMM then the mask's
     derivative, the path "auto" took before). The derivative differs from the mask's only
     where z > 0 quantizes to 0 (`q(h)·z` under 2**-10, half e4m3's smallest subnormal: about
     2**-19 of h's amax) and at z = ±0 (and NaN): 0 there, `jax.nn.relu`'s own convention at 0,

@@ -28,8 +28,8 @@ from jax_epilog.op.epilogs import as_epilog
 CANDIDATES = ("cublaslt", "xla")
 MARGIN = 0.02
 # cuBLASLt must also win by more than its custom call's own cost per call, which tune's timing
-# (copies of small problems per jitted call) amortises away. H200, 2026-12-01: G6's forward ran
-# 37 us against XLA's 28 us in a real call where tune had timed 15.3 against 17.9 us.
+# (copies of small problems per jitted call) amortises away: a small forward that tune timed
+# faster than XLA's ran slower in a real call (benchmarks/results/overhead.md).
 CALL_COST_S = 8e-6
 NEAREST_WITHIN = 2.0
 REFERENCE_DEVICE = "NVIDIA H200"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Literal, NamedTuple, Optional, get_args
 
 
 class Setting(NamedTuple):
@@ -26,7 +26,8 @@ class Setting(NamedTuple):
 SETTINGS = (
     Setting("JAX_EPILOG_AUTOTUNE", "1",
             "`1`: time cuBLASLt's top candidates (up to 8) the first time a problem runs and keep "
-            "the fastest (on the H200: G3 forward 1.21x, 3-250 ms once per problem); `0`: take "
+            "the fastest (benchmarks/results/autotune.md; it costs a little time once per "
+            "problem); `0`: take "
             "the heuristic's first. Applies to problems not planned yet."),
     Setting("JAX_EPILOG_AUTOTUNE_CACHE", "`~/.cache/jax_epilog/autotune.txt`",
             "The file of tuned algorithms shared by the processes of the machine, keyed by GPU, "
@@ -59,7 +60,9 @@ SETTINGS = (
             "(with a warning)."),
 )
 _DEFAULTS = {s.variable: s.default for s in SETTINGS}
-BACKENDS = ("auto", "cublaslt", "xla")
+#: What runs a GEMM: `matmul(backend=)` and JAX_EPILOG_BACKEND (which has no "auto").
+Backend = Literal["auto", "cublaslt", "xla"]
+BACKENDS = get_args(Backend)
 
 # Kept for callers of the earlier API.
 AUTOTUNE_ENV = "JAX_EPILOG_AUTOTUNE"
@@ -146,7 +149,10 @@ def backend_override() -> Optional[str]:
     return None if value == "auto" else value
 
 
-SERVING_WAYS = ("auto", "fp8", "fp8_pallas", "xla_fp8", "weight_only")
+#: How a layer of a stored FP8 weight runs (docs/serving.md): JAX_EPILOG_SERVING and
+#: `forced_serving_way`; "auto" leaves it to `planning.serving_plan`.
+ServingWay = Literal["auto", "fp8", "fp8_pallas", "xla_fp8", "weight_only"]
+SERVING_WAYS = get_args(ServingWay)
 
 
 def serving_override() -> Optional[str]:
@@ -159,7 +165,7 @@ def serving_override() -> Optional[str]:
 
 
 @contextlib.contextmanager
-def forced_serving_way(way: Optional[str]):
+def forced_serving_way(way: Optional[ServingWay]):
     """`JAX_EPILOG_SERVING=way` while the block runs, then as it was: every layer with a stored
     FP8 weight traced inside runs that way (docs/serving.md); None changes nothing. (An
     environment variable: the process's, not the thread's.)"""

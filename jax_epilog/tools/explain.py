@@ -9,8 +9,8 @@ SwiGLU block, block-scaled FP8 stack and layer of stored FP8 weights, its way an
 rule (`planning.block_plan`); then each `epilog_matmul` call of the program as the CUDA
 lowering would emit it (the kernel, XLA's GEMM, padded or relaid out, a block-scaled call's
 tiles). On a host without a CUDA GPU the program runs the reference; the explanation then
-says what CUDA would do, planned with the tables of `table_format.REFERENCE_DEVICE` (the H200)
-and without cuBLASLt's support answers (which only a GPU can give).
+says what CUDA would do, planned with the tables of `table_format.REFERENCE_DEVICE` (the
+reference GPU) and without cuBLASLt's support answers (which only a GPU can give).
 
     jax_epilog.explain(train_step, params, batch)        # prints, returns an `Explanation`
     python -m jax_epilog.explanation --fn mypkg.model:train_step --args "bf16[256,784]" ...

@@ -279,9 +279,9 @@ def stack_fn(key: table_format.StackKey, candidate: str) -> Callable:
     if candidate == table_format.FP8:
         return _fp8_step(key)
     if candidate == "plain":
-        forward = functools.partial(layers._plain_expression, stack_of(key))
+        forward = functools.partial(layers.plain_expression, stack_of(key))
     else:
-        forward = functools.partial(layers._stack, plan_of(key, on_gpu=False))
+        forward = functools.partial(layers.fused_stack, plan_of(key, on_gpu=False))
     if key.mode == "forward":
         return forward
 
@@ -297,7 +297,7 @@ def _fp8_step(key: table_format.StackKey) -> Callable:
                          f"multiples of {stack_plan.FP8_ALIGNMENT}")
 
     def loss(x, params, target, *state):
-        y = layers._run(x, params, key.activations, precision=None, forward="auto",
+        y = layers.run(x, params, key.activations, precision=None, forward="auto",
                         backward="auto", dtype=None, fp8=FP8_CANDIDATE,
                         fp8_state=state[0] if state else None)
         return squared_error(y, target)

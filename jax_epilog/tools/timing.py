@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-# H100/H200 have a 50 MiB L2; inputs are rotated until the working set is twice that.
+# Hopper GPUs have a 50 MiB L2; inputs are rotated until the working set is twice that.
 L2_BYTES = 50 * 1024 * 1024
 MAX_INPUT_COPIES = 64
 

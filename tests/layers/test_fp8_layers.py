@@ -360,7 +360,7 @@ def test_mixed_fp8_and_plain_layers_match_the_model(monkeypatch):
     widths = (32, 48, 64, 129, 16)
     x, params = make_stack(3, widths, lead=(11,))
     activations = ("gelu", "gelu", "gelu", None)
-    quantized = Fp8().quantized_layers(11, widths)
+    quantized = stack_plan.fp8_layers(Fp8(), 11, widths)
     assert quantized == (True, True, False, False)
     dy = random_cotangent(2, (11, 16))
     got = run_stack(x, params, activations, dy, True)
@@ -454,7 +454,7 @@ def test_residuals_are_fp8():
 
 
 def test_backward_barriers_take_flat_arrays_on_one_device():
-    """The backward's optimization barriers (`fp8_step._barrier`, a primitive partitioned per
+    """The backward's optimization barriers (`op.barrier.flat_barrier`, a primitive partitioned per
     shard) still see 1-D arrays on one device, the layout guard of docs/fp8.md ("Layouts"):
     odd shapes, the bias gradient (bf16) crossing with the FP8 gradient."""
     rng = np.random.default_rng(31)

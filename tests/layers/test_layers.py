@@ -116,7 +116,7 @@ def check_against_plain(x, params, activation, final_activation, backwards=("aut
 
 # --- dense ----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("backward", ["fused", "unfused"])
+@pytest.mark.parametrize("backward", ["fused", "xla"])
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 def test_dense_matches_plain_expression(activation, with_bias, backward):
@@ -156,7 +156,7 @@ def test_dense_leading_dims(shape):
 def test_deep_mlp_matches_plain_stack(activation, final_activation):
     # Uneven widths, a 1-wide layer, and the 1-wide layer without a bias.
     x, params = make_stack(3, DEEP_WIDTHS, lead=(3,), bias=(True, True, False, True))
-    check_against_plain(x, params, activation, final_activation, ("fused", "unfused"))
+    check_against_plain(x, params, activation, final_activation, ("fused", "xla"))
 
 
 @pytest.mark.parametrize("final_activation", ACTIVATIONS)
@@ -172,20 +172,20 @@ def test_one_layer_mlp_is_dense(final_activation):
 def test_mlp_without_any_bias():
     x, params = make_stack(5, (17, 9, 33, 8), lead=(6,), bias=False)
     for activation in ("relu", "gelu"):
-        check_against_plain(x, params, activation, "relu", ("fused", "unfused"))
+        check_against_plain(x, params, activation, "relu", ("fused", "xla"))
 
 
 def test_fused_and_unfused_backward_agree_and_differ_in_kernels():
     x, params = make_stack(6, DEEP_WIDTHS, lead=(4,))
     grads = {}
-    for backward in ("fused", "unfused"):
+    for backward in ("fused", "xla"):
         fn = jax.grad(loss_of(mlp_fn("relu", "relu", backward)), argnums=(0, 1))
         grads[backward] = jax.jit(fn)(x, params)
         backends = backends_by_epilog(jax.make_jaxpr(fn)(x, params))
         want = "cublaslt" if backward == "fused" else "xla"
         assert backends[Epilog.DRELU_BGRAD] == backends[Epilog.BGRADB] == {want}
         assert backends[Epilog.RELU_AUX_BIAS] == {"auto"}  # the forward: its own choice
-    assert_trees_close(grads["fused"], grads["unfused"], rtol=2e-5, atol=2e-5)
+    assert_trees_close(grads["fused"], grads["xla"], rtol=2e-5, atol=2e-5)
 
 
 def kink_free_stack(widths, margin=0.5):
@@ -212,7 +212,7 @@ def test_check_grads_finite_differences(activation):
     zs = pre_activations(x, params)
     assert min(float(jnp.min(jnp.abs(z))) for z in zs) > 0.4
     assert all(bool(jnp.any(z > 0)) and bool(jnp.any(z < 0)) for z in zs if z.size > 1)
-    for backward in ("fused", "unfused"):
+    for backward in ("fused", "xla"):
         check_grads(jax.jit(mlp_fn(activation, activation, backward)), (x, params), order=1,
                     modes=["rev"], eps=1e-3, atol=1e-2, rtol=1e-2)
     (kernel, bias) = params[0]
@@ -357,23 +357,36 @@ def backends_by_epilog(closed_jaxpr) -> dict:
     return found
 
 
-@pytest.mark.parametrize("forward,backward", [("auto", "auto"), ("fused", "unfused"),
+@pytest.mark.parametrize("forward,backward", [("auto", "auto"), ("fused", "xla"),
                                               ("xla", "fused")])
 def test_forward_and_backward_choose_the_backends(forward, backward):
     x, params = make_stack(15, (129, 300, 10), lead=(6,))
     fn = jax.grad(loss_of(mlp_fn("relu", None, backward, forward=forward)), (0, 1))
     backends = backends_by_epilog(jax.make_jaxpr(fn)(x, params))
-    as_backend = {"auto": "auto", "fused": "cublaslt", "unfused": "xla", "xla": "xla"}
+    as_backend = {"auto": "auto", "fused": "cublaslt", "xla": "xla"}
     assert backends[Epilog.RELU_AUX_BIAS] == backends[Epilog.BIAS] == {as_backend[forward]}
     assert backends[Epilog.DRELU_BGRAD] == backends[Epilog.BGRADB] == {as_backend[backward]}
 
 
-@pytest.mark.parametrize("argument,value", [("forward", "unfused"), ("backward", "xla"),
+@pytest.mark.parametrize("argument,value", [("forward", "unfused"), ("backward", "cublaslt"),
                                             ("forward", None), ("backward", True)])
 def test_bad_backend_choice_names_itself(argument, value):
     x, params = make_stack(16, (8, 8), lead=(2,))
     with pytest.raises(ValueError, match=f"^{argument}: expected one of"):
         jax_epilog.mlp(x, params, **{argument: value})
+
+
+def test_the_old_backward_spelling_warns_and_runs_xla():
+    """`backward="unfused"` (the old name of "xla") still runs, as "xla", with a warning."""
+    x, params = make_stack(17, (8, 8), lead=(2,))
+
+    def backends(backward):
+        fn = jax.grad(loss_of(mlp_fn("relu", None, backward)), (0, 1))
+        return backends_by_epilog(jax.make_jaxpr(fn)(x, params))
+
+    with pytest.warns(DeprecationWarning, match='backward="unfused" is spelled "xla"'):
+        old = backends("unfused")
+    assert old == backends("xla")
 
 
 # --- jax.grad of jax_epilog.matmul ----------------------------------------------------------
@@ -481,7 +494,7 @@ def test_gpu_mlp_against_float64(dtype, activation, monkeypatch):
                                 activation)
     dx, grads = pullback(to64(cotangent))
     results = {}
-    for backward in ("fused", "unfused", "auto"):
+    for backward in ("fused", "xla", "auto"):
         fn = jax.jit(lambda x, p: jax.vjp(mlp_fn(activation, activation, backward), x, p))
         y, vjp = fn(x, params)
         results[backward] = (y, *vjp(cotangent))
@@ -494,7 +507,7 @@ def test_gpu_mlp_against_float64(dtype, activation, monkeypatch):
             assert relative_error(dk, want_dk) < tolerance
             if want_db is not None:
                 assert relative_error(db, want_db) < tolerance
-    fused, unfused = (jax.tree.leaves(results[b]) for b in ("fused", "unfused"))
+    fused, unfused = (jax.tree.leaves(results[b]) for b in ("fused", "xla"))
     for a, b in zip(fused, unfused):
         assert relative_error(a, b) < GPU_TOLERANCE[dtype]
 
@@ -565,7 +578,7 @@ def test_forced_backends_decide_without_dispatch(monkeypatch):
     # The layers' choices are under test, not matmul's own for a call whose step runs XLA.
     monkeypatch.setattr(call_plan, "plan_matmul_step", lambda *args: context.Choice("fused", "test"))
     x, params = make_stack(18, (24, 40, 16), lead=(6,))
-    plain = mlp_fn("relu", None, "unfused", forward="xla")
+    plain = mlp_fn("relu", None, "xla", forward="xla")
     assert backends_by_epilog(jax.make_jaxpr(plain)(x, params)) == {}
     fused = mlp_fn("relu", None, "fused", forward="xla")
     assert backends_by_epilog(jax.make_jaxpr(fused)(x, params))

@@ -64,7 +64,7 @@ LAYERS = {
     "fused relu": dict(activation="relu", forward="fused", backward="fused"),
     "fused gelu, final relu": dict(activation="gelu", final_activation="relu",
                                    forward="fused", backward="fused"),
-    "fused forward, xla backward": dict(activation="relu", forward="fused", backward="unfused"),
+    "fused forward, xla backward": dict(activation="relu", forward="fused", backward="xla"),
     "fp8 relu": dict(activation="relu", fp8=Fp8(layers="all")),
     "fp8 gelu": dict(activation="gelu", fp8=Fp8(layers="all")),
     "fp8 relu fused backward": dict(activation="relu", fp8=Fp8(layers="all"), backward="fused"),
@@ -170,7 +170,7 @@ def test_each_gemm_names_the_table_entry_that_chose_it(tmp_path, monkeypatch):
 def test_explain_prints_stacks_gemms_and_calls(capsys, matmul_keeps_its_vjp):
     x, params = stack_args(129, (127, 65, 17))
     returned = jax_epilog.explain(step_of(functools.partial(
-        jax_epilog.mlp, forward="fused", backward="unfused")), x, params)
+        jax_epilog.mlp, forward="fused", backward="xla")), x, params)
     text = capsys.readouterr().out
     assert text.strip() == str(returned)
     if not context.on_cuda_gpu():

@@ -191,7 +191,7 @@ def test_stack_step_is_the_value_and_grad_of_the_shared_loss():
     stack = measurement.stack_of(key)
     loss, (dx, dparams) = measurement.stack_fn(key, "plain")(x, params, target)
     want_loss, (want_dx, want_dparams) = jax.value_and_grad(
-        lambda x, p: grid.squared_error(layers._plain_expression(stack, x, p), target),
+        lambda x, p: grid.squared_error(layers.plain_expression(stack, x, p), target),
         argnums=(0, 1))(x, params)
     assert loss.shape == () and jnp.allclose(loss, want_loss)
     for a, b in zip(jax.tree.leaves((dx, dparams)), jax.tree.leaves((want_dx, want_dparams))):
