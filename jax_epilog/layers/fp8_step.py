@@ -114,10 +114,6 @@ def matmul8(a8, sa, b8, sb, dtype, backend, fast: bool, *, epilog=Epilog.DEFAULT
     return out if isinstance(out, tuple) else (out, {})
 
 
-# The name `matmul8` had when it was private, which code written against it still imports
-# (the stock-model FP8 layers); new code uses `matmul8`.
-_matmul8 = matmul8
-
 
 def positive(x8):
     """`x8 > 0` for an FP8 array, as integer compares of its bits (measured faster than XLA's

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from jax_epilog.float8.recipe import Fp8, as_fp8
 from jax_epilog.float8.scaling import quantize_scaled
-from jax_epilog.layers.fp8_step import _matmul8, carry_state
+from jax_epilog.layers.fp8_step import carry_state, matmul8
 from jax_epilog.planning.stack_plan import fp8_pays_why
 
 #: Flax's names for an FP8 op's state (`flax.linen.fp8_ops.Fp8DotGeneralBase`): amax histories
@@ -228,7 +228,7 @@ def _fp8_gemm_fwd(config: _Config, a, b, state):
                                      _history(state, "input_amax_history"), axes)
     b8, sb, b_amax = quantize_scaled(b, fp8.forward, fp8.margin,
                                      _history(state, "kernel_amax_history"), axes)
-    y, _ = _matmul8(a8, sa, b8, sb, config.out_dtype, "auto", fp8.fast("forward"))
+    y, _ = matmul8(a8, sa, b8, sb, config.out_dtype, "auto", fp8.fast("forward"))
     return y, (a8, sa, a_amax, b8, sb, b_amax, state)
 
 
@@ -239,8 +239,8 @@ def _fp8_gemm_bwd(config: _Config, saved, dy):
                                      _history(state, "output_grad_amax_history"),
                                      fp8.amax_reduction_axes)
     # dA = dY8 B8ᵀ (e5m2 × e4m3); dB = A8ᵀ dY8 from K-major copies, as the layers' step makes it.
-    da, _ = _matmul8(g8, sg, b8, sb, dtype, "auto", fp8.fast("data gradient"), transpose_b=True)
-    db, _ = _matmul8(_t(a8), sa, _t(g8), sg, dtype, "auto", fp8.fast("weight gradient"),
+    da, _ = matmul8(g8, sg, b8, sb, dtype, "auto", fp8.fast("data gradient"), transpose_b=True)
+    db, _ = matmul8(_t(a8), sa, _t(g8), sg, dtype, "auto", fp8.fast("weight gradient"),
                      transpose_b=True)
     return da, db, _next_state(state, (a_amax, b_amax, g_amax), (sa, sb, sg))
 
