@@ -188,7 +188,9 @@ def commit() -> Optional[str]:
         return None
 
 
-def run_matrix(args) -> dict[str, Any]:
+def run_matrix(args, save=lambda report: None) -> dict[str, Any]:
+    """The matrix's report; `save(report)` after each cell, so that a run stopped from outside
+    (a compile that outlasts the budget, a time limit) still leaves the cells it measured."""
     grid = TINY if args.tiny else dict(archs=ARCHS, batches=BATCHES, contexts=CONTEXTS,
                                        head_dim=HEAD_DIM)
     archs = {name: grid["archs"][name] for name in args.archs}
@@ -211,6 +213,7 @@ def run_matrix(args) -> dict[str, Any]:
                             variant, (query_heads, kv_heads), batch, context,
                             grid["head_dim"], args.steps, args.rounds, limit)
                 report["cells"].append(cell)
+                save(report)
                 print(name, batch, context, {v: _us(t) for v, t in cell["variants"].items()},
                       flush=True)
     return report
@@ -303,9 +306,8 @@ def main(argv: Optional[list[str]] = None) -> Optional[dict]:
             parser.error(f"--{name}: expected >= 1, got {getattr(args, name)}")
     if "stock" not in args.variants:
         args.variants = ["stock"] + args.variants  # every speed is against it
-    report = run_matrix(args)
-    timing.write_report(report, args.out, "decode_matrix", render)
-    return report
+    return run_matrix(args, lambda report: timing.write_report(report, args.out,
+                                                               "decode_matrix", render))
 
 
 if __name__ == "__main__":
