@@ -159,8 +159,10 @@ def test_each_subpackage_imports_only_those_above_it():
 def _traced(run) -> tuple[dict[str, str], int]:
     """The package's functions `run()` calls (`module.qualname`: its file, in the order first
     met; jax's own left out) and how many times it binds the primitive `epilog_matmul_p`."""
+    import jax_epilog
     from jax_epilog.op.call import epilog_matmul_p
-    package = str(PACKAGE) + "/"
+    # The package imported (installed, or this checkout), not necessarily PACKAGE's folder.
+    package = str(Path(jax_epilog.__file__).resolve().parent) + "/"
     met: dict[str, str] = {}
     binds = 0
 

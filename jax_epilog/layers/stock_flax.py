@@ -54,8 +54,8 @@ def _recipe(fp8, history_length: Optional[int], where: str):
     return recipe
 
 
-def _einsum(dot, eqn, lhs, rhs, precision=None, preferred_element_type=None,
-            out_sharding=None):
+def fp8_einsum(dot, eqn, lhs, rhs, precision=None, preferred_element_type=None,
+               out_sharding=None):
     """`jnp.einsum` of two operands with its products run by `dot` (a dot_general)."""
     return jnp.einsum(eqn, lhs, rhs, precision=precision,
                       preferred_element_type=preferred_element_type,
@@ -122,8 +122,8 @@ class Fp8Einsum(Fp8DotGeneral):
     @linen.compact
     def __call__(self, eqn, lhs, rhs, precision=None, preferred_element_type=None,
                  out_sharding=None):
-        return _einsum(functools.partial(self._dot, self._fp8_state()), eqn, lhs, rhs, precision,
-                       preferred_element_type, out_sharding)
+        dot = functools.partial(self._dot, self._fp8_state())
+        return fp8_einsum(dot, eqn, lhs, rhs, precision, preferred_element_type, out_sharding)
 
 
 # --- NNX --------------------------------------------------------------------------------------
@@ -174,7 +174,7 @@ class NnxFp8Einsum(NnxFp8DotGeneral):
         dot = functools.partial(fp8_dot_general, fp8=self.fp8, state=self._fp8_state(),
                                 strict=self.strict,
                                 name=self.name or "jax_epilog.nnx.Fp8Einsum")
-        return _einsum(dot, eqn, lhs, rhs, precision, preferred_element_type, out_sharding)
+        return fp8_einsum(dot, eqn, lhs, rhs, precision, preferred_element_type, out_sharding)
 
 
 def overwrite_with_gradient(model: nnx.Module, grads) -> None:

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Optional, Union
 import jax
 from flax import linen, nnx
 
-from jax_epilog.float8.recipe import _format
+from jax_epilog.float8.recipe import fp8_format
 from jax_epilog.float8.weights import MIN_FEATURES, Fp8Weight, _check_granularity
 from jax_epilog.layers import stock_layers
 from jax_epilog.layers.stock_layers import kernel_value, stock_kind
@@ -185,7 +185,7 @@ def serve_fp8(model, *args, rules: Rules = None, strict: bool = False,
       dtype, granularity: as `quantize_params`': the stored format and one scale per kernel
         ("tensor") or per output channel ("channel").
     """
-    dtype = _format("dtype", dtype)
+    dtype = fp8_format("dtype", dtype)
     _check_granularity(granularity)
     if isinstance(model, linen.Module):
         if not args:

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import linen, nnx
 
 from jax_epilog.float8.recipe import Fp8, as_fp8
-from jax_epilog.layers.stock_flax import NnxFp8DotGeneral, NnxFp8Einsum, _einsum
+from jax_epilog.layers.stock_flax import NnxFp8DotGeneral, NnxFp8Einsum, fp8_einsum
 from jax_epilog.layers.stock_fp8 import fp8_dot_general, initialising
 
 #: The stock layers by how their product is reached: through the dot_general they hold, or
@@ -168,7 +168,7 @@ def _einsum_op(*args, **kwargs):
     with _inactive() as dot:
         if dot is None or "_dot_general" in kwargs or len(args) != 3:
             return _ORIGINAL_EINSUM(*args, **kwargs)
-        return _einsum(dot, *args, **kwargs)
+        return fp8_einsum(dot, *args, **kwargs)
 
 
 @contextlib.contextmanager
