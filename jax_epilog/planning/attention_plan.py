@@ -8,17 +8,17 @@ Two read forms compute the same attention of a few queries over an FP8 cache:
 - "dots": two batched dots over the cache converted where the dot reads it (a convert XLA's
   GPU GEMM fusion can take into the GEMM), the scales applied as there.
 
-Which wins depends on the architecture (the example's runs on an H100 had "reduce" ahead with
-one query head per key head and "dots" ahead with groups of four: a group is one dot's rows,
-where the multiply-reduces broadcast each key over the group), and may depend on the batch
-and the context. So the choice is made from measurements (`benchmarks/decode_matrix.py`) kept in
+Which wins depends on the architecture, the batch and the context (with groups of query
+heads per key head, a group is one dot's rows, where the multiply-reduces broadcast each key
+over the group), and on the GPU. So the choice is made from measurements
+(`benchmarks/decode_matrix.py`, its H100 run in `benchmarks/results/decode_matrix/`) kept in
 `tables/attention/decode.json`: per GPU model, cells of (query heads per key head, batch,
 context) with the fastest FP8 read and layout and each one's time. The nearest cell decides:
 first the nearest group size, then the nearest batch and context (the largest |log ratio|).
 A GPU with no section of its own uses the first section (the reference card). Off a GPU (or
-with no table) a constant rule decides: "dots" where query heads share a key head, "reduce"
-for MHA, both over "heads_major". `decode_attention(read=...)` and `init_kv_cache(layout=...)`
-override it.
+with no table) a constant rule decides: "dots" over "heads_major", the read that was at
+least as fast as "reduce" in every cell of the measured matrix where the step was not
+launch-bound. `decode_attention(read=...)` and `init_kv_cache(layout=...)` override it.
 
 Imports only JAX and the standard library.
 """
@@ -57,10 +57,11 @@ def variant_name(read: str, layout: str) -> str:
 
 
 def constant_plan(query_heads: int, kv_heads: int) -> DecodePlan:
-    """The rule without a measurement: "dots" for grouped queries, "reduce" for MHA."""
-    read = "dots" if query_heads > kv_heads else "reduce"
-    return DecodePlan(read, "heads_major", f"the constant rule ({read} for "
-                      f"{'grouped queries' if read == 'dots' else 'one query head per key head'})")
+    """The rule without a measurement: "dots" over a heads-major cache, for every grouping of
+    `query_heads` over `kv_heads` (both kept for the signature's sake: a measured table's
+    cells are chosen by them)."""
+    del query_heads, kv_heads
+    return DecodePlan("dots", "heads_major", "the constant rule (dots over heads_major)")
 
 
 @functools.cache
@@ -95,10 +96,13 @@ def _log_ratio(a: float, b: float) -> float:
 
 
 def nearest_entry(entries, group: int, batch: int, context: int) -> Optional[dict]:
-    """The entry of the nearest group size, then of the nearest batch and context."""
+    """The entry of the nearest group size, then of the nearest batch and context (the
+    larger |log ratio| of the two, ties broken by their sum: a context far from every cell
+    must not make all batches equally near)."""
     def distance(e):
+        ratios = (_log_ratio(e["batch"], batch), _log_ratio(e["context"], context))
         return (round(_log_ratio(e["query_heads"] / e["kv_heads"], group), 6),
-                max(_log_ratio(e["batch"], batch), _log_ratio(e["context"], context)))
+                round(max(ratios), 6), sum(ratios))
     return min(entries, key=distance, default=None)
 
 

@@ -178,15 +178,20 @@ def test_a_donated_cache_is_updated_in_place(dtype, layout, positions):
 def test_the_rule_reads_the_table_nearest_cell_first(tmp_path):
     plan = attention_plan.decode_plan
     assert plan(32, 8, 64, 384, device=None) == attention_plan.constant_plan(32, 8)
-    assert plan(32, 8, 64, 384, device=None).read == "dots"
-    assert plan(32, 32, 64, 384, device=None).read == "reduce"
+    assert plan(32, 32, 64, 384, device=None)[:2] == ("dots", "heads_major")
     seeded = attention_plan.read_table()[0]
     device = seeded["device"]
-    assert not seeded["measured"]  # seeded from the example's runs, until a matrix replaces it
-    assert plan(32, 8, 1, 8192, device=device)[:2] == ("dots", "heads_major")
-    assert plan(32, 1, 256, 384, device=device).read == "dots"  # MQA: the nearest group, GQA's
-    assert plan(32, 32, 64, 384, device=device).read == "reduce"
-    assert plan(32, 32, 64, 384, device="another GPU").read == "reduce"  # the first section
+    assert seeded["measured"]  # the shipped section is a matrix's run
+    cells = {(e["query_heads"] // e["kv_heads"], e["batch"], e["context"]): e
+             for e in seeded["entries"]}
+
+    def shipped(group, batch, context):
+        return cells[group, batch, context]["read"], cells[group, batch, context]["layout"]
+    # the nearest cell decides: the nearest group, then the nearest batch and context
+    assert plan(32, 8, 64, 8192, device=device)[:2] == shipped(4, 64, 384)
+    assert plan(32, 1, 256, 384, device=device)[:2] == shipped(32, 16, 384)
+    assert plan(32, 2, 100, 384, device=device)[:2] == shipped(32, 16, 384)  # group 16: MQA's
+    assert plan(32, 32, 64, 384, device="another GPU")[:2] == shipped(1, 64, 384)
     # a table made from a benchmark report: each cell's fastest FP8 variant decides
     name = attention_plan.variant_name
     cell = {"query_heads": 32, "kv_heads": 8, "head_dim": 128, "batch": 16, "context": 2048}
