@@ -636,8 +636,8 @@ def compare_variants(names, config, weights, dtype, corpus, settings) -> dict[st
 
 def speed_ratio_note(platform: str) -> Optional[str]:
     """None on a GPU; elsewhere why a variant's speed over stock's is not reported: FP8 is
-    emulated there (FP8 values converted back to the compute dtype before each GEMM), so the
-    FP8 variants' ratios would measure the emulation, not FP8."""
+    emulated there (FP8 weights and KV cache converted back to the compute dtype before each
+    GEMM), so the FP8 variants' ratios would measure the emulation, not FP8."""
     return None if platform == "gpu" else f"n/a ({platform.upper()}: FP8 emulated)"
 
 
@@ -645,10 +645,10 @@ def fp8_emulated_warning(platform: str) -> Optional[str]:
     """The line a run off a GPU prints first (None on a GPU)."""
     if platform == "gpu":
         return None
-    return (f"Not a GPU ({platform}): FP8 is emulated in plain JAX here (FP8 values are "
-            "converted back to the compute dtype before each GEMM), so the FP8 variants' "
-            "speeds measure the emulation (slower than stock), not FP8: their speed ratios are "
-            "reported as n/a, and the quality columns are the comparison.")
+    return (f"Not a GPU ({platform}): FP8 is emulated in plain JAX here (FP8 weights and "
+            "the FP8 KV cache are converted back to the compute dtype before each GEMM), so "
+            "the FP8 variants' speeds measure the emulation (slower than stock), not FP8: "
+            "their speed ratios are reported as n/a, and the quality columns compare.")
 
 
 def add_speed_ratios(records: dict[str, dict], note: Optional[str]) -> None:
