@@ -465,9 +465,9 @@ def text_of(tokens: np.ndarray) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What to generate and how to measure it: the command line's options, and from
-    `repeats` on the experiment switches (`EXPERIMENT_SETTINGS`), which only
-    generate_bench.py's command line sets."""
+    """What to generate and how to measure it: the command line's options, and the
+    experiment switches (`EXPERIMENT_SETTINGS`), which only generate_bench.py's command
+    line sets."""
 
     batches: tuple[int, ...]
     prompt_len: int
