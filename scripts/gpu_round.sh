@@ -352,7 +352,8 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # jax-epilog's FP8 layers, the fused SwiGLU block on a Llama config) for
       # GENERATE_TRAIN_STEPS into a checkpoint (a temporary folder, or GENERATE_CHECKPOINT_DIR
       # to keep it for a later call: train.py then resumes there and trains no more), then
-      # stock, epilog_fp8 and qwix_fp8 from its weights side by side (GENERATE_ARGS, e.g.
+      # stock, epilog_fp8 and qwix_fp8 from its weights side by side (by generate_bench.py,
+      # which takes generate.py's options and its experiment switches: GENERATE_ARGS, e.g.
       # "--kv-cache bf16" to give epilog_fp8 the 16-bit cache too). GENERATE_PROFILE=1 traces
       # a few decode steps of each (into /tmp/generate_profile) and adds where a step's GPU time
       # goes to the report. Qwix comes from the carried .whl/. First the decode step's GPU
@@ -367,7 +368,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
         --steps "${GENERATE_TRAIN_STEPS:-300}" --no-progress \
         --checkpoint-dir "$ckpt" 2>&1) > "$OUT/generate_train.log"
       note "generate: trained ${GENERATE_CONFIG:-large} for ${GENERATE_TRAIN_STEPS:-300} steps: rc=$? ($((SECONDS - start)) s): $(tail -n 1 "$OUT/generate_train.log")"
-      (cd "$ROOT" && runs --cap "${GENERATE_CAP:-420}" "$PY" examples/gpt/generate.py \
+      (cd "$ROOT" && runs --cap "${GENERATE_CAP:-420}" "$PY" examples/gpt/generate_bench.py \
         --checkpoint-dir "$ckpt" --compare \
         ${GENERATE_ARGS:---batch 1 16 64 --prompt-len 128 --new-tokens 256} $profile_args \
         --no-progress --out "$OUT/generate" 2>&1) > "$OUT/generate.log"
@@ -378,7 +379,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       grep -E "FAILED|Error" "$OUT/generate.log" | head -20 | tee -a "$SUMMARY"
       [ -z "${GENERATE_CHECKPOINT_DIR:-}" ] && rm -rf "$ckpt" ;;
     decodelayout)
-      # The FP8 KV cache's layouts (jax_epilog.init_kv_cache's layout=, generate.py
+      # The FP8 KV cache's layouts (jax_epilog.init_kv_cache's layout=, generate_bench.py
       # --fp8-cache-layout) on DECODE_LAYOUT_CONFIG (`large`), random weights, stock and
       # epilog_fp8 at batch 1 and 64, each decode call also traced (compiled without command
       # buffers): heads_major (the default) then heads_major_rows (its values a row a
@@ -398,7 +399,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
         run="decode_$layout"
         [ "$way" = auto ] || run="${run}_$way"
         (cd "$ROOT" && JAX_EPILOG_SERVING="$way" \
-          runs --cap "${DECODE_LAYOUT_CAP:-300}" "$PY" examples/gpt/generate.py \
+          runs --cap "${DECODE_LAYOUT_CAP:-300}" "$PY" examples/gpt/generate_bench.py \
           --random-init --config "${DECODE_LAYOUT_CONFIG:-large}" --compare \
           --variants stock,epilog_fp8 --batch ${DECODE_LAYOUT_BATCHES:-1 64} --repeats 2 --eval-batches 1 \
           --fp8-cache-layout "$layout" ${DECODE_LAYOUT_ARGS:-} $profile_args \
@@ -439,7 +440,7 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       # ratios share stock's run: DECODE_AB_VARIANTS (default stock, the default ways, XLA's
       # FP8 dot forced), DECODE_AB_BATCHES (1 16 64), DECODE_AB_CONFIG (`large`), random
       # weights, into $OUT/decode_ab. A forced way runs the prefill that way too.
-      (cd "$ROOT" && runs --cap "${DECODE_AB_CAP:-400}" "$PY" examples/gpt/generate.py \
+      (cd "$ROOT" && runs --cap "${DECODE_AB_CAP:-400}" "$PY" examples/gpt/generate_bench.py \
         --random-init --config "${DECODE_AB_CONFIG:-large}" --compare \
         --variants "${DECODE_AB_VARIANTS:-stock,epilog_fp8,epilog_fp8@xla_fp8}" \
         --batch ${DECODE_AB_BATCHES:-1 16 64} --repeats 2 --eval-batches 1 ${DECODE_AB_ARGS:-} \

@@ -11,14 +11,14 @@ the compute dtype (bfloat16 on a GPU, float32 elsewhere); every variant starts f
 
 - `stock`: the model from `nnx.Linear`.
 - `epilog_fp8`: the model from jax-epilog's layers, its large kernels stored in FP8 once by
-  `jax_epilog.quantize_params` (bias and GELU fused into the FP8 GEMMs, 16-bit results);
-  `--static-scales` also calibrates static input scales (`jax_epilog.calibrate`).
+  `jax_epilog.quantize_params` (bias and GELU fused into the FP8 GEMMs, 16-bit results).
 - `stock_fp8`: the stock model served in FP8 by one call, `jax_epilog.serve_fp8` (its code
   unchanged): the same projections as `epilog_fp8` stored in FP8 once and run the same served
   ways, each bias in its GEMM's epilog (GELU stays outside: the stock MLP applies it between
   its layers).
 - `qwix_fp8`: Qwix's post-training quantization of the stock model, FP8 e4m3 weights
   (per channel) and activations (dynamic), on the same projections (QKV, attention output, MLP).
+  Qwix is optional (`pip install qwix`): without it `--compare` skips this variant.
 - `epilog_fp8@WAY`, `stock_fp8@WAY` (with `--compare`): the variant with every served layer
   run one way (`JAX_EPILOG_SERVING=WAY` while the variant is built, compiled and timed: `weight_only`,
   `xla_fp8`, `fp8_pallas` or `fp8`), so that two ways are compared in one process. A forced
@@ -26,30 +26,31 @@ the compute dtype (bfloat16 on a GPU, float32 elsewhere); every variant starts f
 
 Prompts are `--prompt-len` bytes of the validation text for each of `--batch` sequences; the
 prefill samples the first new token, and each of `--new-tokens` - 1 decode steps the next
-(decode.py), `--steps-per-call` of them per dispatch. Greedy by default, else `--temperature`
-and `--top-k` with `--seed`. Each
+(decode.py). Greedy by default, else `--temperature` and `--top-k` with `--seed`. Each
 variant and batch size is compiled first (compile time), run once with a progress bar (its
-text is printed), then timed `--repeats` times (medians): time to first token (the prefill,
-its token on the host), prefill and decode tokens/s. `--compare` runs all four (or
-`--variants`, stock among them) and adds
-quality against stock, teacher forced on validation windows (each window one prefill into
-the variant's KV cache): the validation loss and the agreement of the next-token argmax; it
-writes `gpt_generate.json` and `gpt_generate.md` to `--out`.
+text is printed), then timed (medians): time to first token (the prefill, its token on the
+host), prefill and decode tokens/s. `--compare` runs all four (or `--variants`, stock among
+them) and adds each one's speed over stock's and its quality against stock, teacher forced
+on validation windows (each window one prefill into the variant's KV cache): the validation
+loss and the agreement of the next-token argmax; it writes `gpt_generate.json` and
+`gpt_generate.md` to `--out`. Off a GPU, FP8 is emulated in plain JAX (FP8 values converted
+back to the compute dtype before each GEMM), so the FP8 variants run slower than stock there
+and the speed ratios are reported as not applicable; the quality columns still compare.
 
 The KV cache (`--kv-cache`) is the compute dtype, `bf16`, or `fp8` (float8_e4m3fn, a float32
 scale per head vector; decode.py); `auto` gives `epilog_fp8` and `stock_fp8` the FP8 cache
-and the others the compute dtype. `--fp8-cache-layout` and `--fp8-attention` choose how an FP8 cache is stored
-and read (the library's `init_kv_cache(layout=)` and `decode_attention(read=)`; by default
-its measured rule, docs/kv_cache.md). `--profile DIR` traces
-a few decode steps and a few prefills of each variant and batch size with `jax.profiler` (the
-traces kept in DIR) and sorts their GPU kernels into GEMMs, the attention over the cache, the
-cache writes and the rest (profile.py's `breakdown`).
+and the others the compute dtype.
+
+The experiment switches (timed repeats, the FP8 threshold and scales, the cache's layout and
+read, decode steps per call, command buffers, `--profile`) are `generate_bench.py`'s, which
+runs this script with them.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import re
 import statistics
 import sys
@@ -69,7 +70,6 @@ from flax import nnx
 import jax_epilog
 from jax_epilog.float8.weights import MIN_FEATURES, key_names
 from jax_epilog.planning import serving_plan
-from jax_epilog.planning.attention_plan import LAYOUTS, READS
 
 from gpt import compare, configs, data, decode, profile, train
 from gpt.decode import CachedGPT, Generator, check_fits, init_cache
@@ -85,6 +85,12 @@ KV_CACHES = {"bf16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn}
 #: The projections Qwix quantizes, by module path under `CachedGPT`: those jax-epilog's FP8
 #: would (the embeddings and the tied head stay 16-bit in both).
 QWIX_PROJECTIONS = r"model/blocks/\d+/(attention/(qkv|out)|mlp/(layers/\d+|gate|up|down))"
+#: What `--compare` prints for `qwix_fp8` where Qwix is not installed (an optional peer).
+QWIX_MISSING = "skipped: Qwix is not installed (pip install qwix to add it)"
+
+
+def qwix_installed() -> bool:
+    return importlib.util.find_spec("qwix") is not None
 
 
 # --- weights -----------------------------------------------------------------------------------
@@ -459,7 +465,9 @@ def text_of(tokens: np.ndarray) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What to generate and how to measure it (the command line's options)."""
+    """What to generate and how to measure it: the command line's options, and the
+    experiment switches (`EXPERIMENT_SETTINGS`), which only generate_bench.py's command
+    line sets."""
 
     batches: tuple[int, ...]
     prompt_len: int
@@ -480,6 +488,13 @@ class Settings:
     fp8_cache_layout: str = "auto"  # Generator's cache_layout
     prefill_command_buffers: bool = False  # decode.Generator's
     weight_scales: str = "tensor"  # epilog_fp8's: quantize_params' granularity
+
+
+#: The `Settings` fields generate.py's own command line leaves at their defaults: the
+#: experiment switches, which generate_bench.py's parser adds under these names.
+EXPERIMENT_SETTINGS = ("repeats", "eval_batches", "attention", "fp8_min_features",
+                       "static_scales", "profile", "steps_per_call", "fp8_attention",
+                       "fp8_cache_layout", "prefill_command_buffers", "weight_scales")
 
 
 def variant_parts(name: str) -> tuple[str, Optional[str]]:
@@ -540,7 +555,7 @@ def _serve_variant(name: str, base: str, config: configs.TrainConfig, weights: n
           flush=True)
     if name != "stock" and not record["fp8_kernels"]:
         print(f"{name}: no kernel is stored in FP8 (quantize_params' default rule wants both "
-              "dims >= 512; --fp8-min-features lowers it)", flush=True)
+              "dims >= 512; generate_bench.py --fp8-min-features lowers it)", flush=True)
     generator = Generator(cached, temperature=settings.temperature, top_k=settings.top_k,
                           cache_dtype=cache_dtype(base, settings.kv_cache, dtype),
                           steps_per_call=settings.steps_per_call,
@@ -600,15 +615,67 @@ def compare_variants(names, config, weights, dtype, corpus, settings) -> dict[st
     and the others go on, as in compare.py)."""
     validation = data.validation_batches(corpus.validation, config.batch_size,
                                          config.model.seq_len, settings.eval_batches)
-    records, predictions, failed = {}, {}, {}
+    records, predictions, failed, skipped = {}, {}, {}, {}
     for name in names:
+        if variant_parts(name)[0] == "qwix_fp8" and not qwix_installed():
+            skipped[name] = QWIX_MISSING
+            print(f"{name}: {QWIX_MISSING}", flush=True)
+            continue
         try:
             records[name], predictions[name] = serve_variant(
                 name, config, weights, dtype, corpus, settings, validation)
         except Exception as error:  # noqa: BLE001 -- recorded; the other variants still run
             failed[name] = compare._failure("generate", name, "serving", error)
     add_quality(records, predictions)
-    return {"variants": records, "failed": failed}
+    note = speed_ratio_note(jax.default_backend())
+    add_speed_ratios(records, note)
+    print_speed_ratios(records, note)
+    return {"variants": records, "failed": failed, "skipped": skipped,
+            "speed_ratio_note": note}
+
+
+def speed_ratio_note(platform: str) -> Optional[str]:
+    """None on a GPU; elsewhere why a variant's speed over stock's is not reported: FP8 is
+    emulated there (FP8 weights and KV cache converted back to the compute dtype before each
+    GEMM), so the FP8 variants' ratios would measure the emulation, not FP8."""
+    return None if platform == "gpu" else f"n/a ({platform.upper()}: FP8 emulated)"
+
+
+def fp8_emulated_warning(platform: str) -> Optional[str]:
+    """The line a run off a GPU prints first (None on a GPU)."""
+    if platform == "gpu":
+        return None
+    return (f"Not a GPU ({platform}): FP8 is emulated in plain JAX here (FP8 weights and "
+            "the FP8 KV cache are converted back to the compute dtype before each GEMM), so "
+            "the FP8 variants' speeds measure the emulation (slower than stock), not FP8: "
+            "their speed ratios are reported as n/a, and the quality columns compare.")
+
+
+def add_speed_ratios(records: dict[str, dict], note: Optional[str]) -> None:
+    """Each variant's prefill and decode tokens/s over stock's at the same batch size
+    (`prefill_vs_stock`, `decode_vs_stock`), or None where `note` says they do not apply."""
+    stock = records.get("stock", {"by_batch": {}})["by_batch"]
+    for record in records.values():
+        for batch, m in record["by_batch"].items():
+            for what in ("prefill", "decode"):
+                ours = m[f"{what}_tokens_per_s"]
+                theirs = stock.get(batch, {}).get(f"{what}_tokens_per_s")
+                m[f"{what}_vs_stock"] = ours / theirs if ours and theirs and note is None \
+                    else None
+
+
+def _ratio_cell(value: Optional[float], note: Optional[str]) -> str:
+    return note if note is not None else _number(value, ".2f") + ("x" if value else "")
+
+
+def print_speed_ratios(records: dict[str, dict], note: Optional[str]) -> None:
+    for name, record in records.items():
+        if name == "stock":
+            continue
+        for batch, m in record["by_batch"].items():
+            print(f"{name} batch {batch} vs stock: prefill "
+                  f"{_ratio_cell(m['prefill_vs_stock'], note)}, decode "
+                  f"{_ratio_cell(m['decode_vs_stock'], note)}", flush=True)
 
 
 def _sampling(settings: dict) -> str:
@@ -651,25 +718,29 @@ def render(report: dict) -> str:
              f"{'static (calibrated)' if s['static_scales'] else 'from each call (current)'}; "
              f"medians of {s['repeats']} runs after a warm-up. Method: "
              "examples/gpt/generate.py's docstring.", ""]
-    if meta["platform"] != "gpu":
-        lines += ["Not a GPU: every variant runs plain XLA and no GEMM reads FP8 operands "
-                  "(FP8 values are converted back first), so the speeds measure only this "
-                  "machine; the quality columns are the comparison.", ""]
+    warning = fp8_emulated_warning(meta["platform"])
+    if warning and set(result["variants"]) - {"stock"}:
+        lines += [warning + " No GEMM reads FP8 operands (the FP8 GEMMs column).", ""]
+    note = result.get("speed_ratio_note")
     lines += [_row("variant", "batch", "prefill tokens/s", "decode tokens/s",
+                   "prefill vs stock", "decode vs stock",
                    "time to first token ms", "compile s", "FP8 GEMMs (decode step)",
                    "KV cache, MiB", "decode step MiB", "device peak MiB so far"),
-              _row(*["---"] * 10)]
+              _row(*["---"] * 12)]
     for name, r in result["variants"].items():
         lines += [_row(name, batch, _number(m["prefill_tokens_per_s"]),
                        _number(m["decode_tokens_per_s"]),
+                       _ratio_cell(m.get("prefill_vs_stock"), note),
+                       _ratio_cell(m.get("decode_vs_stock"), note),
                        f"{m['time_to_first_token_s'] * 1e3:.1f}", f"{m['compile_s']:.1f}",
                        _number(m["fp8_gemms_decode"], "d"),
                        f"{r['kv_cache']}, {_mib(m['kv_cache_bytes'])}",
                        _mib((m["decode_step_memory"] or {}).get("peak_bytes")),
                        _mib(m["memory"]["peak_bytes_in_use"]))
                   for batch, m in r["by_batch"].items()]
-    lines += [_row(name, f"failed: {error}", *[""] * 8)
+    lines += [_row(name, f"failed: {error}", *[""] * 10)
               for name, error in result["failed"].items()]
+    lines += [_row(name, why, *[""] * 10) for name, why in result.get("skipped", {}).items()]
     lines += ["", _row("variant", "weights MiB", "validation loss", "vs stock",
                        "top-1 agreement with stock"), _row(*["---"] * 5)]
     lines += [_row(name, _mib(r["weight_bytes"]), f"{r['validation_loss']:.4f}",
@@ -770,9 +841,20 @@ def versions() -> dict[str, Any]:
     return found
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+#: The hint `generate.py` adds to an option it does not know.
+BENCH_HINT = ("the experiment switches, e.g. --repeats, --fp8-min-features or --profile, are "
+              "examples/gpt/generate_bench.py's: see its --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The user's options: the weights, the variants, the batch sizes, the prompt and the
+    sampling, the KV cache's dtype, the report. generate_bench.py adds the experiment
+    switches to it."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="Experiment switches (repeats, FP8 thresholds "
+                                            "and scales, cache layouts, --profile): "
+                                            "examples/gpt/generate_bench.py --help.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint-dir", type=Path,
                         help="a directory train.py --checkpoint-dir wrote (its latest step)")
@@ -782,7 +864,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --random-init (a checkpoint carries its own)")
     parser.add_argument("--variant", default="stock", choices=VARIANTS)
     parser.add_argument("--compare", action="store_true",
-                        help="every variant in one process, with quality against stock")
+                        help="every variant in one process, with speed and quality against "
+                             "stock")
     parser.add_argument("--variants", default=",".join(VARIANTS),
                         help="with --compare: comma-separated, stock among them; "
                              "epilog_fp8@WAY serves epilog_fp8 one way (xla_fp8, ...), "
@@ -796,45 +879,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-k", type=int, help="sample among the k likeliest")
     parser.add_argument("--seed", type=int, default=0, help="the sampling seed")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs (the median)")
-    parser.add_argument("--eval-batches", type=int, default=4,
-                        help="validation batches for the quality metrics")
-    parser.add_argument("--dtype", default="auto", choices=tuple(train.DTYPES))
-    parser.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
-                        help="the full forward's attention (the cached one is XLA's)")
-    parser.add_argument("--fp8-min-features", type=int,
-                        help="epilog_fp8, stock_fp8: store kernels whose dims are both at "
-                             "least this in FP8 (default: quantize_params' rule, 512)")
-    parser.add_argument("--static-scales", action="store_true",
-                        help="epilog_fp8, stock_fp8: static input scales from the "
-                             "validation batches (jax_epilog.calibrate)")
-    parser.add_argument("--weight-scales", default="tensor", choices=("tensor", "channel"),
-                        help="epilog_fp8, stock_fp8: one scale per stored kernel, or one "
-                             "per output channel (quantize_params' granularity)")
     parser.add_argument("--kv-cache", default="auto", choices=("auto", *KV_CACHES),
                         help="the KV cache's dtype: auto is fp8 for epilog_fp8 and "
                              "stock_fp8, the compute dtype for the others")
-    parser.add_argument("--profile", type=Path,
-                        help="trace a few decode steps per variant and batch size into this "
-                             "folder and report where a step's GPU time goes")
     parser.add_argument("--out", type=Path, help="folder for gpt_generate.json and .md")
-    parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--fp8-attention", default="auto", choices=("auto", *READS),
-                        help="how a decode step reads an FP8 KV cache: multiply-reduces or "
-                             "dots over the converted cache (auto: jax_epilog's measured rule)")
-    parser.add_argument("--fp8-cache-layout", default="auto", choices=("auto", *LAYOUTS),
-                        help="how an FP8 KV cache is stored: positions before heads, or each "
-                             "head's positions together in the order a decode step reads them "
-                             "(heads_major_rows: the values stored as the keys, a row a "
-                             "position; auto: jax_epilog's measured rule)")
-    parser.add_argument("--prefill-command-buffers", default="off", choices=("on", "off"),
-                        help="compile the prefill step with XLA's command buffers (CUDA "
-                             "graphs) or without them, the default (GPU only)")
-    parser.add_argument("--steps-per-call", type=int, default=16,
-                        help="decode steps per dispatch (a device loop; 1: one per token)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def parse_args(argv=None, parser: Optional[argparse.ArgumentParser] = None
+               ) -> argparse.Namespace:
+    """`argv` by `parser` (default `build_parser()`'s); an unknown option is the parser's
+    error, naming generate_bench.py where the experiment switches are."""
+    parser = parser or build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} ({BENCH_HINT})")
     for name in ("batch", "repeats", "eval_batches", "steps_per_call"):
-        values = getattr(args, name)
+        values = getattr(args, name, [1])
         if any(value < 1 for value in (values if isinstance(values, list) else [values])):
             parser.error(f"--{name.replace('_', '-')}: expected values >= 1, got {values}")
     args.parser = parser
@@ -843,7 +905,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def settings_for(args: argparse.Namespace, config: configs.TrainConfig) -> Settings:
     """`args` as `Settings`, the defaults fitted to the model's `seq_len`; a prompt and new
-    tokens that do not fit are the parser's error."""
+    tokens that do not fit are the parser's error. The experiment switches are `args`' where
+    its parser has them (generate_bench.py's), else `Settings`' defaults."""
     seq_len = config.model.seq_len
     prompt_len = args.prompt_len if args.prompt_len is not None else min(128, seq_len // 2)
     new_tokens = args.new_tokens if args.new_tokens is not None else \
@@ -852,16 +915,16 @@ def settings_for(args: argparse.Namespace, config: configs.TrainConfig) -> Setti
         check_fits(config.model, prompt_len, new_tokens)
     except ValueError as error:
         args.parser.error(f"--prompt-len/--new-tokens: {error}")
+    experiments = {name: getattr(args, name) for name in EXPERIMENT_SETTINGS
+                   if hasattr(args, name)}
     return Settings(tuple(args.batch), prompt_len, new_tokens, args.temperature, args.top_k,
-                    args.seed, args.repeats, args.eval_batches, args.attention,
-                    args.fp8_min_features, args.static_scales, not args.no_progress,
-                    args.kv_cache, None if args.profile is None else str(args.profile),
-                    args.steps_per_call, args.fp8_attention, args.fp8_cache_layout,
-                    args.prefill_command_buffers == "on", args.weight_scales)
+                    args.seed, progress=not args.no_progress, kv_cache=args.kv_cache,
+                    **experiments)
 
 
-def main(argv=None) -> dict[str, Any]:
-    args = parse_args(argv)
+def main(argv=None, parser: Optional[argparse.ArgumentParser] = None) -> dict[str, Any]:
+    """Run the command line `argv` (`parser`: generate_bench.py passes its own)."""
+    args = parse_args(argv, parser)
     if args.checkpoint_dir is not None:
         try:
             config, saved, step = restore_parameters(args.checkpoint_dir)
@@ -872,11 +935,16 @@ def main(argv=None) -> dict[str, Any]:
         config, saved, weights_from = configs.get(args.config), None, \
             f"random ({args.config}, seed {configs.get(args.config).seed})"
     settings = settings_for(args, config)
-    dtype = train.compute_dtype(args.dtype)
+    names = compared_variants(args) if args.compare else (args.variant,)
+    if not args.compare and args.variant == "qwix_fp8" and not qwix_installed():
+        args.parser.error(f"--variant qwix_fp8: {QWIX_MISSING}")
+    warning = fp8_emulated_warning(jax.default_backend())
+    if warning and set(names) != {"stock"}:
+        print(warning, flush=True)
+    dtype = train.compute_dtype(getattr(args, "dtype", "auto"))
     corpus = data.load_corpus()
     weights = serving_weights(config, saved, dtype)
     del saved  # the checkpoint's float32 copy: not held while the variants run
-    names = compared_variants(args) if args.compare else (args.variant,)
     result = compare_variants(names, config, weights, dtype, corpus, settings) \
         if args.compare else single_variant(args.variant, config, weights, dtype, corpus,
                                             settings)
@@ -908,7 +976,8 @@ def single_variant(name, config, weights, dtype, corpus, settings) -> dict[str, 
                                          config.model.seq_len, settings.eval_batches)
     record, _ = serve_variant(name, config, weights, dtype, corpus, settings, validation)
     print(f"{name}: validation loss {record['validation_loss']:.4f}")
-    return {"variants": {name: record}, "failed": {}}
+    return {"variants": {name: record}, "failed": {}, "skipped": {},
+            "speed_ratio_note": speed_ratio_note(jax.default_backend())}
 
 
 if __name__ == "__main__":
