@@ -11,9 +11,10 @@ The rule, per test function (its parametrized cases together):
   runs all of them);
 - a function whose every case is over the limit keeps its cheapest case quick if that case
   is under --function-limit seconds, so most functions keep one quick case.
-Cases marked `slow` in the code are not in the log and are left alone. A case the log does
-not time (a new test) stays quick until the next run of this script; the budget check in
-scripts/test.sh (JAX_EPILOG_QUICK_BUDGET_S) says when that is due.
+Cases marked `slow` in the code, or listed by an earlier run, are not in a quick tier's log:
+their lines are kept. A case the log does not time (a new test) stays quick until the next
+run of this script; the budget check in scripts/test.sh (JAX_EPILOG_QUICK_BUDGET_S) says when
+that is due.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def slow_cases(seconds: dict[str, float], *, case_limit: float, cases_per_functi
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("log", type=Path, help="the output of a --durations=0 run")
-    parser.add_argument("--case-limit", type=float, default=4.0)
-    parser.add_argument("--cases-per-function", type=int, default=6)
-    parser.add_argument("--function-limit", type=float, default=12.0)
+    parser.add_argument("--case-limit", type=float, default=3.0)
+    parser.add_argument("--cases-per-function", type=int, default=4)
+    parser.add_argument("--function-limit", type=float, default=8.0)
     parser.add_argument("--out", type=Path, default=ROOT / "tests" / "slow_cases.txt")
     args = parser.parse_args(argv)
     seconds = durations(args.log.read_text())
@@ -75,6 +76,11 @@ def main(argv=None) -> None:
     slow = slow_cases(seconds, case_limit=args.case_limit,
                       cases_per_function=args.cases_per_function,
                       function_limit=args.function_limit)
+    # The lines of an earlier run for cases this log did not time (they ran in the slow tier).
+    timed = set(seconds) | {node.split("[", 1)[0] for node in seconds}
+    earlier = [line for line in args.out.read_text().splitlines()
+               if line and not line.startswith("#")] if args.out.exists() else []
+    slow = sorted(set(slow) | {line for line in earlier if line not in timed})
     functions = {line for line in slow if "[" not in line}
     moved = sum(took for node, took in seconds.items()
                 if node in slow or node.split("[", 1)[0] in functions)
