@@ -169,11 +169,11 @@ def serve_fp8(model, *args, rules: Rules = None, strict: bool = False,
     NNX: `served = serve_fp8(model, rules=...)`, a copy of `model` (which is unchanged) whose
     chosen layers run the served FP8 forward; `served(x)` as `model(x)`, under `nnx.jit` too.
 
-    Linen: `served, variables = serve_fp8(module, variables, *sample_args, rules=...,
-    **sample_kwargs)`; `served.apply(variables, x)` as `module.apply`. The sample arguments
-    are what `module.apply(variables, *sample_args, **sample_kwargs)` takes (traced
+    Linen: `served, variables = serve_fp8(module, variables, x, rules=...)`, then
+    `served.apply(variables, x)` as `module.apply`. The sample arguments after `variables`
+    are what `module.apply(variables, ...)` takes, keywords included (traced
     abstractly, once, to find the layers); `variables` is the whole `{"params": ...}` (or the
-    params alone), returned in the same form with the chosen kernels as `Fp8Weight`s.
+    params alone), returned in the same form with the chosen kernels stored as `Fp8Weight` leaves.
 
     Args:
       rules: which layers: None (every stock layer whose K and N are both at least
