@@ -104,20 +104,7 @@ def test_provider_refuses_what_it_cannot_serve_and_names_layers():
 
 
 def test_nnx_layers_stacked_by_vmap_and_run_by_scan_are_served_too():
-    class Scanned(nnx.Module):
-        def __init__(self, rngs):
-            @nnx.split_rngs(splits=3)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
-            def create(rngs):
-                return nnx.Linear(20, 20, rngs=rngs)
-            self.layers = create(rngs)
-
-        def __call__(self, x):
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-            def step(x, layer):
-                return x + jnp.tanh(layer(x))
-            return step(x, self.layers)
-
+    from test_stock_serving import Scanned  # the same scanned model as serve_fp8's test
     model = Scanned(nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(3), (5, 20))
     quantized = qwix.quantize_model(model, EpilogProvider([fp8_rule()]), x)
