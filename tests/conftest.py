@@ -3,7 +3,8 @@
 The tests mirror the package (tests/op, tests/planning, tests/float8, tests/layers,
 tests/serving, tests/tools) beside tests/benchmarks and tests/examples; what several of them
 import (the float64 references, problem generators, the multi-device checks) is in
-tests/support, which this file puts on `sys.path`. GPU tests are marked `gpu` and skip
+tests/support, which this file puts on `sys.path`, with benchmarks/ (whose scripts the
+benchmark tests import). GPU tests are marked `gpu` and skip
 themselves cleanly where JAX sees no CUDA device (CI).
 """
 
@@ -11,7 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 
 import jax
 import pytest

@@ -5,12 +5,9 @@ the layer (jax_epilog's y equals XLA's) and was reported.
 """
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import forward_bench  # noqa: E402
 import overhead_bench  # noqa: E402

@@ -7,15 +7,12 @@ step written in the script is a correct FP8 step.
 
 import dataclasses
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import fp8_bench  # noqa: E402
 

@@ -6,8 +6,6 @@ real gradients (recomputed here), and that the targets are read as issue 24 stat
 """
 
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +13,6 @@ import numpy as np
 import pytest
 
 pytest.importorskip("flax")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import fp8_peer  # noqa: E402
 

@@ -1,11 +1,8 @@
 """benchmarks/fp8_profile.py: the per-step breakdown of a trace's kernels, and a smoke run."""
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import fp8_profile  # noqa: E402
 from gpu_trace import Kernel  # noqa: E402

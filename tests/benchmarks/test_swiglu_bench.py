@@ -2,13 +2,10 @@
 (timings are never asserted, benchmarks/README.md)."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("flax")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import swiglu_bench  # noqa: E402
 

@@ -552,9 +552,7 @@ def test_benchmark_smoke_report(tmp_path):
     GEMMs, the training step's, the quantization's: the same bytes every way), the errors
     and their sweep finite and the targets judged (timings are never asserted)."""
     import json
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
     import block_fp8_bench
 
     block_fp8_bench.main(["--smoke", "--max-s", "5", "--out", str(tmp_path)])
@@ -588,9 +586,7 @@ def test_pallas_tuning_smoke_report(tmp_path):
     GPU, which ignores the warp count: what this checks is the report): every prologue and
     warp count timed and compared with the default."""
     import json
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
     import pallas_tuning
 
     pallas_tuning.main(["--smoke", "--max-s", "5", "--out", str(tmp_path)])

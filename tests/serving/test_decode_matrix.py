@@ -2,10 +2,7 @@
 the rule's table written from the report, which `attention_plan.decode_plan` then reads."""
 
 import json
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import decode_matrix  # noqa: E402
 

@@ -7,9 +7,7 @@ float64 model: tuning may change the algorithm, never the numbers beyond roundin
 
 import json
 import os
-import sys
 import types
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +21,6 @@ from jax_epilog.runtime import library as cuda_library
 from problems import TOLERANCE, assert_matches_model, make_problem
 import command_buffers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import autotune_bench  # noqa: E402
 
 ALGO_WORDS = 8  # cublasLtMatmulAlgo_t is 8 uint64 words, one hex field each in the file

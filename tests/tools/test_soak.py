@@ -1,12 +1,9 @@
 """The plan-cache soak (benchmarks/soak.py, ffi/soak.cc): its verdict on the CPU, a small soak
 on the GPU (every problem distinct, the cache never above its capacity)."""
 
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import soak  # noqa: E402
 from conftest import HAS_CUDA  # noqa: E402
