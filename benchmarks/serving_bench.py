@@ -315,6 +315,20 @@ def targets(report: dict) -> list[dict]:
     return rows
 
 
+def variant_cells(row: dict, names) -> list[str]:
+    """A report row's cell per variant: both harnesses' ratios, the time and the error."""
+    return [f"{row[n]['careful_ratio']:.2f} ({row[n]['user_ratio']:.2f}) "
+            f"{row[n]['careful_ms']:.3f} ms, err {row[n]['error']:.3f}" for n in names]
+
+
+def targets_table(targets) -> list[str]:
+    """The targets' section of a report: each target's worst row and whether it is met."""
+    return ["## Targets (worst row, the lower of the two harnesses)", "",
+            "| target | worst | met |", "|---|---|---|"] + [
+        f"| {t['target']} | {t['worst']:.2f} | {'yes' if t['met'] else 'MISSED'} |"
+        for t in targets]
+
+
 def render(report: dict) -> str:
     lines = ["# Serving with weights stored in FP8", "",
              timing.provenance(report["meta"]), "",
@@ -329,16 +343,12 @@ def render(report: dict) -> str:
         lines += [f"## {title}", "", "| shape | M | " + " | ".join(names) + " |",
                   "|---|---|" + "---|" * len(names)]
         for r in report[part]:
-            cells = [f"{r[n]['careful_ratio']:.2f} ({r[n]['user_ratio']:.2f}) "
-                     f"{r[n]['careful_ms']:.3f} ms, err {r[n]['error']:.3f}" for n in names]
-            lines.append(f"| {r['shape']} | {r['M']} | " + " | ".join(cells) + " |")
+            cells = " | ".join(variant_cells(r, names))
+            lines.append(f"| {r['shape']} | {r['M']} | {cells} |")
         lines += ["", "Weight bytes: " + ", ".join(
             f"{k} {v / 2**20:.1f} MiB" for k, v in report["weight_bytes"][part].items()), ""]
-    lines += ["## Targets (worst row, the lower of the two harnesses)", "",
-              "| target | worst | met |", "|---|---|---|"]
-    lines += [f"| {t['target']} | {t['worst']:.2f} | {'yes' if t['met'] else 'MISSED'} |"
-              for t in report["targets"]]
-    return "\n".join(lines + timing.footnotes(report["meta"], [])) + "\n"
+    return "\n".join(lines + targets_table(report["targets"])
+                     + timing.footnotes(report["meta"], [])) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> dict:

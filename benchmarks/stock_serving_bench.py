@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import timing  # benchmarks/timing.py
-from serving_bench import _bytes, measure_row, normal, stacked  # benchmarks/serving_bench.py
+from serving_bench import (  # benchmarks/serving_bench.py
+    _bytes, measure_row, normal, stacked, targets_table, variant_cells)
 import jax_epilog
 import jax_epilog.nnx
 
@@ -132,18 +133,13 @@ def render(report: dict) -> str:
              "harness (user harness in brackets); error: max |y - y_bf16| / max |y_bf16|.",
              "", "| M | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     for r in rows:
-        cells = [f"{r[n]['careful_ratio']:.2f} ({r[n]['user_ratio']:.2f}) "
-                 f"{r[n]['careful_ms']:.3f} ms, err {r[n]['error']:.3f}" for n in names]
-        lines.append(f"| {r['M']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['M']} | " + " | ".join(variant_cells(r, names)) + " |")
     lines += ["", "GEMMs per block: " + "; ".join(
         f"{n} {rows[-1][n]['gemms']}" for n in names), "",
         "Weight bytes per block: " + ", ".join(
-            f"{k} {v / 2**20:.1f} MiB" for k, v in report["weight_bytes"].items()), "",
-        "## Targets (worst row, the lower of the two harnesses)", "",
-        "| target | worst | met |", "|---|---|---|"]
-    lines += [f"| {t['target']} | {t['worst']:.2f} | {'yes' if t['met'] else 'MISSED'} |"
-              for t in report["targets"]]
-    return "\n".join(lines + timing.footnotes(report["meta"], [])) + "\n"
+            f"{k} {v / 2**20:.1f} MiB" for k, v in report["weight_bytes"].items()), ""]
+    return "\n".join(lines + targets_table(report["targets"])
+                     + timing.footnotes(report["meta"], [])) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
