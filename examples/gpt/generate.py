@@ -341,6 +341,8 @@ def measure(generator: Generator, prompts: np.ndarray, new_tokens: int, key, *,
     }
 
 
+#: How many sequences of each batch a record keeps as text (`samples`).
+SAMPLES = 4
 #: Decode steps `--profile` traces per variant and batch size (after one untraced).
 PROFILE_STEPS = 5
 #: How many of the longest kernels of each kind a decode step's profile lists.
@@ -573,6 +575,8 @@ def _serve_variant(name: str, base: str, config: configs.TrainConfig, weights: n
                 generator, prompts, settings.new_tokens, key,
                 Path(settings.profile) / f"{name}_batch{batch}")
         measured["sample"] = {"prompt": text_of(prompts[0]), "generated": text_of(tokens[0])}
+        measured["samples"] = [{"prompt": text_of(p), "generated": text_of(t)}
+                               for p, t in zip(prompts[:SAMPLES], tokens[:SAMPLES])]
         record["by_batch"][str(batch)] = measured
         print_measurement(name, measured)
     record["validation_loss"], predictions = teacher_forced(cached, validation,

@@ -284,9 +284,14 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
           dtype_name: str = "auto", attention: str = "auto",
           checkpoint_dir: Optional[Path] = None, corpus: Optional[data.Corpus] = None,
           progress: bool = True, stop_after: Optional[int] = None,
-          fully_sharded: bool = False, fp8_scaling: str = "per-tensor") -> dict[str, Any]:
+          fully_sharded: bool = False, fp8_scaling: str = "per-tensor",
+          time_limit_s: Optional[float] = None) -> dict[str, Any]:
     """Trains (or resumes from `checkpoint_dir`) to `config.steps`, or stops after step
-    `stop_after` (checkpointing there, as an interrupted run would have); returns the summary."""
+    `stop_after`, or at the first logged step past `time_limit_s` seconds of training (compile
+    excluded), checkpointing there as an interrupted run would have; returns the summary."""
+    if time_limit_s is not None and not time_limit_s > 0:
+        raise ValueError(f"time_limit_s: expected a positive number of seconds, got "
+                         f"{time_limit_s!r}")
     dtype = compute_dtype(dtype_name)
     corpus = corpus if corpus is not None else data.load_corpus()
     model = build_model(config, impl, fp8=fp8, dtype=dtype, attention=attention,
@@ -320,6 +325,7 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
                disable=not progress or jax.process_index() != 0, initial=start,
                total=config.steps)
     interval_start, interval_steps = time.perf_counter(), 0
+    loop_start, stopped_by_time = interval_start, False
     for step in bar:
         state, metrics = step_fn(state, *trainer.batch(next(batches)))
         interval_steps += 1
@@ -333,14 +339,21 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
             bar.set_postfix(loss=f"{loss:.4f}", grad_norm=f"{float(metrics['grad_norm']):.3f}",
                             tok_s=f"{interval_steps * config.tokens_per_step / elapsed:,.0f}")
             interval_start, interval_steps = time.perf_counter(), 0
-        if done % config.eval_every == 0 or done == config.steps:
+            # Checked where the loss is read, so that the check waits for no extra step.
+            stopped_by_time = time_limit_s is not None and done < end and \
+                interval_start - loop_start > time_limit_s
+        if done % config.eval_every == 0 or done == config.steps or stopped_by_time:
             val_losses.append((done, trainer.validation_loss(state, validation)))
             if jax.process_index() == 0:
                 bar.write(f"step {done}: validation loss {val_losses[-1][1]:.4f}")
             interval_start, interval_steps = time.perf_counter(), 0
-        if manager is not None and (done == end or (
+        if manager is not None and (done == end or stopped_by_time or (
                 config.checkpoint_every and done % config.checkpoint_every == 0)):
             save_checkpoint(manager, state, batches, config)
+        if stopped_by_time:
+            end = done
+            bar.write(f"stopped after step {done}: past the time limit of {time_limit_s} s")
+            break
     bar.close()
     step_time = statistics.median(interval_step_times) if interval_step_times else None
     return {
@@ -349,6 +362,7 @@ def train(config: configs.TrainConfig, impl: str = "stock", *, fp8: bool = False
         "dtype": jnp.dtype(dtype).name,
         "attention": model.blocks[0].attention.implementation,
         "steps": [start, end], "resumed_from": resumed_from,
+        "stopped_by_time_limit": stopped_by_time, "train_s": time.perf_counter() - loop_start,
         "tokens_per_step": config.tokens_per_step,
         "processes": jax.process_count(), "devices": jax.device_count(),
         "fully_sharded": fully_sharded,
@@ -391,6 +405,9 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--log-every", type=int, help="record the training loss every N steps")
     parser.add_argument("--stop-after", type=int,
                         help="stop (and checkpoint) after this step, as an interrupted run")
+    parser.add_argument("--time-limit-s", type=float,
+                        help="stop (and checkpoint) at the first logged step past this many "
+                             "seconds of training, compile excluded")
     parser.add_argument("--fsdp", action="store_true",
                         help="shard the parameters and optimizer state over the devices "
                              "(gathered per layer) instead of replicating them")
@@ -434,7 +451,7 @@ def main(argv=None) -> dict[str, Any]:
                     dtype_name=args.dtype,
                     attention=args.attention, checkpoint_dir=args.checkpoint_dir,
                     progress=not args.no_progress, stop_after=args.stop_after,
-                    fully_sharded=args.fsdp)
+                    fully_sharded=args.fsdp, time_limit_s=args.time_limit_s)
     summary.pop("state")
     speed = (f"tokens/s {summary['tokens_per_s']:,.0f}" if summary["tokens_per_s"] else
              f"tokens/s not measured (the first {config.log_every} steps include compilation; "
