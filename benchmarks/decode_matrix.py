@@ -17,8 +17,9 @@ One timed call runs `--steps` decode steps in a device loop (the cache donated a
 as a served model's decode call runs them): each step writes one new key and value per
 sequence and attends over the whole cache, its query depending on the step before, so the
 steps run one after the other. Timing one step per call would measure the host's dispatch.
-Reported: microseconds per step (the median of `--rounds` rounds, `jax_epilog.tools.timing`)
-and each variant's speed against stock. A cell whose cache does not fit the card's memory
+The measurement is the library's (`jax_epilog.tools.attention_tune`, which `python -m
+jax_epilog.tune --serving` runs on the user's own attention). Reported: microseconds per step
+(the median of `--rounds` rounds) and each variant's speed against stock. A cell whose cache does not fit the card's memory
 (or that fails to allocate) is skipped and said so; so are the cells left when `--budget`
 seconds are spent. One jit per cell and variant.
 
@@ -34,22 +35,17 @@ replacing it), which the library's default then reads.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
-import math
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 import timing  # benchmarks/timing.py
-import jax_epilog
 from jax_epilog.planning import attention_plan
+from jax_epilog.tools import attention_tune
+from jax_epilog.tools.attention_tune import memory_limit
 
 ARCHS = {"mha": (32, 32), "gqa": (32, 8), "mqa": (32, 1)}
 BATCHES = (1, 4, 16, 64, 256)
@@ -57,127 +53,8 @@ CONTEXTS = (384, 2048, 8192)
 HEAD_DIM = 128
 TINY = dict(archs={"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}, batches=(1, 3),
             contexts=(33, 65), head_dim=16)
-FP8_VARIANTS = tuple(attention_plan.variant_name(read, layout) for read in attention_plan.READS
-                     for layout in attention_plan.LAYOUTS)
-VARIANTS = ("stock", "bf16") + FP8_VARIANTS
-#: The share of the card's memory a cell's arrays may take.
-MEMORY_SHARE = 0.85
-
-
-def filled(shape, dtype, seed: float):
-    """An array of `shape` in `dtype` of varied values in [-1, 1], made on the device in one
-    fused loop (random bits of a whole 8k-context cache would take twice its memory)."""
-    x = sum(jax.lax.broadcasted_iota(jnp.float32, shape, axis) * (0.37 + 0.61 * axis + seed)
-            for axis in range(len(shape)))
-    return jnp.sin(x).astype(dtype)
-
-
-#: `filled` as one program per shape (eagerly, each of its ops would compile on its own).
-filled_array = jax.jit(filled, static_argnums=(0, 1, 2))
-
-
-def make_cache(variant: str, batch: int, context: int, kv_heads: int, head_dim: int,
-               query_heads: int):
-    """The variant's cache, full of varied keys and values (FP8 scales about 1/100)."""
-    if variant == "stock":
-        shape = (batch, context, kv_heads, head_dim)
-        return tuple(filled_array(shape, jnp.bfloat16, s) for s in (0.0, 0.5))
-    if variant == "bf16":
-        empty = jax.eval_shape(lambda: jax_epilog.init_kv_cache(
-            batch, context, kv_heads, head_dim, jnp.bfloat16))
-    else:
-        empty = jax.eval_shape(lambda: jax_epilog.init_kv_cache(
-            batch, context, kv_heads, head_dim, jnp.float8_e4m3fn, query_heads=query_heads,
-            layout=variant.split()[2]))
-    make = jax.jit(lambda: jax.tree.map(
-        lambda a: filled(a.shape, a.dtype, 0.3) if a.dtype != jnp.float32 else
-        0.01 + 0.005 * filled(a.shape, a.dtype, 0.7), empty))
-    return make()
-
-
-def step_function(variant: str, context: int, steps: int):
-    """`(cache, q, k, v) -> (cache, q)`: `steps` decode steps, the cache donated."""
-    position = context - 1  # the cache stays full: every step reads `context` positions
-
-    def attend(cache, q, k, v):
-        if variant == "stock":
-            keys, values = cache
-            keys = jax.lax.dynamic_update_slice(keys, k, (0, position, 0, 0))
-            values = jax.lax.dynamic_update_slice(values, v, (0, position, 0, 0))
-            mask = (jnp.arange(context) <= position)[None, None, None, :]
-            return (keys, values), jax.nn.dot_product_attention(q, keys, values, mask=mask)
-        cache = jax_epilog.write_kv(cache, k, v, position)
-        read = variant.split()[1] if variant != "bf16" else None
-        return cache, jax_epilog.decode_attention(q, cache, context, read=read)
-
-    def run(cache, q, k, v):
-        def body(_, carry):
-            cache, q = carry
-            cache, y = attend(cache, q, k, v)
-            return cache, (q + 1e-3 * y).astype(q.dtype)
-        return jax.lax.fori_loop(0, steps, body, (cache, q))
-
-    return jax.jit(run, donate_argnums=0)
-
-
-class Chained:
-    """One timed call: the step on the cache the last call returned (donation consumes it)."""
-
-    def __init__(self, step, cache, q, k, v):
-        self.step, self.cache, self.q, self.kv = step, cache, q, (k, v)
-
-    def __call__(self):
-        self.cache, self.q = self.step(self.cache, self.q, *self.kv)
-        return self.q
-
-
-def cache_bytes(variant: str, batch: int, context: int, kv_heads: int, head_dim: int) -> int:
-    values = 2 * batch * context * kv_heads * head_dim
-    if variant in ("stock", "bf16"):
-        return 2 * values
-    return values + 2 * 4 * batch * context * kv_heads
-
-
-def needed_bytes(variant: str, batch, context, kv_heads, query_heads, head_dim) -> int:
-    """What a variant surely needs: its cache and the float32 scores and probabilities (a
-    dot's 16-bit copy of an FP8 cache, where XLA does not fuse the convert into it, may need
-    more: that shows as an allocation failure, and the cell is skipped then)."""
-    return cache_bytes(variant, batch, context, kv_heads, head_dim) + \
-        3 * 4 * batch * query_heads * context
-
-
-def memory_limit() -> Optional[int]:
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit")
-
-
-def measure(variant: str, arch: tuple[int, int], batch: int, context: int, head_dim: int,
-            steps: int, rounds: int, limit: Optional[int]) -> dict[str, Any]:
-    query_heads, kv_heads = arch
-    need = needed_bytes(variant, batch, context, kv_heads, query_heads, head_dim)
-    if limit is not None and need > MEMORY_SHARE * limit:
-        return {"seconds": None, "skipped": f"needs about {need / 2**30:.1f} GiB of "
-                                            f"{limit / 2**30:.1f}"}
-    shape = (batch, 1, query_heads, head_dim)
-    q = filled_array(shape, jnp.bfloat16, 0.1)
-    k, v = (filled_array((batch, 1, kv_heads, head_dim), jnp.bfloat16, s) for s in (0.2, 0.4))
-    start = time.perf_counter()
-    try:
-        step = step_function(variant, context, steps)
-        chained = Chained(step, make_cache(variant, batch, context, kv_heads, head_dim,
-                                           query_heads), q, k, v)
-        timed = timing.time_calls(chained, [()], rounds=rounds, round_seconds=0.01,
-                                  warmup_calls=1)
-    except Exception as error:  # noqa: BLE001 (out of memory, or a compiler's refusal)
-        if "RESOURCE_EXHAUSTED" not in str(error) and "out of memory" not in str(error):
-            raise
-        return {"seconds": None, "skipped": "out of memory"}
-    finally:
-        chained = None
-        gc.collect()
-    return {"seconds": timed.seconds / steps, "rounds": [r / steps for r in timed.rounds],
-            "steps_per_call": steps, "wall_s": time.perf_counter() - start,
-            "cache_bytes": cache_bytes(variant, batch, context, kv_heads, head_dim)}
+#: The variants and what one timed call runs: the library's `tune --serving` times the same.
+VARIANTS = attention_tune.VARIANTS
 
 
 def commit() -> Optional[str]:
@@ -209,7 +86,7 @@ def run_matrix(args, save=lambda report: None) -> dict[str, Any]:
                         "variants": {}}
                 for variant in args.variants:
                     cell["variants"][variant] = {"seconds": None, "skipped": "time budget"} \
-                        if time.perf_counter() > deadline else measure(
+                        if time.perf_counter() > deadline else attention_tune.time_variant(
                             variant, (query_heads, kv_heads), batch, context,
                             grid["head_dim"], args.steps, args.rounds, limit)
                 report["cells"].append(cell)

@@ -94,6 +94,8 @@ def serving_argv(args: argparse.Namespace, checkpoint: Path) -> list[str]:
             "--batch", *map(str, args.batch), "--prompt-len", str(args.prompt_len),
             "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats),
             "--eval-batches", str(args.eval_batches), "--out", str(args.out)]
+    if args.weight_scales != "tensor":
+        argv += ["--weight-scales", args.weight_scales]
     if args.fp8_min_features is not None:
         argv += ["--fp8-min-features", str(args.fp8_min_features)]
     return argv + (["--no-progress"] if args.no_progress else [])
@@ -211,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8-min-features", type=int,
                         help="store kernels whose dims are both at least this in FP8 "
                              "(default: quantize_params' rule, 512; tiny configs need less)")
+    parser.add_argument("--weight-scales", default="tensor", choices=("tensor", "channel"),
+                        help="the FP8 variants' weight scales: one per kernel, or one per "
+                             "output channel")
     parser.add_argument("--out", type=Path, required=True, help="the folder for everything")
     parser.add_argument("--no-progress", action="store_true")
     return parser

@@ -20,7 +20,13 @@ with no table) a constant rule decides: "dots" over "heads_major", the read that
 least as fast as "reduce" in every cell of the measured matrix where the step was not
 launch-bound. `decode_attention(read=...)` and `init_kv_cache(layout=...)` override it.
 
-Imports only JAX and the standard library.
+Before the shipped table, the user's own (`user_table_path()`: next to the user's decision
+table, `JAX_EPILOG_DECISIONS`), which `python -m jax_epilog.tune --serving` writes with cells
+of the user's own attention measured on their GPU (`tools.attention_tune`): its section of
+this GPU decides where it has a cell of the same group size with batch and context each
+within a factor of `USER_NEAR`.
+
+Imports only JAX, the standard library and `runtime.settings`.
 """
 
 from __future__ import annotations
@@ -28,10 +34,14 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
 from typing import NamedTuple, Optional
 
 import jax
+
+from jax_epilog.runtime import settings
 
 #: An FP8 cache's layouts (`layers.kv_cache`).
 LAYOUTS = ("positions_major", "heads_major", "heads_major_rows")
@@ -40,6 +50,10 @@ READS = ("reduce", "dots")
 #: The shipped table.
 TABLE_PATH = Path(__file__).with_name("tables") / "attention" / "decode.json"
 TABLE_FORMAT = 1
+#: A user's cell decides for a batch and a context each within this factor of its own.
+USER_NEAR = 2
+#: What makes two entries the same cell.
+CELL_KEYS = ("query_heads", "kv_heads", "head_dim", "batch", "context")
 
 
 class DecodePlan(NamedTuple):
@@ -65,12 +79,20 @@ def constant_plan(query_heads: int, kv_heads: int) -> DecodePlan:
 
 
 @functools.cache
-def _device() -> Optional[str]:
+def cuda_device() -> Optional[str]:
     """This host's first CUDA device's model, or None."""
     try:
         return jax.devices("cuda")[0].device_kind
     except (RuntimeError, IndexError):
         return None
+
+
+def user_table_path(decisions_file: Optional[Path] = None) -> Optional[Path]:
+    """The user's decode-attention table: `<stem>_attention.json` next to `decisions_file`
+    (default: the user's decision table, `settings.decisions_path()`); None where there is
+    none."""
+    path = decisions_file if decisions_file is not None else settings.decisions_path()
+    return None if path is None else Path(path).with_name(Path(path).stem + "_attention.json")
 
 
 @functools.cache
@@ -84,11 +106,12 @@ def read_table(path: Path = TABLE_PATH) -> tuple[dict, ...]:
     return tuple(data["sections"])
 
 
-def _section(sections, device: str) -> Optional[dict]:
+def _section(sections, device: str, *, fallback: bool = True) -> Optional[dict]:
+    """The section of `device`, else (with `fallback`) the first."""
     for section in sections:
         if section["device"] == device:
             return section
-    return sections[0] if sections else None
+    return sections[0] if sections and fallback else None
 
 
 def _log_ratio(a: float, b: float) -> float:
@@ -106,22 +129,45 @@ def nearest_entry(entries, group: int, batch: int, context: int) -> Optional[dic
     return min(entries, key=distance, default=None)
 
 
+def _user_entry(path: Optional[Path], device: str, group: int, batch: int,
+                context: int) -> tuple[Optional[dict], Optional[dict]]:
+    """(the user's section of `device`, its entry deciding here) or Nones: a cell of the same
+    group size, batch and context each within `USER_NEAR`."""
+    section = _section(read_table(path), device, fallback=False) if path is not None else None
+    entry = nearest_entry(section["entries"], group, batch, context) if section else None
+    near = math.log(USER_NEAR) + 1e-9
+    if entry is None or entry["query_heads"] // entry["kv_heads"] != group or \
+            _log_ratio(entry["batch"], batch) > near or \
+            _log_ratio(entry["context"], context) > near:
+        return None, None
+    return section, entry
+
+
 def decode_plan(query_heads: int, kv_heads: int, batch: int, context: int, *,
                 layout: Optional[str] = None, device: Optional[str] = "auto",
-                path: Path = TABLE_PATH) -> DecodePlan:
+                path: Path = TABLE_PATH, user_path: Optional[Path] = "auto") -> DecodePlan:
     """The read form and layout for an FP8 cache of `kv_heads` read by `query_heads` at
     `batch` sequences of `context` positions. `layout`: the cache's, where it is made already
     (then the fastest read measured in that layout). `device`: a GPU model as JAX names it,
-    "auto" (this host's) or None (off a GPU: the constant rule)."""
-    device = _device() if device == "auto" else device
+    "auto" (this host's) or None (off a GPU: the constant rule). `user_path`: the user's
+    table ("auto": `user_table_path()`; None: none), read before the shipped `path`."""
+    device = cuda_device() if device == "auto" else device
     constant = constant_plan(query_heads, kv_heads)
-    section = _section(read_table(path), device) if device is not None else None
-    entry = nearest_entry(section["entries"], query_heads // kv_heads, batch, context) \
-        if section else None
+    if device is None:
+        return constant if layout is None else constant._replace(layout=layout)
+    group = query_heads // kv_heads
+    user_path = user_table_path() if user_path == "auto" else user_path
+    section, entry = _user_entry(user_path, device, group, batch, context)
+    owner = "your"
+    if entry is None:
+        section = _section(read_table(path), device)
+        entry = nearest_entry(section["entries"], group, batch, context) if section else None
+        owner = f"{section['device']}'s" if section else None
     if entry is None:
         return constant if layout is None else constant._replace(layout=layout)
-    where = (f"{section['device']}'s {'measured' if section.get('measured') else 'seeded'} "
-             f"cell {entry['query_heads']}/{entry['kv_heads']} heads, batch {entry['batch']}, "
+    kind = "measured" if section.get("measured") else "seeded"
+    where = (f"{owner} {kind} cell "
+             f"{entry['query_heads']}/{entry['kv_heads']} heads, batch {entry['batch']}, "
              f"context {entry['context']}")
     if layout is None or layout == entry["layout"]:
         return DecodePlan(entry["read"], entry["layout"], where)
@@ -141,19 +187,23 @@ def best_fp8(seconds: dict) -> Optional[tuple[str, str]]:
     return min(timed)[1:] if timed else None
 
 
+def entry_from_cell(cell: dict) -> Optional[dict]:
+    """A table entry from a measured cell (`benchmarks/decode_matrix.py`'s report, or
+    `tools.attention_tune.time_cell`'s): its sizes, its fastest FP8 read and layout and every
+    variant's seconds per step; None where no FP8 variant ran."""
+    seconds = {name: timed["seconds"] for name, timed in cell["variants"].items()
+               if timed.get("seconds") is not None}
+    best = best_fp8(seconds)
+    if best is None:
+        return None
+    return {key: cell[key] for key in CELL_KEYS} | \
+        {"read": best[0], "layout": best[1], "seconds": seconds}
+
+
 def section_from_report(report: dict) -> dict:
     """A table section from `benchmarks/decode_matrix.py`'s report: one entry per measured
-    cell with its fastest FP8 read and layout and every variant's seconds per step."""
-    entries = []
-    for cell in report["cells"]:
-        seconds = {name: timed["seconds"] for name, timed in cell["variants"].items()
-                   if timed.get("seconds") is not None}
-        best = best_fp8(seconds)
-        if best is None:
-            continue
-        entries.append({key: cell[key] for key in ("query_heads", "kv_heads", "head_dim",
-                                                   "batch", "context")} |
-                       {"read": best[0], "layout": best[1], "seconds": seconds})
+    cell (`entry_from_cell`)."""
+    entries = [e for e in map(entry_from_cell, report["cells"]) if e is not None]
     meta = report["meta"]
     return {"device": meta["device"], "measured": True,
             "source": f"benchmarks/decode_matrix.py at {meta.get('commit')}, jax "
@@ -161,11 +211,36 @@ def section_from_report(report: dict) -> dict:
             "entries": entries}
 
 
+def _sections_in(path: Path) -> tuple[dict, ...]:
+    return read_table.__wrapped__(path) if path.exists() else ()
+
+
 def write_section(section: dict, path: Path = TABLE_PATH) -> None:
-    """`path` with `section` in place of the section of its device (first if new)."""
-    sections = [s for s in (read_table.__wrapped__(path) if path.exists() else ())
-                if s["device"] != section["device"]]
+    """`path` with `section` in place of the section of its device (first if new), written
+    atomically (a temporary file renamed), so that a reader never sees half of it."""
+    sections = [s for s in _sections_in(path) if s["device"] != section["device"]]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": TABLE_FORMAT, "sections": [section] + sections},
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"format": TABLE_FORMAT, "sections": [section] + sections},
                                indent=1) + "\n")
+        os.replace(temp, path)
+    except BaseException:
+        if os.path.exists(temp):
+            os.unlink(temp)
+        raise
     read_table.cache_clear()
+
+
+def merge_entries(path: Path, device: str, entries, source: str) -> dict:
+    """`path`'s section of `device` with `entries` added, each replacing an entry of the same
+    cell (`CELL_KEYS`), the others kept; written (`write_section`) and returned."""
+    old = _section(_sections_in(Path(path)), device, fallback=False)
+    key = lambda e: tuple(e[k] for k in CELL_KEYS)
+    merged = {key(e): e for e in (old["entries"] if old else ())}
+    merged.update((key(e), e) for e in entries)
+    section = {"device": device, "measured": True, "source": source,
+               "entries": list(merged.values())}
+    write_section(section, Path(path))
+    return section

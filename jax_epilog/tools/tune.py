@@ -45,11 +45,17 @@ actually runs:
     python -m jax_epilog.tune --grid --rows M1,T1 --fp8-only --max-seconds 600
     python -m jax_epilog.tune --serving                    # stored FP8 weights: which way
     python -m jax_epilog.tune --serving --serving-shapes 4096x12288,4096x4096 --serving-rows 1,16,64
+    python -m jax_epilog.tune --serving --attention 32/8/128 --attention-batches 1,16,64 \
+        --attention-contexts 2048,8192      # and your model's decode attention
 
 ``--serving`` times the ways of a layer with a stored FP8 weight instead (weight-only, XLA's
 FP8 dot, the Pallas kernel of few rows, our FP8 GEMM) at decode and prefill row counts and
 stores one serving entry per row count, which the served layers then follow on this GPU
-(`jax_epilog.tools.serving_tune`).
+(`jax_epilog.tools.serving_tune`); then the reads and layouts of an FP8 KV cache for the
+decode attention of ``--attention`` (query heads / key-value heads / head_dim) at each batch
+and context, each cell's fastest stored in the user's decode-attention table
+(`jax_epilog.tools.attention_tune`), which `jax_epilog.decode_attention` and
+`init_kv_cache` then follow (``--attention none``: the GEMMs only).
 
 From Python: ``jax_epilog.tune.tune([(train_step, (params, batch)), ...])`` (any pytrees of
 arrays or `jax.ShapeDtypeStruct`s), or `tune` on `Problem`s from `problems_of`. The grid's
@@ -69,6 +75,7 @@ from typing import Optional
 
 from jax_epilog.runtime import settings
 
+from jax_epilog.planning import attention_plan
 from jax_epilog.planning import context
 from jax_epilog.planning import decisions
 from jax_epilog.planning import table_format
@@ -80,7 +87,7 @@ from jax_epilog.tools.measurement import (DRY_RUN_HEADER, FP8_CHOICES, Problem,
                                        fp8_keeps_state, fp8_measurable, fused_gemm_backends,
                                        time_problem, time_stack, traced)
 from jax_epilog.tools.grid import grid_functions
-from jax_epilog.tools import serving_tune
+from jax_epilog.tools import attention_tune, serving_tune
 
 
 # --- 3. the run ---------------------------------------------------------------------------------
@@ -307,6 +314,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--serving-rows", metavar="R[,R...]",
                         help="with --serving: the row counts (default "
                              f"{','.join(map(str, serving_tune.ROWS))})")
+    parser.add_argument("--attention", metavar="Q/KV/D",
+                        help="with --serving: the decode attention's query heads / key-value "
+                             "heads / head_dim, or none (default "
+                             f"{'/'.join(map(str, attention_tune.SHAPE))})")
+    parser.add_argument("--attention-batches", metavar="B[,B...]",
+                        help="with --serving: the decode batches (default "
+                             f"{','.join(map(str, attention_tune.BATCHES))})")
+    parser.add_argument("--attention-contexts", metavar="L[,L...]",
+                        help="with --serving: the cache lengths (default "
+                             f"{','.join(map(str, attention_tune.CONTEXTS))})")
     parser.add_argument("--args", nargs="*", default=[], metavar="DTYPE[SHAPE]",
                         help='example inputs of --fn, e.g. "bf16[256,784]" "bf16[784,100]"')
     parser.add_argument("--rows", help="with --grid: comma-separated ids (e.g. G1,G7,M3,T1)")
@@ -338,8 +355,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--rows goes with --grid")
     if args.max_seconds is not None and not args.max_seconds > 0:
         parser.error("--max-seconds: expected a positive number of seconds")
-    if (args.serving_shapes or args.serving_rows) and not args.serving:
-        parser.error("--serving-shapes and --serving-rows go with --serving")
+    if (args.serving_shapes or args.serving_rows or args.attention or args.attention_batches
+            or args.attention_contexts) and not args.serving:
+        parser.error("--serving-shapes, --serving-rows and --attention* go with --serving")
     if args.serving:
         return _serving_main(parser, args)
 
@@ -391,17 +409,32 @@ def _serving_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         parser.error(str(e) if args.serving_shapes and "shapes" in str(e) else
                      f"--serving-rows: expected comma-separated positive row counts, got "
                      f"{args.serving_rows!r}")
+    try:
+        attention = attention_tune.parse_cells(args.attention, args.attention_batches,
+                                               args.attention_contexts)
+    except ValueError as e:
+        parser.error(str(e))
     if args.dry_run:
         print(f"served ways {', '.join(serving_tune.WAYS)} at rows "
               f"{', '.join(map(str, rows))} on layers (K x N) "
               f"{', '.join(f'{k} x {n}' for k, n in shapes)}", flush=True)
+        if attention is not None:
+            (q, kv, d), batches, contexts = attention
+            print(f"decode attention, {q} query / {kv} key-value heads of {d}: FP8 cache reads "
+                  f"and layouts at batches {', '.join(map(str, batches))} and contexts "
+                  f"{', '.join(map(str, contexts))}", flush=True)
         return 0
     if not has_cuda_gpu():
         print("jax_epilog.tune: no CUDA GPU visible to JAX here; timing needs one (use --dry-run "
               "to list what would be timed)", file=sys.stderr)
         return 2
     serving_tune.tune_serving(shapes, rows, output=args.output, seconds=args.seconds)
+    if attention is not None:
+        attention_tune.tune_attention(
+            *attention, device=decisions.device_identity()[0],
+            output=attention_plan.user_table_path(args.output) if args.output else None)
     return 0
+
 
 
 if __name__ == "__main__":
