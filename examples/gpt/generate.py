@@ -543,7 +543,9 @@ def serve_variant(name: str, config: configs.TrainConfig, weights: nnx.State, dt
 def _serve_variant(name: str, base: str, config: configs.TrainConfig, weights: nnx.State,
                    dtype, corpus: data.Corpus, settings: Settings, validation):
     start = time.perf_counter()
-    sample_tokens = validation[0][0][:1]
+    # Qwix quantizes the weights on a first call: a validation window, or a prompt's bytes.
+    sample_tokens = validation[0][0][:1] if validation else \
+        prompts_from(corpus.validation, 1, settings.prompt_len)
     calibration = [jnp.asarray(inputs) for inputs, _ in validation] \
         if settings.static_scales and base in FP8_SERVED else None
     cached = build_variant(base, config, weights, dtype, attention=settings.attention,
@@ -579,8 +581,8 @@ def _serve_variant(name: str, base: str, config: configs.TrainConfig, weights: n
                                for p, t in zip(prompts[:SAMPLES], tokens[:SAMPLES])]
         record["by_batch"][str(batch)] = measured
         print_measurement(name, measured)
-    record["validation_loss"], predictions = teacher_forced(cached, validation,
-                                                            generator.cache_dtype)
+    record["validation_loss"], predictions = teacher_forced(
+        cached, validation, generator.cache_dtype) if validation else (None, None)
     return record, predictions
 
 
@@ -604,8 +606,8 @@ def print_measurement(name: str, m: dict) -> None:
 def add_quality(records: dict[str, dict], predictions: dict[str, list]) -> None:
     """Each variant's validation loss relative to stock's and the share of positions where
     its next-token argmax is stock's (teacher forced, the same windows)."""
-    if "stock" not in records:
-        return
+    if "stock" not in records or records["stock"]["validation_loss"] is None:
+        return  # no quality pass (--eval-batches 0)
     for name, record in records.items():
         record["validation_loss_vs_stock"] = \
             record["validation_loss"] / records["stock"]["validation_loss"] - 1
@@ -747,7 +749,7 @@ def render(report: dict) -> str:
     lines += [_row(name, why, *[""] * 10) for name, why in result.get("skipped", {}).items()]
     lines += ["", _row("variant", "weights MiB", "validation loss", "vs stock",
                        "top-1 agreement with stock"), _row(*["---"] * 5)]
-    lines += [_row(name, _mib(r["weight_bytes"]), f"{r['validation_loss']:.4f}",
+    lines += [_row(name, _mib(r["weight_bytes"]), _number(r["validation_loss"], ".4f"),
                    _number(r.get("validation_loss_vs_stock"), "+.2%"),
                    _number(r.get("top1_agreement_with_stock"), ".2%"))
               for name, r in result["variants"].items()]
@@ -899,10 +901,14 @@ def parse_args(argv=None, parser: Optional[argparse.ArgumentParser] = None
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} ({BENCH_HINT})")
-    for name in ("batch", "repeats", "eval_batches", "steps_per_call"):
+    for name, least in (("batch", 1), ("repeats", 1), ("eval_batches", 0),
+                        ("steps_per_call", 1)):
         values = getattr(args, name, [1])
-        if any(value < 1 for value in (values if isinstance(values, list) else [values])):
-            parser.error(f"--{name.replace('_', '-')}: expected values >= 1, got {values}")
+        if any(value < least for value in (values if isinstance(values, list) else [values])):
+            parser.error(f"--{name.replace('_', '-')}: expected values >= {least}, got {values}")
+    if getattr(args, "static_scales", False) and args.eval_batches == 0:
+        parser.error("--static-scales calibrates on the validation batches: give "
+                     "--eval-batches 1 or more")
     args.parser = parser
     return args
 
@@ -979,7 +985,7 @@ def single_variant(name, config, weights, dtype, corpus, settings) -> dict[str, 
     validation = data.validation_batches(corpus.validation, config.batch_size,
                                          config.model.seq_len, settings.eval_batches)
     record, _ = serve_variant(name, config, weights, dtype, corpus, settings, validation)
-    print(f"{name}: validation loss {record['validation_loss']:.4f}")
+    print(f"{name}: validation loss {_number(record['validation_loss'], '.4f')}")
     return {"variants": {name: record}, "failed": {}, "skipped": {},
             "speed_ratio_note": speed_ratio_note(jax.default_backend())}
 

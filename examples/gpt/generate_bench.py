@@ -11,7 +11,7 @@ Everything else (the variants, the report, what is printed) is generate.py's; it
 has the method. The switches:
 
 - `--repeats`, `--eval-batches`: timed runs per variant and batch size (their median), and
-  validation batches for the quality columns.
+  validation batches for the quality columns (0: none, no quality pass: a speed-only run).
 - `--dtype`, `--attention`: the compute dtype (auto: bfloat16 on a GPU, float32 elsewhere)
   and the full forward's attention (the cached one is XLA's).
 - `--fp8-min-features`, `--static-scales`, `--weight-scales`: which kernels `epilog_fp8` and
@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = parser.add_argument_group("experiment switches")
     bench.add_argument("--repeats", type=int, default=3, help="timed runs (the median)")
     bench.add_argument("--eval-batches", type=int, default=4,
-                       help="validation batches for the quality metrics")
+                       help="validation batches for the quality metrics (0: no quality pass)")
     bench.add_argument("--dtype", default="auto", choices=tuple(train.DTYPES))
     bench.add_argument("--attention", default="auto", choices=("auto", "cudnn", "xla"),
                        help="the full forward's attention (the cached one is XLA's)")

@@ -96,7 +96,7 @@ def test_a_missing_qwix_skips_its_variant_and_speeds_off_a_gpu_are_na(tmp_path, 
     monkeypatch.setattr(generate, "qwix_installed", lambda: False)
     report = generate_bench.main([
         "--random-init", "--compare", "--variants", "stock,epilog_fp8,qwix_fp8",
-        "--prompt-len", "5", "--new-tokens", "3", "--repeats", "1", "--eval-batches", "1",
+        "--prompt-len", "5", "--new-tokens", "3", "--repeats", "1", "--eval-batches", "0",
         "--no-progress", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     result = report["result"]
@@ -106,6 +106,11 @@ def test_a_missing_qwix_skips_its_variant_and_speeds_off_a_gpu_are_na(tmp_path, 
     text = (tmp_path / "gpt_generate.md").read_text()
     assert f"| qwix_fp8 | {generate.QWIX_MISSING} |" in text
     assert "FAILED" not in out and "failed" not in text
+    # --eval-batches 0: a speed-only run, no quality pass
+    assert all(r["validation_loss"] is None and "top1_agreement_with_stock" not in r
+               for r in result["variants"].values())
+    weights = generate._mib(result["variants"]["epilog_fp8"]["weight_bytes"])
+    assert f"| epilog_fp8 | {weights} | n/a | n/a | n/a |" in text
     measured = result["variants"]["epilog_fp8"]["by_batch"]["1"]
     platform = jax.default_backend()
     if platform != "gpu":
@@ -128,6 +133,12 @@ def test_a_missing_qwix_skips_its_variant_and_speeds_off_a_gpu_are_na(tmp_path, 
     assert f"| {measured['prefill_vs_stock']:.2f}x | {measured['decode_vs_stock']:.2f}x |" \
         in rendered
     assert "n/a (" not in rendered and "emulated" not in rendered
+
+
+def test_static_scales_need_validation_batches(capsys):
+    with pytest.raises(SystemExit):
+        generate_bench.main(["--random-init", "--static-scales", "--eval-batches", "0"])
+    assert "--static-scales calibrates on the validation batches" in capsys.readouterr().err
 
 
 def test_serving_qwix_alone_without_qwix_says_how_to_add_it(capsys, monkeypatch):
