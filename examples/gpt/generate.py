@@ -346,19 +346,22 @@ SAMPLES = 4
 #: Decode steps `--profile` traces per variant and batch size (after one untraced).
 PROFILE_STEPS = 5
 #: How many of the longest kernels of each kind a decode step's profile lists.
-DECODE_TOP_KERNELS = {"gemm": 6, "attention": 4, "cache": 4, "other": 8}
+DECODE_TOP_KERNELS = {"gemm": 6, "attention": 4, "cache": 4, "quantize": 4, "other": 8}
 
 
 def decode_kind(kernel, line: str) -> str:
-    """A decode step's kinds: by the named scope of the launching HLO instruction (decode.py's
-    "kv_cache" writes and "cached_attention", whose dots are GEMM kernels), then GEMMs by
-    kernel name, then the rest (norms, activations, quantization, sampling)."""
+    """A decode step's kinds: by the named scope of the launching HLO instruction (the
+    library's "kv_cache" writes, "cached_attention", whose dots are GEMM kernels, and
+    "fp8_input", a served GEMM's input quantized), then GEMMs by kernel name, then the rest
+    (norms, activations, sampling)."""
     scope = re.search(r'op_name="([^"]*)"', line)
     scope = scope.group(1) if scope else ""
     if "/kv_cache/" in scope:
         return "cache"
     if "/cached_attention/" in scope:
         return "attention"
+    if "/fp8_input/" in scope:
+        return "quantize"
     return "gemm" if profile.gpu_trace.GEMM_KERNEL.search(kernel.name) else "other"
 
 
@@ -767,7 +770,8 @@ def _profile_cells(p: dict) -> str:
     if "kernel_ms" not in p:
         return p["note"]
     return (f"{p['kernel_ms']:.3f} ms of kernels: GEMM {p['gemm_ms']:.3f}, attention "
-            f"{p['attention_ms']:.3f}, cache writes {p['cache_ms']:.3f}, other "
+            f"{p['attention_ms']:.3f}, cache writes {p['cache_ms']:.3f}, input quantization "
+            f"{p['quantize_ms']:.3f}, other "
             f"{p['other_ms']:.3f}, {p['kernels_per_step']:.0f} kernels")
 
 
@@ -784,13 +788,14 @@ def _profile_section(variants: dict, folder: Optional[str]) -> list[str]:
                   "generate.py); on a GPU the traced programs are compiled without XLA's "
                   "command buffers, so each kernel is named after its op.", "",
                   _row("variant", "batch", "KV cache", "kernels ms", "GEMM ms", "attention ms",
-                       "cache writes ms", "other ms", "kernels"), _row(*["---"] * 9)]
+                       "cache writes ms", "input quantization ms", "other ms", "kernels"),
+                  _row(*["---"] * 10)]
         for name, r in variants.items():
             for batch, m in r["by_batch"].items():
                 p = _profiled(m["profile"], what)
-                cells = [p["note"], *[""] * 5] if "kernel_ms" not in p else [
+                cells = [p["note"], *[""] * 6] if "kernel_ms" not in p else [
                     f"{p[key]:.3f}" for key in ("kernel_ms", "gemm_ms", "attention_ms",
-                                                "cache_ms", "other_ms")] + \
+                                                "cache_ms", "quantize_ms", "other_ms")] + \
                     [f"{p['kernels_per_step']:.0f}"]
                 lines.append(_row(name, batch, r["kv_cache"], *cells))
         for name, r in variants.items():

@@ -684,16 +684,20 @@ def test_decode_kernels_are_sorted_by_the_scope_that_launched_them():
         'cached_attention/reduce_sum"}',
         '  %dot = f32[4] custom-call(%p), metadata={op_name="jit(f)/dot_general"}',
         '  %norm = f32[4] fusion(%p), kind=kLoop, calls=%c, metadata={op_name="jit(f)/rsqrt"}',
+        '  %amax = f32[] fusion(%p), kind=kInput, calls=%c, metadata={op_name="jit(f)/'
+        'fp8_input/reduce_max"}',
         "}"])
     kernels = [kernel("loop_dynamic_update_slice_fusion", "dus"),
                kernel("input_reduce_fusion", "scores"), kernel("nvjet_hsh_64x8", "dot"),
-               kernel("nvjet_hsh_64x8", "dot"), kernel("loop_rsqrt_fusion", "norm")]
+               kernel("nvjet_hsh_64x8", "dot"), kernel("loop_rsqrt_fusion", "norm"),
+               kernel("input_reduce_fusion", "amax")]
     got = generate.profile.breakdown(kernels, 1, hlo, generate.decode_kind,
                                      generate.DECODE_TOP_KERNELS)
-    assert [got[f"{kind}_ms"] for kind in ("gemm", "attention", "cache", "other")] == \
-        [0.002, 0.001, 0.001, 0.001]
+    assert [got[f"{kind}_ms"] for kind in ("gemm", "attention", "cache", "quantize",
+                                           "other")] == [0.002, 0.001, 0.001, 0.001, 0.001]
     assert {t["op"]: t["kind"] for t in got["top"]} == \
-        {"dot": "gemm", "scores": "attention", "dus": "cache", "norm": "other"}
+        {"dot": "gemm", "scores": "attention", "dus": "cache", "amax": "quantize",
+         "norm": "other"}
 
 
 def test_compare_runs_the_named_variants_stock_first():
