@@ -11,9 +11,10 @@ One process, three stages, everything under `--out`:
 1. **Training**: `train.py`'s `train` of `--config` (`llama_served`: `llama_small` for 3000
    steps) with `--impl` (stock, bf16 compute on a GPU), for its steps or until
    `--train-seconds` of training have passed (then it stops at the next logged step, the
-   cosine schedule unfinished, and says so), checkpointed (orbax) into `checkpoint/`. A second
-   run with the same `--out` resumes, or only serves where training had finished.
-2. **Serving**: `generate.py --checkpoint-dir checkpoint --compare` (with
+   cosine schedule unfinished, and says so), checkpointed (orbax) into `--checkpoint-dir`
+   (default `OUT/checkpoint`). A second run with the same one resumes, or only serves where
+   training had finished.
+2. **Serving**: `generate.py --checkpoint-dir CHECKPOINT --compare` (with
    `generate_bench.py`'s switches): `stock` in the compute dtype with its KV cache in it, and
    the FP8 variants (`epilog_fp8`, `stock_fp8`: kernels stored in FP8, FP8 GEMMs, the FP8 KV
    cache) from the same saved weights; decode and prefill speed at each `--batch`, then the
@@ -115,13 +116,13 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     config = trained_config(args)
     corpus = data.load_corpus()
     trained = train.train(config, args.impl, corpus=corpus, progress=not args.no_progress,
-                          checkpoint_dir=args.out / "checkpoint",
+                          checkpoint_dir=args.checkpoint_dir,
                           time_limit_s=args.train_seconds)
     trained.pop("state")  # its buffers go before the variants are built
     print(f"trained: steps {trained['steps']}, validation loss "
           f"{trained['validation_loss'][-1][1] if trained['validation_loss'] else 'n/a'}",
           flush=True)
-    served = generate_bench.main(serving_argv(args, args.out / "checkpoint"))
+    served = generate_bench.main(serving_argv(args, args.checkpoint_dir))
     unigram = unigram_loss(corpus)
     variants = served["result"]["variants"]
     last = trained["validation_loss"][-1][1] if trained["validation_loss"] else None
@@ -216,7 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weight-scales", default="tensor", choices=("tensor", "channel"),
                         help="the FP8 variants' weight scales: one per kernel, or one per "
                              "output channel")
-    parser.add_argument("--out", type=Path, required=True, help="the folder for everything")
+    parser.add_argument("--out", type=Path, required=True, help="the folder for the reports")
+    parser.add_argument("--checkpoint-dir", type=Path,
+                        help="where the trained model is saved and served from (default "
+                             "OUT/checkpoint; a run again with it resumes, or only serves)")
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
@@ -235,7 +239,8 @@ def main(argv=None) -> dict[str, Any]:
         decode.check_fits(trained_config(args).model, args.prompt_len, args.new_tokens)
     except ValueError as error:
         parser.error(f"--prompt-len/--new-tokens: {error}")
-    serving = generate.parse_args(serving_argv(args, args.out / "checkpoint"),
+    args.checkpoint_dir = args.checkpoint_dir or args.out / "checkpoint"
+    serving = generate.parse_args(serving_argv(args, args.checkpoint_dir),
                                   generate_bench.build_parser())
     generate.compared_variants(serving)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -71,10 +71,11 @@ def test_the_unigram_level_is_the_cross_entropy_of_the_byte_frequencies():
 
 @pytest.mark.slow
 def test_a_finished_training_resumes_to_nothing_and_serves_again(tmp_path):
-    first = serve_trained.main([*FLOW, "--steps", "2", "--variants", "stock",
-                                "--out", str(tmp_path)])
-    again = serve_trained.main([*FLOW, "--steps", "2", "--variants", "stock",
-                                "--out", str(tmp_path)])
+    argv = [*FLOW, "--steps", "2", "--variants", "stock", "--checkpoint-dir",
+            str(tmp_path / "saved")]
+    first = serve_trained.main([*argv, "--out", str(tmp_path / "first")])
+    again = serve_trained.main([*argv, "--out", str(tmp_path / "again")])
+    assert (tmp_path / "saved" / "2").is_dir() and not (tmp_path / "first" / "checkpoint").exists()
     assert first["train"]["steps"] == [0, 2] and again["train"]["steps"] == [2, 2]
     assert again["serving"]["stock"]["validation_loss"] == \
         first["serving"]["stock"]["validation_loss"]
