@@ -138,7 +138,7 @@ def decode_attention(q, cache: KVCache, lengths, *, layer=None, read: Optional[s
                 mask=visible[:, None], scale=scale, implementation="xla")
         if read is None:
             read = decode_plan(n_heads, cache.kv_heads, batch, cache.max_len,
-                               layout=cache.layout).read
+                               layout=cache.layout, head_dim=head_dim).read
         arrays = (cache.keys, cache.values, cache.key_scales, cache.value_scales)
         if new > 1 or read == "dots":
             y = _dots(q, *arrays, visible, scale, cache.layout)

@@ -154,7 +154,7 @@ def init_kv_cache(batch: int, max_len: int, kv_heads: int, head_dim: int,
         shape = lead + (batch, max_len, kv_heads, head_dim)
         return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
     if layout is None:
-        layout = decode_plan(query_heads, kv_heads, batch, max_len).layout
+        layout = decode_plan(query_heads, kv_heads, batch, max_len, head_dim=head_dim).layout
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
     if layout == "positions_major":

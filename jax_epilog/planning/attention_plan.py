@@ -129,12 +129,14 @@ def nearest_entry(entries, group: int, batch: int, context: int) -> Optional[dic
     return min(entries, key=distance, default=None)
 
 
-def _user_entry(path: Optional[Path], device: str, group: int, batch: int,
-                context: int) -> tuple[Optional[dict], Optional[dict]]:
+def _user_entry(path: Optional[Path], device: str, group: int, batch: int, context: int,
+                head_dim: Optional[int]) -> tuple[Optional[dict], Optional[dict]]:
     """(the user's section of `device`, its entry deciding here) or Nones: a cell of the same
-    group size, batch and context each within `USER_NEAR`."""
+    group size (and `head_dim`, where given), batch and context each within `USER_NEAR`."""
     section = _section(read_table(path), device, fallback=False) if path is not None else None
-    entry = nearest_entry(section["entries"], group, batch, context) if section else None
+    entries = [e for e in section["entries"] if head_dim in (None, e["head_dim"])] \
+        if section else ()
+    entry = nearest_entry(entries, group, batch, context)
     near = math.log(USER_NEAR) + 1e-9
     if entry is None or entry["query_heads"] // entry["kv_heads"] != group or \
             _log_ratio(entry["batch"], batch) > near or \
@@ -145,19 +147,21 @@ def _user_entry(path: Optional[Path], device: str, group: int, batch: int,
 
 def decode_plan(query_heads: int, kv_heads: int, batch: int, context: int, *,
                 layout: Optional[str] = None, device: Optional[str] = "auto",
-                path: Path = TABLE_PATH, user_path: Optional[Path] = "auto") -> DecodePlan:
+                path: Path = TABLE_PATH, user_path: Optional[Path] = "auto",
+                head_dim: Optional[int] = None) -> DecodePlan:
     """The read form and layout for an FP8 cache of `kv_heads` read by `query_heads` at
     `batch` sequences of `context` positions. `layout`: the cache's, where it is made already
     (then the fastest read measured in that layout). `device`: a GPU model as JAX names it,
     "auto" (this host's) or None (off a GPU: the constant rule). `user_path`: the user's
-    table ("auto": `user_table_path()`; None: none), read before the shipped `path`."""
+    table ("auto": `user_table_path()`; None: none), read before the shipped `path`; its
+    cells decide only for their own `head_dim` where it is given."""
     device = cuda_device() if device == "auto" else device
     constant = constant_plan(query_heads, kv_heads)
     if device is None:
         return constant if layout is None else constant._replace(layout=layout)
     group = query_heads // kv_heads
     user_path = user_table_path() if user_path == "auto" else user_path
-    section, entry = _user_entry(user_path, device, group, batch, context)
+    section, entry = _user_entry(user_path, device, group, batch, context, head_dim)
     owner = "your"
     if entry is None:
         section = _section(read_table(path), device)

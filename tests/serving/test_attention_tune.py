@@ -70,6 +70,12 @@ def test_the_users_cells_decide_near_them_and_the_shipped_table_elsewhere(user, 
                                     query_heads=4).layout == "positions_major"
     for cell in ((4, 2, 64, 512), (4, 2, 16, 2048), (4, 4, 16, 512), (4, 1, 16, 512)):
         assert attention_plan.decode_plan(*cell) == shipped(*cell)  # not near: the shipped
+    # the cells are of head_dim 16: they decide for it (or where head_dim is not said)
+    assert attention_plan.decode_plan(4, 2, 16, 512, head_dim=16)[:2] == ours
+    assert attention_plan.decode_plan(4, 2, 16, 512, head_dim=128) == \
+        shipped(4, 2, 16, 512, head_dim=128)
+    assert jax_epilog.init_kv_cache(16, 512, 2, 128, jnp.float8_e4m3fn, query_heads=4).layout \
+        == shipped(4, 2, 16, 512).layout
     # Measured again: the cell replaced, the others kept.
     slower = fastest | {name("reduce", "positions_major"): 3.0}
     attention_tune.tune_attention(SHAPE, [16], [512], device=FAKE, measure=injected(slower))
