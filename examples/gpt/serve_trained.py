@@ -125,7 +125,9 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
     served = generate_bench.main(serving_argv(args, args.checkpoint_dir))
     unigram = unigram_loss(corpus)
     variants = served["result"]["variants"]
-    last = trained["validation_loss"][-1][1] if trained["validation_loss"] else None
+    # A run that resumed a finished training evaluated nothing: stock's served loss is it.
+    last = trained["validation_loss"][-1][1] if trained["validation_loss"] else \
+        variants.get("stock", {}).get("validation_loss")
     report = {"benchmark": "served", "metadata": served["metadata"],
               "command": command, "config": dataclasses.asdict(config),
               "train": trained, "unigram_loss": unigram,

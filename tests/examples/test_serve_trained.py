@@ -79,6 +79,8 @@ def test_a_finished_training_resumes_to_nothing_and_serves_again(tmp_path):
     assert first["train"]["steps"] == [0, 2] and again["train"]["steps"] == [2, 2]
     assert again["serving"]["stock"]["validation_loss"] == \
         first["serving"]["stock"]["validation_loss"]
+    # nothing trained the second time: the trained model's loss is stock's served one
+    assert again["targets"][0]["value"] == f"{again['serving']['stock']['validation_loss']:.4f}"
 
 
 def test_training_refuses_a_time_limit_that_is_not_positive():
