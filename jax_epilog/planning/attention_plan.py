@@ -100,7 +100,11 @@ def read_table(path: Path = TABLE_PATH) -> tuple[dict, ...]:
     """The sections of a decode-attention table file (none where it does not exist)."""
     if not path.exists():
         return ()
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not a decode-attention table ({error}); remove it or run "
+                         "python -m jax_epilog.tune --serving again") from None
     if not isinstance(data, dict) or data.get("format") != TABLE_FORMAT:
         raise ValueError(f"{path}: expected a decode-attention table of format {TABLE_FORMAT}")
     return tuple(data["sections"])

@@ -93,6 +93,12 @@ def test_a_cell_where_nothing_ran_is_said_and_not_written(user, capsys):
     assert "nothing ran" in capsys.readouterr().out and not user.exists()
 
 
+def test_a_broken_user_table_is_named(user):
+    user.write_text("{not json")
+    with pytest.raises(ValueError, match="user_attention.json: not a decode-attention table"):
+        attention_plan.decode_plan(4, 2, 3, 33)
+
+
 def test_bad_shapes_and_sizes_name_the_argument(user, monkeypatch):
     for bad in ((4, 3, 16), (4, 2), (0, 1, 16), "4/2/16"):
         with pytest.raises(ValueError, match="shape: expected"):
