@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import re
 import threading
 from collections.abc import Sequence
@@ -139,7 +140,9 @@ def _kind(module) -> str:
 def whole_layer(module, kernel, bias, einsum_str: Optional[str] = None) -> bool:
     """Whether the chosen layer is run whole by `fused_forward` (its bias in the GEMM's
     epilog): it has a bias, Flax's own dtype promotion and result dtype, and its kernel is one
-    GEMM's `(K, N)` (no batch dims; an einsum's string known when built, as called)."""
+    GEMM's `(K, N)` (no batch dims; an einsum's string known when built, as called), or a
+    stack of such kernels along leading dims (`nnx.vmap`-built layers, which a lifted
+    transform hands one at a time)."""
     if bias is None or getattr(module, "preferred_element_type", None) is not None:
         return False
     promote = getattr(module, "promote_dtype", None)
@@ -149,10 +152,11 @@ def whole_layer(module, kernel, bias, einsum_str: Optional[str] = None) -> bool:
     try:
         if kind == "einsum":
             stock_layers.einsum_string(module, einsum_str)
-        layout = stock_layers.layout(module, kind, jnp.shape(kernel))
+        lead = stock_layers.stacked_dims(module, kind, kernel)
+        layout = stock_layers.layout(module, kind, jnp.shape(kernel)[lead:])
     except stock_layers.Unsupported:
         return False
-    return layout.n == jnp.size(bias)
+    return layout.n * math.prod(jnp.shape(kernel)[:lead]) == jnp.size(bias)
 
 
 def fused_forward(module, inputs, kernel, bias, product, einsum_str: Optional[str] = None):
@@ -164,8 +168,8 @@ def fused_forward(module, inputs, kernel, bias, product, einsum_str: Optional[st
     kind = _kind(module)
     geo = stock_layers.geometry(module, kind, inputs.shape, einsum_str)
     layout = stock_layers.layout(module, kind, jnp.shape(kernel))
-    if geo.k != layout.k:  # the layer's own call raises Flax's error
-        return None
+    if geo.k != layout.k or geo.n != layout.n or jnp.size(bias) != layout.n:
+        return None  # the layer's own call (Flax's errors for wrong shapes)
     matrix = jnp.transpose(jnp.asarray(kernel, dtype), layout.contracting + layout.kept)
     y = product(geo.rows(inputs.astype(dtype)), matrix.reshape(layout.k, layout.n),
                 (((1,), (0,)), ((), ())), bias=jnp.asarray(bias, dtype).reshape(-1))

@@ -35,9 +35,11 @@ ROUNDING = {jnp.float32: 2e-6, jnp.bfloat16: 2**-7}
 
 
 def _random(seed, *shapes, dtype=jnp.float32):
-    keys = jax.random.split(jax.random.key(seed), len(shapes))
-    return [(jax.random.normal(k, s, jnp.float32) * (1 + i)).astype(dtype)
-            for i, (k, s) in enumerate(zip(keys, shapes))]
+    """Normal values, the i-th array scaled by 1 + i (NumPy's generator: jax.random would
+    compile for every shape)."""
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(s, np.float32) * (1 + i), dtype)
+            for i, s in enumerate(shapes)]
 
 
 def _close(got, want, rtol):
@@ -95,9 +97,12 @@ def test_bias_in_the_epilog_is_the_product_plus_bias_rounded_once(dtype, m, k, n
 def test_a_batched_product_adds_its_bias_after_the_gemm_and_shapes_are_checked():
     x, w, b = _random(2, (3, 5, 16), (3, 16, 2, 7), (2, 7))
     dn = (((2,), (1,)), ((0,), (0,)))
-    y = fp8_dot_general(x, w, dn, fp8=ALL, bias=b)
-    _equal(y, fp8_dot_general(x, w, dn, fp8=ALL) + b)
-    _equal(fp8_dot_general(x, w, dn, fp8=ALL, bias=b.reshape(-1)), y)
+    both = jax.jit(lambda x, w, b: (fp8_dot_general(x, w, dn, fp8=ALL, bias=b),
+                                    fp8_dot_general(x, w, dn, fp8=ALL) + b,
+                                    fp8_dot_general(x, w, dn, fp8=ALL, bias=b.reshape(-1))))
+    y, unfused, flat = both(x, w, b)
+    _equal(y, unfused)
+    _equal(flat, y)
     with pytest.raises(ValueError, match=r"up: bias: expected shape \(2, 7\) or \(14,\)"):
         fp8_dot_general(x, w, dn, fp8=ALL, bias=b.T, name="up")
 
@@ -128,7 +133,8 @@ class _Nnx(nnx.Module):
         return self.out(self.merge(self.split(nnx.relu(self.up(x)))))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(jnp.float32, marks=pytest.mark.slow),
+                                   jnp.bfloat16])
 def test_linen_layers_with_a_bias_run_whole_and_match_the_unfused_route(dtype, unfused):
     x, = _random(3, (2, 7, 20))
     dy, = _random(4, (2, 7, 9), dtype=dtype)
@@ -150,6 +156,18 @@ def test_linen_layers_with_a_bias_run_whole_and_match_the_unfused_route(dtype, u
     _close(fused[1], plain[1], 8 * ROUNDING[dtype] if dtype == jnp.bfloat16 else 1e-5)
 
 
+def test_an_nnx_linear_with_a_bias_runs_whole_under_its_own_class(unfused):
+    x, = _random(11, (3, 7, 20))
+    layer = nnx.Linear(20, 33, rngs=nnx.Rngs(0))
+    trained = jax_epilog.nnx.fp8_training(layer, fp8=ALL)
+    assert type(trained).__name__ == "TrainedLinear" and isinstance(trained, nnx.Linear)
+    assert type(layer) is nnx.Linear  # the model itself is unchanged
+    assert _epilogs(lambda x: trained(x), x) == [Epilog.BIAS]
+    unfused()
+    _close(trained(x), jax_epilog.nnx.fp8_training(layer, fp8=ALL)(x), ROUNDING[jnp.float32])
+
+
+@pytest.mark.slow
 def test_nnx_layers_with_a_bias_run_whole_and_keep_delayed_state_as_the_unfused_route(
         unfused):
     x, dy = _random(5, (2, 7, 20), (2, 7, 9))
@@ -186,6 +204,36 @@ def test_nnx_layers_with_a_bias_run_whole_and_keep_delayed_state_as_the_unfused_
     _close(state(fused_state), state(plain_state), 1e-5)
     _close(nnx.filter_state(fused_grads, nnx.Param), nnx.filter_state(plain_grads, nnx.Param),
            1e-5)
+
+
+@pytest.mark.slow
+def test_layers_stacked_by_vmap_and_run_by_scan_run_whole_one_slice_at_a_time(unfused):
+    class Scanned(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return nnx.Linear(20, 20, rngs=rngs)
+            self.layers = make(rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def step(x, layer):
+                return x + jnp.tanh(layer(x))
+            return step(x, self.layers)
+
+    x, dy = _random(10, (5, 20), (5, 20))
+    model = Scanned(nnx.Rngs(0))
+    trained = jax_epilog.nnx.fp8_training(model, fp8=ALL)
+    assert type(trained.layers).__name__ == "TrainedLinear"
+    step = lambda m: (m(x), nnx.grad(lambda m: jnp.sum(m(x) * dy))(m))
+    y, grads = step(trained)
+    graphdef, state = nnx.split(trained)
+    assert _epilogs(lambda s: nnx.merge(graphdef, s)(x), state) == [Epilog.BIAS]  # in the scan
+    unfused()
+    y0, grads0 = step(jax_epilog.nnx.fp8_training(model, fp8=ALL))
+    _close(y, y0, 1e-5)
+    _close(nnx.filter_state(grads, nnx.Param), nnx.filter_state(grads0, nnx.Param), 1e-5)
 
 
 def test_a_layer_the_whole_route_cannot_take_runs_its_own_call_with_the_fp8_op():
