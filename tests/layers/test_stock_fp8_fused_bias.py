@@ -27,6 +27,7 @@ from jax_epilog import Fp8
 from jax_epilog.layers import stock_training
 from jax_epilog.layers.stock_fp8 import fp8_dot_general
 from jax_epilog.op.epilogs import Epilog
+from stock_models import Scanned  # tests/support
 
 ALL = Fp8(layers="all", scaling="current")
 DENSE = (((1,), (0,)), ((), ()))
@@ -208,20 +209,6 @@ def test_nnx_layers_with_a_bias_run_whole_and_keep_delayed_state_as_the_unfused_
 
 @pytest.mark.slow
 def test_layers_stacked_by_vmap_and_run_by_scan_run_whole_one_slice_at_a_time(unfused):
-    class Scanned(nnx.Module):
-        def __init__(self, rngs):
-            @nnx.split_rngs(splits=3)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
-            def make(rngs):
-                return nnx.Linear(20, 20, rngs=rngs)
-            self.layers = make(rngs)
-
-        def __call__(self, x):
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-            def step(x, layer):
-                return x + jnp.tanh(layer(x))
-            return step(x, self.layers)
-
     x, dy = _random(10, (5, 20), (5, 20))
     model = Scanned(nnx.Rngs(0))
     trained = jax_epilog.nnx.fp8_training(model, fp8=ALL)
