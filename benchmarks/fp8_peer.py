@@ -27,7 +27,9 @@ stack, all from the parameters of one `init`:
   `dot_general_cls=jax_epilog.linen.Fp8DotGeneral` (Flax's state and delayed scaling), with
   the defaults and with `Fp8(layers="all")`: the bias and activation stay XLA fusions;
 - stock_fp8_intercepted_all: flax_bf16's model unchanged, trained through
-  `jax_epilog.linen.fp8_training(model, fp8=Fp8(scaling="current", layers="all"))`.
+  `jax_epilog.linen.fp8_training(model, fp8=Fp8(scaling="current", layers="all"))`, which
+  takes each `nn.Dense` whole: its bias in the FP8 GEMM's epilog, the activation (the
+  model's code, between the layers) still an XLA fusion.
 
 An `ours_*` variant that builds the same program as one before it on a row (on M1, `fp8=True`
 already runs every layer FP8) is not compiled twice: the report names the one it equals.
@@ -42,6 +44,7 @@ the one timed. Rows (ReLU rows: the activation after every layer, as `nn.Dense` 
 | row | batch | widths | activation |
 |---|---|---|---|
 | W2 | 16384 | 8192 → 8192 → 8192 | ReLU after each |
+| LIN | 16384 | 8192 → 8192 → 8192 | none (bias only: all a stock route can fuse) |
 | TMLP | 8192 | 4096 → 16384 → 4096 | GELU (tanh) on the hidden layer, none after the last |
 | N8K | 8192 | 4096 → 4 × 4096 | ReLU after each |
 | M2 | 16384 | 1024 → 8 × 1024 | ReLU after each |
@@ -53,11 +56,18 @@ call, wall-clock loop, one `block_until_ready`): ms, TFLOP/s, the ratios against
 and flax_fp8_direct, the compiled step's temporaries (`memory_analysis().temp_size_in_bytes`),
 where its GEMMs ran (as fp8_bench.py counts them), and the gradient error: per parameter leaf
 max|g - g_bf16| / max|g_bf16| against flax_bf16's gradients after the same calibration (the
-largest in the table, every leaf in the JSON). Then issue 24's targets, met or MISSED.
+largest in the table, every leaf in the JSON). Then issue 24's targets, met or MISSED, and
+issue 62's for the stock variants: each one's step speed >= 0.97x that of our layers on the
+same recipe (stock_fp8: ours_fp8; stock_fp8_all: ours_fp8_all; stock_fp8_intercepted_all:
+ours_fp8_current_all) and >= 1.0x flax_fp8_direct's.
 
     python benchmarks/fp8_peer.py --rows W2,TMLP,N8K,M1 --out benchmarks/results  # H200: ~4.5 min
     python benchmarks/fp8_peer.py --rows M1 --variants flax_fp8_direct,ours_fp8 --out /tmp/m1
     python benchmarks/fp8_peer.py --smoke --out /tmp/smoke     # tiny shapes, any CPU, ~25 s
+    python benchmarks/fp8_peer.py --stock --out /tmp/stock     # issue 62's rows, ~2 min
+
+`--stock` runs issue 62's comparison alone: rows LIN and TMLP, the variants its targets
+read (`STOCK_VARIANTS`), a 30 s timing budget and a 115 s bound on the whole run.
 
 `--max-s` (default 270) bounds the whole run, compilation included: a row that would start
 too late for it (judged by the slowest row so far) is skipped and listed, so M1 (the slowest,
@@ -104,10 +114,15 @@ FP8_STATE = epilog_linen.FP8_COLLECTION  # Flax's "overwrite with gradient" coll
 
 # Every row's step differentiates the variables, not x (grad_x False): a network's step.
 ROWS = {"W2": Workload("W2", 16384, (8192,) * 3, "relu", "relu", False),
+        "LIN": Workload("LIN", 16384, (8192,) * 3, None, None, False),
         "TMLP": Workload("TMLP", 8192, (4096, 16384, 4096), "gelu", None, False),
         "N8K": Workload("N8K", 8192, (4096,) * 5, "relu", "relu", False),
         "M2": Workload("M2", 16384, (1024,) * 9, "relu", "relu", False),
         "M1": Workload("M1", 65536, (4096,) * 5, "relu", "relu", False)}
+#: `--stock`: issue 62's rows and the variants its targets read (flax_bf16 always runs).
+STOCK_ROWS = ("LIN", "TMLP")
+STOCK_VARIANTS = ("flax_fp8_direct", "ours_fp8", "ours_fp8_current_all", "stock_fp8",
+                  "stock_fp8_intercepted_all")
 SMOKE_ROWS = {"S1": Workload("S1", 64, (32, 48, 48), "relu", "relu", False),
               "S2": Workload("S2", 33, (24, 40, 24), "gelu", None, False)}
 
@@ -353,6 +368,11 @@ BEST_VARIANT_SLACK = 1.03  # ours_fp8 within 3% of our best FP8 variant
 M1_TEMP_VS_BF16 = 0.6
 MAX_GRAD_ERROR = 0.15
 OURS_FP8 = [v for v in VARIANTS if v.startswith("ours_fp8")]
+#: Issue 62: (stock variant, our layers on the same recipe); the stock step's speed >=
+#: STOCK_VS_OURS x ours and >= STOCK_VS_FLAX x flax_fp8_direct's.
+STOCK_PAIRS = (("stock_fp8", "ours_fp8"), ("stock_fp8_all", "ours_fp8_all"),
+               ("stock_fp8_intercepted_all", "ours_fp8_current_all"))
+STOCK_VS_OURS, STOCK_VS_FLAX = 0.97, 1.0
 
 
 def _seconds(row: dict, name: str, harness: str) -> Optional[float]:
@@ -387,6 +407,15 @@ def targets(rows: dict[str, dict]) -> list[dict[str, Any]]:
 
     for name, row in rows.items():
         v = row["variants"]
+        for stock, ours in STOCK_PAIRS:
+            ours = row.get("same_as", {}).get(ours, ours)  # measured once, under that name
+            if "careful" not in v.get(stock, {}):
+                continue
+            for against, bound in ((ours, STOCK_VS_OURS), ("flax_fp8_direct", STOCK_VS_FLAX)):
+                if "careful" in v.get(against, {}):
+                    add(row, f"{name} {stock} / {against} speed >= {bound} (issue 62)",
+                        tuple(_speedup(row, stock, [against], h) for h in HARNESSES), bound,
+                        (stock, against))
         if "careful" not in v.get("ours_fp8", {}):
             continue
         ours = v["ours_fp8"]
@@ -524,7 +553,7 @@ def markdown(report: dict[str, Any]) -> str:
                      + "".join(f"; {a} FAILED: {e}" for a, e in r["variant_errors"].items()))
     lines += ["", "## Rows", ""] + notes
     if report["targets"]:
-        lines += ["", "## Targets (issue 24, `fp8=True`)", "",
+        lines += ["", "## Targets (issue 24, `fp8=True`; issue 62, the stock variants)", "",
                   "Speed: careful harness (user harness); met when both reach it.", "",
                   "| target | value | met |", "|---|---|---|"]
         lines += [f"| {t['target']} | {t['value']:.3f}"
@@ -556,6 +585,17 @@ def _names(text: Optional[str], known, what: str, parser) -> Optional[list[str]]
     return names
 
 
+def with_defaults(args):
+    """`args` with what `--stock` implies (each only where not given) and `--max-s`'s
+    default."""
+    if args.stock:
+        args.rows = args.rows or (None if args.smoke else ",".join(STOCK_ROWS))
+        args.variants = args.variants or ",".join(STOCK_VARIANTS)
+        args.budget_s = 30.0 if args.budget_s is None else args.budget_s
+    args.max_s = args.max_s if args.max_s is not None else 115.0 if args.stock else 270.0
+    return args
+
+
 def main(argv=None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -567,11 +607,15 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="seconds over which the timed rounds are spread (default 120; "
                              "smoke 20)")
-    parser.add_argument("--max-s", type=float, default=270.0,
+    parser.add_argument("--max-s", type=float, default=None,
                         help="wall-clock bound of the whole run, compilation included: rows "
-                             "that would end later are skipped (default 270)")
+                             "that would end later are skipped (default 270; --stock 115)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (runs on a CPU)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--stock", action="store_true",
+                        help=f"issue 62's comparison alone: rows {','.join(STOCK_ROWS)} (smoke: "
+                             f"all), variants {','.join(STOCK_VARIANTS)}, --budget-s 30, "
+                             "--max-s 115 (each unless given)")
+    args = with_defaults(parser.parse_args(argv))
     table = SMOKE_ROWS if args.smoke else ROWS
     wanted = _names(args.rows, list(table), "rows", parser) or list(table)
     only = _names(args.variants, list(VARIANTS), "variants", parser)

@@ -54,7 +54,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import jax
 import numpy as np
 
-import jax_epilog
 import timing
 from gpt import configs, data, model, train
 
@@ -62,9 +61,7 @@ from gpt import configs, data, model, train
 #: the baseline every ratio divides by.
 VARIANTS = (("stock", "stock", None), ("flax_fp8", "flax_fp8", None),
             ("epilog", "epilog", None), ("epilog_fp8", "epilog", "per-tensor"),
-            ("epilog_fp8_block", "epilog", "block"), ("stock_fp8", "stock", "fp8_training"))
-#: The FP8 "recipe" of `stock_fp8`: the stock model through `jax_epilog.nnx.fp8_training`.
-ONE_CALL = "fp8_training"
+            ("epilog_fp8_block", "epilog", "block"), ("stock_fp8", "stock", "per-tensor"))
 #: What runs without `--variants`: all but the block-scaled recipe (`--variants` adds it).
 DEFAULT_VARIANTS = ("stock", "flax_fp8", "epilog", "epilog_fp8")
 #: Issue 25's targets: (config, variant, baseline, minimum speed-up).
@@ -147,12 +144,10 @@ def build(config: configs.TrainConfig, name: str, impl: str, fp8, dtype,
     """One variant's model and compiled step; `fp8`: its recipe's `train.FP8_SCALINGS` name,
     or None (True and False, as `train.build_model` takes them, also work)."""
     start = time.perf_counter()
-    one_call = fp8 == ONE_CALL
-    scaling = fp8 if isinstance(fp8, str) and not one_call else "per-tensor"
-    model = train.build_model(config, impl, fp8=bool(fp8) and not one_call, dtype=dtype,
+    scaling = fp8 if isinstance(fp8, str) else "per-tensor"
+    # stock_fp8: the stock model's code unchanged, switched by one call (train.build_model)
+    model = train.build_model(config, impl, fp8=bool(fp8), dtype=dtype,
                               attention=attention, fp8_scaling=scaling)
-    if one_call:  # the stock model's code unchanged: its projections get the FP8 op by path
-        model = jax_epilog.nnx.fp8_training(model, fp8=train.FP8_RECIPE)
     trainer = train.Trainer(model, train.make_optimizer(config))
     compiled, memory = trainer.compile(trainer.initial, batch)
     compile_s = time.perf_counter() - start

@@ -4,6 +4,7 @@
     python examples/gpt/train.py --config small --impl epilog --fp8  # one H200
     python examples/gpt/train.py --config large --impl epilog --fp8 --fp8-scaling block
     python examples/gpt/train.py --config large --impl stock --checkpoint-dir /tmp/gpt --out run.json
+    python examples/gpt/train.py --config large --impl stock --fp8   # the stock code, FP8 by one call
     python examples/gpt/train.py --distributed ...   # one copy per process (README.md)
 
 AdamW with linear warm-up and cosine decay, global-norm clipping, a tqdm bar with the loss and
@@ -89,13 +90,24 @@ def build_model(config: configs.TrainConfig, impl: str, *, fp8: bool = False,
                 fp8_scaling: str = "per-tensor") -> GPT:
     """The model for `impl` (with jax-epilog's FP8 where `fp8`, the recipe `fp8_scaling`
     names: `fp8_recipe`), initialised from the config's seed: the same weights for every
-    impl."""
-    if fp8 and impl != "epilog":
-        raise ValueError(f"fp8: jax-epilog's FP8 needs impl='epilog', got impl={impl!r} "
-                         "(Flax's own FP8 is impl='flax_fp8')")
-    return GPT(config.model, impl=impl, dtype=dtype,
-               fp8=fp8_recipe(fp8_scaling) if fp8 else None,
-               attention=attention, rngs=nnx.Rngs(config.seed))
+    impl. FP8 on impl "stock" leaves the model's code as it is: the stock model is switched
+    by one call, `jax_epilog.nnx.fp8_training` (docs/stock_models.md), which gives every
+    `nnx.Linear` this package's FP8 GEMMs (its bias in the GEMM's epilog) and keeps Flax's
+    FP8 state, which `Trainer` carries as it carries `flax_fp8`'s."""
+    if fp8 and impl not in ("epilog", "stock"):
+        raise ValueError(f"fp8: jax-epilog's FP8 is for impl 'epilog' (its layers) or 'stock' "
+                         f"(by one call), got impl={impl!r} (Flax's own FP8 is "
+                         "impl='flax_fp8')")
+    recipe = fp8_recipe(fp8_scaling) if fp8 else None
+    if impl == "stock" and recipe is not None and recipe.block:
+        raise ValueError("fp8_scaling: the stock model's one call (fp8_training) takes "
+                         "per-tensor scaling; block scaling is for impl='epilog'")
+    model = GPT(config.model, impl=impl, dtype=dtype,
+                fp8=recipe if impl == "epilog" else None,
+                attention=attention, rngs=nnx.Rngs(config.seed))
+    if impl == "stock" and recipe is not None:
+        model = jax_epilog.nnx.fp8_training(model, fp8=recipe)
+    return model
 
 
 def learning_rate_schedule(config: configs.TrainConfig) -> optax.Schedule:
@@ -386,7 +398,9 @@ def main(argv=None) -> dict[str, Any]:
     parser.add_argument("--impl", default="stock", choices=IMPLS,
                         help="stock nnx.Linear, jax-epilog's layers, or Flax's own FP8")
     parser.add_argument("--fp8", action="store_true",
-                        help="jax-epilog's FP8 on every projection (with --impl epilog)")
+                        help="jax-epilog's FP8 on every projection: its layers' (--impl "
+                             "epilog) or, the model's code unchanged, by one call (--impl "
+                             "stock: jax_epilog.nnx.fp8_training)")
     parser.add_argument("--fp8-scaling", default="per-tensor", choices=FP8_SCALINGS,
                         help="with --fp8: per-tensor (the default, Fp8()) or block "
                              "(Fp8(scaling=\"block\"), DeepSeek-V3's 1x128/128x128 tiles)")

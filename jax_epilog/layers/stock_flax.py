@@ -143,6 +143,8 @@ class NnxFp8DotGeneral(nnx.Module):
     calibrate from each step's own amaxes.
     """
 
+    public_name = "jax_epilog.nnx.Fp8DotGeneral"  # warnings' name for an unnamed op
+
     def __init__(self, *, fp8: Any = True, amax_history_length: Optional[int] = None,
                  strict: bool = False, name: Optional[str] = None):
         self.fp8 = _recipe(fp8, amax_history_length, name or type(self).__name__)
@@ -156,12 +158,15 @@ class NnxFp8DotGeneral(nnx.Module):
         return {n: getattr(self, n)[...] for n in STATE_NAMES} if self.fp8.keeps_state \
             else None
 
+    def product(self):
+        """`fp8_dot_general` with this op's recipe, state, strictness and name bound."""
+        return functools.partial(fp8_dot_general, fp8=self.fp8, state=self._fp8_state(),
+                                 strict=self.strict, name=self.name or self.public_name)
+
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None):
-        return fp8_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                               fp8=self.fp8, state=self._fp8_state(), strict=self.strict,
-                               name=self.name or "jax_epilog.nnx.Fp8DotGeneral",
-                               out_sharding=out_sharding)
+        return self.product()(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+                              out_sharding=out_sharding)
 
 
 class NnxFp8Einsum(NnxFp8DotGeneral):
@@ -169,12 +174,12 @@ class NnxFp8Einsum(NnxFp8DotGeneral):
     layer's einsum with its product as `jax_epilog.nnx.Fp8DotGeneral`. Public as
     `jax_epilog.nnx.Fp8Einsum`."""
 
+    public_name = "jax_epilog.nnx.Fp8Einsum"
+
     def __call__(self, eqn, lhs, rhs, precision=None, preferred_element_type=None,
                  out_sharding=None):
-        dot = functools.partial(fp8_dot_general, fp8=self.fp8, state=self._fp8_state(),
-                                strict=self.strict,
-                                name=self.name or "jax_epilog.nnx.Fp8Einsum")
-        return fp8_einsum(dot, eqn, lhs, rhs, precision, preferred_element_type, out_sharding)
+        return fp8_einsum(self.product(), eqn, lhs, rhs, precision, preferred_element_type,
+                          out_sharding)
 
 
 def overwrite_with_gradient(model: nnx.Module, grads) -> None:

@@ -39,7 +39,9 @@ import jax.numpy as jnp
 from jax_epilog.float8.recipe import Fp8, as_fp8
 from jax_epilog.float8.scaling import quantize_scaled
 from jax_epilog.layers.fp8_step import carry_state, matmul8
-from jax_epilog.planning.stack_plan import fp8_pays_why
+from jax_epilog.op.epilogs import Epilog
+from jax_epilog.planning.stack_plan import fp8_gemm_backend, fp8_pays_why
+from jax_epilog.runtime import settings
 
 #: Flax's names for an FP8 op's state (`flax.linen.fp8_ops.Fp8DotGeneralBase`): amax histories
 #: of shape `(amax_history_length,)` and scales of shape `(1,)`, all float32.
@@ -91,6 +93,7 @@ class Gemm(NamedTuple):
     k: int
     n: int
     out_shape: tuple
+    n_shape: tuple = ()  # rhs's free dims (N's)
 
 
 def gemm_of(lhs_shape, rhs_shape, dimension_numbers) -> Gemm:
@@ -105,7 +108,8 @@ def gemm_of(lhs_shape, rhs_shape, dimension_numbers) -> Gemm:
     out_shape = batch_shape + tuple(lhs_shape[d] for d in lfree) + \
         tuple(rhs_shape[d] for d in rfree)
     return Gemm(lb + lfree + lc, rb + rc + rfree, size(lhs_shape, lb) if lb else 0,
-                size(lhs_shape, lfree), size(lhs_shape, lc), size(rhs_shape, rfree), out_shape)
+                size(lhs_shape, lfree), size(lhs_shape, lc), size(rhs_shape, rfree), out_shape,
+                tuple(rhs_shape[d] for d in rfree))
 
 
 def fallback_reason(gemm: Gemm, dtype, out_dtype, fp8: Fp8) -> tuple[Optional[str], bool]:
@@ -137,17 +141,19 @@ def _fall_back(reason: str, chosen: bool, name: str, strict: bool) -> None:
     if strict and not chosen:
         raise ValueError(f"{name}: cannot run in FP8 ({reason}); strict=True asked for FP8, so "
                          f"this is an error: change the layer's dtype, or drop strict=True to "
-                         f"run it in 16/32 bits with a warning")
+                         f"run it unquantized, in its own dtype, with a warning")
     if (name, reason) not in _warned:
         _warned.add((name, reason))
-        warnings.warn(f"{name} runs jax.lax.dot_general in 16/32 bits, not FP8: {reason}",
+        warnings.warn(f"{name} runs jax.lax.dot_general in its operands' dtype, not as an FP8 "
+                      f"GEMM: {reason}",
                       Fp8FallbackWarning, stacklevel=4)
 
 
 def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None,
                     *, fp8: Any = True, state=None, strict: bool = False,
-                    name: Optional[str] = None, out_sharding=None):
-    """`jax.lax.dot_general(lhs, rhs, dimension_numbers)` as an FP8 GEMM (module docstring).
+                    name: Optional[str] = None, out_sharding=None, bias=None):
+    """`jax.lax.dot_general(lhs, rhs, dimension_numbers)` (`+ bias`) as an FP8 GEMM (module
+    docstring).
 
     Args:
       lhs, rhs, dimension_numbers, preferred_element_type, out_sharding: as
@@ -161,6 +167,10 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         state, a dict of `STATE_NAMES` (`init_state`); its gradient is its next value.
       strict: raise where the product cannot run in FP8 instead of warning.
       name: the layer's name, for warnings and errors.
+      bias: None, or an array of rhs's free dims' shape (or flattened, their product) added
+        to the result: in the FP8 GEMM's epilog where it has no batch dims (the bias rounded
+        once with the product, its gradient a sum of the output gradient taken with the
+        gradient's amax, as this package's FP8 layers do), else after it.
     """
     where = name or "fp8_dot_general"
     recipe = as_fp8(fp8)
@@ -175,13 +185,15 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
     if not recipe.delayed and state is not None:  # handed back unchanged as its gradient
         return carry_state(fp8_dot_general(lhs, rhs, dimension_numbers, precision,
                                            preferred_element_type, fp8=recipe, strict=strict,
-                                           name=name, out_sharding=out_sharding), state)
+                                           name=name, out_sharding=out_sharding, bias=bias),
+                           state)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     shaped = functools.partial(jax.lax.dot_general, dimension_numbers=dimension_numbers,
                                preferred_element_type=preferred_element_type)
     out = jax.eval_shape(shaped, lhs, rhs)  # lax's own errors for invalid dimension numbers
     dtype = jnp.result_type(lhs, rhs)
     gemm = gemm_of(lhs.shape, rhs.shape, dimension_numbers)
+    bias = _checked_bias(bias, gemm, where)
     reason, chosen = fallback_reason(gemm, dtype, out.dtype, recipe)
     if reason is not None:
         if reason != ZERO_SIZED:
@@ -190,14 +202,29 @@ def fp8_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_eleme
         y = jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                 preferred_element_type=preferred_element_type,
                                 out_sharding=out_sharding)
+        y = y if bias is None else y + bias
         return y if state is None else carry_state(y, state)
     a = jnp.transpose(lhs.astype(dtype), gemm.lhs_perm)
     b = jnp.transpose(rhs.astype(dtype), gemm.rhs_perm)
     lead = (gemm.batch,) if gemm.batch else ()
+    fused = None if bias is None or gemm.batch else bias.reshape(gemm.n).astype(out.dtype)
     y = _fp8_gemm(_Config(recipe, dtype.name, out.dtype.name), a.reshape(*lead, gemm.m, gemm.k),
-                  b.reshape(*lead, gemm.k, gemm.n), state)
+                  b.reshape(*lead, gemm.k, gemm.n), fused, state)
     y = y.reshape(gemm.out_shape)
+    if bias is not None and fused is None:  # a batched GEMM: no bias epilog
+        y = y + bias
     return y if out_sharding is None else jax.sharding.reshard(y, out_sharding)
+
+
+def _checked_bias(bias, gemm: Gemm, where: str):
+    """`bias` (rhs's free dims' shape, or flattened) in that shape, or None."""
+    if bias is None:
+        return None
+    bias = jnp.asarray(bias)
+    if bias.shape not in ((gemm.n,), gemm.n_shape):
+        raise ValueError(f"{where}: bias: expected shape {gemm.n_shape} or ({gemm.n},) (rhs's "
+                         f"free dims), got {bias.shape}")
+    return bias.reshape(gemm.n_shape)
 
 
 # --- the GEMM and its FP8 backward ------------------------------------------------------------
@@ -217,24 +244,34 @@ def _t(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fp8_gemm(config: _Config, a, b, state):
-    return _fp8_gemm_fwd(config, a, b, state)[0]
+def _fp8_gemm(config: _Config, a, b, bias, state):
+    return _fp8_gemm_fwd(config, a, b, bias, state)[0]
 
 
-def _fp8_gemm_fwd(config: _Config, a, b, state):
+def _fp8_gemm_fwd(config: _Config, a, b, bias, state):
     fp8 = config.fp8
     axes = fp8.amax_reduction_axes
     a8, sa, a_amax = quantize_scaled(a, fp8.forward, fp8.margin,
                                      _history(state, "input_amax_history"), axes)
     b8, sb, b_amax = quantize_scaled(b, fp8.forward, fp8.margin,
                                      _history(state, "kernel_amax_history"), axes)
-    y, _ = matmul8(a8, sa, b8, sb, config.out_dtype, "auto", fp8.fast("forward"))
-    return y, (a8, sa, a_amax, b8, sb, b_amax, state)
+    if bias is None:
+        y, _ = matmul8(a8, sa, b8, sb, config.out_dtype, "auto", fp8.fast("forward"))
+    else:  # the bias in the GEMM's epilog, as the FP8 layers' forward GEMM takes theirs
+        backend = fp8_gemm_backend("auto", Epilog.BIAS, config.out_dtype,
+                                   settings.backend_override).choice
+        y, _ = matmul8(a8, sa, b8, sb, config.out_dtype, backend, fp8.fast("forward"),
+                       epilog=Epilog.BIAS, inputs={"bias": bias})
+    return y, (a8, sa, a_amax, b8, sb, b_amax, bias, state)  # the bias: (N,), or None
 
 
 def _fp8_gemm_bwd(config: _Config, saved, dy):
-    a8, sa, a_amax, b8, sb, b_amax, state = saved
+    a8, sa, a_amax, b8, sb, b_amax, bias, state = saved
     fp8, dtype = config.fp8, config.dtype
+    # FP8 GEMMs have no BGRADB: the bias gradient is a sum of dY, which XLA fuses with dY's
+    # amax below (both read dY once), as in the FP8 layers' backward.
+    dbias = jnp.sum(dy, axis=0, dtype=jnp.float32).astype(bias.dtype) \
+        if bias is not None else None
     g8, sg, g_amax = quantize_scaled(dy, fp8.gradient, fp8.margin,
                                      _history(state, "output_grad_amax_history"),
                                      fp8.amax_reduction_axes)
@@ -242,7 +279,7 @@ def _fp8_gemm_bwd(config: _Config, saved, dy):
     da, _ = matmul8(g8, sg, b8, sb, dtype, "auto", fp8.fast("data gradient"), transpose_b=True)
     db, _ = matmul8(_t(a8), sa, _t(g8), sg, dtype, "auto", fp8.fast("weight gradient"),
                      transpose_b=True)
-    return da, db, _next_state(state, (a_amax, b_amax, g_amax), (sa, sb, sg))
+    return da, db, dbias, _next_state(state, (a_amax, b_amax, g_amax), (sa, sb, sg))
 
 
 def _next_state(state, amaxes, scales):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,7 @@ class Unsupported(ValueError):
 def stock_kind(module) -> Optional[str]:
     """"dense", "general" or "einsum" for a stock layer (or a subclass that keeps its
     `__call__`), else None."""
-    unserved = getattr(type(module), "_jax_epilog_unserved", type(module))
+    unserved = stock_class(type(module))
     for kind, classes in STOCK_CLASSES:
         for cls in classes:
             if issubclass(unserved, cls):
@@ -63,14 +63,23 @@ def stock_kind(module) -> Optional[str]:
     return None
 
 
+def stock_class(cls: type) -> type:
+    """`cls`, or the class a served or trained subclass of this package's stands for."""
+    while True:
+        own = getattr(cls, "_jax_epilog_unserved", None) or \
+            getattr(cls, "_jax_epilog_untrained", None)
+        if own is None or own is cls:
+            return cls
+        cls = own
+
+
 def overridden_call(module) -> Optional[str]:
     """Why a subclass of a stock layer that overrides `__call__` is not served (what its call
     computes is not known), or None for any other module."""
-    cls = type(module)
+    cls = stock_class(type(module))
     for _, classes in STOCK_CLASSES:
         for stock in classes:
-            if issubclass(cls, stock) and cls.__call__ is not stock.__call__ and \
-                    not hasattr(cls, "_jax_epilog_unserved"):
+            if issubclass(cls, stock) and cls.__call__ is not stock.__call__:
                 return (f"its class {cls.__qualname__} overrides {stock.__qualname__}.__call__, "
                         "whose computation is then not known")
     return None
@@ -266,42 +275,70 @@ def served_forward(module, kind: str, inputs, weight: Fp8Weight, bias, *, path: 
         raise type(error)(f"{path}: {error}") from error
 
 
-def _served(module, kind: str, inputs, weight: Fp8Weight, bias, einsum_str):
-    ndim = inputs.ndim
-    if kind == "dense":
-        in_order, kept, out_perm = (ndim - 1,), tuple(range(ndim - 1)), None
-        kernel_kept = (weight.shape[1],)
-    elif kind == "general":
-        axis = module.axis if isinstance(module.axis, (tuple, list)) else (module.axis,)
+class Geometry(NamedTuple):
+    """One call of a stock layer as the GEMM `(rows, K) @ (K, N)`: the input's permutation
+    that puts its kept dims first and its contracted dims last (in the kernel's order), K,
+    the kept dims' sizes, the kernel's kept dims (N's, in the output's order), and the
+    permutation of the GEMM's reshaped result into the layer's output order (None: none)."""
+
+    rows_perm: tuple
+    k: int
+    kept_shape: tuple
+    kernel_kept: tuple
+    out_perm: Optional[tuple]
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.kernel_kept)
+
+    def rows(self, inputs):
+        """`inputs` as the GEMM's `(rows, K)`."""
+        return jnp.transpose(inputs, self.rows_perm).reshape(-1, self.k)
+
+    def output(self, y):
+        """The GEMM's `(rows, N)` result in the layer's output shape."""
+        y = y.reshape(self.kept_shape + self.kernel_kept)
+        return y if self.out_perm is None else jnp.transpose(y, self.out_perm)
+
+
+def geometry(module, kind: str, shape, einsum_str: Optional[str] = None) -> Geometry:
+    """The `Geometry` of the stock layer `module` (of `kind`) called on an input of `shape`
+    (its einsum string given at call time: `einsum_str`)."""
+    ndim = len(shape)
+    out_perm = None
+    if kind in ("dense", "general"):
+        axis = (-1,) if kind == "dense" else module.axis
+        axis = axis if isinstance(axis, (tuple, list)) else (axis,)
         in_order = tuple(a % ndim for a in axis)
         kept = tuple(d for d in range(ndim) if d not in in_order)
         features = module.out_features if isinstance(module, nnx.Module) else module.features
-        kernel_kept, out_perm = tuple(np.atleast_1d(features)), None
+        kernel_kept = tuple(int(f) for f in np.atleast_1d(features))
     else:
         spec = Einsum.parse(einsum_string(module, einsum_str), ndim)
         if len(spec.lhs) != ndim:
             raise Unsupported(f"einsum {module.einsum_str!r} expects a {len(spec.lhs)}-dim "
-                              f"input, got shape {inputs.shape}")
+                              f"input, got shape {tuple(shape)}")
         in_order = tuple(spec.lhs.index(c) for c in spec.rhs if c in spec.lhs)
         lhs_kept = [c for c in spec.out if c in spec.lhs]
         rhs_kept = [c for c in spec.out if c in spec.rhs]
         kept = tuple(spec.lhs.index(c) for c in lhs_kept)
-        shape = module.kernel_shape if isinstance(module, nnx.Module) else module.shape
-        kernel_kept = tuple(int(shape[spec.rhs.index(c)]) for c in rhs_kept)
+        kernel_shape = module.kernel_shape if isinstance(module, nnx.Module) else module.shape
+        kernel_kept = tuple(int(kernel_shape[spec.rhs.index(c)]) for c in rhs_kept)
         produced = lhs_kept + rhs_kept
         out_perm = tuple(produced.index(c) for c in spec.out)
         out_perm = None if out_perm == tuple(range(len(out_perm))) else out_perm
-    k = math.prod(inputs.shape[d] for d in in_order)
-    if (k, math.prod(kernel_kept)) != weight.shape:
+    return Geometry(kept + in_order, math.prod(shape[d] for d in in_order),
+                    tuple(shape[d] for d in kept), kernel_kept, out_perm)
+
+
+def _served(module, kind: str, inputs, weight: Fp8Weight, bias, einsum_str):
+    geo = geometry(module, kind, inputs.shape, einsum_str)
+    if (geo.k, geo.n) != weight.shape:
         raise ValueError(f"the stored FP8 kernel is (K, N) = {weight.shape}, but the input "
-                         f"{inputs.shape} and the layer give ({k}, {math.prod(kernel_kept)})")
+                         f"{inputs.shape} and the layer give ({geo.k}, {geo.n})")
     dtype = compute_dtype(module, inputs, bias)
-    rows = jnp.transpose(inputs, kept + in_order).reshape(-1, k)
     flat_bias = None if bias is None else jnp.reshape(jnp.asarray(bias), (-1,))
-    y = dense(rows, weight, flat_bias, dtype=dtype)
-    y = y.reshape(tuple(inputs.shape[d] for d in kept) + kernel_kept)
-    if out_perm is not None:
-        y = jnp.transpose(y, out_perm)
+    y = geo.output(dense(geo.rows(inputs), weight, flat_bias, dtype=dtype))
     preferred = getattr(module, "preferred_element_type", None)
     return y if preferred is None else y.astype(preferred)
 

@@ -14,6 +14,15 @@ subclass that keeps its `__call__`) runs its product as `stock_fp8.fp8_dot_gener
 
 Layers whose product is already custom (a `dot_general`, `dot_general_cls` or `einsum_op`
 that is not JAX's own, Flax's FP8 ops included) are left as they are.
+
+A chosen layer with a bias is taken whole (`fused_forward`): the interception runs at its
+`__call__`, so the bias goes into the FP8 GEMM's epilog and its gradient is taken with the
+output gradient's amax, as this package's own FP8 layers do (`fp8_dot_general(bias=)`), where
+the layer's `dot_general` alone would leave the add to XLA on the GEMM's rounded result. NNX:
+such a layer's class becomes a subclass of its own (`TrainedLinear` is an `nnx.Linear`; the
+attributes and state paths stay). A layer the whole-layer route cannot take (a custom
+`promote_dtype`, `preferred_element_type`, batch dims, an einsum string given at call time)
+runs its own `__call__` with the FP8 op, the bias added after.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 import re
 import threading
 from collections.abc import Sequence
@@ -31,6 +41,7 @@ import jax.numpy as jnp
 from flax import linen, nnx
 
 from jax_epilog.float8.recipe import Fp8, as_fp8
+from jax_epilog.layers import stock_layers
 from jax_epilog.layers.stock_flax import NnxFp8DotGeneral, NnxFp8Einsum, fp8_einsum
 from jax_epilog.layers.stock_fp8 import fp8_dot_general, initialising
 
@@ -44,7 +55,7 @@ DEFAULT_FP8 = Fp8(scaling="current")
 
 def _stock(module) -> Optional[type]:
     """The stock class `module` is (or subclasses without overriding `__call__`), else None."""
-    own = getattr(type(module), "_jax_epilog_untrained", type(module))
+    own = stock_layers.stock_class(type(module))
     for cls in DOT_LAYERS + EINSUM_LAYERS:
         if issubclass(own, cls) and own.__call__ is cls.__call__:
             return cls
@@ -119,6 +130,52 @@ def fp8_training(model, *, rules=None, fp8: Any = None, strict: bool = False):
                     f"{type(model).__name__}")
 
 
+# --- a layer with its bias, whole ------------------------------------------------------------
+
+def _kind(module) -> str:
+    return "einsum" if isinstance(module, EINSUM_LAYERS) else \
+        "general" if isinstance(module, (nnx.LinearGeneral, linen.DenseGeneral)) else "dense"
+
+
+def whole_layer(module, kernel, bias, einsum_str: Optional[str] = None) -> bool:
+    """Whether the chosen layer is run whole by `fused_forward` (its bias in the GEMM's
+    epilog): it has a bias, Flax's own dtype promotion and result dtype, and its kernel is one
+    GEMM's `(K, N)` (no batch dims; an einsum's string known when built, as called), or a
+    stack of such kernels along leading dims (`nnx.vmap`-built layers, which a lifted
+    transform hands one at a time)."""
+    if bias is None or getattr(module, "preferred_element_type", None) is not None:
+        return False
+    promote = getattr(module, "promote_dtype", None)
+    if promote is not None and not getattr(promote, "__module__", "").startswith("flax."):
+        return False
+    kind = _kind(module)
+    try:
+        if kind == "einsum":
+            stock_layers.einsum_string(module, einsum_str)
+        lead = stock_layers.stacked_dims(module, kind, kernel)
+        layout = stock_layers.layout(module, kind, jnp.shape(kernel)[lead:])
+    except stock_layers.Unsupported:
+        return False
+    return layout.n * math.prod(jnp.shape(kernel)[:lead]) == jnp.size(bias)
+
+
+def fused_forward(module, inputs, kernel, bias, product, einsum_str: Optional[str] = None):
+    """The stock layer's output for `inputs` (`whole_layer`): `inputs` and `kernel` as the
+    GEMM's `(rows, K)` and `(K, N)` (transposes XLA fuses into the quantizing casts), then
+    one `product` (`fp8_dot_general`, its recipe bound) with the bias in its epilog."""
+    inputs = jnp.asarray(inputs)
+    dtype = module.dtype or jnp.result_type(inputs, kernel, bias)  # Flax's promote_dtype
+    kind = _kind(module)
+    geo = stock_layers.geometry(module, kind, inputs.shape, einsum_str)
+    layout = stock_layers.layout(module, kind, jnp.shape(kernel))
+    if geo.k != layout.k or geo.n != layout.n or jnp.size(bias) != layout.n:
+        return None  # the layer's own call (Flax's errors for wrong shapes)
+    matrix = jnp.transpose(jnp.asarray(kernel, dtype), layout.contracting + layout.kept)
+    y = product(geo.rows(inputs.astype(dtype)), matrix.reshape(layout.k, layout.n),
+                (((1,), (0,)), ((), ())), bias=jnp.asarray(bias, dtype).reshape(-1))
+    return geo.output(y)
+
+
 # --- NNX --------------------------------------------------------------------------------------
 
 _data = getattr(nnx, "data", lambda value: value)  # Flax >= 0.12 marks a static attribute's data
@@ -137,7 +194,36 @@ def _nnx(model, rules, recipe: Fp8, strict: bool):
             module.dot_general = _data(NnxFp8DotGeneral(fp8=recipe, strict=strict, name=path))
             if hasattr(module, "dot_general_cls"):
                 module.dot_general_cls = None
+        bias = None if module.bias is None else module.bias[...]
+        if whole_layer(module, module.kernel[...], bias):
+            module.__class__ = trained_nnx_class(type(module))
     return model
+
+
+def _trained_nnx_call(self, inputs, *args, **kwargs):
+    """A trained layer's `__call__`: the stock signature; the layer whole (`fused_forward`)
+    where it can be, else its own `__call__` with the FP8 op."""
+    untrained = type(self)._jax_epilog_untrained.__call__
+    einsum = isinstance(self, EINSUM_LAYERS)
+    names = ("einsum_str", "out_sharding") if einsum else ("out_sharding",)
+    given = dict(zip(names, args), **kwargs)
+    op = self.einsum_op if einsum else self.dot_general
+    kernel, bias = self.kernel[...], None if self.bias is None else self.bias[...]
+    if len(args) > len(names) or set(given) - set(names) or \
+            given.get("out_sharding") is not None or not isinstance(op, NnxFp8DotGeneral) or \
+            not whole_layer(self, kernel, bias, given.get("einsum_str")):
+        return untrained(self, inputs, *args, **kwargs)
+    y = fused_forward(self, inputs, kernel, bias, op.product(), given.get("einsum_str"))
+    return untrained(self, inputs, *args, **kwargs) if y is None else y
+
+
+@functools.cache
+def trained_nnx_class(cls: type) -> type:
+    """`cls`'s trained subclass (one per class, so graph definitions compare equal)."""
+    return type(f"Trained{cls.__name__}", (cls,), {
+        "__call__": _trained_nnx_call, "_jax_epilog_untrained": cls, "__module__": __name__,
+        "__doc__": f"`{cls.__qualname__}` trained in FP8 with its bias in the GEMM's "
+                   "epilog (jax_epilog fp8_training)."})
 
 
 # --- Linen ------------------------------------------------------------------------------------
@@ -199,6 +285,10 @@ def _interceptor(rules, recipe: Fp8, strict: bool):
                 not _plain(module) or not _chosen(rules, path):
             return next_fun(*args, **kwargs)
         dot = functools.partial(fp8_dot_general, fp8=recipe, strict=strict, name=path)
+        if not module.is_initializing():
+            y = _linen_whole(module, dot, args, kwargs)
+            if y is not None:
+                return y
         token = initialising.set(module.is_initializing())
         try:
             with _running(dot):
@@ -206,6 +296,21 @@ def _interceptor(rules, recipe: Fp8, strict: bool):
         finally:
             initialising.reset(token)
     return intercept
+
+
+def _linen_whole(module, dot, args, kwargs):
+    """A chosen Linen layer's output by `fused_forward`, or None where it is not run whole."""
+    names = ("inputs", "einsum_str") if isinstance(module, linen.Einsum) else ("inputs",)
+    given = dict(zip(names, args), **kwargs)
+    if len(args) > len(names) or set(given) - set(names) or "inputs" not in given or \
+            not (module.has_variable("params", "kernel") and
+                 module.has_variable("params", "bias")):
+        return None
+    kernel = stock_layers.kernel_value(module.get_variable("params", "kernel"))
+    bias = stock_layers.kernel_value(module.get_variable("params", "bias"))
+    if not whole_layer(module, kernel, bias, given.get("einsum_str")):
+        return None
+    return fused_forward(module, given["inputs"], kernel, bias, dot, given.get("einsum_str"))
 
 
 def _linen(model: linen.Module, rules, recipe: Fp8, strict: bool):

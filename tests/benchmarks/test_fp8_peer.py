@@ -5,6 +5,7 @@ in both harnesses and was reported, that the gradient errors are measured agains
 real gradients (recomputed here), and that the targets are read as issue 24 states them.
 """
 
+import argparse
 import json
 
 import jax
@@ -140,6 +141,39 @@ def test_targets_follow_issue_24():
     found = {t["target"]: t for t in fp8_peer.targets({"M2": slow})}
     best = found["M2 ours_fp8 time / our best FP8 variant's <= 1.03"]
     assert best["value"] == 1.0 and best["user"] == pytest.approx(0.95 / 0.9) and not best["met"]
+
+
+def test_stock_targets_follow_issue_62():
+    """The stock variants' step speed against our layers on the same recipe (>= 0.97x) and
+    Flax's direct FP8 (>= 1.0x); ours_fp8_all measured as ours_fp8 where the row says so."""
+    row = _row({"flax_bf16": 16.0, "flax_fp8_direct": 10.0, "ours_fp8": 9.0,
+                "ours_fp8_current_all": 9.5, "stock_fp8": 9.2, "stock_fp8_all": 9.4,
+                "stock_fp8_intercepted_all": 10.5})
+    row["same_as"] = {"ours_fp8_all": "ours_fp8"}
+    found = {t["target"]: t for t in fp8_peer.targets({"LIN": row})}
+    keyword = found["LIN stock_fp8 / ours_fp8 speed >= 0.97 (issue 62)"]
+    assert keyword["value"] == pytest.approx(9.0 / 9.2) and keyword["met"]
+    assert not found["LIN stock_fp8_all / ours_fp8 speed >= 0.97 (issue 62)"]["met"]
+    one_call = found["LIN stock_fp8_intercepted_all / ours_fp8_current_all speed >= 0.97 "
+                     "(issue 62)"]
+    assert one_call["value"] == pytest.approx(9.5 / 10.5) and not one_call["met"]
+    assert found["LIN stock_fp8 / flax_fp8_direct speed >= 1.0 (issue 62)"]["met"]
+    assert not found["LIN stock_fp8_intercepted_all / flax_fp8_direct speed >= 1.0 "
+                     "(issue 62)"]["met"]
+
+
+def test_stock_flag_picks_issue_62s_rows_and_variants_unless_given():
+    parse = lambda *argv: fp8_peer.with_defaults(argparse.Namespace(**{
+        "stock": False, "smoke": False, "rows": None, "variants": None, "budget_s": None,
+        "max_s": None, **dict(argv)}))
+    args = parse(("stock", True))
+    assert args.rows == "LIN,TMLP" and args.variants.split(",") == \
+        list(fp8_peer.STOCK_VARIANTS) and (args.budget_s, args.max_s) == (30.0, 115.0)
+    assert all(v in fp8_peer.VARIANTS for v in fp8_peer.STOCK_VARIANTS)
+    assert all(r in fp8_peer.ROWS for r in fp8_peer.STOCK_ROWS)
+    args = parse(("stock", True), ("rows", "W2"), ("max_s", 60.0))
+    assert (args.rows, args.max_s) == ("W2", 60.0)
+    assert parse().max_s == 270.0 and parse().variants is None
 
 
 def test_a_target_read_from_a_reference_fallback_is_missed():

@@ -7,7 +7,9 @@ benchmark results; notebook 4 trains in bf16 and FP8 (asserting the accuracies a
 reads the FP8 benchmark's results where they are committed; notebook 5 reads the GPT example's
 committed comparison (`examples/gpt/results/`); notebook 7 computes everything it shows on
 the device it runs on (SwiGLU errors, residual bytes, an outlier sweep, three trainings),
-each with an assert. Cells that read the committed
+each with an assert; notebook 8 switches stock Flax models (Linen, NNX, the example's stock
+GPT) to FP8 training and serving by one line, each checked against the 16-bit model with an
+assert. Cells that read the committed
 results print the same text on every machine, so their committed outputs must equal a fresh
 run's: a result file added, removed or replaced without re-executing the notebook fails here.
 The kernel is the `python3` kernelspec, which jupyter_client starts with this interpreter.

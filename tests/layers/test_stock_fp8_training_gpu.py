@@ -98,3 +98,30 @@ def test_nnx_fp8_training_runs_every_chosen_gemm_as_an_fp8_custom_call():
     assert _fp8_custom_calls(lowered) == 2 * 3
     loss, _ = compiled(params, x)
     assert np.isfinite(float(loss))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_an_intercepted_dense_takes_its_bias_into_the_fp8_gemm_and_matches_the_cpu(dtype):
+    """`fp8_training` runs a Dense with a bias whole: bf16, the forward is our FP8 GEMM with
+    the BIAS epilog (three FP8 custom calls a step); float32, which cuBLASLt has no FP8 BIAS
+    kernel for, the forward is XLA's FP8 GEMM, never the reference fallback. Both compute
+    what the CPU's lowering computes."""
+    model = jax_epilog.linen.fp8_training(nn.Dense(384, dtype=dtype),
+                                          fp8=Fp8(scaling="current", layers="all"))
+    x = jax.random.normal(jax.random.key(0), (4, 255, 512), dtype)
+    variables = model.init(jax.random.key(1), x)
+    variables = jax.tree.map(lambda v: v + 0.5 if v.ndim == 1 else v, variables)  # a bias
+
+    def step(variables, x):
+        return jax.value_and_grad(
+            lambda v: jnp.mean(model.apply(v, x).astype(jnp.float32) ** 2))(variables)
+
+    gpu, cpu = jax.devices("cuda")[0], jax.devices("cpu")[0]
+    lowered, compiled = _compiled_without_fallback(step, *_on(gpu, (variables, x)))
+    if dtype == jnp.bfloat16:
+        assert _fp8_custom_calls(lowered) == 3
+    got = compiled(*_on(gpu, (variables, x)))
+    want = jax.jit(step)(*_on(cpu, (variables, x)))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        np.testing.assert_allclose(g, w, atol=2e-2 * np.abs(w).max() + 1e-30)

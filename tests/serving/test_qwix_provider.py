@@ -104,7 +104,7 @@ def test_provider_refuses_what_it_cannot_serve_and_names_layers():
 
 
 def test_nnx_layers_stacked_by_vmap_and_run_by_scan_are_served_too():
-    from test_stock_serving import Scanned  # the same scanned model as serve_fp8's test
+    from stock_models import Scanned  # tests/support: the scanned model serve_fp8's test uses
     model = Scanned(nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(3), (5, 20))
     quantized = qwix.quantize_model(model, EpilogProvider([fp8_rule()]), x)

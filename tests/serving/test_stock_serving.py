@@ -26,6 +26,7 @@ import jax_epilog.linen  # noqa: E402
 import jax_epilog.nnx  # noqa: E402
 from jax_epilog.float8.weights import Fp8Weight, quantize_weight  # noqa: E402
 from jax_epilog.layers.stock_serving import ServeRule, StockServingWarning  # noqa: E402
+from stock_models import Scanned  # noqa: E402  (tests/support)
 
 #: FP8's error on these random layers (e4m3 keeps 3 mantissa bits; K up to 60 terms), as a
 #: share of the output's largest value.
@@ -314,23 +315,6 @@ def dequantized(weight: Fp8Weight, shape):
     """A stored (possibly stacked) weight as the 16-bit kernel it rounds: `scale · dataᵀ`."""
     data = jnp.swapaxes(weight.data.astype(jnp.float32), -1, -2)
     return (data * jnp.asarray(weight.scale)[..., None, None]).reshape(shape)
-
-
-class Scanned(nnx.Module):
-    """Three blocks stacked by `nnx.vmap` and run by `nnx.scan` (MaxText's scanned layers)."""
-
-    def __init__(self, rngs):
-        @nnx.split_rngs(splits=3)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create(rngs):
-            return nnx.Linear(20, 20, rngs=rngs)
-        self.layers = create(rngs)
-
-    def __call__(self, x):
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def step(x, layer):
-            return x + jnp.tanh(layer(x))
-        return step(x, self.layers)
 
 
 def test_layers_stacked_by_scan_are_stored_slice_by_slice_nnx_and_linen():
