@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from jax_epilog.runtime import library as cuda_library
 from jax_epilog.runtime.settings import (AUTOTUNE_CACHE_ENV, AUTOTUNE_DEFAULT, AUTOTUNE_ENV,  # noqa: F401
-                       BACKENDS, SERVING_WAYS, SETTINGS, Setting, autotune, autotune_cache_path,
-                       autotune_log, backend_override, cuda_disabled, decisions_path,
+                       BACKENDS, FUSED_PASSES, SERVING_WAYS, SETTINGS, Setting, autotune,
+                       autotune_cache_path, autotune_log, backend_override, cuda_disabled,
+                       decisions_path, fused_passes,
                        forced_serving_way, pad_unaligned, plan_cache_capacity,
                        serving_override, set_variable, workspace_bytes)
 
