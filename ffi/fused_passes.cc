@@ -14,15 +14,16 @@
 // fails with kUnimplemented (Python does not emit them then).
 //
 // The initialize stage (outside any command-buffer capture) loads the library and the call's
-// kernel into the current device's context; execute only enqueues: one memset of the amax
-// output where there is one, then one kernel, no allocation and no synchronisation, so it can
-// be captured into a CUDA graph.
+// kernel into the current device's context (a launch over no rows); execute only enqueues: one
+// memset of the amax output where there is one, then one kernel, no allocation and no
+// synchronisation, so it can be captured into a CUDA graph.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <exception>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "fused_params.h"
 #include "status.h"
@@ -41,11 +42,14 @@ using fused::SwigluGradParams;
 using fused::SwigluParams;
 
 #ifdef JAX_EPILOG_FUSED_FATBIN
-// The library of kernels, loaded once per process (context-independent handles).
+// The library of kernels, loaded once per process, and the kernels looked up so far (their
+// handles are context-independent), so that an execution makes no driver call but its launch.
 struct KernelLibrary {
   std::once_flag once;
   cudaLibrary_t library = nullptr;
   cudaError_t error = cudaSuccess;
+  std::mutex mutex;
+  std::unordered_map<std::string, cudaKernel_t> kernels;
 };
 
 KernelLibrary& Library() {
@@ -67,8 +71,14 @@ ffi::Error LoadKernel(const std::string& name, cudaKernel_t* kernel) {
                                     nullptr, nullptr, 0);
   });
   JAX_EPILOG_CUDA(lib.error, "loading the fused kernels' library (" + name + ")");
+  std::lock_guard<std::mutex> lock(lib.mutex);
+  if (auto it = lib.kernels.find(name); it != lib.kernels.end()) {
+    *kernel = it->second;
+    return ffi::Error::Success();
+  }
   JAX_EPILOG_CUDA(cudaLibraryGetKernel(kernel, lib.library, name.c_str()),
                   "finding kernel " + name);
+  lib.kernels.emplace(name, *kernel);
   return ffi::Error::Success();
 #endif
 }
@@ -139,8 +149,9 @@ ffi::Error Grid(const std::string& target, int64_t rows, int64_t cols, dim3* gri
   return ffi::Error::Success();
 }
 
-// Initialize: the library and the kernel loaded in this device's context (cudaFuncGetAttributes
-// loads it), so that execute does no module loading. Execute: zero the amaxes, launch.
+// Initialize: the library loaded and the kernel run once on no rows (it then reads only its
+// scalars and writes nothing), which loads its module into this device's context, so that no
+// execution (maybe captured into a CUDA graph) loads code. Execute: zero the amaxes, launch.
 template <ffi::ExecutionStage kStage, typename Params>
 ffi::Error Launch(cudaStream_t stream, const std::string& name, dim3 grid, Params params,
                   unsigned int* amax, size_t amax_count, bool empty) {
@@ -149,8 +160,11 @@ ffi::Error Launch(cudaStream_t stream, const std::string& name, dim3 grid, Param
     JAX_EPILOG_RETURN_IF_ERROR(LoadKernel(name, &kernel));
     const void* function = reinterpret_cast<const void*>(kernel);
     if constexpr (kStage == ffi::ExecutionStage::kInitialize) {
-      cudaFuncAttributes attributes;
-      JAX_EPILOG_CUDA(cudaFuncGetAttributes(&attributes, function), "loading kernel " + name);
+      Params none = params;
+      none.rows = 0;
+      void* args[] = {&none};
+      JAX_EPILOG_CUDA(cudaLaunchKernel(function, dim3(1), dim3(fused::kThreads), args, 0, stream),
+                      "loading kernel " + name);
       return ffi::Error::Success();
     }
     if (amax != nullptr)
