@@ -339,11 +339,11 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       grep -E "^skipped|^FALLBACK|failed" "$OUT/swiglu.log" | tee -a "$SUMMARY" ;;
     fusedpasses)
       # The fused FP8 passes (issue 63; docs/fp8.md, "Fused passes"): the library's CUDA
-      # kernels against XLA's references bit for bit (tests/float8/test_fused_passes*.py),
-      # the SwiGLU training step with them (test_swiglu_gpu.py, FUSED_PASSES_TESTS=0 skips
-      # the tests), then benchmarks/fused_passes.py (FUSED_PASSES_ARGS, e.g. "--rows S1").
+      # kernels against XLA's references (tests/float8/test_fused_passes_gpu.py), the SwiGLU
+      # block's GPU tests with them (test_swiglu_gpu.py; FUSED_PASSES_TESTS=0 skips the
+      # tests), then benchmarks/fused_passes.py (FUSED_PASSES_ARGS, e.g. "--rows S1").
       if [ "${FUSED_PASSES_TESTS:-1}" = 1 ]; then
-        gpu_tests fused_passes 150 test_fused_passes_gpu.py test_fused_passes.py
+        gpu_tests fused_passes 150 test_fused_passes_gpu.py
         JAX_EPILOG_FUSED_PASSES=cuda gpu_tests fused_swiglu 120 test_swiglu_gpu.py
       fi
       (cd "$ROOT/benchmarks" && runs --cap "${FUSED_PASSES_CAP:-150}" "$PY" fused_passes.py \
