@@ -32,7 +32,8 @@ One `jax.custom_vjp` covers the whole stack, as `functional.fused_stack` does:
   with results in the compute dtype. Under `backward="auto"` that GEMM runs XLA's way
   (`stack_plan.fp8_gemm_backend`: measured faster than cuBLASLt's FP8 DRELU_BGRAD), or,
   for a ReLU whose derivative comes from h8 (`stack_plan.relu_from_next_input`), is a plain FP8 GEMM
-  followed by XLA fusions.
+  followed by XLA fusions. With JAX_EPILOG_FUSED_PASSES `cuda` (or `auto`) dZ's cast is the
+  library's cast-transpose kernel, which writes dZ8ᵀ in the same pass (`float8.fused`).
 - Compute dtype float32: cuBLASLt 13.1 has no FP8 kernel with a float32 result for any epilog
   but DEFAULT and DRELU (no bias, no BGRAD). Those layers keep FP8, and under "auto" their
   other GEMMs run XLA's way (XLA's FP8 GEMM to float32, the epilog as fusions;

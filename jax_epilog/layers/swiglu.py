@@ -18,6 +18,9 @@ With `fp8=` (SPEC §5's recipe, `Fp8`; docs/fp8.md, "SwiGLU"):
 - Backward: dy quantized to e5m2; d(down) = h8ᵀ dy8 and dh = dy8 down8ᵀ; one fusion computes
   dg = dh·u·silu'(g) and du = dh·silu(g) from g8 and u8 and quantizes `[dg du]` to e5m2;
   d(gate_up) = x8ᵀ `[dg du]`8 and dx = `[dg du]`8 `[gate up]`8ᵀ.
+- JAX_EPILOG_FUSED_PASSES `cuda` (or `auto`): those passes are the library's CUDA kernels
+  (`layers.fused_swiglu`, `float8.fused`), which also write dy8ᵀ and `[dg du]`8ᵀ in the
+  pass that quantizes them (docs/fp8.md, "Fused passes").
 - Delayed scaling (`fp8_state=`: two `Fp8History`, the gate/up GEMM's (input x, gradient
   `[dg du]`) then the down GEMM's (input h, gradient dy)): x and h take their scales from the
   histories, as a stack's layer inputs do; the kernels, the gradients and the saved g8 and u8

@@ -26,7 +26,7 @@ def test_smoke_report_of_one_pass(tmp_path):
     _check(report, tmp_path, {("quantize_transpose", "T2")})
 
 
-@pytest.mark.slow  # every pass compiled (about 8 s on the CPU)
+@pytest.mark.slow  # every pass compiled
 def test_smoke_report_of_every_pass(tmp_path):
     report = fused_passes.main(["--smoke", "--rounds", "2", "--out", str(tmp_path)])
     _check(report, tmp_path, {("quantize_transpose", "T1"), ("swiglu_forward", "T1"),

@@ -184,7 +184,7 @@ def _step(fn):
     return jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2)))
 
 
-@pytest.mark.slow  # two compiles of a training step (about 9 s on the CPU)
+@pytest.mark.slow  # two compiles of a training step
 def test_the_fp8_swiglu_block_on_the_cuda_engine(monkeypatch):
     """Forward and d(down) as with XLA's fusions, bit for bit; dx and d(gate_up) differ only by
     the scale of [dg du] (its exact amax here, XLA's way a bound equal to it up to rounding)."""
@@ -208,7 +208,7 @@ def test_the_fp8_swiglu_block_on_the_cuda_engine(monkeypatch):
         assert np.max(np.abs(g - w)) <= 0.05 * np.max(np.abs(w))
 
 
-@pytest.mark.slow  # two compiles of a training step (about 8 s on the CPU)
+@pytest.mark.slow  # two compiles of a training step
 def test_the_fp8_stack_on_the_cuda_engine_is_unchanged(monkeypatch):
     """The stack's gradients quantized with their transposed copy in one pass: the same
     numbers as XLA's way."""
