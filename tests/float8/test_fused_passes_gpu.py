@@ -15,6 +15,10 @@ kernels (built without nvcc) they fail, saying why.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -191,3 +195,63 @@ def test_the_fp8_swiglu_block_with_the_kernels(monkeypatch):
     for g, w in zip(got[1], want[1]):
         g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
         assert np.max(np.abs(g - w)) <= 0.05 * np.max(np.abs(w))
+
+
+def test_auto_takes_the_kernels_on_one_gpu(monkeypatch):
+    monkeypatch.setenv("JAX_EPILOG_FUSED_PASSES", "auto")
+    assert fused.uses_cuda() == (jax.device_count() == 1)
+
+
+def test_the_handler_checks_its_buffers():
+    """A call whose buffers do not match fails with the handler's message (naming the buffer),
+    not with a kernel reading out of bounds."""
+    results = (jax.ShapeDtypeStruct((4, 8), E4M3), jax.ShapeDtypeStruct((4, 8), E4M3),
+               jax.ShapeDtypeStruct((), jnp.float32))
+    call = jax.jit(lambda x, q: jax.ffi.ffi_call("jax_epilog_cast_transpose", results)(x, q))
+    with pytest.raises(Exception, match=r"jax_epilog_cast_transpose: yt must be 2-D "
+                                        r"float8_e4m3fn or float8_e5m2 of shape \(8, 4\)"):
+        jax.block_until_ready(call(jnp.ones((4, 8), jnp.bfloat16), jnp.float32(1)))
+
+
+COMMAND_BUFFER_SCRIPT = """
+import os
+import jax, jax.numpy as jnp, numpy as np
+from jax_epilog.float8 import fused
+from jax_epilog.layers import fused_swiglu
+
+def step(x, gu, dh):
+    x8, x8t, _, _ = fused.quantize_transpose(x, "float8_e5m2")
+    h8, _, _, g8, gs, u8, us = fused_swiglu.swiglu_forward(gu, "float8_e4m3fn")
+    dgu8, dgu8t, _, _ = fused_swiglu.swiglu_gradient(dh, g8, gs, u8, us, "float8_e5m2")
+    return x8, x8t, g8, u8, dgu8, dgu8t
+
+k = jax.random.split(jax.random.key(0), 3)
+args = (jax.random.normal(k[0], (300, 264), jnp.bfloat16),
+        jax.random.normal(k[1], (264, 272), jnp.bfloat16),
+        jax.random.normal(k[2], (264, 136), jnp.bfloat16))
+os.environ["JAX_EPILOG_FUSED_PASSES"] = "cuda"
+kernels = jax.jit(step)
+assert "jax_epilog_swiglu_grad_quantize" in kernels.lower(*args).compile().as_text()
+got = [kernels(*args) for _ in range(3)][-1]
+os.environ["JAX_EPILOG_FUSED_PASSES"] = "xla"
+want = jax.jit(step)(*args)
+bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8))
+for name, g, w in zip(("x8", "x8t", "g8", "u8"), got, want):
+    np.testing.assert_array_equal(bits(g), bits(w), err_msg=name)
+np.testing.assert_array_equal(bits(got[5]), bits(got[4]).T)
+print("FUSED_IN_COMMAND_BUFFERS_OK")
+"""
+
+
+def test_the_kernels_inside_command_buffers():
+    """The passes jitted with XLA's command buffers forced on for custom calls (CUDA graphs
+    capture the kernels' launches and the amax memsets), in a child process: the same bytes as
+    XLA's way where those are exact."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,"
+                        "CUSTOM_CALL --xla_gpu_graph_min_graph_size=1").strip()
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this test process holds most of the GPU
+    done = subprocess.run([sys.executable, "-c", COMMAND_BUFFER_SCRIPT], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "FUSED_IN_COMMAND_BUFFERS_OK" in done.stdout, done.stdout[-2000:]
