@@ -44,8 +44,8 @@ def unavailable_reason() -> Optional[str]:
         return cuda_library.unavailable_reason()
     if not cuda_library.fused_kernels_built():
         return ("libjax_epilog_ffi.so was built without nvcc, so it has no fused kernels "
-                "(reinstall with a CUDA 13 toolkit or `pip install nvidia-cuda-nvcc` in the "
-                "build environment)")
+                "(reinstall with a CUDA toolkit's nvcc, or NVIDIA's wheels nvidia-cuda-nvcc and "
+                "nvidia-nvvm, in the build environment)")
     capability = getattr(jax.devices()[0], "compute_capability", None)
     try:
         old = capability is not None and float(capability) < 9.0
