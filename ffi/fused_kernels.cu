@@ -66,6 +66,12 @@ __device__ __forceinline__ float DecodeFp8(uint8_t v, bool e5m2) {
   return __half2float(__half(h));
 }
 
+// scalars[i], read only where there are rows: a launch over no rows (the handlers' initialize
+// stage, fused_passes.cc) touches no memory.
+__device__ __forceinline__ float Scalar(const float* scalars, int i, int64_t rows) {
+  return rows > 0 ? scalars[i] : 0.0f;
+}
+
 // The columns of a thread's 8-element segment at (row, col) that lie inside the tensor.
 __device__ __forceinline__ int Valid(int64_t row, int64_t col, int64_t rows, int64_t cols) {
   if (row >= rows || col >= cols) return 0;
@@ -198,7 +204,7 @@ __device__ __forceinline__ void CastTranspose(const CastTransposeParams& p) {
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t col = col0 + tx * kSub;
-  const float q = *p.multiplier;
+  const float q = Scalar(p.multiplier, 0, p.rows);
   const auto* x = static_cast<const uint16_t*>(p.x);
   uint8_t b[kSub][kSub];
   uint32_t amax[1] = {0};
@@ -275,7 +281,8 @@ __device__ __forceinline__ void SwigluQuantize(const SwigluParams& p) {
   const int tx = threadIdx.x % kSide, ty = threadIdx.x / kSide;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kTile + tx * kSub;
-  const float qh = p.multipliers[0], qg = p.multipliers[1], qu = p.multipliers[2];
+  const float qh = Scalar(p.multipliers, 0, p.rows), qg = Scalar(p.multipliers, 1, p.rows),
+              qu = Scalar(p.multipliers, 2, p.rows);
   const bool keep = p.g8 != nullptr;
   using F = Fp8<kFormat>;
 #pragma unroll
@@ -313,7 +320,7 @@ __device__ __forceinline__ void Gradients(const SwigluGradParams& p, int64_t row
   Load16(static_cast<const uint16_t*>(p.dh), p.hidden, row, col, valid, p.vector_in, vdh);
   Load8(p.g8, p.hidden, row, col, valid, p.vector_in, vg);
   Load8(p.u8, p.hidden, row, col, valid, p.vector_in, vu);
-  const float g_scale = p.scales[0], u_scale = p.scales[1];
+  const float g_scale = Scalar(p.scales, 0, p.rows), u_scale = Scalar(p.scales, 1, p.rows);
   const bool e5m2 = p.saved_e5m2;
 #pragma unroll
   for (int j = 0; j < kSub; ++j) {
@@ -357,7 +364,7 @@ __device__ __forceinline__ void SwigluGradQuantize(const SwigluGradParams& p) {
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const int64_t col = col0 + tx * kSub;
-  const float q = p.scales[2];
+  const float q = Scalar(p.scales, 2, p.rows);
   uint8_t bg[kSub][kSub], bu[kSub][kSub];
 #pragma unroll
   for (int i = 0; i < kSub; ++i) {

@@ -149,9 +149,10 @@ ffi::Error Grid(const std::string& target, int64_t rows, int64_t cols, dim3* gri
   return ffi::Error::Success();
 }
 
-// Initialize: the library loaded and the kernel run once on no rows (it then reads only its
-// scalars and writes nothing), which loads its module into this device's context, so that no
-// execution (maybe captured into a CUDA graph) loads code. Execute: zero the amaxes, launch.
+// Initialize: the library loaded and the kernel run once on no rows and null buffers (it then
+// touches no memory: the call's buffers are not ours to read yet), which loads its module into
+// this device's context, so that no execution (maybe captured into a CUDA graph) loads code;
+// nothing where XLA's stream is capturing. Execute: zero the amaxes, launch.
 template <ffi::ExecutionStage kStage, typename Params>
 ffi::Error Launch(cudaStream_t stream, const std::string& name, dim3 grid, Params params,
                   unsigned int* amax, size_t amax_count, bool empty) {
@@ -160,8 +161,10 @@ ffi::Error Launch(cudaStream_t stream, const std::string& name, dim3 grid, Param
     JAX_EPILOG_RETURN_IF_ERROR(LoadKernel(name, &kernel));
     const void* function = reinterpret_cast<const void*>(kernel);
     if constexpr (kStage == ffi::ExecutionStage::kInitialize) {
-      Params none = params;
-      none.rows = 0;
+      cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+      JAX_EPILOG_CUDA(cudaStreamIsCapturing(stream, &capturing), "asking XLA's stream");
+      if (capturing != cudaStreamCaptureStatusNone) return ffi::Error::Success();
+      Params none{};  // no rows, null buffers
       void* args[] = {&none};
       JAX_EPILOG_CUDA(cudaLaunchKernel(function, dim3(1), dim3(fused::kThreads), args, 0, stream),
                       "loading kernel " + name);
