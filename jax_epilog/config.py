@@ -38,3 +38,11 @@ def set_plan_cache_capacity(plans: int) -> None:
     set_variable("JAX_EPILOG_PLAN_CACHE_SIZE", str(plans))
     cuda_library.set_plan_cache_capacity(plans)
 
+
+
+def set_fused_passes(engine: str) -> None:
+    """What runs the FP8 passes around the GEMMs in steps traced from now on (docs/fp8.md,
+    "Fused passes"): `xla`, `cuda` or `auto`, as JAX_EPILOG_FUSED_PASSES."""
+    if engine not in FUSED_PASSES:
+        raise ValueError(f"engine: expected one of {', '.join(FUSED_PASSES)}, got {engine!r}")
+    set_variable("JAX_EPILOG_FUSED_PASSES", engine)

@@ -146,6 +146,10 @@ def test_the_engine_setting(monkeypatch):
     monkeypatch.setenv("JAX_EPILOG_FUSED_PASSES", "triton")
     with pytest.raises(ValueError, match="^JAX_EPILOG_FUSED_PASSES='triton': expected one of"):
         fused.uses_cuda()
+    config.set_fused_passes("xla")
+    assert config.fused_passes() == "xla"
+    with pytest.raises(ValueError, match="^engine: expected one of xla, cuda, auto, got 'XLA'"):
+        config.set_fused_passes("XLA")
     if jax.default_backend() != "gpu":
         monkeypatch.setenv("JAX_EPILOG_FUSED_PASSES", "cuda")
         with pytest.raises(RuntimeError, match="^JAX_EPILOG_FUSED_PASSES=cuda: the fused kernels "
