@@ -11,6 +11,8 @@ Passes, per row of tensors:
   `swiglu._fp8_forward` does with XLA's fusions, against `fused_swiglu.swiglu_forward`.
 - `swiglu_backward`: dh `(M, F)` with the saved g8, u8 to `[dg du]` in e5m2 and its transposed
   copy, as `swiglu._fp8_block_bwd` does, against `fused_swiglu.swiglu_gradient`.
+- `swiglu_step`: the FP8 SwiGLU block's whole training step (`jax_epilog.swiglu`, current
+  scaling, value and gradients), traced with each engine: what the passes add up to.
 
 Rows: the SwiGLU block's S1 (8192 tokens, D 2048, F 8192) and S2 (16384, 4096, 14336),
 `llama_large`'s EX (16384, 4096, 11008), and M1's stack gradient (65536 x 4096). Reported per
@@ -35,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 import timing
+from jax_epilog import Fp8
 from jax_epilog.float8 import fused
 from jax_epilog.float8.scaling import quantize_scaled, reduced_amaxes
 from jax_epilog.layers import fused_swiglu, gating, swiglu
@@ -45,7 +48,7 @@ DTYPE = jnp.bfloat16
 ROWS = {"S1": (8192, 2048, 8192), "S2": (16384, 4096, 14336), "EX": (16384, 4096, 11008),
         "M1": (65536, 4096, None)}
 SMOKE_ROWS = {"T1": (129, 48, 80), "T2": (64, 32, None)}
-PASSES = ("quantize_transpose", "swiglu_forward", "swiglu_backward")
+PASSES = ("quantize_transpose", "swiglu_forward", "swiglu_backward", "swiglu_step")
 #: The cards' HBM bandwidth as NVIDIA states it (bytes/s), by a part of JAX's device kind.
 PEAK_BANDWIDTH = {"H200": 4.8e12, "H100 80GB HBM3": 3.35e12, "H100 NVL": 3.9e12,
                   "H100 PCIe": 2.0e12}
@@ -111,9 +114,25 @@ def _swiglu_backward(m: int, f: int, key):
     return xla, kernels, (dh, g8, u8, g_scale, u_scale), 2 * (4 * m * f) + 4 * m * f
 
 
+def _swiglu_step(m: int, d: int, f: int, key):
+    """The FP8 SwiGLU block's training step (`jax_epilog.swiglu`, current scaling), whole:
+    what the passes are for. No least bytes (its GEMMs dominate)."""
+    keys = jax.random.split(key, 3)
+    x = jax.random.normal(keys[0], (m, d), DTYPE)
+    gate_up = (jax.random.normal(keys[1], (d, 2 * f), jnp.float32) * d ** -0.5).astype(DTYPE)
+    down = (jax.random.normal(keys[2], (f, d), jnp.float32) * f ** -0.5).astype(DTYPE)
+    fp8 = Fp8(layers="all", scaling="current")
+
+    def step(x, gate_up, down):
+        loss = lambda *a: jnp.mean(swiglu.swiglu(*a, fp8=fp8).astype(jnp.float32) ** 2)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(x, gate_up, down)
+
+    return step, step, (x, gate_up, down), None
+
+
 def _cases(rows: dict) -> list[tuple[str, str, Callable]]:
-    """(pass, row, maker) for every pass a row has."""
-    cases = []
+    """(pass, row, maker) for every pass a row has, the whole steps last."""
+    cases, steps = [], []
     for name, (tokens, d, f) in rows.items():
         cases.append(("quantize_transpose", name,
                       lambda k, t=tokens, d=d: _quantize_transpose(t, d, k)))
@@ -122,7 +141,9 @@ def _cases(rows: dict) -> list[tuple[str, str, Callable]]:
                           lambda k, t=tokens, f=f: _swiglu_forward(t, f, k)))
             cases.append(("swiglu_backward", name,
                           lambda k, t=tokens, f=f: _swiglu_backward(t, f, k)))
-    return cases
+            steps.append(("swiglu_step", name,
+                          lambda k, t=tokens, d=d, f=f: _swiglu_step(t, d, f, k)))
+    return cases + steps
 
 
 def _compiled(fn, args, engine: str):
@@ -145,13 +166,18 @@ def copy_bandwidth(megabytes: int) -> float:
     return 2 * x.nbytes / t.seconds
 
 
-def run(rows: dict, passes, rounds: int, copy_megabytes: int) -> dict[str, Any]:
+def run(rows: dict, passes, rounds: int, copy_megabytes: int, out: Path) -> dict[str, Any]:
+    """Every case of `rows` among `passes`, the report rewritten into `out` after each (so a
+    run cut short keeps what it measured)."""
     reason = fused.unavailable_reason()
     bandwidth, peak = copy_bandwidth(copy_megabytes), peak_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s, the card's "
           f"{'unknown' if peak is None else f'{peak / 1e9:.0f} GB/s'}; kernels: "
           f"{'available' if reason is None else 'unavailable (' + reason + ')'}", flush=True)
     results, errors = [], []
+    report = {"metadata": timing.run_metadata(), "copy_bandwidth": bandwidth,
+              "peak_bandwidth": peak, "kernels_unavailable": reason, "results": results,
+              "errors": errors}
     for i, (name, row, make) in enumerate(_cases(rows)):
         if name not in passes:
             continue
@@ -169,10 +195,10 @@ def run(rows: dict, passes, rounds: int, copy_megabytes: int) -> dict[str, Any]:
             entry = {"pass": name, "row": row, "shapes": [list(a.shape) for a in args],
                      "least_bytes": least, "seconds": time.perf_counter() - start}
             for engine, t in measured.items():
-                entry[engine] = {**t.as_dict(), "ms": t.seconds * 1e3,
-                                 "bandwidth": least / t.seconds,
-                                 "of_copy": least / t.seconds / bandwidth,
-                                 "of_peak": None if peak is None else least / t.seconds / peak}
+                rate = None if least is None else least / t.seconds
+                entry[engine] = {**t.as_dict(), "ms": t.seconds * 1e3, "bandwidth": rate,
+                                 "of_copy": None if rate is None else rate / bandwidth,
+                                 "of_peak": None if rate is None or peak is None else rate / peak}
             if "cuda" in entry:
                 entry["speedup"] = entry["xla"]["ms"] / entry["cuda"]["ms"]
             results.append(entry)
@@ -180,20 +206,22 @@ def run(rows: dict, passes, rounds: int, copy_megabytes: int) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - one failing case costs its row only
             errors.append(f"{name} {row}: {type(e).__name__}: {e}")
             print("ERROR", errors[-1], flush=True)
-    return {"metadata": timing.run_metadata(), "copy_bandwidth": bandwidth,
-            "peak_bandwidth": peak,
-            "kernels_unavailable": reason, "results": results, "errors": errors}
+        timing.write_report(report, out, "fused_passes", render)
+    return report
 
 
 def _line(e: dict) -> str:
     def engine(k):
         if k not in e:
             return f"{k} n/a"
+        if e[k]["bandwidth"] is None:
+            return f"{k} {e[k]['ms']:.3f} ms"
         peak = "" if e[k]["of_peak"] is None else f", {100 * e[k]['of_peak']:.0f}% of peak"
         return f"{k} {e[k]['ms']:.3f} ms {e[k]['bandwidth'] / 1e9:.0f} GB/s " \
                f"({100 * e[k]['of_copy']:.0f}% of copy{peak})"
     speedup = f" xla/cuda {e['speedup']:.2f}x" if "speedup" in e else ""
-    return f"{e['pass']:<20} {e['row']:<3} {e['least_bytes'] / 1e6:9.1f} MB  " \
+    least = "n/a" if e["least_bytes"] is None else f"{e['least_bytes'] / 1e6:.1f}"
+    return f"{e['pass']:<20} {e['row']:<3} {least:>9} MB  " \
            f"{engine('xla')}  {engine('cuda')}{speedup}"
 
 
@@ -212,10 +240,13 @@ def render(report: dict) -> str:
         def cells(k):
             if k not in e:
                 return ["n/a", "n/a"]
+            if e[k]["bandwidth"] is None:
+                return [f"{e[k]['ms']:.3f}", "n/a"]
             peak = "" if e[k]["of_peak"] is None else f", {100 * e[k]['of_peak']:.0f}%"
             return [f"{e[k]['ms']:.3f}",
                     f"{e[k]['bandwidth'] / 1e9:.0f} ({100 * e[k]['of_copy']:.0f}%{peak})"]
-        lines.append("| " + " | ".join([e["pass"], e["row"], f"{e['least_bytes'] / 1e6:.1f}",
+        least = "n/a" if e["least_bytes"] is None else f"{e['least_bytes'] / 1e6:.1f}"
+        lines.append("| " + " | ".join([e["pass"], e["row"], least,
                                         *cells("xla"), *cells("cuda"),
                                         f"{e['speedup']:.2f}" if "speedup" in e else "n/a"])
                      + " |")
@@ -237,9 +268,8 @@ def main(argv=None) -> dict[str, Any]:
     table = SMOKE_ROWS if args.smoke else ROWS
     rows = _pick(parser, "rows", args.rows, table)
     passes = _pick(parser, "passes", args.passes, dict.fromkeys(PASSES))
-    report = run({n: table[n] for n in rows}, passes, args.rounds, 16 if args.smoke else 1024)
-    timing.write_report(report, args.out, "fused_passes", render)
-    return report
+    return run({n: table[n] for n in rows}, passes, args.rounds, 16 if args.smoke else 1024,
+               args.out)
 
 
 def _pick(parser, name: str, value, known) -> list[str]:
