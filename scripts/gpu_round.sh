@@ -95,6 +95,7 @@ for stage in $STAGES; do
       (cd /tmp && "$PY" -c "import jax, jax_epilog.runtime.library as c; \
 print('jax', jax.__version__, 'devices', jax.devices()); \
 print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c.cublaslt_version()); \
+print('fused kernels built:', c.fused_kernels_built()); \
 c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason())") \
         2>&1 | tee -a "$OUT/build.log"
       note "build: rc=$rc ($((SECONDS - start)) s); $(grep -h 'jax-epilog: ' "$OUT/build.log" | tail -n 1)"
