@@ -235,7 +235,8 @@ def render(report: dict) -> str:
     if report["kernels_unavailable"]:
         lines += [f"The kernels did not run: {report['kernels_unavailable']}.", ""]
     lines += ["| pass | row | least MB | XLA ms | XLA GB/s (of copy, of peak) | kernels ms | "
-              "kernels GB/s (of copy, of peak) | XLA / kernels |", "|---|---|---|---|---|---|---|---|"]
+              "kernels GB/s (of copy, of peak) | XLA / kernels |",
+              "|---|---|---|---|---|---|---|---|"]
     for e in report["results"]:
         def cells(k):
             if k not in e:
