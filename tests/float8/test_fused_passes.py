@@ -202,14 +202,24 @@ def test_the_fp8_swiglu_block_on_the_cuda_engine(monkeypatch):
         y = jax_epilog.swiglu(x, gate_up, down, fp8=fp8)
         return jnp.sum(y.astype(jnp.float32) ** 2)
 
-    want = _step(loss)(x, gate_up, down)
+    # delayed scaling, h's history warm (its scale from the history) and x's cold
+    delayed = jax_epilog.Fp8(layers="all", scaling="delayed")
+    state = delayed.init_state(2)
+    state = (state[0], state[1]._replace(input=state[1].input.at[0].set(3.0)))
+
+    def delayed_loss(x, gate_up, down):
+        y = jax_epilog.swiglu(x, gate_up, down, fp8=delayed, fp8_state=state)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    want = _step(loss)(x, gate_up, down), _step(delayed_loss)(x, gate_up, down)
     monkeypatch.setattr(fused, "uses_cuda", lambda: True)
-    got = _step(loss)(x, gate_up, down)
-    assert float(got[0]) == float(want[0])
-    np.testing.assert_array_equal(np.asarray(got[1][2]), np.asarray(want[1][2]))
-    for g, w in zip(got[1][:2], want[1][:2]):
-        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
-        assert np.max(np.abs(g - w)) <= 0.05 * np.max(np.abs(w))
+    got = _step(loss)(x, gate_up, down), _step(delayed_loss)(x, gate_up, down)
+    for got, want in zip(got, want):
+        assert float(got[0]) == float(want[0])
+        np.testing.assert_array_equal(np.asarray(got[1][2]), np.asarray(want[1][2]))
+        for g, w in zip(got[1][:2], want[1][:2]):
+            g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+            assert np.max(np.abs(g - w)) <= 0.05 * np.max(np.abs(w))
 
 
 @pytest.mark.slow  # two compiles of a training step
