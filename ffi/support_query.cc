@@ -89,10 +89,11 @@ JAX_EPILOG_EXPORT int jax_epilog_supports_fp8(void) { return 1; }
 
 // The interface between this library and the Python package: the FFI targets' attributes and
 // the ctypes entry points' arguments. Raised whenever either changes (2: the
-// fast_accumulation attribute; 3: the block-scaled target and its query), so the package
+// fast_accumulation attribute; 3: the block-scaled target and its query; 4: the fused
+// FP8 passes' targets, fused_passes.cc), so the package
 // refuses a library built from older sources
 // (cuda_library.ABI_VERSION) instead of failing to decode its calls.
-JAX_EPILOG_EXPORT int jax_epilog_abi_version(void) { return 3; }
+JAX_EPILOG_EXPORT int jax_epilog_abi_version(void) { return 4; }
 
 // 1: cuBLASLt has an algorithm for the problem (its plan is now cached, so the first
 // call does not pay for it); 0: it has none, `message` says why; -1: the question

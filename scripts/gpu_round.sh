@@ -5,7 +5,7 @@
 #   stages: build tests suite fuzz sanitize demo bench forward autotune overhead multigpu wheel export probe
 #           tune fp8table never_slower soak fp8 fp8profile peer gpt llama gptprofile serving
 #           generate decodelayout decodeab blockfp8 blockstep swiglu pallastune rowfp8
-#           fewrows servingtune decodematrix
+#           fewrows servingtune decodematrix fusedpasses
 #   (default: build tests fuzz demo bench)
 #   `tests` is the GPU suite (the gpu-marked tests: about 190 s with PYTEST_WORKERS=6 on one
 #   H200); `suite` runs every test with the GPU as the default device (past 500 s, and the
@@ -95,6 +95,7 @@ for stage in $STAGES; do
       (cd /tmp && "$PY" -c "import jax, jax_epilog.runtime.library as c; \
 print('jax', jax.__version__, 'devices', jax.devices()); \
 print('library available:', c.available(), c.unavailable_reason(), 'cuBLASLt', c.cublaslt_version()); \
+print('fused kernels built:', c.fused_kernels_built()); \
 c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason())") \
         2>&1 | tee -a "$OUT/build.log"
       note "build: rc=$rc ($((SECONDS - start)) s); $(grep -h 'jax-epilog: ' "$OUT/build.log" | tail -n 1)"
@@ -337,6 +338,19 @@ c.available() or print('THE CUDA HANDLER WAS NOT BUILT:', c.unavailable_reason()
       note "swiglu benchmark: rc=$? ($((SECONDS - start)) s)"
       grep -E "^(\||## |- )" "$OUT/swiglu/swiglu.md" 2>/dev/null | tee -a "$SUMMARY"
       grep -E "^skipped|^FALLBACK|failed" "$OUT/swiglu.log" | tee -a "$SUMMARY" ;;
+    fusedpasses)
+      # The fused FP8 passes (issue 63; docs/fp8.md, "Fused passes"): the library's CUDA
+      # kernels against XLA's references (tests/float8/test_fused_passes_gpu.py), the SwiGLU
+      # block's GPU tests with them (test_swiglu_gpu.py; FUSED_PASSES_TESTS=0 skips the
+      # tests), then benchmarks/fused_passes.py (FUSED_PASSES_ARGS, e.g. "--rows S1").
+      if [ "${FUSED_PASSES_TESTS:-1}" = 1 ]; then
+        gpu_tests fused_passes 150 test_fused_passes_gpu.py
+        JAX_EPILOG_FUSED_PASSES=cuda gpu_tests fused_swiglu 120 test_swiglu_gpu.py
+      fi
+      (cd "$ROOT/benchmarks" && runs --cap "${FUSED_PASSES_CAP:-150}" "$PY" fused_passes.py \
+        ${FUSED_PASSES_ARGS:-} --out "$OUT/fused_passes" 2>&1) > "$OUT/fused_passes.log"
+      note "fused passes benchmark: rc=$? ($((SECONDS - start)) s)"
+      grep -E "^(copy|quantize_transpose|swiglu_|ERROR)" "$OUT/fused_passes.log" | tee -a "$SUMMARY" ;;
     serving)
       # Stored FP8 weights against XLA's bf16 and Qwix's PTQ (benchmarks/serving_bench.py;
       # SERVING_ARGS, e.g. "--parts block", or "--parts swiglu" for the served SwiGLU block).

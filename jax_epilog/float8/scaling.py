@@ -96,11 +96,17 @@ def quantize_delayed(x, history, dtype: str, margin: int, amax_axes=None, x_amax
     given, is x's amax already taken (`reduced_amaxes`, with others)."""
     if x_amax is None:
         x_amax = reduced_amaxes([x], amax_axes)[0]
+    x8, scale = quantize(x, delayed_scale_amax(history, x_amax), dtype, margin)
+    return x8, scale, x_amax
+
+
+def delayed_scale_amax(history, x_amax):
+    """The amax a tensor's delayed scale comes from: `history`'s largest, or, while it is
+    `cold` and the layers calibrate, the tensor's own `x_amax` (`quantize_delayed`)."""
     scale_amax = jnp.max(history)
     if calibrates.get():
         scale_amax = jnp.where(cold(history), x_amax, scale_amax)
-    x8, scale = quantize(x, scale_amax, dtype, margin)
-    return x8, scale, x_amax
+    return scale_amax
 
 
 def cold(history):

@@ -32,7 +32,8 @@ One `jax.custom_vjp` covers the whole stack, as `functional.fused_stack` does:
   with results in the compute dtype. Under `backward="auto"` that GEMM runs XLA's way
   (`stack_plan.fp8_gemm_backend`: measured faster than cuBLASLt's FP8 DRELU_BGRAD), or,
   for a ReLU whose derivative comes from h8 (`stack_plan.relu_from_next_input`), is a plain FP8 GEMM
-  followed by XLA fusions.
+  followed by XLA fusions. With JAX_EPILOG_FUSED_PASSES `cuda` (or `auto`) dZ's cast is the
+  library's cast-transpose kernel, which writes dZ8ᵀ in the same pass (`float8.fused`).
 - Compute dtype float32: cuBLASLt 13.1 has no FP8 kernel with a float32 result for any epilog
   but DEFAULT and DRELU (no bias, no BGRAD). Those layers keep FP8, and under "auto" their
   other GEMMs run XLA's way (XLA's FP8 GEMM to float32, the epilog as fusions;
@@ -86,6 +87,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_epilog.float8 import fused
 from jax_epilog.float8.recipe import Fp8History
 from jax_epilog.float8.scaling import (calibrates, bound_axes, bound_terms, delayed_amax,
                                        multiplier, quantize_scaled, record, reduce_amax,
@@ -281,7 +283,12 @@ def _planned_backward(planned: StackPlan, saved, state, dy):
         else:
             below_plan = planned.layers[i - 1] if i else None
             data = planned.gemm(i, "data gradient")
-            if dz8 is None:
+            dz8t = None  # dZ8ᵀ, where the fused pass writes it with dZ8 (float8/fused.py)
+            if dz8 is None and fused.uses_cuda():
+                dz8, dz8t, dz_scale, gradient_amaxes[i] = fused.quantize_transpose(
+                    dz, fp8.gradient, fp8.margin, amax_axes=fp8.amax_reduction_axes,
+                    x_amax=early.get(("gradient", i)))
+            elif dz8 is None:
                 # Current scaling for gradients in 16 bits (`Fp8.scaling`).
                 dz8, dz_scale, gradient_amaxes[i] = quantize_scaled(
                     dz, fp8.gradient, fp8.margin, amax_axes=fp8.amax_reduction_axes,
@@ -296,8 +303,9 @@ def _planned_backward(planned: StackPlan, saved, state, dy):
             # dZ's amax above (both read dZ once); before the barrier, so dZ dies there.
             own_dbias = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(dy.dtype) \
                 if need_bias_grad else None
-            dz8, h8, own_dbias = barrier.flat_barrier(dz8, s.input, own_dbias)
-            dkernel, _ = matmul8(h8.T, s.input_scale, dz8.T, dz_scale, dy.dtype,
+            dz8, h8, own_dbias, dz8t = barrier.flat_barrier(dz8, s.input, own_dbias, dz8t)
+            dkernel, _ = matmul8(h8.T, s.input_scale, dz8.T if dz8t is None else dz8t,
+                                  dz_scale, dy.dtype,
                                   planned.gemm(i, "weight gradient").requested, fast_weight,
                                   transpose_b=True)
             dz8, dkernel = barrier.flat_barrier(dz8, dkernel)

@@ -18,6 +18,9 @@ With `fp8=` (SPEC §5's recipe, `Fp8`; docs/fp8.md, "SwiGLU"):
 - Backward: dy quantized to e5m2; d(down) = h8ᵀ dy8 and dh = dy8 down8ᵀ; one fusion computes
   dg = dh·u·silu'(g) and du = dh·silu(g) from g8 and u8 and quantizes `[dg du]` to e5m2;
   d(gate_up) = x8ᵀ `[dg du]`8 and dx = `[dg du]`8 `[gate up]`8ᵀ.
+- JAX_EPILOG_FUSED_PASSES `cuda` (or `auto`): those passes are the library's CUDA kernels
+  (`layers.fused_swiglu`, `float8.fused`), which also write dy8ᵀ and `[dg du]`8ᵀ in the
+  pass that quantizes them (docs/fp8.md, "Fused passes").
 - Delayed scaling (`fp8_state=`: two `Fp8History`, the gate/up GEMM's (input x, gradient
   `[dg du]`) then the down GEMM's (input h, gradient dy)): x and h take their scales from the
   histories, as a stack's layer inputs do; the kernels, the gradients and the saved g8 and u8
@@ -63,11 +66,12 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from jax_epilog.float8 import fused
 from jax_epilog.float8.blocks import both_copies_kernel
 from jax_epilog.float8.recipe import Fp8, Fp8History, as_fp8, check_state
 from jax_epilog.float8.scaling import quantize_scaled, record, reduced_amaxes
 from jax_epilog.float8.weights import Fp8Weight
-from jax_epilog.layers import block_step, fp8_step, gating, serving
+from jax_epilog.layers import block_step, fp8_step, fused_swiglu, gating, serving
 from jax_epilog.layers.functional import compute_dtype, described
 from jax_epilog.layers.gemms import LAYER_INPUT_NAME, SWIGLU_HIDDEN_NAME
 from jax_epilog.op import barrier, manual_axes
@@ -152,16 +156,22 @@ def _fp8_forward(block: Block, x, gate_up, down, state, keep: bool):
     w8, w_scale, _ = quantize_scaled(gate_up, fmt, margin, x_amax=w_amax)
     down8, down_scale, _ = quantize_scaled(down, fmt, margin, x_amax=down_amax)
     gu, _ = fp8_step.matmul8(x8, x_scale, w8, w_scale, x.dtype, "auto", fast)
-    h = gating.hidden(gu, block.hidden)
-    # g and u (kept for the backward) on scales of their own, their amaxes with h's
-    halves = (gu[:, :block.hidden], gu[:, block.hidden:]) if keep else ()
-    # one pass reads [g u] for the three amaxes, one more writes h8, g8 and u8 (fewer bytes
-    # outside the GEMMs than an amax pass per array, as XLA compiles a Llama-size block)
-    h_amax, *half_amaxes = reduced_amaxes([h, *halves], axes, one_pass=True)
-    h8, h_scale, h_amax = quantize_scaled(h, fmt, margin, history(1), axes, h_amax)
+    if fused.uses_cuda():  # the same two passes as the library's kernels (docs/fp8.md)
+        h8, h_scale, h_amax, g8, g_scale, u8, u_scale = fused_swiglu.swiglu_forward(
+            gu, fmt, margin, history(1), axes, keep)
+    else:
+        h = gating.hidden(gu, block.hidden)
+        # g and u (kept for the backward) on scales of their own, their amaxes with h's
+        halves = (gu[:, :block.hidden], gu[:, block.hidden:]) if keep else ()
+        # one pass reads [g u] for the three amaxes, one more writes h8, g8 and u8 (fewer
+        # bytes outside the GEMMs than an amax pass per array, as XLA compiles a Llama-size
+        # block)
+        h_amax, *half_amaxes = reduced_amaxes([h, *halves], axes, one_pass=True)
+        h8, h_scale, h_amax = quantize_scaled(h, fmt, margin, history(1), axes, h_amax)
+        if keep:
+            (g8, g_scale, _), (u8, u_scale, _) = (quantize_scaled(half, fmt, margin, x_amax=a)
+                                                  for half, a in zip(halves, half_amaxes))
     if keep:
-        (g8, g_scale, _), (u8, u_scale, _) = (quantize_scaled(half, fmt, margin, x_amax=a)
-                                              for half, a in zip(halves, half_amaxes))
         # Without the barrier XLA fused g8's and u8's casts into the backward's fusions,
         # which then read the 16-bit [g u] instead: kept from forward to backward, it was
         # the largest temporary of the step. With h8 in it, the casts run before the down
@@ -194,25 +204,33 @@ def _fp8_block_bwd(block: Block, residuals, dy):
     axes, fmt, margin = fp8.amax_reduction_axes, fp8.gradient, fp8.margin
     fast_data, fast_weight = fp8.fast("data gradient"), fp8.fast("weight gradient")
     matmul8 = fp8_step.matmul8
-    dy8, dy_scale, dy_amax = quantize_scaled(dy, fmt, margin, amax_axes=axes)
+    cuda = fused.uses_cuda()  # dy8ᵀ and [dg du]8ᵀ written with dy8 and [dg du]8 (fused.py)
+    if cuda:
+        dy8, dy8t, dy_scale, dy_amax = fused.quantize_transpose(dy, fmt, margin, amax_axes=axes)
+    else:
+        (dy8, dy_scale, dy_amax), dy8t = quantize_scaled(dy, fmt, margin, amax_axes=axes), None
     # The weight gradient's K-major operands (h8ᵀ, dy8ᵀ) are made after the barrier, as in
     # the stacks (barrier.flat_barrier says why); the data gradient waits for it.
-    dy8, h8 = barrier.flat_barrier(dy8, s.h8)
-    ddown, _ = matmul8(h8.T, s.h_scale, dy8.T, dy_scale, dtype, "auto", fast_weight,
-                       transpose_b=True)
+    dy8, h8, dy8t = barrier.flat_barrier(dy8, s.h8, dy8t)
+    ddown, _ = matmul8(h8.T, s.h_scale, dy8.T if dy8t is None else dy8t, dy_scale, dtype,
+                       "auto", fast_weight, transpose_b=True)
     dy8, ddown = barrier.flat_barrier(dy8, ddown)
     dh, _ = matmul8(dy8, dy_scale, s.down8, s.down_scale, dtype, "auto", fast_data,
                     transpose_b=True)
-    g, u = (v8.astype(jnp.float32) * scale for v8, scale in ((s.g8, s.g_scale),
-                                                             (s.u8, s.u_scale)))
-    # [dg du] in the compute dtype (FP8 rounds far coarser), its amax from `_gradient_bound`
-    # so that XLA does not write it between the amax pass and the cast.
-    dgu8, dgu_scale, dgu_amax = quantize_scaled(
-        gating.hidden_gradient(dh, g, u, dtype), fmt, margin, amax_axes=axes,
-        x_amax=reduced_amaxes([_gradient_bound(dh, s)], axes)[0])
-    dgu8, x8 = barrier.flat_barrier(dgu8, s.x8)
-    dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T, dgu_scale, dtype, "auto", fast_weight,
-                          transpose_b=True)
+    if cuda:
+        dgu8, dgu8t, dgu_scale, dgu_amax = fused_swiglu.swiglu_gradient(
+            dh, s.g8, s.g_scale, s.u8, s.u_scale, fmt, margin, axes)
+    else:
+        g, u = (v8.astype(jnp.float32) * scale for v8, scale in ((s.g8, s.g_scale),
+                                                                 (s.u8, s.u_scale)))
+        # [dg du] in the compute dtype (FP8 rounds far coarser), its amax from
+        # `_gradient_bound` so that XLA does not write it between the amax pass and the cast.
+        (dgu8, dgu_scale, dgu_amax), dgu8t = quantize_scaled(
+            gating.hidden_gradient(dh, g, u, dtype), fmt, margin, amax_axes=axes,
+            x_amax=reduced_amaxes([_gradient_bound(dh, s)], axes)[0]), None
+    dgu8, x8, dgu8t = barrier.flat_barrier(dgu8, s.x8, dgu8t)
+    dgate_up, _ = matmul8(x8.T, s.x_scale, dgu8.T if dgu8t is None else dgu8t, dgu_scale,
+                          dtype, "auto", fast_weight, transpose_b=True)
     dgu8, dgate_up = barrier.flat_barrier(dgu8, dgate_up)
     dx, _ = matmul8(dgu8, dgu_scale, s.w8, s.w_scale, dtype, "auto", fast_data,
                     transpose_b=True)

@@ -29,7 +29,7 @@ _LIBRARY_FILE = "libjax_epilog_ffi.so"
 # The build installs the library at the package's top (ffi/CMakeLists.txt).
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 #: The library interface this package speaks (ffi/support_query.cc, jax_epilog_abi_version).
-ABI_VERSION = 3
+ABI_VERSION = 4
 _PRELOAD = ("libcudart.so.13", "libcublasLt.so.13")
 
 
@@ -142,6 +142,7 @@ def library() -> _Library:
     lib = _Library()
     if lib.handle is not None:
         targets.register(lib.handle)
+        targets.register(lib.handle, targets.FUSED_TARGETS)
     return lib
 
 
@@ -173,6 +174,13 @@ def cublaslt_version() -> Optional[int]:
     """cuBLASLt's version number (e.g. 130100), or None without the library."""
     lib = library()
     return int(lib.handle.jax_epilog_cublaslt_version()) if lib.handle is not None else None
+
+
+def fused_kernels_built() -> bool:
+    """Whether the loaded library carries the fused FP8 passes' kernels (built with nvcc:
+    ffi/CMakeLists.txt); False without the library."""
+    lib = library()
+    return lib.handle is not None and bool(lib.handle.jax_epilog_fused_kernels_built())
 
 
 _DTYPE_CODES = {"float16": 0, "bfloat16": 1, "float32": 2, "float8_e4m3fn": 3, "float8_e5m2": 4}

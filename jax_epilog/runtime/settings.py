@@ -55,6 +55,12 @@ SETTINGS = (
     Setting("JAX_EPILOG_DECISIONS", "`~/.cache/jax_epilog/decisions.json`",
             "The table `python -m jax_epilog.tune` writes and `auto` reads before the shipped "
             "one; set but empty: none."),
+    Setting("JAX_EPILOG_FUSED_PASSES", "xla",
+            "What runs the FP8 passes around the GEMMs (quantize with the transposed copy, "
+            "SwiGLU's h and `[dg du]`): `xla` (XLA's fusions), `cuda` (the library's fused "
+            "kernels, an error where they cannot run) or `auto` (the kernels on one CUDA GPU "
+            "where the library has them, else XLA's): docs/fp8.md, \"Fused passes\". Read "
+            "when a call is traced."),
     Setting("JAX_EPILOG_DISABLE_CUDA", "0",
             "`1`: never load the C++ library; CUDA calls run XLA's lowering of the reference "
             "(with a warning)."),
@@ -183,6 +189,20 @@ def forced_serving_way(way: Optional[ServingWay]):
             os.environ.pop(variable, None)
         else:
             os.environ[variable] = before
+
+
+#: What runs the fused FP8 passes (`float8.fused`): JAX_EPILOG_FUSED_PASSES.
+FusedPasses = Literal["xla", "cuda", "auto"]
+FUSED_PASSES = get_args(FusedPasses)
+
+
+def fused_passes() -> str:
+    """`xla`, `cuda` or `auto` from JAX_EPILOG_FUSED_PASSES (unset: `xla`)."""
+    value = (_raw("JAX_EPILOG_FUSED_PASSES") or "xla").strip().lower()
+    if value not in FUSED_PASSES:
+        raise ValueError(f"JAX_EPILOG_FUSED_PASSES={value!r}: expected one of "
+                         f"{', '.join(FUSED_PASSES)}")
+    return value
 
 
 def set_variable(variable: str, value: str) -> None:

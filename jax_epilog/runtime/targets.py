@@ -35,17 +35,30 @@ MATMUL_C = Target("jax_epilog_matmul_c", "JaxEpilogMatmulC", MATMUL_ATTRIBUTES)
 #: extra attributes are the rows of a's and b's tiles (1: 1x128 tiles, 128: 128x128 blocks).
 MATMUL_BLOCK = Target("jax_epilog_matmul_block", "JaxEpilogMatmulBlock",
                       MATMUL_ATTRIBUTES + (("a_block_rows", np.int32), ("b_block_rows", np.int32)))
+#: The fused FP8 passes (`float8.fused`, `layers.fused_swiglu`; ffi/fused_passes.cc): no
+#: attributes, the FP8 format read off the results' dtypes.
+CAST_TRANSPOSE = Target("jax_epilog_cast_transpose", "JaxEpilogCastTranspose", ())
+SWIGLU_AMAXES = Target("jax_epilog_swiglu_amaxes", "JaxEpilogSwigluAmaxes", ())
+SWIGLU_QUANTIZE = Target("jax_epilog_swiglu_quantize", "JaxEpilogSwigluQuantize", ())
+SWIGLU_GRAD_AMAX = Target("jax_epilog_swiglu_grad_amax", "JaxEpilogSwigluGradAmax", ())
+SWIGLU_GRAD_QUANTIZE = Target("jax_epilog_swiglu_grad_quantize", "JaxEpilogSwigluGradQuantize",
+                              ())
+FUSED_TARGETS = (CAST_TRANSPOSE, SWIGLU_AMAXES, SWIGLU_QUANTIZE, SWIGLU_GRAD_AMAX,
+                 SWIGLU_GRAD_QUANTIZE)
+#: The matmul targets (ffi/epilog_matmul.cc).
 TARGETS = (MATMUL, MATMUL_C, MATMUL_BLOCK)
 
 #: Pass as `jax.export.export(..., disabled_checks=EXPORT_SAFETY_CHECKS)` when exporting for
 #: CUDA: the exported module calls our custom calls, which JAX does not know to be stable.
-EXPORT_SAFETY_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(t.name) for t in TARGETS)
+EXPORT_SAFETY_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(t.name)
+                             for t in TARGETS + FUSED_TARGETS)
 
 
-def register(handle) -> None:
-    """Registers every target's two stages from the loaded library `handle` (a ctypes CDLL)
-    for CUDA. Before JAX's CUDA backend starts, JAX keeps the registration until it does."""
-    for target in TARGETS:
+def register(handle, table=TARGETS) -> None:
+    """Registers the two stages of every target of `table` from the loaded library `handle`
+    (a ctypes CDLL) for CUDA. Before JAX's CUDA backend starts, JAX keeps the registration
+    until it does."""
+    for target in table:
         stages = {"execute": jax.ffi.pycapsule(getattr(handle, target.symbol)),
                   "initialize": jax.ffi.pycapsule(getattr(handle, target.symbol + "Initialize"))}
         jax.ffi.register_ffi_target(target.name, stages, platform="CUDA")
