@@ -220,7 +220,7 @@ def _early_amaxes(planned: StackPlan, x, params) -> dict:
 
 def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
     """`_planned_forward`, its residuals then named for remat policies."""
-    if planned.fp8.delayed and state is not None and calibrates.get():
+    if planned.fp8.delayed and state is not None and calibrates():
         # Checked before the calibration, which picks between a history's scale (the same on
         # every device) and an unreduced amax's (not): every amax varies over the axes the
         # stack does, less those it is reduced over, and the next state must not.

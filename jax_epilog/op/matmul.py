@@ -30,8 +30,9 @@ import numpy as np
 from jax_epilog.op import manual_axes, planner, sharding
 from jax_epilog.op.epilogs import (ACTIVATIONS, Epilog, is_fp8)
 from jax_epilog.op.arguments import keyword_hints, prepare, shape_results
-from jax_epilog.op import primitive  # noqa: F401  (registers the primitives' rules)
+from jax_epilog.op import lowering  # noqa: F401  (registers both primitives' rules)
 from jax_epilog.op.call import Params, epilog_matmul_p
+from jax_epilog.runtime import context
 from jax_epilog.runtime.settings import Backend
 from jax_epilog.op.reference import epilog_matmul as reference_kernel
 
@@ -40,7 +41,7 @@ def _kernel(params: Params, a, b, *inputs):
     def bind(*operands):
         return tuple(epilog_matmul_p.bind(*operands, **params._asdict()))
 
-    if params.block_scaling:  # bound whole (`sharding.partitioned`), so typed under Auto axes
+    if params.block_scaling:  # bound whole (`primitive._lower`), so typed under Auto axes
         outputs = manual_axes.in_auto_axes(bind, (a, b, *inputs), lambda *operands: tuple(
             s.spec for s in sharding.result_shardings(params, operands)))
     else:
@@ -338,7 +339,7 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     # XLA then compiles it as it compiles a user's own, the never-slower rule of the layers.
     p = call.params
     if constant_scalars and not p.epilog.aux_output and planner.current().step_runs_xla(
-            p, call.a.shape, call.b.shape, call.a.dtype, _forward_epilog(p.epilog)):
+            context.current(), p, call.a.shape, call.b.shape, call.a.dtype, _forward_epilog(p.epilog)):
         own = [a, b, *(dict(epilog_inputs or {}).values())]  # as the caller passed them
         if c is None and scalars.alpha == 1.0 and jnp.ndim(b) == 2 and \
                 all(jnp.ndim(x) == 1 for x in own[2:]):

@@ -36,13 +36,14 @@ Supports = Callable[..., tuple[bool, str]]
 
 
 class Planner(Protocol):
-    """What the op asks of a planner (`params` is a `call.Params`)."""
+    """What the op asks of a planner (`ctx` is the per-trace `runtime.context.Context`,
+    `params` a `call.Params`)."""
 
-    def step_runs_xla(self, params, a_shape, b_shape, dtype, forward_epilog) -> bool:
+    def step_runs_xla(self, ctx, params, a_shape, b_shape, dtype, forward_epilog) -> bool:
         """Whether the training step of a differentiable `matmul` call (its rank-3 shapes, the
         epilog its forward runs) is the plain expression under JAX's autodiff."""
 
-    def plan_call(self, avals_in, params, supports: Supports) -> CallPlan:
+    def plan_call(self, ctx, avals_in, params, supports: Supports) -> CallPlan:
         """How one call of the inner primitive lowers for CUDA."""
 
 
@@ -50,10 +51,10 @@ class Reference:
     """The planner before `planning` registers its own: nothing measured decides, so the step
     is the custom VJP and CUDA runs the exact reference."""
 
-    def step_runs_xla(self, params, a_shape, b_shape, dtype, forward_epilog) -> bool:
+    def step_runs_xla(self, ctx, params, a_shape, b_shape, dtype, forward_epilog) -> bool:
         return False
 
-    def plan_call(self, avals_in, params, supports: Supports) -> CallPlan:
+    def plan_call(self, ctx, avals_in, params, supports: Supports) -> CallPlan:
         return CallPlan("reference", "no planner registered: the exact reference")
 
 

@@ -3,7 +3,7 @@ plain expression under JAX's autodiff (`plan_matmul_step`), and when one call is
 CUDA, how (`plan_call`): the cuBLASLt kernel, in which operand layout and with which padding,
 XLA's own GEMM, or the reference. The lowering carries the plan out in one go; nothing is
 planned twice.
-`PLANNER` is what the op asks (`op.planner`), with the context of the moment.
+`PLANNER` is what the op asks (`op.planner`), with the per-trace context the op passes.
 """
 
 from __future__ import annotations
@@ -161,18 +161,19 @@ def plan_call(ctx: Context, avals_in, params: Params, supports) -> CallPlan:
 
 class Planner:
     """The planner the op asks (`op.planner.register`d on `import jax_epilog`): this module's
-    plans, with `context.current()`, the one context a lowering can read."""
+    plans, with the op's context filled with this process's tables where it leaves them
+    unset."""
 
-    def step_runs_xla(self, params: Params, a_shape, b_shape, dtype,
+    def step_runs_xla(self, ctx: Context, params: Params, a_shape, b_shape, dtype,
                       forward_epilog: Epilog) -> bool:
-        ctx = context.current()
+        ctx = context.filled(ctx)
         step = plan_matmul_step(ctx, params, a_shape, b_shape, dtype, forward_epilog)
         if ctx.observe is not None:  # `explain` reports the choice, whichever it is
             ctx.observe(MatmulStep(params, a_shape, b_shape, dtype, step), "matmul")
         return step.choice == "plain"
 
-    def plan_call(self, avals_in, params: Params, supports) -> CallPlan:
-        return plan_call(context.current(), avals_in, params, supports)
+    def plan_call(self, ctx: Context, avals_in, params: Params, supports) -> CallPlan:
+        return plan_call(context.filled(ctx), avals_in, params, supports)
 
 
 PLANNER = Planner()
