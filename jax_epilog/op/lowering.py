@@ -122,11 +122,12 @@ def _custom_call(params: Params):
     target = (targets.MATMUL_C if params.has_c else
               targets.MATMUL_BLOCK if params.block_scaling else targets.MATMUL)
     workspace = jax.ShapeDtypeStruct((settings.workspace_bytes(),), np.uint8)
-    extra = dict(zip(("a_block_rows", "b_block_rows"), _block_rows(params)))
+    extra = dict(zip(("a_block_rows", "b_block_rows"), _block_rows(params))
+                 ) if params.block_scaling else {}
     attributes = targets.attributes(
         target, epilog=params.epilog, transpose_a=params.transpose_a,
         transpose_b=params.transpose_b, allow_tf32=params.allow_tf32,
-        fast_accumulation=params.fast_accumulation, **(extra if params.block_scaling else {}))
+        fast_accumulation=params.fast_accumulation, **extra)
 
     def call(*operands):
         rows = None
@@ -167,6 +168,8 @@ def around_kernel(kernel, params: Params, layout, padded):
     """`kernel` (a call in `layout`, aligned) on the call's own operands: a and b transposed
     to `layout` where it differs, K and N zero-padded to `padded` (K, N) if given, the
     results cut back to the call's."""
+    if layout == (params.transpose_a, params.transpose_b) and padded is None:
+        return kernel
     inner = params._replace(transpose_a=layout[0], transpose_b=layout[1])
 
     def call(a, b, *rest):

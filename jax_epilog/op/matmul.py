@@ -27,10 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_epilog.op import manual_axes, planner, sharding
+from jax_epilog.op import manual_axes, planner, primitive
 from jax_epilog.op.epilogs import (ACTIVATIONS, Epilog, is_fp8)
 from jax_epilog.op.arguments import keyword_hints, prepare, shape_results
-from jax_epilog.op import lowering  # noqa: F401  (registers both primitives' rules)
+from jax_epilog.op import lowering  # noqa: F401  (registers the inner primitive's rules)
 from jax_epilog.op.call import Params, epilog_matmul_p
 from jax_epilog.runtime import context
 from jax_epilog.runtime.settings import Backend
@@ -38,16 +38,15 @@ from jax_epilog.op.reference import epilog_matmul as reference_kernel
 
 def _kernel(params: Params, a, b, *inputs):
     """The primitive's outputs, typed as varying over the operands' manual axes."""
-    def bind(*operands):
-        return tuple(epilog_matmul_p.bind(*operands, **params._asdict()))
-
+    operands = (a, b, *inputs)
     if params.block_scaling:  # bound whole (`primitive._lower`), so typed under Auto axes
-        outputs = manual_axes.in_auto_axes(bind, (a, b, *inputs), lambda *operands: tuple(
-            s.spec for s in sharding.result_shardings(params, operands)))
+        outputs = manual_axes.in_auto_axes(
+            lambda *xs: tuple(epilog_matmul_p.bind(*xs, **params._asdict())), operands,
+            lambda *xs: tuple(s.spec for s in primitive.result_shardings(params, xs)))
     else:
-        outputs = bind(a, b, *inputs)
-    axes = manual_axes.varying_axes((a, b, *inputs))  # which the primitive's type leaves out
-    return tuple(manual_axes.vary(o, axes) for o in outputs)
+        outputs = epilog_matmul_p.bind(*operands, **params._asdict())
+    axes = manual_axes.varying_axes(operands)  # which the primitive's type leaves out
+    return tuple(manual_axes.vary(o, axes) for o in outputs) if axes else tuple(outputs)
 
 
 class _Scalars(NamedTuple):
@@ -323,11 +322,14 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     call = prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision, backend,
                     quantization_scales, preferred_element_type, result_amax, c, alpha, beta,
                     fast_accumulation)
-    axes = manual_axes.varying_axes((call.a, call.b, *call.inputs))  # inside shard_map
-    operands = [manual_axes.vary(x, axes) for x in (call.a, call.b, *call.inputs)]
+    operands = (call.a, call.b, *call.inputs)
+    axes = manual_axes.varying_axes(operands)  # inside shard_map
+    if axes:
+        operands = tuple(manual_axes.vary(x, axes) for x in operands)
     if call.params.epilog.is_backward or is_fp8(call.a.dtype):  # not differentiable
         return shape_results(call, _kernel(call.params, *operands))
-    scalars = _Scalars(_python_number(alpha, 1.0), _python_number(beta))
+    scalars = (_Scalars(1.0, None) if c is None else  # (no c: prepare refused alpha and beta)
+               _Scalars(_python_number(alpha, 1.0), _python_number(beta)))
     # Traced alpha and beta keep the custom VJP: the plain expression scales in the operands'
     # 16-bit dtype, so JAX would sum their gradients in 16 bits (d alpha then far off on odd
     # shapes), where `_c_gradients` sums in float32.
@@ -339,7 +341,8 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     # XLA then compiles it as it compiles a user's own, the never-slower rule of the layers.
     p = call.params
     if constant_scalars and not p.epilog.aux_output and planner.current().step_runs_xla(
-            context.current(), p, call.a.shape, call.b.shape, call.a.dtype, _forward_epilog(p.epilog)):
+            context.current(), p, call.a.shape, call.b.shape, call.a.dtype,
+            _forward_epilog(p.epilog)):
         own = [a, b, *(dict(epilog_inputs or {}).values())]  # as the caller passed them
         if c is None and scalars.alpha == 1.0 and jnp.ndim(b) == 2 and \
                 all(jnp.ndim(x) == 1 for x in own[2:]):

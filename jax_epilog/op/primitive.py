@@ -51,9 +51,9 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding
 
-from jax_epilog.op import block_scales, manual_axes, reference, sharding
+from jax_epilog.op import block_scales, epilogs, manual_axes, reference, sharding
 from jax_epilog.op.call import (Params, array_shape, epilog_matmul_p, kernel_p, names_of,
-                                plain_product, problem_of, result_dtype_of)
+                                plain_product, problem_of)
 from jax_epilog.op.epilogs import ARRAYS, AUX_DIM_COLUMNS, Epilog, array_dtype, is_fp8
 
 
@@ -64,9 +64,7 @@ def abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, bac
                    block_scaling=None):
     del allow_tf32, backend
     epilog = Epilog(epilog)
-    params = dict(epilog=epilog, result_dtype=result_dtype, result_amax=result_amax,
-                  has_c=has_c)
-    out = result_dtype_of(params, a.dtype)
+    out = jnp.dtype(result_dtype or a.dtype)  # as `call.result_dtype_of`
     # `matmul` has already given readable errors; these guard direct binds.
     if a.ndim != 3 or b.ndim != 3:
         raise ValueError(f"epilog_matmul: expects rank-3 operands, got {a.shape} and {b.shape}")
@@ -80,7 +78,8 @@ def abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, bac
     b_k = b.shape[2] if transpose_b else b.shape[1]
     if b_k != p.k or b.shape[0] not in (1, p.batch):
         raise ValueError(f"epilog_matmul: b {b.shape} does not fit a {a.shape}")
-    operand_names, output_names = names_of(params, a.dtype)
+    operand_names = epilogs.operand_names(epilog, a.dtype, out, has_c)
+    output_names = epilogs.result_names(epilog, result_amax)
     if len(args) != len(operand_names) - 2:
         raise ValueError(f"epilog_matmul: {epilog.name} takes {operand_names[2:]}, "
                          f"got {len(args)} inputs")
@@ -102,13 +101,30 @@ def abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, bac
             raise TypeError(f"epilog_matmul: c must be {array_dtype('c', out)}, got {x.dtype}")
     avals = [((p.batch, p.m, p.n), out)] + [
         (array_shape(name, p), array_dtype(name, out)) for name in output_names[1:]]
-    shardings = sharding.result_shardings(
+    shardings = result_shardings(
         Params(epilog, transpose_a, transpose_b, False, result_dtype=result_dtype,
                result_amax=result_amax, has_c=has_c, fast_accumulation=fast_accumulation,
                block_scaling=block_scaling), (a, b, *args))
     if shardings is None:
         return [ShapedArray(shape, dtype) for shape, dtype in avals]
     return [ShapedArray(shape, dtype, sharding=s) for (shape, dtype), s in zip(avals, shardings)]
+
+
+def result_shardings(params: Params, operands) -> tuple | None:
+    """Under a mesh with Explicit axes (`jax.make_mesh`'s default, `jax.set_mesh`), where the
+    types of the operands say how they are split: the shardings of y and of the aux results,
+    as the partitioner will lay them out (`mesh_layout`; K's axes summed away, a dimension that
+    cannot split kept whole). None where no operand has an explicitly sharded dimension: the
+    results then take the default, as with Auto axes, where the partitioner alone decides."""
+    operands = [getattr(x, "aval", x) for x in operands]  # (tracers or their types)
+    specs = [getattr(getattr(x, "sharding", None), "spec", None) for x in operands]
+    if not any(entry is not None for spec in specs if spec is not None for entry in spec):
+        return None
+    mesh = next(x.sharding.mesh for x, spec in zip(operands, specs) if spec is not None)
+    lay = sharding.mesh_layout(params, mesh, operands)
+    _, result_names = names_of(params, operands[0].dtype)
+    dims = [("batch", "m", "n"), *(ARRAYS[name].dims for name in result_names[1:])]
+    return tuple(NamedSharding(mesh, lay.spec(d)) for d in dims)
 
 
 @functools.cache

@@ -1,7 +1,6 @@
 """Which mesh axes split each dimension of a call under `jax.jit` with sharded operands
-(`mesh_layout`), and the shardings of its results where the operands' types say how they are
-split (`result_shardings`, for abstract evaluation under Explicit axes). The outer primitive's
-partitioning rule (`primitive.py`) lays a call out with `mesh_layout`: a dimension that does not
+(`mesh_layout`). The outer primitive's partitioning rule and its results' shardings under
+Explicit axes (`primitive.py`) lay a call out with it: a dimension that does not
 divide evenly over its mesh axes, or a mesh axis already used by another dimension, is
 replicated instead; which axes each array has comes from `epilogs.ARRAYS`.
 """
@@ -14,7 +13,7 @@ from typing import NamedTuple
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_epilog.op.epilogs import ARRAYS, AUX_DIM_COLUMNS
-from jax_epilog.op.call import Params, names_of, problem_of
+from jax_epilog.op.call import Params, problem_of
 
 
 def _arrays(params: Params) -> tuple[str, ...]:
@@ -75,20 +74,3 @@ def mesh_layout(params: Params, mesh, arg_shapes) -> MeshLayout:
     b_batch = chosen["batch"] if b.shape[0] == p.batch else ()
     bias_batch = chosen["batch"] if bias is not None and bias.shape[0] == p.batch else ()
     return MeshLayout(b_batch=b_batch, bias_batch=bias_batch, **chosen)
-
-
-def result_shardings(params: Params, operands) -> tuple | None:
-    """Under a mesh with Explicit axes (`jax.make_mesh`'s default, `jax.set_mesh`), where the
-    types of the operands say how they are split: the shardings of y and of the aux results,
-    as the partitioner will lay them out (`mesh_layout`; K's axes summed away, a dimension that
-    cannot split kept whole). None where no operand has an explicitly sharded dimension: the
-    results then take the default, as with Auto axes, where the partitioner alone decides."""
-    operands = [getattr(x, "aval", x) for x in operands]  # (tracers or their types)
-    specs = [getattr(getattr(x, "sharding", None), "spec", None) for x in operands]
-    if not any(entry is not None for spec in specs if spec is not None for entry in spec):
-        return None
-    mesh = next(x.sharding.mesh for x, spec in zip(operands, specs) if spec is not None)
-    lay = mesh_layout(params, mesh, operands)
-    _, result_names = names_of(params, operands[0].dtype)
-    dims = [("batch", "m", "n"), *(ARRAYS[name].dims for name in result_names[1:])]
-    return tuple(NamedSharding(mesh, lay.spec(d)) for d in dims)
