@@ -114,7 +114,8 @@ def _checked_inputs(epilog: Epilog, epilog_inputs, out, lead: tuple, m: int,
     for name in epilog.input_names:
         x, dtype = epilog_inputs[name], array_dtype(name, out)
         label, what = f"epilog_inputs['{name}']", f"{ARRAYS[name].what} for N={n}"
-        got = jnp.dtype(x.dtype) if hasattr(x, "dtype") else _raw_dtype(x)
+        got = getattr(x, "dtype", None)
+        got = _raw_dtype(x) if got is None else jnp.dtype(got)
         if got != dtype:
             hint = ("; a boolean mask is packed into cuBLASLt's layout by "
                     "jax_epilog.pack_relu_mask(mask)") if name == "relu_aux" and got == bool else ""

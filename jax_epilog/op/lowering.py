@@ -1,9 +1,9 @@
 """The inner primitive `kernel_p`, one device's call, and every rule of it (registered at the
 end): its abstract evaluation is the outer primitive's (`primitive.abstract_eval`), its
 lowerings the cuBLASLt custom call on CUDA and the reference elsewhere. It appears only inside
-the outer primitive's lowering (`primitive.py`), once per device. On CUDA one plan decides, at lowering time (`planning.call_plan.plan_call`, asked
-through `planner`), and `lower_cuda` carries it out in one function, binding nothing of ours
-again:
+the outer primitive's lowering (`primitive.py`), once per device. On CUDA one plan decides,
+at lowering time (`planning.call_plan.plan_call`, asked through `planner`), and `lower_cuda`
+carries it out in one function, binding nothing of ours again:
 
 - not CUDA: the reference, exact (identical semantics on every platform);
 - CUDA, an empty problem, or the library not loadable in a process that has CUDA devices (with
