@@ -3,7 +3,9 @@
 The op depends on the runtime only. Two of its steps need a choice that planning makes from
 the decision tables and this host: whether a differentiated call's training step runs the
 plain expression under JAX's autodiff (`Planner.step_runs_xla`), and how one call of the inner
-primitive lowers for CUDA (`Planner.plan_call`). The op asks `current()`; `planning` registers
+primitive lowers for CUDA (`Planner.plan_call`), each asked with the per-trace
+`runtime.context.Context` (which the planner fills with this process's tables where it leaves
+them unset). The op asks `current()`; `planning` registers
 its planner when `jax_epilog` is imported (`jax_epilog/__init__.py`), so the op never imports
 planning. Until one is registered, `Reference` answers: the custom VJP, and the exact reference
 on CUDA, which computes the same results everywhere.
