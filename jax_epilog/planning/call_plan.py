@@ -17,8 +17,7 @@ from jax_epilog.op.call import Params, problem_of
 from jax_epilog.op.epilogs import Epilog, is_fp8
 from jax_epilog.op.planner import CallPlan, Layout
 from jax_epilog.planning import context
-from jax_epilog.planning.context import Choice, Context, gemm_backend
-from jax_epilog.planning.stack_plan import Gemm, on_cuda
+from jax_epilog.planning.context import Choice, Context, Gemm, gemm_backend, on_cuda
 
 
 def matmul_step_gemms(params: Params, a_shape, b_shape, dtype,

@@ -1,6 +1,7 @@
 """What a plan depends on beyond the call itself (`Context`: the backend override, this host's
 CUDA devices and library, the decision tables), and the one place a GEMM's ``backend="auto"``
-becomes "cublaslt" or "xla" (`gemm_backend`), which both the call's and the stack's plans ask.
+becomes "cublaslt" or "xla" (`gemm_backend` for one call's problem, `on_cuda` for the `Gemm`s
+of a step), which both the call's and the stack's plans ask.
 
 The context (`runtime.context.Context`, the one per-trace state) reaches the planners as an
 argument; `filled` gives a bare one this process's settings, devices and tables. `planning(ctx)`
@@ -11,7 +12,7 @@ own; `current()` is the one set, filled.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -141,3 +142,47 @@ def gemm_backend(ctx: Context, requested: str, epilog, dtype, batch: int, m: int
     if ctx.override() is None and not ctx.cuda_devices():
         return Choice("cublaslt", "no CUDA device on this host (an export): the kernel")
     return auto_backend(ctx, epilog, dtype, batch, m, n, k, transpose_a, transpose_b)
+
+
+class Gemm(NamedTuple):
+    """One GEMM a stack issues, as the kernel sees it (batch, M, N, K normalised), with the
+    backend the layer asks of `matmul` (`requested`, and why where the layer changed it) and,
+    where the plan is made for a CUDA GPU, what that becomes (`backend`, `why`)."""
+
+    layer: Optional[int]  # None: a call of its own (`explanation`), not a stack's
+    role: str  # "forward", "weight gradient" or "data gradient"
+    epilog: Epilog
+    dtype: str  # a's dtype, and b's after "x" where it differs (FP8)
+    result_dtype: str
+    batch: int
+    m: int
+    n: int
+    k: int
+    transpose_a: bool
+    transpose_b: bool
+    requested: str
+    requested_why: str = ""
+    backend: Optional[str] = None
+    why: str = ""
+
+    @property
+    def problem(self) -> tuple:
+        """`decisions`' arguments after the epilog and dtype."""
+        return (self.batch, self.m, self.n, self.k, self.transpose_a, self.transpose_b)
+
+    @property
+    def operand_dtype(self) -> str:
+        return self.dtype.split(" x ")[0]
+
+
+def on_cuda(ctx: Context, gemms, dtype) -> tuple[Gemm, ...]:
+    """`gemms` with what each runs on a CUDA GPU (the tables consulted where the GEMM is left
+    to "auto")."""
+    planned = []
+    for g in gemms:
+        if g.requested == "auto":
+            choice = auto_backend(ctx, g.epilog, g.operand_dtype, *g.problem)
+        else:
+            choice = Choice(g.requested, g.requested_why or f"backend={g.requested!r} asked for")
+        planned.append(g._replace(backend=choice.choice, why=choice.why))
+    return tuple(planned)
