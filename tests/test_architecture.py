@@ -119,6 +119,23 @@ def test_no_import_cycles():
             visit(m, [m])
 
 
+def test_each_primitives_rules_are_in_one_module():
+    """Every rule of the outer primitive is registered in `op/primitive.py` and every rule of
+    the inner one in `op/lowering.py` (abstract eval, lowerings, batching, differentiation),
+    as TransformerEngine's `BasePrimitive` and JAX's cuDNN attention keep theirs."""
+    rule = re.compile(r"(?:register_lowering\(|primitive_batchers\[|primitive_jvps\[|"
+                      r"primitive_transposes\[)\s*(epilog_matmul_p|kernel_p)\b|"
+                      r"\b(epilog_matmul_p|kernel_p)\.(?:def_abstract_eval|def_impl|"
+                      r"multiple_results\s*=)")
+    homes = {"epilog_matmul_p": "jax_epilog/op/primitive.py",
+             "kernel_p": "jax_epilog/op/lowering.py"}
+    found = {name: set() for name in homes}
+    for path in PACKAGE.rglob("*.py"):
+        for match in rule.finditer(path.read_text()):
+            found[match.group(1) or match.group(2)].add(path.relative_to(ROOT).as_posix())
+    assert found == {name: {home} for name, home in homes.items()}, found
+
+
 LAYERS = ("runtime", "op", "float8", "planning", "layers", "tools")
 
 

@@ -7,9 +7,6 @@ scaling's amax histories (`record`) and their self-calibration while a history i
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +14,7 @@ import numpy as np
 from jax_epilog.float8.recipe import check_margin, fp8_format
 from jax_epilog.op.amaxes import amax, amaxes
 from jax_epilog.op.reference import saturating_cast
+from jax_epilog.runtime import context
 
 
 def multiplier(x_amax, dtype: str, margin: int):
@@ -69,19 +67,19 @@ def bound_axes(axes) -> tuple[str, ...]:
     return tuple(bound)
 
 
-calibrates = contextvars.ContextVar("jax_epilog_fp8_calibrates", default=True)
+def calibrates() -> bool:
+    """Whether delayed scaling calibrates itself from a cold history in this trace (the
+    per-trace context's switch, `uncalibrated`)."""
+    return context.current().calibrates
 
 
-@contextlib.contextmanager
 def uncalibrated():
     """Within the block (in this thread), stacks traced under delayed scaling do not calibrate
     themselves: a cold history gives scale 1 (no own amax, no bounds). What the tests
-    and `benchmarks/fp8_bench.py` compare self-calibration with; not for training."""
-    token = calibrates.set(False)
-    try:
-        yield
-    finally:
-        calibrates.reset(token)
+    and `benchmarks/fp8_bench.py` compare self-calibration with; not for training. (A switch
+    of the per-trace `runtime.context.Context`: every FP8 layer, stock Flax ones included,
+    reaches these functions, and none has an argument to carry it.)"""
+    return context.changed(calibrates=False)
 
 
 def quantize_delayed(x, history, dtype: str, margin: int, amax_axes=None, x_amax=None):
@@ -104,7 +102,7 @@ def delayed_scale_amax(history, x_amax):
     """The amax a tensor's delayed scale comes from: `history`'s largest, or, while it is
     `cold` and the layers calibrate, the tensor's own `x_amax` (`quantize_delayed`)."""
     scale_amax = jnp.max(history)
-    if calibrates.get():
+    if calibrates():
         scale_amax = jnp.where(cold(history), x_amax, scale_amax)
     return scale_amax
 
@@ -129,7 +127,7 @@ def delayed_amax(history, bound):
     format, but nothing saturates and small values are kept (e5m2 gradients lose nothing
     a bound 64 times too large would matter to; e4m3 inputs keep 2**6 of range below it)."""
     largest = jnp.max(history)
-    if not calibrates.get():
+    if not calibrates():
         return largest
     return jnp.where(cold(history), power_of_two_above(bound), largest)
 

@@ -93,10 +93,10 @@ from jax_epilog.float8.scaling import (calibrates, bound_axes, bound_terms, dela
                                        multiplier, quantize_scaled, record, reduce_amax,
                                        reduced_amaxes, result_bound)
 from jax_epilog.layers import gemms as layer_gemms
-from jax_epilog.layers.gemms import LAYER_INPUT_NAME, layer_forward
+from jax_epilog.layers.gemms import LAYER_INPUT_NAME, data_gradient, layer_forward, weight_gradient
 from jax_epilog.op import barrier, manual_axes
 from jax_epilog.op.epilogs import Epilog
-from jax_epilog.op.matmul import activation_gradient, data_gradient, matmul, weight_gradient
+from jax_epilog.op.matmul import activation_gradient, matmul
 from jax_epilog.planning.stack_plan import Layer, StackPlan, weight_grad_gives_bias_grad
 
 def matmul8(a8, sa, b8, sb, dtype, backend, fast: bool, *, epilog=Epilog.DEFAULT,
@@ -222,7 +222,7 @@ def _early_amaxes(planned: StackPlan, x, params) -> dict:
 
 def _forward(planned: StackPlan, x, params, state, keep_residuals: bool):
     """`_planned_forward`, its residuals then named for remat policies."""
-    if planned.fp8.delayed and state is not None and calibrates.get():
+    if planned.fp8.delayed and state is not None and calibrates():
         # Checked before the calibration, which picks between a history's scale (the same on
         # every device) and an unreduced amax's (not): every amax varies over the axes the
         # stack does, less those it is reduced over, and the next state must not.

@@ -57,9 +57,9 @@ from jax_epilog.float8.recipe import as_fp8, check_state
 from jax_epilog.layers import block_step, fp8_step  # FP8 training (SPEC §5)
 from jax_epilog.layers import serving  # stored FP8 weights (docs/serving.md)
 from jax_epilog.layers.gemms import (GELU_PRE_ACTIVATION_NAME, LAYER_INPUT_NAME,  # noqa: F401
-                          RELU_MASK_NAME, layer_forward)
+                          RELU_MASK_NAME, data_gradient, layer_forward, weight_gradient)
 from jax_epilog.op.arguments import SUPPORTED_DTYPES
-from jax_epilog.op.matmul import activation_gradient, data_gradient, weight_gradient
+from jax_epilog.op.matmul import activation_gradient
 from jax_epilog.planning.stack_plan import Layer, Stack, StackPlan, weight_grad_gives_bias_grad
 
 ACTIVATIONS = (None, "relu", "gelu")

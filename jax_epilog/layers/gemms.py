@@ -1,7 +1,8 @@
-"""A layer's forward GEMM as the stacks issue it (its epilog with the residual the backward
-needs, named for remat policies); its backward GEMMs are `matmul`'s `weight_gradient` and
-`data_gradient`. Shared by the compute-dtype stack (`layers`) and the FP8 one (`fp8`), whose
-choices are made in `plan`.
+"""A layer's GEMMs as the stacks issue them: its forward (`layer_forward`: its epilog with the
+residual the backward needs, named for remat policies) and its backward (`weight_gradient`,
+`data_gradient`: `matmul` calls, so `backend="auto"` picks cuBLASLt's epilog or XLA's GEMM per
+problem, and 16-bit operands stay 16-bit). Shared by the compute-dtype stack (`functional`) and
+the FP8 one (`fp8_step`), whose choices are made in `planning.stack_plan`.
 """
 
 from __future__ import annotations
@@ -37,3 +38,25 @@ def layer_forward(stack: Stack, layer: Layer, h, kernel, bias, keep_residual: bo
         return out, None
     y, aux = out
     return y, checkpoint_name(aux[epilog.aux_output], residual_name(layer.activation))
+
+
+def weight_gradient(h, dz, *, bias_gradient: bool, precision, backend: str):
+    """(dW, dbias or None) for a layer's Z = h @ W: dW = hᵀ dZ (K, N), and the bias gradient,
+    dZ summed over the rows, from the same GEMM (BGRADB)."""
+    out = matmul(h, dz, transpose_a=True, precision=precision, backend=backend,
+                 epilog=Epilog.BGRADB if bias_gradient else Epilog.DEFAULT)
+    return (out[0], out[1]["bgradb"]) if bias_gradient else (out, None)
+
+
+def data_gradient(dz, w, *, precision, backend: str, activation: Optional[str] = None,
+                  has_bias: bool = False, residual=None):
+    """(dX, dbias or None) for a layer's Z = X @ W: dX = dZ Wᵀ. With the `activation` of the
+    layer below (its `residual` kept by the forward), the same GEMM applies its derivative and,
+    where that layer `has_bias`, reduces its bias gradient (DRELU_BGRAD / DGELU_BGRAD, DRELU /
+    DGELU without a bias)."""
+    if activation is None:
+        return matmul(dz, w, transpose_b=True, precision=precision, backend=backend), None
+    epilog = Epilog.find_derivative(activation, bias_gradient=has_bias)
+    out = matmul(dz, w, transpose_b=True, epilog=epilog, precision=precision, backend=backend,
+                 epilog_inputs={epilog.aux_input: residual})
+    return (out[0], out[1][epilog.reduction_output]) if has_bias else (out, None)

@@ -15,8 +15,6 @@ raises an error that says to train the 16-bit parameters.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any, Optional
@@ -34,6 +32,7 @@ from jax_epilog.op.reference import saturating_cast
 from jax_epilog.planning import block_plan
 from jax_epilog.planning.context import Choice
 from jax_epilog.planning.serving_plan import WEIGHT_ONLY_MIN_ROWS, serving_way
+from jax_epilog.runtime import context
 
 
 #: The stored-FP8 GEMMs use cuBLASLt's fast accumulation, as the training recipe's forward
@@ -258,7 +257,7 @@ def inference_only(fn: Callable, static: tuple[int, ...]) -> Callable:
     records (eagerly: the values are read directly)."""
     checked = jax.custom_vjp(fn, nondiff_argnums=static)
     checked.defvjp(_raise_not_differentiable, _raise_not_differentiable)
-    return lambda *args: (fn if _calibration.get() is not None else checked)(*args)
+    return lambda *args: (fn if context.current().calibration is not None else checked)(*args)
 
 
 _served_layers = inference_only(_layers, (0, 1))
@@ -283,14 +282,10 @@ def quantize_input(h, weight: Fp8Weight):
 
 # --- calibration ---------------------------------------------------------------------------
 
-_calibration: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar(
-    "jax_epilog_serving_calibration", default=None)
-
-
 def record_input(h, weight: Fp8Weight) -> Optional[dict]:
     """While `calibrate` runs: `h`, the input of `weight`'s GEMM, counts towards its static
     scale. Returns the amaxes being recorded (None: not calibrating)."""
-    recorded = _calibration.get()
+    recorded = context.current().calibration
     if recorded is None:
         return None
     if isinstance(h, jax.core.Tracer):
@@ -300,15 +295,6 @@ def record_input(h, weight: Fp8Weight) -> Optional[dict]:
     key = id(weight.data)
     recorded[key] = max(recorded.get(key, 0.0), float(scaling.amax(h)))
     return recorded
-
-
-@contextlib.contextmanager
-def _recording(recorded: dict):
-    token = _calibration.set(recorded)
-    try:
-        yield
-    finally:
-        _calibration.reset(token)
 
 
 def calibrate(apply_fn: Callable[[Any, Any], Any], params, batches: Iterable, *,
@@ -331,7 +317,7 @@ def calibrate(apply_fn: Callable[[Any, Any], Any], params, batches: Iterable, *,
     """
     recorded: dict[int, float] = {}
     count = 0
-    with _recording(recorded):
+    with context.changed(calibration=recorded):  # the model has no argument to carry it
         for batch in batches:
             apply_fn(params, batch)
             count += 1

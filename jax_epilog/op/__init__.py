@@ -5,9 +5,11 @@
 - `arguments`: `matmul`'s argument checks and the reshape into the kernel's rank-3 form;
 - `block_scales`: block-scaled FP8's `BlockScales`, their layouts and their checks;
 - `call`: a call as the primitives see it (`Params`, `Problem`) and the two primitives;
-- `primitive`: their rules (abstract eval, batching, the differentiation error, registration);
-- `sharding`: the outer primitive's lowering, partitioned per device (`custom_partitioning`);
-- `lowering`: the inner primitive's lowerings, carrying out the planner's plan;
+- `primitive`: every rule of the outer primitive (abstract eval, eager call, the lowering
+  partitioned per device with its partitioning and Shardy rules, batching, the error under
+  differentiation);
+- `lowering`: every rule of the inner primitive (its lowerings, carrying out the planner's plan);
+- `sharding`: which mesh axes split a call's dimensions, and its results' shardings;
 - `planner`: the planner the op asks how a call runs (`planning` registers its own);
 - `padding`: zero padding of unaligned K and N around the kernel;
 - `reference`: the one plain-JAX reference of the semantics;

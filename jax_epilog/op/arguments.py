@@ -39,8 +39,10 @@ def _raw_dtype(x) -> np.dtype:
     return jnp.dtype(np.asarray(x).dtype if dtype is None else dtype)
 
 
-def _dtype_of(name: str, x) -> np.dtype:
-    dtype = _raw_dtype(x)
+def _as_operand(name: str, x):
+    """`x` as an array of a supported dtype and rank >= 2."""
+    dtype = getattr(x, "dtype", None)
+    dtype = _raw_dtype(x) if dtype is None else jnp.dtype(dtype)
     if dtype not in OPERAND_DTYPES:
         extra = ""
         if isinstance(x, (list, tuple)) and x is not None:
@@ -50,11 +52,6 @@ def _dtype_of(name: str, x) -> np.dtype:
             extra = " (float64 is not supported by cuBLASLt's epilogs; cast to float32)"
         raise TypeError(f"{name}: expected dtype float16, bfloat16 or float32, got {dtype}{extra}"
                         " (or FP8: float8_e4m3fn / float8_e5m2 with quantization_scales)")
-    return dtype
-
-
-def _as_operand(name: str, x):
-    dtype = _dtype_of(name, x)
     x = jnp.asarray(x, dtype=dtype)
     if x.ndim < 2:
         raise ValueError(f"{name}: expected an array of rank >= 2, got shape {x.shape}")
@@ -86,7 +83,8 @@ def allow_tf32_for(precision, dtype) -> bool:
     return precision != jax.lax.Precision.HIGHEST
 
 
-def _check_epilog_inputs(epilog: Epilog, epilog_inputs) -> dict[str, Any]:
+def _check_epilog_input_names(epilog: Epilog, epilog_inputs) -> None:
+    """Raises where `epilog_inputs` does not name exactly the epilog's inputs."""
     if epilog_inputs is None:
         epilog_inputs = {}
     if not isinstance(epilog_inputs, Mapping):
@@ -105,30 +103,34 @@ def _check_epilog_inputs(epilog: Epilog, epilog_inputs) -> dict[str, Any]:
     if missing:
         raise ValueError(f"epilog_inputs: epilog {epilog.name} needs {sorted(needed)}, "
                          f"missing {missing}")
-    return dict(epilog_inputs)
 
 
-def _check_input(name: str, x, *, dtype, shapes: list[tuple[int, ...]], n: int):
-    label = f"epilog_inputs['{name}']"
-    what = f"{ARRAYS[name].what} for N={n}"
-    got = _raw_dtype(x)
-    if got != dtype:
-        hint = ("; a boolean mask is packed into cuBLASLt's layout by "
-                "jax_epilog.pack_relu_mask(mask)") if name == "relu_aux" and got == bool else ""
-        raise TypeError(f"{label}: expected dtype {jnp.dtype(dtype)} ({what}), got {got}{hint}")
-    x = jnp.asarray(x)
-    if tuple(x.shape) not in shapes:
-        expected = " or ".join(str(s) for s in dict.fromkeys(shapes))
-        raise ValueError(f"{label}: expected shape {expected} ({what}), got {tuple(x.shape)}")
-    return x
-
-
-def _user_shapes(name: str, lead: tuple, m: int, n: int) -> list[tuple[int, ...]]:
-    """The shapes `epilog_inputs[name]` may have: the kernel's, with `lead` for its batch."""
-    sizes = dim_sizes(1, m, n)
-    dims = ARRAYS[name].dims
-    rest = tuple(sizes[d] for d in dims[1:])
-    return [rest, (*lead, *rest)] if dims[0] == "bias_batch" else [(*lead, *rest)]
+def _checked_inputs(epilog: Epilog, epilog_inputs, out, lead: tuple, m: int,
+                    n: int) -> dict[str, Any]:
+    """The epilog's inputs (named as it needs) as arrays, each of its dtype and of one of the
+    shapes it may have: the kernel's, with `lead` for its batch."""
+    checked = {}
+    sizes = dim_sizes(1, m, n) if epilog.input_names else {}
+    for name in epilog.input_names:
+        x, dtype = epilog_inputs[name], array_dtype(name, out)
+        label, what = f"epilog_inputs['{name}']", f"{ARRAYS[name].what} for N={n}"
+        got = getattr(x, "dtype", None)
+        got = _raw_dtype(x) if got is None else jnp.dtype(got)
+        if got != dtype:
+            hint = ("; a boolean mask is packed into cuBLASLt's layout by "
+                    "jax_epilog.pack_relu_mask(mask)") if name == "relu_aux" and got == bool else ""
+            raise TypeError(f"{label}: expected dtype {jnp.dtype(dtype)} ({what}), got "
+                            f"{got}{hint}")
+        x = jnp.asarray(x)
+        dims = ARRAYS[name].dims
+        rest = tuple(sizes[d] for d in dims[1:])
+        shapes = [rest, (*lead, *rest)] if dims[0] == "bias_batch" else [(*lead, *rest)]
+        if tuple(x.shape) not in shapes:
+            expected = " or ".join(str(s) for s in dict.fromkeys(shapes))
+            raise ValueError(f"{label}: expected shape {expected} ({what}), got "
+                             f"{tuple(x.shape)}")
+        checked[name] = x
+    return checked
 
 
 class Call(NamedTuple):
@@ -328,19 +330,27 @@ def prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
              backend="auto", quantization_scales=None, preferred_element_type=None,
              result_amax=False, c=None, alpha=None, beta=None,
              fast_accumulation=False) -> Call:
+    """The checked call. The checks of arguments left at their defaults are skipped (they
+    would pass): a plain 16-bit call meets only those of its operands and epilog."""
     epilog = as_epilog(epilog)
     a = _as_operand("a", a)
     b = _as_operand("b", b)
     fp8 = _check_operand_dtypes(a, b)
-    out = _result_dtype(fp8, a.dtype, preferred_element_type)
-    scales = _check_scales(fp8, out, quantization_scales, result_amax)
-    fast_accumulation = _check_fast_accumulation(fast_accumulation, a.dtype)
+    out = (a.dtype if not fp8 and preferred_element_type is None else
+           _result_dtype(fp8, a.dtype, preferred_element_type))
+    scales = (_check_scales(fp8, out, quantization_scales, result_amax)
+              if fp8 or quantization_scales is not None or result_amax is not False else ())
+    if fast_accumulation is not False:
+        fast_accumulation = _check_fast_accumulation(fast_accumulation, a.dtype)
     for name, flag in (("transpose_a", transpose_a), ("transpose_b", transpose_b)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name}: expected a bool, got {flag!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    inputs = _check_epilog_inputs(epilog, epilog_inputs)
+    names = set() if epilog_inputs is None else (
+        set(epilog_inputs) if isinstance(epilog_inputs, Mapping) else None)
+    if names != set(epilog.input_names):
+        _check_epilog_input_names(epilog, epilog_inputs)  # raises, naming what is wrong
 
     lead = tuple(a.shape[:-2])
     m, k = (a.shape[-1], a.shape[-2]) if transpose_a else (a.shape[-2], a.shape[-1])
@@ -367,10 +377,9 @@ def prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
                                 batched=a.ndim != 2 or b.ndim != 2)
         scales = (block_scales.check_values("a", scales[0], m, k),
                   block_scales.check_values("b", scales[1], n, k))
-    c_operands = _check_c(c, alpha, beta, out, lead, m, n)
-    checked = {name: _check_input(name, inputs[name], dtype=array_dtype(name, out),
-                                  shapes=_user_shapes(name, lead, m, n), n=n)
-               for name in epilog.input_names}
+    c_operands = (() if c is None and alpha is None and beta is None else
+                  _check_c(c, alpha, beta, out, lead, m, n))
+    checked = _checked_inputs(epilog, epilog_inputs, out, lead, m, n)
 
     batch = math.prod(lead)
     bias_per_batch = "bias" in checked and checked["bias"].ndim > 1
@@ -389,7 +398,7 @@ def prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision,
         c3 = c_operands[0].reshape(kernel_batch, kernel_m, n)
         kernel_inputs += (c3, *c_operands[1:])
     params = Params(epilog, bool(transpose_a), bool(transpose_b),
-                    allow_tf32_for(precision, a.dtype), backend,
+                    a.dtype == jnp.float32 and allow_tf32_for(precision, a.dtype), backend,
                     result_dtype=out.name if fp8 else None, result_amax=bool(result_amax),
                     has_c=bool(c_operands), fast_accumulation=fast_accumulation,
                     block_scaling=blocks)

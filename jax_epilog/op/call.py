@@ -1,8 +1,7 @@
 """One call of the op as the two primitives see it: its static parameters (`Params`), its
 sizes (`Problem`), the names of its operands and results, and the two primitives themselves,
-declared here; every rule of theirs (abstract evaluation, lowerings, batching, differentiation)
-is registered in `primitive.py`. The lowerings (`lowering.py`, `sharding.py`) and padding bind
-the primitives from here, below the module that registers them.
+declared here; each primitive's rules are in one module (the outer `epilog_matmul_p`'s in
+`primitive.py`, the inner `kernel_p`'s in `lowering.py`), which bind them from here.
 """
 
 from __future__ import annotations
@@ -86,7 +85,7 @@ def array_shape(name: str, p: Problem, bias_batch: int = 1) -> tuple[int, ...]:
 
 
 #: The outer primitive, what a user's jaxpr holds, and the inner one, one device's call
-#: (`primitive.py` says which does what).
+#: (`primitive.py` and `lowering.py`, each with every rule of its primitive).
 epilog_matmul_p = Primitive("epilog_matmul")
 kernel_p = Primitive("epilog_matmul_kernel")
 

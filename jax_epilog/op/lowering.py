@@ -1,7 +1,9 @@
-"""How the inner primitive `kernel_p` runs: the cuBLASLt custom call on CUDA, the reference
-elsewhere. On CUDA one plan decides, at lowering time (`planning.call_plan.plan_call`, asked
-through `planner`), and `lower_cuda` carries it out in one function, binding nothing of ours
-again:
+"""The inner primitive `kernel_p`, one device's call, and every rule of it (registered at the
+end): its abstract evaluation is the outer primitive's (`primitive.abstract_eval`), its
+lowerings the cuBLASLt custom call on CUDA and the reference elsewhere. It appears only inside
+the outer primitive's lowering (`primitive.py`), once per device. On CUDA one plan decides,
+at lowering time (`planning.call_plan.plan_call`, asked through `planner`), and `lower_cuda`
+carries it out in one function, binding nothing of ours again:
 
 - not CUDA: the reference, exact (identical semantics on every platform);
 - CUDA, an empty problem, or the library not loadable in a process that has CUDA devices (with
@@ -37,8 +39,10 @@ import numpy as np
 from jax.interpreters import mlir
 
 from jax_epilog.op import block_scales, padding, planner, reference
+from jax_epilog.op.primitive import abstract_eval
 from jax_epilog.op.call import Params, kernel_p, problem_of, result_dtype_of
 from jax_epilog.op.epilogs import Epilog, is_fp8
+from jax_epilog.runtime import context as runtime_context
 from jax_epilog.runtime import library as cuda_library
 from jax_epilog.runtime import settings, targets
 
@@ -118,11 +122,12 @@ def _custom_call(params: Params):
     target = (targets.MATMUL_C if params.has_c else
               targets.MATMUL_BLOCK if params.block_scaling else targets.MATMUL)
     workspace = jax.ShapeDtypeStruct((settings.workspace_bytes(),), np.uint8)
-    extra = dict(zip(("a_block_rows", "b_block_rows"), _block_rows(params)))
+    extra = dict(zip(("a_block_rows", "b_block_rows"), _block_rows(params))
+                 ) if params.block_scaling else {}
     attributes = targets.attributes(
         target, epilog=params.epilog, transpose_a=params.transpose_a,
         transpose_b=params.transpose_b, allow_tf32=params.allow_tf32,
-        fast_accumulation=params.fast_accumulation, **(extra if params.block_scaling else {}))
+        fast_accumulation=params.fast_accumulation, **extra)
 
     def call(*operands):
         rows = None
@@ -163,6 +168,8 @@ def around_kernel(kernel, params: Params, layout, padded):
     """`kernel` (a call in `layout`, aligned) on the call's own operands: a and b transposed
     to `layout` where it differs, K and N zero-padded to `padded` (K, N) if given, the
     results cut back to the call's."""
+    if layout == (params.transpose_a, params.transpose_b) and padded is None:
+        return kernel
     inner = params._replace(transpose_a=layout[0], transpose_b=layout[1])
 
     def call(a, b, *rest):
@@ -175,7 +182,9 @@ def around_kernel(kernel, params: Params, layout, padded):
 
 def lower_cuda(ctx, *args, **params):
     params = Params(**params)
-    plan = planner.current().plan_call(ctx.avals_in, params, kernel_supports)
+    # JAX calls a lowering with the call's avals alone: the per-trace context is read here.
+    plan = planner.current().plan_call(runtime_context.current(), ctx.avals_in, params,
+                                       kernel_supports)
     if plan.warning == "unavailable":
         _warn_unavailable(cuda_library.unavailable_reason())
     elif plan.warning == "fp8-reference":
@@ -186,3 +195,11 @@ def lower_cuda(ctx, *args, **params):
     inner = params._replace(transpose_a=plan.layout[0], transpose_b=plan.layout[1])
     fn = around_kernel(_custom_call(inner), params, plan.layout, plan.padded)
     return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+# --- registration: every rule of the inner primitive ----------------------------------------
+
+kernel_p.multiple_results = True
+kernel_p.def_abstract_eval(abstract_eval)
+mlir.register_lowering(kernel_p, lower_reference)
+mlir.register_lowering(kernel_p, lower_cuda, platform="cuda")

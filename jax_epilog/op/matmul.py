@@ -8,8 +8,8 @@ strided batch. What each epilog reads and writes comes from `epilogs.TABLE`.
 The forward epilogs are differentiable through one `jax.custom_vjp` (`_forward`). Its forward
 keeps what the backward needs: ReLU's output (its derivative is y > 0, 0 at 0, as
 `jax.nn.relu`'s), or the mask where the call returns it (RELU_AUX*: 1 at 0), GELU's
-pre-activation. Its backward is the layers' (`activation_gradient`, `data_gradient`,
-`weight_gradient`): two more `matmul` calls in the operands' dtype, the bias gradient from the
+pre-activation. Its backward (`activation_gradient`, which the layers use too, then dA and
+`_weight_gradient`) is two more `matmul` calls in the operands' dtype, the bias gradient from the
 weight-gradient GEMM (BGRADB, or BGRADA for a transposed b). Where every GEMM of the step runs
 XLA's way on this GPU and nothing needs the custom VJP (no aux output, alpha and beta Python
 numbers), JAX differentiates the plain expression instead (`planner`'s `step_runs_xla`): XLA
@@ -27,26 +27,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_epilog.op import manual_axes, planner, sharding
+from jax_epilog.op import manual_axes, planner, primitive
 from jax_epilog.op.epilogs import (ACTIVATIONS, Epilog, is_fp8)
 from jax_epilog.op.arguments import keyword_hints, prepare, shape_results
-from jax_epilog.op import primitive  # noqa: F401  (registers the primitives' rules)
+from jax_epilog.op import lowering  # noqa: F401  (registers the inner primitive's rules)
 from jax_epilog.op.call import Params, epilog_matmul_p
+from jax_epilog.runtime import context
 from jax_epilog.runtime.settings import Backend
 from jax_epilog.op.reference import epilog_matmul as reference_kernel
 
 def _kernel(params: Params, a, b, *inputs):
     """The primitive's outputs, typed as varying over the operands' manual axes."""
-    def bind(*operands):
-        return tuple(epilog_matmul_p.bind(*operands, **params._asdict()))
-
-    if params.block_scaling:  # bound whole (`sharding.partitioned`), so typed under Auto axes
-        outputs = manual_axes.in_auto_axes(bind, (a, b, *inputs), lambda *operands: tuple(
-            s.spec for s in sharding.result_shardings(params, operands)))
+    operands = (a, b, *inputs)
+    if params.block_scaling:  # bound whole (`primitive._lower`), so typed under Auto axes
+        outputs = manual_axes.in_auto_axes(
+            lambda *xs: tuple(epilog_matmul_p.bind(*xs, **params._asdict())), operands,
+            lambda *xs: tuple(s.spec for s in primitive.result_shardings(params, xs)))
     else:
-        outputs = bind(a, b, *inputs)
-    axes = manual_axes.varying_axes((a, b, *inputs))  # which the primitive's type leaves out
-    return tuple(manual_axes.vary(o, axes) for o in outputs)
+        outputs = epilog_matmul_p.bind(*operands, **params._asdict())
+    axes = manual_axes.varying_axes(operands)  # which the primitive's type leaves out
+    return tuple(manual_axes.vary(o, axes) for o in outputs) if axes else tuple(outputs)
 
 
 class _Scalars(NamedTuple):
@@ -92,9 +92,9 @@ def _forward_fwd(params: Params, scalars: _Scalars, a, b, *inputs):
     return visible, (a, b, residual, bias, c_args)
 
 
-# The backward GEMMs, shared with the layers (`functional._stack_bwd`): each is a `matmul` call, so
-# `backend="auto"` picks cuBLASLt's epilog or XLA's GEMM per problem, as for any call, and 16-bit
-# operands stay 16-bit (float32 accumulation inside the GEMM, as XLA's own transpose of a dot).
+# The backward's GEMMs are `matmul` calls, so `backend="auto"` picks cuBLASLt's epilog or XLA's
+# GEMM per problem, as for any call, and 16-bit operands stay 16-bit (float32 accumulation inside
+# the GEMM, as XLA's own transpose of a dot). The layers' backward GEMMs are `layers.gemms`'.
 
 def activation_gradient(dy, residual, activation: Optional[str], extra=None):
     """dZ from dY = d act(Z), elementwise (the mask for ReLU, gelu'(Z) for GELU), in dY's
@@ -109,36 +109,21 @@ def activation_gradient(dy, residual, activation: Optional[str], extra=None):
     return dz.astype(dy.dtype)
 
 
-def weight_gradient(h, dz, *, bias_gradient: bool, precision, backend: str,
-                    transpose_h: bool = False, transpose_result: bool = False):
-    """(dW, dbias or None) for Z = op(h) @ W: dW = op(h)ᵀ dZ (K, N), or with `transpose_result`
-    dWᵀ = dZᵀ op(h) (N, K) for a W stored transposed. `h` is (R, K), or (K, R) with
+def _weight_gradient(h, dz, bias_gradient: bool, transpose_h: bool, transpose_result: bool,
+                     gemm: dict):
+    """(dB, dbias or None) for Z = op(h) @ B: dB = op(h)ᵀ dZ (K, N), or with `transpose_result`
+    dBᵀ = dZᵀ op(h) (N, K) for a b stored transposed. `h` is (R, K), or (K, R) with
     `transpose_h`. The bias gradient, dZ summed over the rows, comes from the same GEMM
     (BGRADB, or BGRADA for the transposed result: the summed operand is then A)."""
     if transpose_result:
         epilog, name = Epilog.BGRADA, "bgrada"
-        out = matmul(dz, h, transpose_a=True, transpose_b=transpose_h, precision=precision,
-                     backend=backend, epilog=epilog if bias_gradient else Epilog.DEFAULT)
+        out = matmul(dz, h, transpose_a=True, transpose_b=transpose_h,
+                     epilog=epilog if bias_gradient else Epilog.DEFAULT, **gemm)
     else:
         epilog, name = Epilog.BGRADB, "bgradb"
-        out = matmul(h, dz, transpose_a=not transpose_h, precision=precision, backend=backend,
-                     epilog=epilog if bias_gradient else Epilog.DEFAULT)
+        out = matmul(h, dz, transpose_a=not transpose_h,
+                     epilog=epilog if bias_gradient else Epilog.DEFAULT, **gemm)
     return (out[0], out[1][name]) if bias_gradient else (out, None)
-
-
-def data_gradient(dz, w, *, precision, backend: str, transpose_w: bool = False,
-                  activation: Optional[str] = None, has_bias: bool = False, residual=None):
-    """(dX, dbias or None) for Z = X @ op(W): dX = dZ op(W)ᵀ. With the `activation` of the
-    layer below (its `residual` kept by the forward), the same GEMM applies its derivative and,
-    where that layer `has_bias`, reduces its bias gradient (DRELU_BGRAD / DGELU_BGRAD, DRELU /
-    DGELU without a bias)."""
-    if activation is None:
-        return matmul(dz, w, transpose_b=not transpose_w, precision=precision,
-                      backend=backend), None
-    epilog = Epilog.find_derivative(activation, bias_gradient=has_bias)
-    out = matmul(dz, w, transpose_b=not transpose_w, epilog=epilog, precision=precision,
-                 backend=backend, epilog_inputs={epilog.aux_input: residual})
-    return (out[0], out[1][epilog.reduction_output]) if has_bias else (out, None)
 
 
 def _forward_bwd(params: Params, scalars: _Scalars, saved, cotangents):
@@ -162,13 +147,13 @@ def _forward_bwd(params: Params, scalars: _Scalars, saved, cotangents):
 
     # dA = dZ op(b)ᵀ, in a's stored layout: (batch, M, K), or (batch, K, M) with transpose_a.
     if not ta:
-        da, _ = data_gradient(dz, b[0] if shared_b else b, transpose_w=tb, **gemm)
+        da = matmul(dz, b[0] if shared_b else b, transpose_b=not tb, **gemm)
     elif not shared_b:
         da = matmul(b, dz, transpose_a=tb, transpose_b=True, **gemm)
     elif batch == 1:  # dAᵀ = op(b) dZᵀ: one GEMM that writes a's layout
         da = matmul(b[0], dz[0], transpose_a=tb, transpose_b=True, **gemm)[None]
     else:  # a shared b under a batched, transposed a: XLA transposes the result
-        da = jnp.swapaxes(data_gradient(dz, b[0], transpose_w=tb, **gemm)[0], 1, 2)
+        da = jnp.swapaxes(matmul(dz, b[0], transpose_b=not tb, **gemm), 1, 2)
 
     # dB = op(a)ᵀ dZ, in b's stored layout: (·, K, N), or (·, N, K) with transpose_b.
     if shared_b:  # every row of every batch contributes: one GEMM over all of them
@@ -179,13 +164,11 @@ def _forward_bwd(params: Params, scalars: _Scalars, saved, cotangents):
             h, transpose_h = rows.reshape(batch * rows.shape[1], rows.shape[2]), False
         # Explicit sizes, not -1: any of them may be 0.
         dz_rows = dz.reshape(batch * dz.shape[1], dz.shape[2])
-        db, dbias = weight_gradient(h, dz_rows, bias_gradient=fused_dbias,
-                                    transpose_h=transpose_h, transpose_result=tb, **gemm)
+        db, dbias = _weight_gradient(h, dz_rows, fused_dbias, transpose_h, tb, gemm)
         db = db[None]
         dbias = None if dbias is None else dbias[None]
     else:
-        db, dbias = weight_gradient(a, dz, bias_gradient=fused_dbias, transpose_h=ta,
-                                    transpose_result=tb, **gemm)
+        db, dbias = _weight_gradient(a, dz, fused_dbias, ta, tb, gemm)
         if dbias is not None and bias.shape[0] == 1:
             dbias = jnp.sum(dbias, axis=0, keepdims=True, dtype=jnp.float32).astype(bias.dtype)
     if bias is not None and dbias is None:  # a per-batch bias with a shared b
@@ -322,11 +305,14 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     call = prepare(a, b, epilog, epilog_inputs, transpose_a, transpose_b, precision, backend,
                     quantization_scales, preferred_element_type, result_amax, c, alpha, beta,
                     fast_accumulation)
-    axes = manual_axes.varying_axes((call.a, call.b, *call.inputs))  # inside shard_map
-    operands = [manual_axes.vary(x, axes) for x in (call.a, call.b, *call.inputs)]
+    operands = (call.a, call.b, *call.inputs)
+    axes = manual_axes.varying_axes(operands)  # inside shard_map
+    if axes:
+        operands = tuple(manual_axes.vary(x, axes) for x in operands)
     if call.params.epilog.is_backward or is_fp8(call.a.dtype):  # not differentiable
         return shape_results(call, _kernel(call.params, *operands))
-    scalars = _Scalars(_python_number(alpha, 1.0), _python_number(beta))
+    scalars = (_Scalars(1.0, None) if c is None else  # (no c: prepare refused alpha and beta)
+               _Scalars(_python_number(alpha, 1.0), _python_number(beta)))
     # Traced alpha and beta keep the custom VJP: the plain expression scales in the operands'
     # 16-bit dtype, so JAX would sum their gradients in 16 bits (d alpha then far off on odd
     # shapes), where `_c_gradients` sums in float32.
@@ -338,7 +324,8 @@ def matmul(a, b, c=None, *, alpha=None, beta=None, epilog=Epilog.DEFAULT,
     # XLA then compiles it as it compiles a user's own, the never-slower rule of the layers.
     p = call.params
     if constant_scalars and not p.epilog.aux_output and planner.current().step_runs_xla(
-            p, call.a.shape, call.b.shape, call.a.dtype, _forward_epilog(p.epilog)):
+            context.current(), p, call.a.shape, call.b.shape, call.a.dtype,
+            _forward_epilog(p.epilog)):
         own = [a, b, *(dict(epilog_inputs or {}).values())]  # as the caller passed them
         if c is None and scalars.alpha == 1.0 and jnp.ndim(b) == 2 and \
                 all(jnp.ndim(x) == 1 for x in own[2:]):

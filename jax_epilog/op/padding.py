@@ -38,7 +38,7 @@ def padded_sizes(avals_in: Sequence, params: Params) -> Optional[tuple[int, int]
     a, b = avals_in[0], avals_in[1]
     p = problem_of(a.shape, b.shape, params.transpose_a, params.transpose_b)
     k, n = aligned(p.k, a.dtype), aligned(p.n, a.dtype)
-    return (k, n) if settings.pad_unaligned() and (k, n) != (p.k, p.n) else None
+    return (k, n) if (k, n) != (p.k, p.n) and settings.pad_unaligned() else None
 
 
 def padded_avals(avals_in: Sequence, params: Params, sizes: tuple[int, int]) -> list:

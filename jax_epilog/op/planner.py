@@ -3,7 +3,9 @@
 The op depends on the runtime only. Two of its steps need a choice that planning makes from
 the decision tables and this host: whether a differentiated call's training step runs the
 plain expression under JAX's autodiff (`Planner.step_runs_xla`), and how one call of the inner
-primitive lowers for CUDA (`Planner.plan_call`). The op asks `current()`; `planning` registers
+primitive lowers for CUDA (`Planner.plan_call`), each asked with the per-trace
+`runtime.context.Context` (which the planner fills with this process's tables where it leaves
+them unset). The op asks `current()`; `planning` registers
 its planner when `jax_epilog` is imported (`jax_epilog/__init__.py`), so the op never imports
 planning. Until one is registered, `Reference` answers: the custom VJP, and the exact reference
 on CUDA, which computes the same results everywhere.
@@ -36,13 +38,14 @@ Supports = Callable[..., tuple[bool, str]]
 
 
 class Planner(Protocol):
-    """What the op asks of a planner (`params` is a `call.Params`)."""
+    """What the op asks of a planner (`ctx` is the per-trace `runtime.context.Context`,
+    `params` a `call.Params`)."""
 
-    def step_runs_xla(self, params, a_shape, b_shape, dtype, forward_epilog) -> bool:
+    def step_runs_xla(self, ctx, params, a_shape, b_shape, dtype, forward_epilog) -> bool:
         """Whether the training step of a differentiable `matmul` call (its rank-3 shapes, the
         epilog its forward runs) is the plain expression under JAX's autodiff."""
 
-    def plan_call(self, avals_in, params, supports: Supports) -> CallPlan:
+    def plan_call(self, ctx, avals_in, params, supports: Supports) -> CallPlan:
         """How one call of the inner primitive lowers for CUDA."""
 
 
@@ -50,10 +53,10 @@ class Reference:
     """The planner before `planning` registers its own: nothing measured decides, so the step
     is the custom VJP and CUDA runs the exact reference."""
 
-    def step_runs_xla(self, params, a_shape, b_shape, dtype, forward_epilog) -> bool:
+    def step_runs_xla(self, ctx, params, a_shape, b_shape, dtype, forward_epilog) -> bool:
         return False
 
-    def plan_call(self, avals_in, params, supports: Supports) -> CallPlan:
+    def plan_call(self, ctx, avals_in, params, supports: Supports) -> CallPlan:
         return CallPlan("reference", "no planner registered: the exact reference")
 
 

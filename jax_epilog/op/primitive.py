@@ -1,17 +1,42 @@
-"""The rules of the two primitives (the outer/inner pattern of JAX's cuDNN attention and
-TransformerEngine), all registered here; the primitives and a call's parameters are declared in
-`call.py`.
+"""The outer primitive `epilog_matmul_p`, what a user's jaxpr holds, and every rule of it in
+this one module, as TransformerEngine's `BasePrimitive` and JAX's cuDNN attention keep theirs:
+abstract evaluation (`abstract_eval`, which the inner primitive shares), the eager
+implementation, the lowering through XLA's SPMD partitioner (`_lower`: the partitioning rule
+`_partition` and the Shardy rule `_sharding_rule`), the one batching rule, and the readable error
+under differentiation (the op is differentiated by `matmul`'s custom VJP). They are registered
+together at the end. The inner primitive `kernel_p`, one device's call, appears only inside
+this lowering; its rules are in `lowering.py`. The primitives and a call's parameters are
+declared in `call.py`, the mesh layout of a call in `sharding.py`.
 
-- `epilog_matmul_p`, the OUTER primitive, is what a user's jaxpr contains: abstract evaluation,
-  the one batching rule, the readable error under differentiation, and a lowering that hands the
-  call to the SPMD partitioner (`sharding.partitioned`), which places one local call per device.
-- `kernel_p`, the INNER primitive, is one device's call; it appears only inside that lowering.
-  It lowers to the cuBLASLt custom call on CUDA and to the reference elsewhere (`lowering.py`).
-
-Both work on the kernel's normalised operands (rank 3, batch first; `ffi/README.md`):
+Both primitives work on the kernel's normalised operands (rank 3, batch first; `ffi/README.md`):
 `a (batch, M, K)` [or `(batch, K, M)` transposed], `b (batch|1, K, N)` [or `(batch|1, N, K)`],
 then the epilog's inputs. The public `jax_epilog.matmul` reshapes user arrays into this form.
 Shapes and dtypes of every input and output come from `epilogs.TABLE`.
+
+Under `jax.jit` with sharded operands the lowering hands the call to XLA's partitioner
+(`custom_partitioning`), which runs one local GEMM per device instead of gathering operands:
+
+- batch or M sharded (data parallel): local GEMMs, no collective. Bias gradients that sum over M
+  (`drelu_bgrad`, `dgelu_bgrad`) get a psum over M's mesh axes.
+- N sharded (column parallel: `b`, the bias and the epilog's aux arrays split alike): local
+  GEMMs, no collective. A ReLU bit mask packs 128 columns into 16 bytes and the GELU buffer pads
+  N to 8, so N stays sharded only when every shard holds whole 128 (8) column blocks; otherwise
+  N is replicated.
+- K sharded (row parallel): local partial products and a psum over K's mesh axes (float32).
+  Epilogs linear in the product (DEFAULT, BGRADA, BGRADB) run in the kernel before the psum;
+  every other epilog needs the whole sum first, so the kernel computes the plain partial
+  product and the epilog is applied after the psum by the reference's `finish`. With FP8
+  operands the partial products are float32 with unit scales, and `finish` applies the scales;
+  an FP8 result or an amax is never linear in K.
+- A C matrix (SPEC §6) is sharded like y (batch, M, N); alpha and beta are replicated scalars.
+  With K sharded, beta · C is added once, by `finish` after the psum, never per shard.
+- FP8 scales are replicated scalars; `result_amax` is a pmax over the mesh axes that split
+  batch, M or N.
+
+A block-scaled call (whose scales are tiles of a and b, not scalars) is bound whole: under a
+mesh XLA gathers its operands and every device runs the whole GEMM. A sharded call cannot be
+serialised with `jax.export` (the partitioner calls back into Python); single-device exports
+contain the kernel alone.
 """
 
 from __future__ import annotations
@@ -22,26 +47,24 @@ import jax
 import jax.numpy as jnp
 from jax._src import dispatch as _jax_dispatch
 from jax.core import ShapedArray
+from jax.experimental.custom_partitioning import custom_partitioning
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding
 
-from jax_epilog.op import block_scales, lowering
-
-from jax_epilog.op import reference
-
-from jax_epilog.op import sharding
+from jax_epilog.op import block_scales, epilogs, manual_axes, reference, sharding
 from jax_epilog.op.call import (Params, array_shape, epilog_matmul_p, kernel_p, names_of,
-                   plain_product, problem_of, result_dtype_of)
-from jax_epilog.op.epilogs import ARRAYS, Epilog, array_dtype, is_fp8
+                                plain_product, problem_of)
+from jax_epilog.op.epilogs import ARRAYS, AUX_DIM_COLUMNS, Epilog, array_dtype, is_fp8
 
 
-def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, backend,
+# --- abstract evaluation and the eager implementation --------------------------------------
+
+def abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, backend,
                    result_dtype=None, result_amax=False, has_c=False, fast_accumulation=False,
                    block_scaling=None):
     del allow_tf32, backend
     epilog = Epilog(epilog)
-    params = dict(epilog=epilog, result_dtype=result_dtype, result_amax=result_amax,
-                  has_c=has_c)
-    out = result_dtype_of(params, a.dtype)
+    out = jnp.dtype(result_dtype or a.dtype)  # as `call.result_dtype_of`
     # `matmul` has already given readable errors; these guard direct binds.
     if a.ndim != 3 or b.ndim != 3:
         raise ValueError(f"epilog_matmul: expects rank-3 operands, got {a.shape} and {b.shape}")
@@ -55,7 +78,8 @@ def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, ba
     b_k = b.shape[2] if transpose_b else b.shape[1]
     if b_k != p.k or b.shape[0] not in (1, p.batch):
         raise ValueError(f"epilog_matmul: b {b.shape} does not fit a {a.shape}")
-    operand_names, output_names = names_of(params, a.dtype)
+    operand_names = epilogs.operand_names(epilog, a.dtype, out, has_c)
+    output_names = epilogs.result_names(epilog, result_amax)
     if len(args) != len(operand_names) - 2:
         raise ValueError(f"epilog_matmul: {epilog.name} takes {operand_names[2:]}, "
                          f"got {len(args)} inputs")
@@ -77,7 +101,7 @@ def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, ba
             raise TypeError(f"epilog_matmul: c must be {array_dtype('c', out)}, got {x.dtype}")
     avals = [((p.batch, p.m, p.n), out)] + [
         (array_shape(name, p), array_dtype(name, out)) for name in output_names[1:]]
-    shardings = sharding.result_shardings(
+    shardings = result_shardings(
         Params(epilog, transpose_a, transpose_b, False, result_dtype=result_dtype,
                result_amax=result_amax, has_c=has_c, fast_accumulation=fast_accumulation,
                block_scaling=block_scaling), (a, b, *args))
@@ -86,9 +110,21 @@ def _abstract_eval(a, b, *args, epilog, transpose_a, transpose_b, allow_tf32, ba
     return [ShapedArray(shape, dtype, sharding=s) for (shape, dtype), s in zip(avals, shardings)]
 
 
-for _p in (epilog_matmul_p, kernel_p):
-    _p.multiple_results = True
-    _p.def_abstract_eval(_abstract_eval)
+def result_shardings(params: Params, operands) -> tuple | None:
+    """Under a mesh with Explicit axes (`jax.make_mesh`'s default, `jax.set_mesh`), where the
+    types of the operands say how they are split: the shardings of y and of the aux results,
+    as the partitioner will lay them out (`mesh_layout`; K's axes summed away, a dimension that
+    cannot split kept whole). None where no operand has an explicitly sharded dimension: the
+    results then take the default, as with Auto axes, where the partitioner alone decides."""
+    operands = [getattr(x, "aval", x) for x in operands]  # (tracers or their types)
+    specs = [getattr(getattr(x, "sharding", None), "spec", None) for x in operands]
+    if not any(entry is not None for spec in specs if spec is not None for entry in spec):
+        return None
+    mesh = next(x.sharding.mesh for x, spec in zip(operands, specs) if spec is not None)
+    lay = sharding.mesh_layout(params, mesh, operands)
+    _, result_names = names_of(params, operands[0].dtype)
+    dims = [("batch", "m", "n"), *(ARRAYS[name].dims for name in result_names[1:])]
+    return tuple(NamedSharding(mesh, lay.spec(d)) for d in dims)
 
 
 @functools.cache
@@ -101,16 +137,129 @@ def _impl(*args, **params):
     return _compiled(**params)(*args)
 
 
-epilog_matmul_p.def_impl(_impl)
+# --- the lowering: one local call per device, placed by XLA's SPMD partitioner -------------
 
-# The outer primitive lowers to the SPMD partitioner's call of the inner one (`sharding.py`).
-# That lowering runs the partitioner's callback, which needs the devices, as JAX declares for
-# `custom_partitioning_p` itself (JAX's cuDNN attention and TransformerEngine do the same).
-mlir.register_lowering(epilog_matmul_p, sharding.lower_partitioned)
-_jax_dispatch.prim_requires_devices_during_lowering.add(epilog_matmul_p)
-# The inner one: the reference everywhere, the cuBLASLt custom call on CUDA (`lowering.py`).
-mlir.register_lowering(kernel_p, lowering.lower_reference)
-mlir.register_lowering(kernel_p, lowering.lower_cuda, platform="cuda")
+def _lower(ctx, *args, **params):
+    params = Params(**params)
+    if params.block_scaling:  # bound whole (see the module doc)
+        fn = functools.partial(_bind, params)
+    else:
+        shapes = tuple(tuple(x.shape) for x in ctx.avals_in)
+        fn = _partitioned_op(params, shapes, jnp.dtype(ctx.avals_in[0].dtype).name)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+@functools.cache
+def _partitioned_op(params: Params, shapes: tuple, dtype: str):
+    op = custom_partitioning(functools.partial(_bind, params))
+    op.def_partition(partition=functools.partial(_partition, params),
+                     sharding_rule=functools.partial(_sharding_rule, params, shapes, dtype))
+    return op
+
+
+def _bind(params: Params, *operands):
+    return tuple(kernel_p.bind(*operands, **params._asdict()))
+
+
+def _partition(params: Params, mesh, arg_shapes, result_shape):
+    del result_shape
+    lay = sharding.mesh_layout(params, mesh, arg_shapes)
+    operand_names, result_names = names_of(params, arg_shapes[0].dtype)
+    a_spec = lay.spec(("batch", "k", "m") if params.transpose_a else ("batch", "m", "k"))
+    b_spec = lay.spec(("b_batch", "n", "k") if params.transpose_b else ("b_batch", "k", "n"))
+    arg_specs = [a_spec, b_spec, *(lay.spec(ARRAYS[name].dims) for name in operand_names[2:])]
+    result_specs = [lay.spec(("batch", "m", "n")),
+                    *(lay.spec(ARRAYS[name].dims) for name in result_names[1:])]
+
+    def local(*operands):
+        return _local_kernel(params, lay, *operands)
+
+    def named(specs):
+        return tuple(NamedSharding(mesh, s) for s in specs)
+
+    return mesh, manual_axes.per_device(mesh, local), named(result_specs), named(arg_specs)
+
+
+def _psum_float32(x, axes):
+    return jax.lax.psum(x.astype(jnp.float32), axes).astype(x.dtype)
+
+
+def _linear_in_k(params: Params, dtype) -> bool:
+    """Whether partial products over K may run the whole call and be added: the epilog is
+    linear and so is the store (no FP8 result's scale and saturation, no amax)."""
+    fp8_result = params.result_dtype is not None and is_fp8(params.result_dtype)
+    del dtype
+    return (params.epilog.linear_in_k and not fp8_result and not params.result_amax
+            and not params.has_c)  # beta · C must be added once, after the psum
+
+
+def _local_kernel(params: Params, lay: sharding.MeshLayout, a, b, *args):
+    """One device's share: the kernel on local blocks, plus the reductions the layout needs."""
+    _, result_names = names_of(params, a.dtype)
+    if lay.k and not _linear_in_k(params, a.dtype):
+        product = plain_product(kernel_p, params, a, b)
+        summed = jax.lax.psum(product.astype(jnp.float32), lay.k)
+        outputs = list(reference.finish(
+            summed, a, b, *args, epilog=params.epilog, transpose_a=params.transpose_a,
+            transpose_b=params.transpose_b, result_dtype=params.result_dtype,
+            result_amax=params.result_amax, has_c=params.has_c))
+        # (an operand's sum over K, BGRADA/BGRADB, is local: add the shards')
+        for i, name in enumerate(result_names[1:], start=1):
+            if ARRAYS[name].sums in ("a", "b"):
+                outputs[i] = _psum_float32(outputs[i], lay.k)
+    else:
+        outputs = [_psum_float32(o, lay.k) if lay.k else o
+                   for o in kernel_p.bind(a, b, *args, **params._asdict())]
+    for i, name in enumerate(result_names[1:], start=1):
+        if lay.m and ARRAYS[name].sums == "y":
+            outputs[i] = _psum_float32(outputs[i], lay.m)
+        if name == "result_amax" and lay.batch + lay.m + lay.n:
+            outputs[i] = jax.lax.pmax(outputs[i], lay.batch + lay.m + lay.n)
+    return tuple(outputs)
+
+
+# --- the Shardy rule: how shardings propagate through the call ---------------------------------
+
+def _sharding_rule(params: Params, shapes: tuple, dtype: str, mesh, operand_types,
+                   result_types):
+    """Einsum-like factors of every operand and result (see `custom_partitioning`).
+
+    With a ReLU mask, N is written as (blocks, 128 columns) and the mask's bytes as (blocks,
+    16 bytes), so a sharding of N travels to the mask and back; when N is not a whole number of
+    blocks (of 8 columns for the GELU buffer) the aux array's columns stay replicated.
+    """
+    del mesh, operand_types, result_types
+    operand_names, result_names = names_of(params, dtype)
+    p = problem_of(shapes[0], shapes[1], params.transpose_a, params.transpose_b)
+    factor_sizes: dict[str, int] = {}
+    need_replication: tuple[str, ...] = ()
+    block = sharding.n_block(params)
+    n = aux = "n"
+    if block == AUX_DIM_COLUMNS["mask_bytes"] and p.n % block == 0 and p.n > block:
+        factor_sizes = dict(nblocks=p.n // block, ncols=block, nbytes=block // 8)
+        n, aux = "(nblocks ncols)", "(nblocks nbytes)"  # (a factor of size 1 is invalid)
+    elif block > 1 and (block == AUX_DIM_COLUMNS["mask_bytes"] or p.n % block):
+        aux = "auxcols"
+        need_replication = ("auxcols",)
+    factors = {"batch": "batch", "m": "m", "n": n, "mask_bytes": aux, "gelu_cols": aux}
+
+    def term(dims, shape):
+        def factor(d, size):
+            if d in ("bias_batch", "b_batch"):
+                return "batch" if size == p.batch else "single"
+            return factors.get(d, d)
+        return " ".join(factor(d, size) for d, size in zip(dims, shape))
+
+    b_dims = ("b_batch", "n", "k") if params.transpose_b else ("b_batch", "k", "n")
+    operands = [term(("batch", "k", "m") if params.transpose_a else ("batch", "m", "k"), shapes[0]),
+                term(b_dims, shapes[1]),
+                *(term(ARRAYS[name].dims, shape)
+                  for name, shape in zip(operand_names[2:], shapes[2:]))]
+    results = [term(("batch", "m", "n"), (p.batch, p.m, p.n)),
+               *(term(ARRAYS[name].dims, (p.batch,) * 3) for name in result_names[1:])]
+    rule = f"{', '.join(operands)} -> {', '.join(results)}"
+    return rule, dict(reduction_factors=("k",), need_replication_factors=need_replication,
+                      **factor_sizes)
 
 
 # --- batching: a vmapped axis is folded into the batch axis ---------------------------------
@@ -180,9 +329,6 @@ def _batch_unfolded(args, dims, size: int, batch: int, params: Params):
     return list(outs), [0] * len(outs)
 
 
-batching.primitive_batchers[epilog_matmul_p] = _batch_rule
-
-
 def _no_autodiff(primals, tangents, *, epilog, **params):
     del tangents, params
     epilog = Epilog(epilog)
@@ -200,4 +346,14 @@ def _no_autodiff(primals, tangents, *, epilog, **params):
                     "bind it through jax_epilog.matmul.")
 
 
+# --- registration: every rule of the outer primitive ----------------------------------------
+
+epilog_matmul_p.multiple_results = True
+epilog_matmul_p.def_abstract_eval(abstract_eval)
+epilog_matmul_p.def_impl(_impl)
+mlir.register_lowering(epilog_matmul_p, _lower)
+# The lowering runs the partitioner's callback, which needs the devices, as JAX declares for
+# `custom_partitioning_p` itself (JAX's cuDNN attention and TransformerEngine do the same).
+_jax_dispatch.prim_requires_devices_during_lowering.add(epilog_matmul_p)
+batching.primitive_batchers[epilog_matmul_p] = _batch_rule
 ad.primitive_jvps[epilog_matmul_p] = _no_autodiff

@@ -3,12 +3,12 @@ plain expression under JAX's autodiff (`plan_matmul_step`), and when one call is
 CUDA, how (`plan_call`): the cuBLASLt kernel, in which operand layout and with which padding,
 XLA's own GEMM, or the reference. The lowering carries the plan out in one go; nothing is
 planned twice.
-`PLANNER` is what the op asks (`op.planner`), with the context of the moment.
+`PLANNER` is what the op asks (`op.planner`), with the per-trace context the op passes.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import numpy as np
 
@@ -17,8 +17,7 @@ from jax_epilog.op.call import Params, problem_of
 from jax_epilog.op.epilogs import Epilog, is_fp8
 from jax_epilog.op.planner import CallPlan, Layout
 from jax_epilog.planning import context
-from jax_epilog.planning.context import Choice, Context, gemm_backend
-from jax_epilog.planning.stack_plan import Gemm, on_cuda
+from jax_epilog.planning.context import Choice, Context, Gemm, gemm_backend, on_cuda
 
 
 def matmul_step_gemms(params: Params, a_shape, b_shape, dtype,
@@ -127,6 +126,7 @@ def plan_call(ctx: Context, avals_in, params: Params, supports) -> CallPlan:
     """The way one call lowers for CUDA (`lowering.py`'s module doc lists the cases).
     `supports(avals, params) -> (bool, why)`: cuBLASLt's answer (True where it cannot tell),
     asked of the problem the kernel would run: relaid out and padded."""
+    ctx = context.filled(ctx)
     if any(0 in x.shape for x in avals_in[:2]):
         return CallPlan("reference", "an empty problem: nothing for a GEMM to do")
     if not ctx.library() and ctx.cuda_devices():
@@ -143,7 +143,8 @@ def plan_call(ctx: Context, avals_in, params: Params, supports) -> CallPlan:
     if fp8 and layout != K_MAJOR:
         layout = K_MAJOR
         why.append("cuBLASLt's FP8 kernels take only a (M, K) and b (N, K)")
-    avals, kernel_params = relaid_out(avals_in, params, layout)
+    avals, kernel_params = (relaid_out(avals_in, params, layout) if layout != (
+        params.transpose_a, params.transpose_b) else (avals_in, params))
     padded = padding.padded_sizes(avals, kernel_params)
     if padded is not None:
         avals = padding.padded_avals(avals, kernel_params, padded)
@@ -159,20 +160,24 @@ def plan_call(ctx: Context, avals_in, params: Params, supports) -> CallPlan:
     return CallPlan("kernel", "; ".join(why), layout, padded)
 
 
-class Planner:
+def step_runs_xla(ctx: Context, params: Params, a_shape, b_shape, dtype,
+                  forward_epilog: Epilog) -> bool:
+    """The op's question (`op.planner.Planner.step_runs_xla`): `plan_matmul_step` is "plain"
+    (told to the context's observer, `explain`, whichever it is)."""
+    ctx = context.filled(ctx)
+    step = plan_matmul_step(ctx, params, a_shape, b_shape, dtype, forward_epilog)
+    if ctx.observe is not None:
+        ctx.observe(MatmulStep(params, a_shape, b_shape, dtype, step), "matmul")
+    return step.choice == "plain"
+
+
+class Planner(NamedTuple):
     """The planner the op asks (`op.planner.register`d on `import jax_epilog`): this module's
-    plans, with `context.current()`, the one context a lowering can read."""
+    plans, each filling the op's context with this process's tables where it leaves them
+    unset."""
 
-    def step_runs_xla(self, params: Params, a_shape, b_shape, dtype,
-                      forward_epilog: Epilog) -> bool:
-        ctx = context.current()
-        step = plan_matmul_step(ctx, params, a_shape, b_shape, dtype, forward_epilog)
-        if ctx.observe is not None:  # `explain` reports the choice, whichever it is
-            ctx.observe(MatmulStep(params, a_shape, b_shape, dtype, step), "matmul")
-        return step.choice == "plain"
-
-    def plan_call(self, avals_in, params: Params, supports) -> CallPlan:
-        return plan_call(context.current(), avals_in, params, supports)
+    step_runs_xla: Callable[..., bool]
+    plan_call: Callable[..., CallPlan]
 
 
-PLANNER = Planner()
+PLANNER = Planner(step_runs_xla, plan_call)

@@ -1,19 +1,18 @@
 """What a plan depends on beyond the call itself (`Context`: the backend override, this host's
 CUDA devices and library, the decision tables), and the one place a GEMM's ``backend="auto"``
-becomes "cublaslt" or "xla" (`gemm_backend`), which both the call's and the stack's plans ask.
+becomes "cublaslt" or "xla" (`gemm_backend` for one call's problem, `on_cuda` for the `Gemm`s
+of a step), which both the call's and the stack's plans ask.
 
-The context reaches the planners as an argument. Only the lowering cannot be given one (JAX
-calls it with the call's avals alone), so it reads `current()`: this process's, or the one
-`planning(ctx)` set for a block, which is how `tune` and `explain` plan with their own.
+The context (`runtime.context.Context`, the one per-trace state) reaches the planners as an
+argument; `filled` gives a bare one this process's settings, devices and tables. `planning(ctx)`
+sets a context's planning fields for a block, which is how `tune` and `explain` plan with their
+own; `current()` is the one set, filled.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Callable
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -21,8 +20,10 @@ import numpy as np
 from jax_epilog.op.epilogs import Epilog
 from jax_epilog.planning import decisions
 from jax_epilog.planning import table_format
+from jax_epilog.runtime import context as runtime_context
 from jax_epilog.runtime import library as cuda_library
 from jax_epilog.runtime import settings
+from jax_epilog.runtime.context import Context
 
 
 # --- what is known beyond the call ----------------------------------------------------------
@@ -41,47 +42,35 @@ def on_cuda_gpu() -> bool:
     return jax.default_backend() == "gpu" and cuda_library.available()
 
 
-class Context(NamedTuple):
-    """What the choices depend on beyond the call itself, each asked only when a choice needs it
-    (`current()` gives this process's; tests and `explain` pass their own)."""
+#: This process's planning fields: its settings, its devices, its tables (each read when asked).
+_PROCESS = dict(override=lambda: settings.backend_override(),
+                tables_decide=lambda: on_cuda_gpu(),
+                cuda_devices=lambda: has_cuda_devices(),
+                library=lambda: cuda_library.available(),
+                gemm_table=lambda *problem: decisions.decision(*problem),
+                stack_table=lambda key: decisions.stack_decision(key),
+                fp8_table=lambda key: decisions.fp8_stack_decision(key),
+                serving_table=lambda rows: decisions.serving_decision(rows))
+#: The fields a plan reads (`planning` sets them; the others are `runtime.context`'s switches).
+PLANNING_FIELDS = (*_PROCESS, "observe")
 
-    override: Callable[[], Optional[str]]  # JAX_EPILOG_BACKEND: "cublaslt", "xla" or None
-    tables_decide: Callable[[], bool]  # layers: a CUDA GPU whose tables choose stacks and GEMMs
-    cuda_devices: Callable[[], bool]  # lowering: this host has CUDA devices (else an export)
-    library: Callable[[], bool]  # the cuBLASLt library is loaded
-    gemm_table: Callable[..., table_format.Decision]  # (epilog, dtype, batch, m, n, k, ta, tb)
-    stack_table: Callable[[table_format.StackKey], Optional[table_format.Decision]]
-    # `Fp8(layers="auto")`: "fp8" or "bf16" for a training-step stack from a measured entry
-    fp8_table: Callable[[table_format.StackKey], Optional[table_format.Decision]]
-    # A served layer's way over some rows from a measured serving entry (`serving_plan`)
-    serving_table: Callable[[int], Optional[table_format.Decision]]
-    # Told of each stack when planned ("planned") and whose fused form is traced ("step" or
-    # "forward"), and of each differentiable matmul call's step plan ("matmul": a
-    # `call_plan.MatmulStep`): how `tune` and `explain` find a program's stacks and calls.
-    # Decides nothing.
-    observe: Optional[Callable[[Any, str], None]] = None
+
+def filled(ctx: Context) -> Context:
+    """`ctx` with this process's settings, devices and tables where it leaves them unset (a
+    bare `Context()` is this process's)."""
+    missing = {name: ask for name, ask in _PROCESS.items() if getattr(ctx, name) is None}
+    return ctx._replace(**missing) if missing else ctx
 
 
 def default_context() -> Context:
     """This process's context: its settings, its devices, its tables (each read when asked)."""
-    return Context(override=lambda: settings.backend_override(),
-                   tables_decide=lambda: on_cuda_gpu(),
-                   cuda_devices=lambda: has_cuda_devices(),
-                   library=lambda: cuda_library.available(),
-                   gemm_table=lambda *problem: decisions.decision(*problem),
-                   stack_table=lambda key: decisions.stack_decision(key),
-                   fp8_table=lambda key: decisions.fp8_stack_decision(key),
-                   serving_table=lambda rows: decisions.serving_decision(rows))
-
-
-_active: contextvars.ContextVar[Optional[Context]] = contextvars.ContextVar(
-    "jax_epilog_plan_context", default=None)
+    return filled(Context())
 
 
 def current() -> Context:
     """The context the layers and the lowering plan with: the one `planning` set, else
-    `default_context()`."""
-    return _active.get() or default_context()
+    `default_context()` (with the switches of `runtime.context` as set)."""
+    return filled(runtime_context.current())
 
 
 def measuring(table: table_format.Table) -> Context:
@@ -93,15 +82,12 @@ def measuring(table: table_format.Table) -> Context:
         stack_table=lambda key: None, fp8_table=lambda key: None)
 
 
-@contextlib.contextmanager
 def planning(ctx: Context):
-    """Within the block (in this thread), traces and lowerings plan with `ctx`. A function jitted
-    before keeps its cached trace: `tune` and `explain` clear JAX's caches first."""
-    token = _active.set(ctx)
-    try:
-        yield ctx
-    finally:
-        _active.reset(token)
+    """Within the block (in this thread), traces and lowerings plan with `ctx`'s planning fields
+    (`PLANNING_FIELDS`; the switches, such as `float8.scaling.uncalibrated`, stay as set). A
+    function jitted before keeps its cached trace: `tune` and `explain` clear JAX's caches
+    first."""
+    return runtime_context.changed(**{name: getattr(ctx, name) for name in PLANNING_FIELDS})
 
 
 # --- one GEMM's backend ------------------------------------------------------------------------
@@ -156,3 +142,47 @@ def gemm_backend(ctx: Context, requested: str, epilog, dtype, batch: int, m: int
     if ctx.override() is None and not ctx.cuda_devices():
         return Choice("cublaslt", "no CUDA device on this host (an export): the kernel")
     return auto_backend(ctx, epilog, dtype, batch, m, n, k, transpose_a, transpose_b)
+
+
+class Gemm(NamedTuple):
+    """One GEMM a stack issues, as the kernel sees it (batch, M, N, K normalised), with the
+    backend the layer asks of `matmul` (`requested`, and why where the layer changed it) and,
+    where the plan is made for a CUDA GPU, what that becomes (`backend`, `why`)."""
+
+    layer: Optional[int]  # None: a call of its own (`explanation`), not a stack's
+    role: str  # "forward", "weight gradient" or "data gradient"
+    epilog: Epilog
+    dtype: str  # a's dtype, and b's after "x" where it differs (FP8)
+    result_dtype: str
+    batch: int
+    m: int
+    n: int
+    k: int
+    transpose_a: bool
+    transpose_b: bool
+    requested: str
+    requested_why: str = ""
+    backend: Optional[str] = None
+    why: str = ""
+
+    @property
+    def problem(self) -> tuple:
+        """`decisions`' arguments after the epilog and dtype."""
+        return (self.batch, self.m, self.n, self.k, self.transpose_a, self.transpose_b)
+
+    @property
+    def operand_dtype(self) -> str:
+        return self.dtype.split(" x ")[0]
+
+
+def on_cuda(ctx: Context, gemms, dtype) -> tuple[Gemm, ...]:
+    """`gemms` with what each runs on a CUDA GPU (the tables consulted where the GEMM is left
+    to "auto")."""
+    planned = []
+    for g in gemms:
+        if g.requested == "auto":
+            choice = auto_backend(ctx, g.epilog, g.operand_dtype, *g.problem)
+        else:
+            choice = Choice(g.requested, g.requested_why or f"backend={g.requested!r} asked for")
+        planned.append(g._replace(backend=choice.choice, why=choice.why))
+    return tuple(planned)

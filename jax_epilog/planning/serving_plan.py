@@ -24,8 +24,10 @@ that every platform without such an entry makes the same choice and computes the
 
 from __future__ import annotations
 
+from typing import Optional
+
 from jax_epilog.planning import context
-from jax_epilog.planning.context import Choice
+from jax_epilog.planning.context import Choice, Context
 from jax_epilog.runtime import settings
 
 WAYS = tuple(way for way in settings.SERVING_WAYS if way != "auto")  # the ways themselves
@@ -51,13 +53,16 @@ WEIGHT_ONLY_MAX_ROWS = 64
 WEIGHT_ONLY_MIN_ROWS = 16
 
 
-def serving_way(rows: int) -> Choice:
+def serving_way(rows: int, ctx: Optional[Context] = None) -> Choice:
     """"fp8_pallas", "weight_only", "xla_fp8" or "fp8" for a served layer over `rows` rows (or the
     override), with why."""
+    ctx = context.current() if ctx is None else ctx
+    if ctx.serving_way is not None:
+        return Choice(ctx.serving_way, f"forced_serving_way({ctx.serving_way!r})")
     override = settings.serving_override()
     if override is not None:
         return Choice(override, f"JAX_EPILOG_SERVING={override}")
-    measured = context.current().serving_table(rows)
+    measured = ctx.serving_table(rows)
     if measured is not None and measured.choice in WAYS:
         entry = measured.entry
         return Choice(measured.choice, f"measured fastest at {entry.rows} rows "

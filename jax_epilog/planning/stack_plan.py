@@ -16,7 +16,7 @@ import numpy as np
 
 from jax_epilog.op.epilogs import Epilog
 from jax_epilog.planning import table_format
-from jax_epilog.planning.context import Choice, Context, auto_backend, describe
+from jax_epilog.planning.context import Choice, Context, Gemm, describe, on_cuda
 
 # --- a stack as the layers describe it --------------------------------------------------------
 
@@ -227,37 +227,6 @@ def _layer_plans(ctx: Context, stack: Stack, fp8, rows: int, widths,
 
 # --- the GEMMs of a stack -------------------------------------------------------------------
 
-class Gemm(NamedTuple):
-    """One GEMM a stack issues, as the kernel sees it (batch, M, N, K normalised), with the
-    backend the layer asks of `matmul` (`requested`, and why where the layer changed it) and,
-    where the plan is made for a CUDA GPU, what that becomes (`backend`, `why`)."""
-
-    layer: Optional[int]  # None: a call of its own (`explanation`), not a stack's
-    role: str  # "forward", "weight gradient" or "data gradient"
-    epilog: Epilog
-    dtype: str  # a's dtype, and b's after "x" where it differs (FP8)
-    result_dtype: str
-    batch: int
-    m: int
-    n: int
-    k: int
-    transpose_a: bool
-    transpose_b: bool
-    requested: str
-    requested_why: str = ""
-    backend: Optional[str] = None
-    why: str = ""
-
-    @property
-    def problem(self) -> tuple:
-        """`decisions`' arguments after the epilog and dtype."""
-        return (self.batch, self.m, self.n, self.k, self.transpose_a, self.transpose_b)
-
-    @property
-    def operand_dtype(self) -> str:
-        return self.dtype.split(" x ")[0]
-
-
 def stack_gemms(stack: Stack, layer_plans, rows: int, widths, dtype, fp8, mode: str,
                 override: Callable[[], Optional[str]] = lambda: None) -> tuple[Gemm, ...]:
     """Every GEMM the stack issues, in the order the layers issue them: the forward GEMMs
@@ -348,19 +317,6 @@ def stack_key(stack: Stack, rows: int, widths, dtype, mode: str) -> table_format
 
 def left_to_auto(stack: Stack) -> bool:
     return stack.forward == "auto" and stack.backward == "auto"
-
-
-def on_cuda(ctx: Context, gemms, dtype) -> tuple[Gemm, ...]:
-    """`gemms` with what each runs on a CUDA GPU (the tables consulted where the GEMM is left
-    to "auto")."""
-    planned = []
-    for g in gemms:
-        if g.requested == "auto":
-            choice = auto_backend(ctx, g.epilog, g.operand_dtype, *g.problem)
-        else:
-            choice = Choice(g.requested, g.requested_why or f"backend={g.requested!r} asked for")
-        planned.append(g._replace(backend=choice.choice, why=choice.why))
-    return tuple(planned)
 
 
 def _measured(ctx: Context, plan_key: table_format.StackKey, stack: Stack) -> Optional[Choice]:

@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Literal, NamedTuple, Optional, get_args
 
+from jax_epilog.runtime import context
+
 
 class Setting(NamedTuple):
     variable: str
@@ -172,23 +174,16 @@ def serving_override() -> Optional[str]:
 
 @contextlib.contextmanager
 def forced_serving_way(way: Optional[ServingWay]):
-    """`JAX_EPILOG_SERVING=way` while the block runs, then as it was: every layer with a stored
-    FP8 weight traced inside runs that way (docs/serving.md); None changes nothing. (An
-    environment variable: the process's, not the thread's.)"""
+    """As `JAX_EPILOG_SERVING=way` while the block runs (in this thread), then as it was: every
+    layer with a stored FP8 weight traced inside runs that way (docs/serving.md); None changes
+    nothing. Set in the per-trace `runtime.context.Context`, not the environment."""
     if way is None:
         yield
         return
     if way not in SERVING_WAYS:
         raise ValueError(f"way: expected one of {', '.join(SERVING_WAYS)} or None, got {way!r}")
-    variable, before = "JAX_EPILOG_SERVING", os.environ.get("JAX_EPILOG_SERVING")
-    os.environ[variable] = way
-    try:
+    with context.changed(serving_way=way):
         yield
-    finally:
-        if before is None:
-            os.environ.pop(variable, None)
-        else:
-            os.environ[variable] = before
 
 
 #: What runs the fused FP8 passes (`float8.fused`): JAX_EPILOG_FUSED_PASSES.
@@ -207,6 +202,7 @@ def fused_passes() -> str:
 
 def set_variable(variable: str, value: str) -> None:
     """Set a variable for this process and the processes it starts (and for a library loaded
-    later); `config`'s setters also reach a library already loaded."""
+    later); `config`'s setters also reach a library already loaded. The one write to the
+    environment: the C++ library and child processes read their settings there."""
     assert variable in _DEFAULTS, variable
     os.environ[variable] = value
