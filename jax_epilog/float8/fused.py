@@ -155,7 +155,7 @@ def quantize_transpose(x, dtype, margin: int = 0, history=None, amax_axes=None, 
     check_matrix("x", x)
     dtype = fp8_format("dtype", dtype)
     check_margin(margin)
-    if x_amax is None and (history is None or calibrates.get()):
+    if x_amax is None and (history is None or calibrates()):
         x_amax = reduced_amaxes([x], amax_axes)[0]
     scale_amax = x_amax if history is None else delayed_scale_amax(history, x_amax)
     q = multiplier(scale_amax, dtype, margin)
