@@ -15,10 +15,6 @@ kernels (built without nvcc) they fail, saying why.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,6 +24,7 @@ import jax_epilog
 from jax_epilog.float8 import fused
 from jax_epilog.float8.scaling import multiplier
 from jax_epilog.layers import fused_swiglu
+from command_buffers import run_with_command_buffers
 
 pytestmark = pytest.mark.gpu
 
@@ -247,11 +244,5 @@ def test_the_kernels_inside_command_buffers():
     """The passes jitted with XLA's command buffers forced on for custom calls (CUDA graphs
     capture the kernels' launches and the amax memsets), in a child process: the same bytes as
     XLA's way where those are exact."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,"
-                        "CUSTOM_CALL --xla_gpu_graph_min_graph_size=1").strip()
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this test process holds most of the GPU
-    done = subprocess.run([sys.executable, "-c", COMMAND_BUFFER_SCRIPT], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = run_with_command_buffers(COMMAND_BUFFER_SCRIPT)
     assert "FUSED_IN_COMMAND_BUFFERS_OK" in done.stdout, done.stdout[-2000:]

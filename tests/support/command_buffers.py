@@ -28,15 +28,22 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 """)
 
 
-def check_kernel_runs_inside_command_buffers():
-    """A jitted step of three kernels, run with command buffers forced on (in a child process,
-    with the caller's environment), equals the CPU's, and the kernel was captured."""
+def run_with_command_buffers(script: str) -> subprocess.CompletedProcess:
+    """`script` run by Python in a child process (with the caller's environment) where XLA's
+    command buffers are forced on for custom calls and fusions; asserts that it succeeded."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,"
                         "CUSTOM_CALL --xla_gpu_graph_min_graph_size=1").strip()
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # this test process holds most of the GPU
-    done = subprocess.run([sys.executable, "-c", COMMAND_BUFFER_SCRIPT], env=env,
+    done = subprocess.run([sys.executable, "-c", script], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def check_kernel_runs_inside_command_buffers():
+    """A jitted step of three kernels, run with command buffers forced on, equals the CPU's,
+    and the kernel was captured."""
+    done = run_with_command_buffers(COMMAND_BUFFER_SCRIPT)
     print(done.stdout[-300:])
     assert "IN_COMMAND_BUFFER True" in done.stdout, done.stdout[-2000:]
