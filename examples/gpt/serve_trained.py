@@ -151,7 +151,6 @@ def run(args: argparse.Namespace, command: str) -> dict[str, Any]:
 def render(report: dict[str, Any]) -> str:
     meta, t, model = report["metadata"], report["train"], report["config"]["model"]
     row = generate._row
-    last = t["validation_loss"][-1][1] if t["validation_loss"] else None
     speed = f"{t['tokens_per_s']:,.0f} tokens/s" if t["tokens_per_s"] else "tokens/s n/a"
     stop = ", stopped by the time limit (the cosine schedule unfinished)" \
         if t["stopped_by_time_limit"] else ""
