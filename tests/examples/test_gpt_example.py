@@ -94,7 +94,9 @@ def test_bad_arguments_name_themselves(tmp_path):
     with pytest.raises(ValueError, match="impl"):
         model.GPT(TINY.model, impl="torch", rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="fp8"):
-        train.build_model(TINY, "stock", fp8=True)
+        train.build_model(TINY, "flax_fp8", fp8=True)
+    with pytest.raises(ValueError, match="fp8_scaling"):
+        train.build_model(TINY, "stock", fp8=True, fp8_scaling="block")
     with pytest.raises(ValueError, match="n_heads"):
         model.ModelConfig(d_model=64, n_layers=1, n_heads=5, seq_len=8)
     with pytest.raises(ValueError, match="warmup_steps"):
